@@ -1,0 +1,1 @@
+//! The relay actors (built in the actor-tree issue).

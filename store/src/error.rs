@@ -1,0 +1,119 @@
+//! The store's one error type, in the caller's words.
+use crate::{BranchKey, Lsn};
+
+/// What went wrong in the outbox.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A tenant, run or branch id is malformed. Nothing was written.
+    #[error("invalid {kind} {value:?}: {reason}")]
+    InvalidId {
+        /// Which id.
+        kind: &'static str,
+        /// Why it was refused.
+        reason: &'static str,
+        /// The offending value (truncated).
+        value: String,
+    },
+    /// The payload is larger than the configured maximum. Nothing was written.
+    #[error("payload of {size} bytes exceeds the maximum of {max} bytes")]
+    PayloadTooLarge {
+        /// Payload size.
+        size: usize,
+        /// Configured maximum.
+        max: usize,
+    },
+    /// The Lsn does not fit PostgreSQL's bigint. Nothing was written.
+    #[error("lsn {lsn} is out of range (at most {})", i64::MAX)]
+    LsnOutOfRange {
+        /// The offending Lsn.
+        lsn: u64,
+    },
+    /// The Lsn is not above the branch's head. Nothing was written.
+    #[error("lsn {lsn} on {branch} is not above the branch head {head}")]
+    LsnNotAboveHead {
+        /// The branch.
+        branch: BranchKey,
+        /// The refused Lsn.
+        lsn: Lsn,
+        /// The branch's current head.
+        head: Lsn,
+    },
+    /// The branch was never opened. Nothing was written.
+    #[error("branch {branch} does not exist (open the run or rewind first)")]
+    UnknownBranch {
+        /// The branch.
+        branch: BranchKey,
+    },
+    /// The branch was abandoned by a rewind. Nothing was written.
+    #[error("branch {branch} was abandoned by a rewind at lsn {at}")]
+    BranchAbandoned {
+        /// The branch.
+        branch: BranchKey,
+        /// Where it was forked.
+        at: Lsn,
+    },
+    /// The run already has a branch. Nothing was written.
+    #[error("run {tenant}/{run} is already open")]
+    RunAlreadyOpen {
+        /// Tenant of the run.
+        tenant: crate::TenantId,
+        /// The run.
+        run: crate::RunId,
+    },
+    /// A rewind named a branch id the run already uses. Nothing was written.
+    #[error("branch {branch} already exists")]
+    BranchExists {
+        /// The branch.
+        branch: BranchKey,
+    },
+    /// A rewind's fork point lies outside the branch (below its base or above its head).
+    #[error("cannot fork {branch} at lsn {at}: the branch spans ({base}, {head}]")]
+    ForkOutsideBranch {
+        /// The branch.
+        branch: BranchKey,
+        /// The requested fork point.
+        at: Lsn,
+        /// The branch's base.
+        base: Lsn,
+        /// The branch's head.
+        head: Lsn,
+    },
+    /// A delivered event does not continue the chain the fold has applied (a broken producer).
+    #[error(
+        "event {lsn} on {branch} claims predecessor {prev} but the fold has applied up to {applied}"
+    )]
+    BrokenChain {
+        /// The branch.
+        branch: BranchKey,
+        /// The event's Lsn.
+        lsn: Lsn,
+        /// The predecessor the event names.
+        prev: Lsn,
+        /// What the fold has applied.
+        applied: Lsn,
+    },
+    /// Applying the migrations failed.
+    #[error("migrating the outbox schema failed: {0}")]
+    Migrate(#[source] sqlx::migrate::MigrateError),
+    /// The database failed or is unreachable.
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+}
+
+impl Error {
+    /// Whether retrying the same call later may succeed (the database, not the input, failed).
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Error::Database(err) => !matches!(
+                err,
+                sqlx::Error::ColumnDecode { .. }
+                    | sqlx::Error::Decode(_)
+                    | sqlx::Error::TypeNotFound { .. }
+                    | sqlx::Error::ColumnNotFound(_)
+            ),
+            Error::Migrate(_) => true,
+            _ => false,
+        }
+    }
+}

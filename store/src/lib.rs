@@ -1,0 +1,42 @@
+//! The outbox in PostgreSQL. The only crate that writes SQL.
+//!
+//! - `key`: the domain words as newtypes: [`TenantId`], [`RunId`], [`BranchId`], [`BranchKey`], [`Lsn`].
+//! - `writer`: the host's write API ([`IntentWriter`]): open a run, append an intent, rewind; each
+//!   runs inside the host's own transaction.
+//! - `outbox`: the relay's side ([`Outbox`]): `drain_outbox`, `ack_outbox`, backlog for lag.
+//! - `fold`: the consumer's exactly-once fold ([`FoldStore`]): idempotent on `(BranchKey, Lsn)`
+//!   and proving Lsn order per branch.
+//! - `error`: the one [`Error`] type.
+#![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
+
+mod error;
+mod fold;
+mod key;
+mod outbox;
+mod writer;
+
+pub use error::Error;
+pub use fold::FoldOutcome;
+pub use fold::FoldStore;
+pub use fold::FoldedEvent;
+pub use key::BranchId;
+pub use key::BranchKey;
+pub use key::EventKey;
+pub use key::Lsn;
+pub use key::MAX_ID_BYTES;
+pub use key::RunId;
+pub use key::TenantId;
+pub use outbox::Backlog;
+pub use outbox::Outbox;
+pub use outbox::OutboxEvent;
+pub use writer::DEFAULT_MAX_PAYLOAD_BYTES;
+pub use writer::IntentWriter;
+pub use writer::Rewound;
+
+/// The embedded migrations (`store/migrations`), compiled in: no database is needed to build.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+
+/// Brings the database schema up to date. Safe to run concurrently and repeatedly.
+pub async fn migrate(pool: &sqlx::PgPool) -> Result<(), Error> {
+    MIGRATOR.run(pool).await.map_err(Error::Migrate)
+}

@@ -1,0 +1,198 @@
+//! The relay's side of the outbox: drain what is committed, retire what the broker confirmed.
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::PgPool;
+
+use crate::{BranchId, BranchKey, Error, EventKey, Lsn, RunId, TenantId};
+
+/// One committed export intent, as the relay ships it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct OutboxEvent {
+    /// `(BranchKey, Lsn)`.
+    pub key: EventKey,
+    /// Lsn of the previous intent on the branch (the branch's base for its first intent).
+    pub prev_lsn: Lsn,
+    /// Where the branch starts: 0 for a run's first branch, the fork point after a rewind.
+    pub base_lsn: Lsn,
+    /// The host's bytes, unchanged.
+    pub payload: Vec<u8>,
+    /// When the host wrote the intent (clock time inside its transaction).
+    pub created_at: DateTime<Utc>,
+}
+
+impl std::fmt::Debug for OutboxEvent {
+    // Never print the payload: logs carry keys and sizes, not user data.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OutboxEvent")
+            .field("key", &self.key)
+            .field("prev_lsn", &self.prev_lsn)
+            .field("payload_bytes", &self.payload.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Backlog of one tenant: what the relay still has to ship.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Backlog {
+    /// The tenant.
+    pub tenant: TenantId,
+    /// Pending intents.
+    pub pending: u64,
+    /// Age of the oldest pending intent.
+    pub oldest_age: Duration,
+}
+
+/// Reads and retires committed intents. Cheap to clone (a pool handle).
+#[derive(Clone, Debug)]
+pub struct Outbox {
+    pool: PgPool,
+}
+
+type EventRow = (String, String, i64, i64, i64, Vec<u8>, DateTime<Utc>);
+
+impl Outbox {
+    /// The outbox on `pool` (migrated with [`crate::migrate`]).
+    pub fn new(pool: PgPool) -> Self {
+        Self { pool }
+    }
+
+    /// The pool this outbox reads.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Up to `limit` pending intents of `tenant`, oldest first; each branch's in ascending Lsn.
+    ///
+    /// Only live history is ever returned: a rewind deletes its abandoned tail in the same
+    /// transaction that forks the new branch. What is returned per branch is a gap-free prefix
+    /// of its pending intents (appends are serialised, see [`crate::IntentWriter::append`]).
+    pub async fn drain_outbox(
+        &self,
+        tenant: &TenantId,
+        limit: u32,
+    ) -> Result<Vec<OutboxEvent>, Error> {
+        let rows: Vec<EventRow> = sqlx::query_as(
+            "SELECT run_id, branch_id, lsn, prev_lsn, base_lsn, payload, created_at
+               FROM relay_outbox
+              WHERE tenant_id = $1
+              ORDER BY seq
+              LIMIT $2",
+        )
+        .bind(tenant.as_str())
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.into_iter()
+            .map(
+                |(run, branch, lsn, prev_lsn, base_lsn, payload, created_at)| {
+                    Ok(OutboxEvent {
+                        key: EventKey {
+                            branch: BranchKey::new(
+                                tenant.clone(),
+                                RunId::new(run)?,
+                                BranchId::new(branch)?,
+                            ),
+                            lsn: Lsn::from_db(lsn),
+                        },
+                        prev_lsn: Lsn::from_db(prev_lsn),
+                        base_lsn: Lsn::from_db(base_lsn),
+                        payload,
+                        created_at,
+                    })
+                },
+            )
+            .collect()
+    }
+
+    /// Retires exactly the intents in `shipped`; unknown or already-acked keys are a no-op.
+    /// Returns how many rows were retired.
+    ///
+    /// Invariant: callers pass only keys the broker confirmed.
+    pub async fn ack_outbox(&self, shipped: &[EventKey]) -> Result<u64, Error> {
+        if shipped.is_empty() {
+            return Ok(0);
+        }
+        let mut tenants = Vec::with_capacity(shipped.len());
+        let mut runs = Vec::with_capacity(shipped.len());
+        let mut branches = Vec::with_capacity(shipped.len());
+        let mut lsns = Vec::with_capacity(shipped.len());
+        for key in shipped {
+            tenants.push(key.branch.tenant.as_str());
+            runs.push(key.branch.run.as_str());
+            branches.push(key.branch.branch.as_str());
+            lsns.push(key.lsn.to_db()?);
+        }
+        let retired = sqlx::query(
+            "DELETE FROM relay_outbox o
+              USING unnest($1::text[], $2::text[], $3::text[], $4::bigint[])
+                    AS k(tenant_id, run_id, branch_id, lsn)
+              WHERE o.tenant_id = k.tenant_id AND o.run_id = k.run_id
+                AND o.branch_id = k.branch_id AND o.lsn = k.lsn",
+        )
+        .bind(&tenants)
+        .bind(&runs)
+        .bind(&branches)
+        .bind(&lsns)
+        .execute(&self.pool)
+        .await?
+        .rows_affected();
+        Ok(retired)
+    }
+
+    /// The tenants that have pending intents (a skip scan over the drain index: one index probe
+    /// per tenant, however large the backlog).
+    pub async fn tenants_with_pending(&self) -> Result<Vec<TenantId>, Error> {
+        let tenants: Vec<String> = sqlx::query_scalar(
+            "WITH RECURSIVE t(tenant_id) AS (
+                 (SELECT tenant_id FROM relay_outbox ORDER BY tenant_id LIMIT 1)
+                 UNION ALL
+                 SELECT (SELECT o.tenant_id FROM relay_outbox o
+                          WHERE o.tenant_id > t.tenant_id ORDER BY o.tenant_id LIMIT 1)
+                   FROM t WHERE t.tenant_id IS NOT NULL
+             )
+             SELECT tenant_id FROM t WHERE tenant_id IS NOT NULL",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        tenants.into_iter().map(TenantId::new).collect()
+    }
+
+    /// Pending intents and the age of the oldest, per tenant with pending work.
+    pub async fn backlog(&self) -> Result<Vec<Backlog>, Error> {
+        let rows: Vec<(String, i64, f64)> = sqlx::query_as(
+            "SELECT tenant_id, count(*),
+                    extract(epoch FROM clock_timestamp() - min(created_at))::float8
+               FROM relay_outbox
+              GROUP BY tenant_id
+              ORDER BY tenant_id",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        rows.into_iter()
+            .map(|(tenant, pending, age_secs)| {
+                Ok(Backlog {
+                    tenant: TenantId::new(tenant)?,
+                    pending: pending.max(0) as u64,
+                    oldest_age: Duration::from_secs_f64(age_secs.max(0.0)),
+                })
+            })
+            .collect()
+    }
+
+    /// Backlog of one tenant (zero pending if it has none).
+    pub async fn tenant_backlog(&self, tenant: &TenantId) -> Result<Backlog, Error> {
+        let (pending, age_secs): (i64, Option<f64>) = sqlx::query_as(
+            "SELECT count(*), extract(epoch FROM clock_timestamp() - min(created_at))::float8
+               FROM relay_outbox WHERE tenant_id = $1",
+        )
+        .bind(tenant.as_str())
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(Backlog {
+            tenant: tenant.clone(),
+            pending: pending.max(0) as u64,
+            oldest_age: Duration::from_secs_f64(age_secs.unwrap_or(0.0).max(0.0)),
+        })
+    }
+}

@@ -1,0 +1,280 @@
+//! The host's write API: every call runs inside the host's own transaction.
+//!
+//! Pass the host's transaction as `&mut *tx` (any `&mut PgConnection` works): the intent then
+//! commits or rolls back with the host's state. A plain pooled connection runs each call in its
+//! own implicit transaction. Bad input is refused before any SQL runs, and a
+//! refused append leaves the host's transaction usable (no statement failed).
+use sqlx::PgConnection;
+
+use crate::{BranchId, BranchKey, Error, Lsn, RunId, TenantId};
+
+/// Default largest payload, 256 KiB: far below RabbitMQ's 128 MiB `max_message_size` and small
+/// enough that a relay batch of 1,000 intents stays bounded in memory.
+pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 256 * 1024;
+
+/// What a rewind did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rewound {
+    /// The new live branch.
+    pub live: BranchKey,
+    /// How many unshipped intents of the old branch's tail were abandoned (never exported).
+    pub abandoned: u64,
+}
+
+/// Writes export intents in the host's transaction.
+#[derive(Clone, Debug)]
+pub struct IntentWriter {
+    /// Largest payload accepted, in bytes. Default: [`DEFAULT_MAX_PAYLOAD_BYTES`].
+    max_payload_bytes: usize,
+}
+
+impl Default for IntentWriter {
+    fn default() -> Self {
+        Self::new(DEFAULT_MAX_PAYLOAD_BYTES)
+    }
+}
+
+struct BranchRow {
+    base_lsn: i64,
+    head_lsn: i64,
+    abandoned_at_lsn: Option<i64>,
+}
+
+async fn branch_row(
+    conn: &mut PgConnection,
+    key: &BranchKey,
+    lock: bool,
+) -> Result<Option<BranchRow>, Error> {
+    let sql = if lock {
+        "SELECT base_lsn, head_lsn, abandoned_at_lsn FROM relay_branch
+          WHERE tenant_id = $1 AND run_id = $2 AND branch_id = $3 FOR UPDATE"
+    } else {
+        "SELECT base_lsn, head_lsn, abandoned_at_lsn FROM relay_branch
+          WHERE tenant_id = $1 AND run_id = $2 AND branch_id = $3"
+    };
+    let row: Option<(i64, i64, Option<i64>)> = sqlx::query_as(sql)
+        .bind(key.tenant.as_str())
+        .bind(key.run.as_str())
+        .bind(key.branch.as_str())
+        .fetch_optional(&mut *conn)
+        .await?;
+    Ok(row.map(|(base_lsn, head_lsn, abandoned_at_lsn)| BranchRow {
+        base_lsn,
+        head_lsn,
+        abandoned_at_lsn,
+    }))
+}
+
+impl IntentWriter {
+    /// A writer refusing payloads above `max_payload_bytes`.
+    pub fn new(max_payload_bytes: usize) -> Self {
+        Self { max_payload_bytes }
+    }
+
+    /// The configured payload limit.
+    pub fn max_payload_bytes(&self) -> usize {
+        self.max_payload_bytes
+    }
+
+    /// Opens a run with its first (live) branch, starting at Lsn 0.
+    pub async fn open_run(&self, conn: &mut PgConnection, key: &BranchKey) -> Result<(), Error> {
+        // A run that already has a branch (live or abandoned) is refused. Two concurrent opens of
+        // one run are stopped by the one-live-branch-per-run unique index.
+        let inserted = sqlx::query(
+            "INSERT INTO relay_branch (tenant_id, run_id, branch_id, base_lsn, head_lsn)
+             SELECT $1, $2, $3, 0, 0
+              WHERE NOT EXISTS (SELECT 1 FROM relay_branch WHERE tenant_id = $1 AND run_id = $2)",
+        )
+        .bind(key.tenant.as_str())
+        .bind(key.run.as_str())
+        .bind(key.branch.as_str())
+        .execute(&mut *conn)
+        .await
+        .map_err(|err| unique_violation_as(err, || run_open(key)))?;
+        if inserted.rows_affected() == 0 {
+            return Err(run_open(key));
+        }
+        Ok(())
+    }
+
+    /// Appends the export intent `(key, lsn)` with `payload`.
+    ///
+    /// Invariant: appends to one branch are serialised on the branch row's lock, held until the
+    /// host commits, so a branch's intents commit in Lsn order and a reader only ever sees a
+    /// gap-free prefix of each branch.
+    pub async fn append(
+        &self,
+        conn: &mut PgConnection,
+        key: &BranchKey,
+        lsn: Lsn,
+        payload: &[u8],
+    ) -> Result<(), Error> {
+        if payload.len() > self.max_payload_bytes {
+            return Err(Error::PayloadTooLarge {
+                size: payload.len(),
+                max: self.max_payload_bytes,
+            });
+        }
+        let lsn_db = lsn.to_db()?;
+        // One round trip on the happy path: lock the live branch row, move its head, insert.
+        let inserted = sqlx::query(
+            "WITH old AS (
+                 SELECT head_lsn, base_lsn FROM relay_branch
+                  WHERE tenant_id = $1 AND run_id = $2 AND branch_id = $3
+                    AND abandoned_at_lsn IS NULL
+                  FOR UPDATE
+             ), moved AS (
+                 UPDATE relay_branch b SET head_lsn = $4
+                   FROM old
+                  WHERE b.tenant_id = $1 AND b.run_id = $2 AND b.branch_id = $3
+                    AND old.head_lsn < $4
+              RETURNING old.head_lsn AS prev_lsn, old.base_lsn
+             )
+             INSERT INTO relay_outbox (tenant_id, run_id, branch_id, lsn, prev_lsn, base_lsn, payload)
+             SELECT $1, $2, $3, $4, prev_lsn, base_lsn, $5 FROM moved",
+        )
+        .bind(key.tenant.as_str())
+        .bind(key.run.as_str())
+        .bind(key.branch.as_str())
+        .bind(lsn_db)
+        .bind(payload)
+        .execute(&mut *conn)
+        .await?;
+        if inserted.rows_affected() == 1 {
+            return Ok(());
+        }
+        // Refused: say why. Nothing was written.
+        Err(match branch_row(conn, key, false).await? {
+            None => Error::UnknownBranch {
+                branch: key.clone(),
+            },
+            Some(BranchRow {
+                abandoned_at_lsn: Some(at),
+                ..
+            }) => Error::BranchAbandoned {
+                branch: key.clone(),
+                at: Lsn::from_db(at),
+            },
+            Some(row) => Error::LsnNotAboveHead {
+                branch: key.clone(),
+                lsn,
+                head: Lsn::from_db(row.head_lsn),
+            },
+        })
+    }
+
+    /// Rewinds: forks a new live branch `new_branch` from the live branch `from` at Lsn `at`.
+    /// The old branch's intents after `at` that are not yet shipped are abandoned (deleted, never
+    /// exported); its intents up to `at` stay on live history and still ship under its key.
+    pub async fn rewind(
+        &self,
+        conn: &mut PgConnection,
+        from: &BranchKey,
+        at: Lsn,
+        new_branch: BranchId,
+    ) -> Result<Rewound, Error> {
+        let at_db = at.to_db()?;
+        let live = BranchKey::new(from.tenant.clone(), from.run.clone(), new_branch);
+        let row = branch_row(conn, from, true)
+            .await?
+            .ok_or_else(|| Error::UnknownBranch {
+                branch: from.clone(),
+            })?;
+        if let Some(abandoned_at) = row.abandoned_at_lsn {
+            return Err(Error::BranchAbandoned {
+                branch: from.clone(),
+                at: Lsn::from_db(abandoned_at),
+            });
+        }
+        if at_db < row.base_lsn || at_db > row.head_lsn {
+            return Err(Error::ForkOutsideBranch {
+                branch: from.clone(),
+                at,
+                base: Lsn::from_db(row.base_lsn),
+                head: Lsn::from_db(row.head_lsn),
+            });
+        }
+        if branch_row(conn, &live, false).await?.is_some() {
+            return Err(Error::BranchExists { branch: live });
+        }
+        sqlx::query(
+            "UPDATE relay_branch SET abandoned_at_lsn = $4
+              WHERE tenant_id = $1 AND run_id = $2 AND branch_id = $3",
+        )
+        .bind(from.tenant.as_str())
+        .bind(from.run.as_str())
+        .bind(from.branch.as_str())
+        .bind(at_db)
+        .execute(&mut *conn)
+        .await?;
+        let abandoned = sqlx::query(
+            "DELETE FROM relay_outbox
+              WHERE tenant_id = $1 AND run_id = $2 AND branch_id = $3 AND lsn > $4",
+        )
+        .bind(from.tenant.as_str())
+        .bind(from.run.as_str())
+        .bind(from.branch.as_str())
+        .bind(at_db)
+        .execute(&mut *conn)
+        .await?
+        .rows_affected();
+        sqlx::query(
+            "INSERT INTO relay_branch
+                 (tenant_id, run_id, branch_id, base_lsn, head_lsn, parent_branch_id)
+             VALUES ($1, $2, $3, $4, $4, $5)",
+        )
+        .bind(live.tenant.as_str())
+        .bind(live.run.as_str())
+        .bind(live.branch.as_str())
+        .bind(at_db)
+        .bind(from.branch.as_str())
+        .execute(&mut *conn)
+        .await
+        .map_err(|err| {
+            unique_violation_as(err, || Error::BranchExists {
+                branch: live.clone(),
+            })
+        })?;
+        Ok(Rewound { live, abandoned })
+    }
+
+    /// The live branch of a run, if the run is open.
+    pub async fn live_branch(
+        &self,
+        conn: &mut PgConnection,
+        tenant: &TenantId,
+        run: &RunId,
+    ) -> Result<Option<BranchKey>, Error> {
+        let branch: Option<String> = sqlx::query_scalar(
+            "SELECT branch_id FROM relay_branch
+              WHERE tenant_id = $1 AND run_id = $2 AND abandoned_at_lsn IS NULL",
+        )
+        .bind(tenant.as_str())
+        .bind(run.as_str())
+        .fetch_optional(&mut *conn)
+        .await?;
+        branch
+            .map(|id| {
+                Ok(BranchKey::new(
+                    tenant.clone(),
+                    run.clone(),
+                    BranchId::new(id)?,
+                ))
+            })
+            .transpose()
+    }
+}
+
+fn run_open(key: &BranchKey) -> Error {
+    Error::RunAlreadyOpen {
+        tenant: key.tenant.clone(),
+        run: key.run.clone(),
+    }
+}
+
+fn unique_violation_as(err: sqlx::Error, refusal: impl FnOnce() -> Error) -> Error {
+    match &err {
+        sqlx::Error::Database(db) if db.is_unique_violation() => refusal(),
+        _ => Error::Database(err),
+    }
+}

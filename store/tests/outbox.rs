@@ -1,0 +1,465 @@
+//! The outbox on real PostgreSQL: transactional append, serialised branches, drain, ack, rewind.
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use sqlx::PgPool;
+use store::{
+    BranchId, BranchKey, Error, EventKey, IntentWriter, Lsn, Outbox, OutboxEvent, RunId, TenantId,
+};
+
+fn key(tenant: &str, run: &str, branch: &str) -> BranchKey {
+    BranchKey::new(
+        TenantId::new(tenant).unwrap(),
+        RunId::new(run).unwrap(),
+        BranchId::new(branch).unwrap(),
+    )
+}
+
+fn lsns_by_branch(events: &[OutboxEvent]) -> BTreeMap<BranchKey, Vec<u64>> {
+    let mut by_branch: BTreeMap<BranchKey, Vec<u64>> = BTreeMap::new();
+    for event in events {
+        by_branch
+            .entry(event.key.branch.clone())
+            .or_default()
+            .push(event.key.lsn.get());
+    }
+    by_branch
+}
+
+async fn count_rows(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM relay_outbox")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// The intent lives and dies with the host's state: that is the whole point of an outbox.
+#[sqlx::test(migrator = "store::MIGRATOR")]
+async fn committed_intents_remain_and_rolled_back_ones_vanish(pool: PgPool) {
+    let writer = IntentWriter::default();
+    let outbox = Outbox::new(pool.clone());
+    let branch = key("t1", "r1", "b1");
+
+    let mut tx = pool.begin().await.unwrap();
+    writer.open_run(&mut *tx, &branch).await.unwrap();
+    writer
+        .append(&mut *tx, &branch, Lsn::new(1), b"one")
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+
+    let mut tx = pool.begin().await.unwrap();
+    writer
+        .append(&mut *tx, &branch, Lsn::new(2), b"two")
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+
+    let drained = outbox.drain_outbox(&branch.tenant, 100).await.unwrap();
+    assert_eq!(drained.len(), 1);
+    assert_eq!(drained[0].key.lsn, Lsn::new(1));
+    assert_eq!(drained[0].payload, b"one");
+    assert_eq!(drained[0].prev_lsn, Lsn::ZERO);
+
+    // The rolled-back Lsn 2 was never taken: the branch head is still 1.
+    writer
+        .append(
+            &mut *pool.acquire().await.unwrap(),
+            &branch,
+            Lsn::new(2),
+            b"two again",
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        outbox
+            .drain_outbox(&branch.tenant, 100)
+            .await
+            .unwrap()
+            .len(),
+        2
+    );
+}
+
+/// Bad input is refused at the door with a typed error, nothing written, and the host's
+/// transaction still usable.
+#[sqlx::test(migrator = "store::MIGRATOR")]
+async fn bad_appends_are_refused_with_nothing_written(pool: PgPool) {
+    let writer = IntentWriter::new(16);
+    let branch = key("t1", "r1", "b1");
+    writer
+        .open_run(&mut *pool.acquire().await.unwrap(), &branch)
+        .await
+        .unwrap();
+    writer
+        .append(
+            &mut *pool.acquire().await.unwrap(),
+            &branch,
+            Lsn::new(5),
+            b"five",
+        )
+        .await
+        .unwrap();
+
+    let mut tx = pool.begin().await.unwrap();
+    let not_above = writer
+        .append(&mut *tx, &branch, Lsn::new(5), b"again")
+        .await;
+    assert!(matches!(not_above, Err(Error::LsnNotAboveHead { head, .. }) if head == Lsn::new(5)));
+    let too_big = writer
+        .append(&mut *tx, &branch, Lsn::new(6), &[0u8; 17])
+        .await;
+    assert!(matches!(
+        too_big,
+        Err(Error::PayloadTooLarge { size: 17, max: 16 })
+    ));
+    let unknown = writer
+        .append(&mut *tx, &key("t1", "r1", "nope"), Lsn::new(1), b"x")
+        .await;
+    assert!(matches!(unknown, Err(Error::UnknownBranch { .. })));
+    let out_of_range = writer
+        .append(&mut *tx, &branch, Lsn::new(u64::MAX), b"x")
+        .await;
+    assert!(matches!(out_of_range, Err(Error::LsnOutOfRange { .. })));
+    // The host's transaction survived every refusal and can still commit its own work.
+    writer
+        .append(&mut *tx, &branch, Lsn::new(6), b"six")
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(count_rows(&pool).await, 2);
+
+    assert!(matches!(
+        TenantId::new(""),
+        Err(Error::InvalidId {
+            kind: "tenant id",
+            ..
+        })
+    ));
+    let again = writer
+        .open_run(&mut *pool.acquire().await.unwrap(), &key("t1", "r1", "b2"))
+        .await;
+    assert!(matches!(again, Err(Error::RunAlreadyOpen { .. })));
+
+    writer
+        .rewind(
+            &mut *pool.acquire().await.unwrap(),
+            &branch,
+            Lsn::new(5),
+            BranchId::new("b2").unwrap(),
+        )
+        .await
+        .unwrap();
+    let abandoned = writer
+        .append(
+            &mut *pool.acquire().await.unwrap(),
+            &branch,
+            Lsn::new(7),
+            b"seven",
+        )
+        .await;
+    assert!(matches!(abandoned, Err(Error::BranchAbandoned { at, .. }) if at == Lsn::new(5)));
+    let outside = writer
+        .rewind(
+            &mut *pool.acquire().await.unwrap(),
+            &key("t1", "r1", "b2"),
+            Lsn::new(9),
+            BranchId::new("b3").unwrap(),
+        )
+        .await;
+    assert!(matches!(outside, Err(Error::ForkOutsideBranch { .. })));
+    assert_eq!(
+        count_rows(&pool).await,
+        1,
+        "the rewind abandoned lsn 6 and nothing else was written"
+    );
+}
+
+/// Lsn n+1 cannot commit while Lsn n is uncommitted, so a polling reader never sees n+1 alone.
+#[sqlx::test(migrator = "store::MIGRATOR")]
+async fn a_later_lsn_waits_for_the_earlier_commit(pool: PgPool) {
+    let writer = IntentWriter::default();
+    let outbox = Outbox::new(pool.clone());
+    let branch = key("t1", "r1", "b1");
+    writer
+        .open_run(&mut *pool.acquire().await.unwrap(), &branch)
+        .await
+        .unwrap();
+
+    let mut first = pool.begin().await.unwrap();
+    writer
+        .append(&mut *first, &branch, Lsn::new(1), b"1")
+        .await
+        .unwrap();
+
+    let second = tokio::spawn({
+        let (pool, writer, branch) = (pool.clone(), writer.clone(), branch.clone());
+        async move {
+            let mut tx = pool.begin().await.unwrap();
+            writer
+                .append(&mut *tx, &branch, Lsn::new(2), b"2")
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+        }
+    });
+    // Wait (with a deadline) until the second append is blocked on the branch row lock.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+              WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        if waiting == 1 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "second append never blocked"
+        );
+        tokio::task::yield_now().await;
+    }
+    assert!(!second.is_finished());
+    assert!(
+        outbox
+            .drain_outbox(&branch.tenant, 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    first.commit().await.unwrap();
+    second.await.unwrap();
+    let drained = outbox.drain_outbox(&branch.tenant, 10).await.unwrap();
+    assert_eq!(lsns_by_branch(&drained)[&branch], vec![1, 2]);
+    assert_eq!(drained[1].prev_lsn, Lsn::new(1));
+}
+
+/// Many concurrent appenders on one branch, a reader polling all along: every drain is a
+/// gap-free prefix (each intent names the previous one as its predecessor) and extends the last.
+#[sqlx::test(migrator = "store::MIGRATOR")]
+async fn concurrent_appenders_expose_only_gap_free_prefixes(pool: PgPool) {
+    let writer = IntentWriter::default();
+    let outbox = Outbox::new(pool.clone());
+    let branch = key("t1", "r1", "b1");
+    writer
+        .open_run(&mut *pool.acquire().await.unwrap(), &branch)
+        .await
+        .unwrap();
+    let next_lsn = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(1));
+
+    let mut appenders = Vec::new();
+    for _ in 0..6 {
+        let (pool, writer, branch, next_lsn) = (
+            pool.clone(),
+            writer.clone(),
+            branch.clone(),
+            next_lsn.clone(),
+        );
+        appenders.push(tokio::spawn(async move {
+            let mut committed = 0;
+            for _ in 0..40 {
+                let lsn = next_lsn.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let mut tx = pool.begin().await.unwrap();
+                match writer
+                    .append(&mut *tx, &branch, Lsn::new(lsn), &lsn.to_be_bytes())
+                    .await
+                {
+                    Ok(()) => {
+                        // Some work inside the host transaction before it commits.
+                        sqlx::query("SELECT pg_sleep(0.001)")
+                            .execute(&mut *tx)
+                            .await
+                            .unwrap();
+                        tx.commit().await.unwrap();
+                        committed += 1;
+                    }
+                    // A higher Lsn committed first: this host lost the race and rolls back.
+                    Err(Error::LsnNotAboveHead { .. }) => tx.rollback().await.unwrap(),
+                    Err(other) => panic!("{other}"),
+                }
+            }
+            committed
+        }));
+    }
+
+    let mut last_seen: Vec<u64> = Vec::new();
+    let mut polls = 0;
+    while !appenders.iter().all(|task| task.is_finished()) || polls == 0 {
+        polls += 1;
+        let drained = outbox.drain_outbox(&branch.tenant, 10_000).await.unwrap();
+        let mut expected_prev = Lsn::ZERO;
+        for event in &drained {
+            assert_eq!(event.prev_lsn, expected_prev, "gap before {}", event.key);
+            expected_prev = event.key.lsn;
+        }
+        let lsns: Vec<u64> = drained.iter().map(|event| event.key.lsn.get()).collect();
+        assert!(
+            lsns.starts_with(&last_seen),
+            "a drain lost or reordered what an earlier one saw"
+        );
+        last_seen = lsns;
+    }
+    let mut committed = 0;
+    for task in appenders {
+        committed += task.await.unwrap();
+    }
+    let drained = outbox.drain_outbox(&branch.tenant, 10_000).await.unwrap();
+    assert_eq!(drained.len(), committed);
+    assert!(
+        committed > 40,
+        "the race left too few commits to mean anything: {committed}"
+    );
+}
+
+/// Per BranchKey ascending Lsn across interleaved tenants, runs and branches; acked rows are
+/// never drained again; a rewind's abandoned tail never drains, its live prefix does.
+#[sqlx::test(migrator = "store::MIGRATOR")]
+async fn drain_orders_each_branch_and_skips_acked_and_abandoned(pool: PgPool) {
+    let writer = IntentWriter::default();
+    let outbox = Outbox::new(pool.clone());
+    let tenants = ["ta", "tb", "tc"];
+    let mut branches = Vec::new();
+    for tenant in tenants {
+        for run in ["r1", "r2"] {
+            let branch = key(tenant, run, "main");
+            writer
+                .open_run(&mut *pool.acquire().await.unwrap(), &branch)
+                .await
+                .unwrap();
+            branches.push(branch);
+        }
+    }
+    // Interleave: round-robin over branches, Lsns with gaps of varying size per branch.
+    for step in 1..=20u64 {
+        for (index, branch) in branches.iter().enumerate() {
+            let lsn = step * (index as u64 + 1);
+            writer
+                .append(
+                    &mut *pool.acquire().await.unwrap(),
+                    branch,
+                    Lsn::new(lsn),
+                    format!("{branch}@{lsn}").as_bytes(),
+                )
+                .await
+                .unwrap();
+        }
+    }
+    // Rewind ta/r1 at Lsn 10: its 11..=20 are abandoned, 1..=10 stay.
+    let rewound = writer
+        .rewind(
+            &mut *pool.acquire().await.unwrap(),
+            &branches[0],
+            Lsn::new(10),
+            BranchId::new("alt").unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(rewound.abandoned, 10);
+    for lsn in 11..=13 {
+        writer
+            .append(
+                &mut *pool.acquire().await.unwrap(),
+                &rewound.live,
+                Lsn::new(lsn),
+                b"alt",
+            )
+            .await
+            .unwrap();
+    }
+
+    let tenant_a = TenantId::new("ta").unwrap();
+    // Drain in small batches, acking as we go: every branch stays ascending and nothing repeats.
+    let mut shipped: BTreeMap<BranchKey, Vec<u64>> = BTreeMap::new();
+    loop {
+        let batch = outbox.drain_outbox(&tenant_a, 7).await.unwrap();
+        if batch.is_empty() {
+            break;
+        }
+        for (branch, lsns) in lsns_by_branch(&batch) {
+            shipped.entry(branch).or_default().extend(lsns);
+        }
+        let keys: Vec<EventKey> = batch.iter().map(|event| event.key.clone()).collect();
+        assert_eq!(outbox.ack_outbox(&keys).await.unwrap(), keys.len() as u64);
+        assert_eq!(
+            outbox.ack_outbox(&keys).await.unwrap(),
+            0,
+            "re-acking is a no-op"
+        );
+    }
+    assert_eq!(
+        shipped[&branches[0]],
+        (1..=10).collect::<Vec<_>>(),
+        "live prefix only"
+    );
+    assert_eq!(shipped[&rewound.live], vec![11, 12, 13]);
+    assert_eq!(
+        shipped[&branches[1]],
+        (1..=20).map(|s| s * 2).collect::<Vec<_>>()
+    );
+    // Other tenants were untouched by tenant a's drain and acks.
+    for tenant in ["tb", "tc"] {
+        let drained = outbox
+            .drain_outbox(&TenantId::new(tenant).unwrap(), 1000)
+            .await
+            .unwrap();
+        let by_branch = lsns_by_branch(&drained);
+        assert_eq!(by_branch.len(), 2);
+        for lsns in by_branch.values() {
+            assert_eq!(lsns.len(), 20);
+            assert!(lsns.windows(2).all(|pair| pair[0] < pair[1]));
+        }
+    }
+    let unknown = EventKey {
+        branch: key("zz", "r", "b"),
+        lsn: Lsn::new(1),
+    };
+    assert_eq!(outbox.ack_outbox(&[unknown]).await.unwrap(), 0);
+}
+
+/// Lag is observable: pending rows and oldest age per tenant, and which tenants have work.
+#[sqlx::test(migrator = "store::MIGRATOR")]
+async fn backlog_reports_pending_and_age_per_tenant(pool: PgPool) {
+    let writer = IntentWriter::default();
+    let outbox = Outbox::new(pool.clone());
+    for (tenant, n) in [("t1", 3u64), ("t2", 5), ("t3", 0)] {
+        let branch = key(tenant, "r", "b");
+        writer
+            .open_run(&mut *pool.acquire().await.unwrap(), &branch)
+            .await
+            .unwrap();
+        for lsn in 1..=n {
+            writer
+                .append(
+                    &mut *pool.acquire().await.unwrap(),
+                    &branch,
+                    Lsn::new(lsn),
+                    b"x",
+                )
+                .await
+                .unwrap();
+        }
+    }
+    let tenants = outbox.tenants_with_pending().await.unwrap();
+    assert_eq!(
+        tenants,
+        vec![TenantId::new("t1").unwrap(), TenantId::new("t2").unwrap()]
+    );
+    let backlog = outbox.backlog().await.unwrap();
+    assert_eq!(
+        backlog.iter().map(|b| b.pending).collect::<Vec<_>>(),
+        vec![3, 5]
+    );
+    assert!(
+        backlog
+            .iter()
+            .all(|b| b.oldest_age < Duration::from_secs(60))
+    );
+    let idle = outbox
+        .tenant_backlog(&TenantId::new("t3").unwrap())
+        .await
+        .unwrap();
+    assert_eq!((idle.pending, idle.oldest_age), (0, Duration::ZERO));
+}

@@ -1,0 +1,1 @@
+//! The relay supervisor (built in the actor-tree issue).

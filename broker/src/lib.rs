@@ -1,1 +1,33 @@
-//! broker
+//! The AMQP side of the relay. The only crate that imports `lapin`.
+//!
+//! - `topology`: exchange, partition queues and the stable `(TenantId, RunId)` -> partition map.
+//! - `wire`: the wire contract: message id, headers, body (see `broker/WIRE.md`).
+//! - `port`: the [`Publisher`] port the actors drive, and its [`PublishReport`].
+//! - `rabbit`: the RabbitMQ adapter ([`RabbitPublisher`]): lazy connect, confirms, pipelining.
+//! - `probe`: [`CallProbe`], records which threads call the broker client.
+//! - `consumer`: the fold's consumer ([`FoldConsumer`]): acks a delivery after the fold commits.
+//! - `error`: the one [`Error`] type.
+#![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
+
+mod consumer;
+mod error;
+mod port;
+mod probe;
+mod rabbit;
+mod topology;
+mod wire;
+
+pub use consumer::FoldConsumer;
+pub use consumer::FoldStats;
+pub use error::Error;
+pub use error::WireError;
+pub use port::BoxFuture;
+pub use port::Outcome;
+pub use port::PublishReport;
+pub use port::Publisher;
+pub use probe::CallProbe;
+pub use rabbit::RabbitConfig;
+pub use rabbit::RabbitPublisher;
+pub use topology::Partition;
+pub use topology::Topology;
+pub use wire::decode;

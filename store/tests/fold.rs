@@ -6,14 +6,23 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use chrono::Utc;
 use proptest::prelude::*;
 use sqlx::{Connection, PgConnection, PgPool};
-use store::{BranchId, BranchKey, EventKey, FoldOutcome, FoldStore, Lsn, OutboxEvent, RunId, TenantId};
+use store::{
+    BranchId, BranchKey, EventKey, FoldOutcome, FoldStore, Lsn, OutboxEvent, RunId, TenantId,
+};
 
 /// A fresh database for a test that is not a `#[sqlx::test]` (proptest drives its own runtime).
 async fn fresh_database(label: &str) -> PgPool {
     let url = std::env::var("DATABASE_URL").expect("DATABASE_URL (set in .cargo/config.toml)");
-    let name = format!("relay_{label}_{}_{}", std::process::id(), Utc::now().timestamp_micros());
+    let name = format!(
+        "relay_{label}_{}_{}",
+        std::process::id(),
+        Utc::now().timestamp_micros()
+    );
     let mut admin = PgConnection::connect(&url).await.unwrap();
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}"))).execute(&mut admin).await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+        .execute(&mut admin)
+        .await
+        .unwrap();
     let base = url.rsplit_once('/').map(|(base, _)| base).unwrap();
     let pool = PgPool::connect(&format!("{base}/{name}")).await.unwrap();
     store::migrate(&pool).await.unwrap();
@@ -31,14 +40,24 @@ struct Chain {
 
 fn chains() -> impl Strategy<Value = Vec<Chain>> {
     prop::collection::vec(
-        (0u8..2, 0u8..2, prop_oneof![Just(0u64), 1u64..50], prop::collection::vec(1u64..4, 1..8)),
+        (
+            0u8..2,
+            0u8..2,
+            prop_oneof![Just(0u64), 1u64..50],
+            prop::collection::vec(1u64..4, 1..8),
+        ),
         1..5,
     )
     .prop_map(|raw| {
         let mut seen = std::collections::BTreeSet::new();
         raw.into_iter()
             .filter(|(run, branch, _, _)| seen.insert((*run, *branch)))
-            .map(|(run, branch, base, steps)| Chain { run, branch, base, steps })
+            .map(|(run, branch, base, steps)| Chain {
+                run,
+                branch,
+                base,
+                steps,
+            })
             .collect()
     })
 }
@@ -56,7 +75,10 @@ fn events_of(tenant: &TenantId, chain: &Chain) -> Vec<OutboxEvent> {
         .map(|step| {
             let lsn = prev + step;
             let event = OutboxEvent {
-                key: EventKey { branch: key.clone(), lsn: Lsn::new(lsn) },
+                key: EventKey {
+                    branch: key.clone(),
+                    lsn: Lsn::new(lsn),
+                },
                 prev_lsn: Lsn::new(prev),
                 base_lsn: Lsn::new(chain.base),
                 payload: format!("{key}@{lsn}").into_bytes(),
@@ -79,14 +101,24 @@ fn fold_applies_each_event_once_in_lsn_order_under_any_delivery_sequence() {
         let n_events: usize = chains.iter().map(|chain| chain.steps.len()).sum();
         // Each event delivered 1 to 3 times; the whole sequence shuffled (reorderings, and
         // losses followed by later resends are both special cases of this).
-        (Just(chains), prop::collection::vec(1usize..=3, n_events), any::<prop::sample::Index>())
+        (
+            Just(chains),
+            prop::collection::vec(1usize..=3, n_events),
+            any::<prop::sample::Index>(),
+        )
             .prop_flat_map(|(chains, copies, _)| {
-                let order: Vec<(usize, usize)> =
-                    copies.iter().enumerate().flat_map(|(event, &n)| (0..n).map(move |copy| (event, copy))).collect();
+                let order: Vec<(usize, usize)> = copies
+                    .iter()
+                    .enumerate()
+                    .flat_map(|(event, &n)| (0..n).map(move |copy| (event, copy)))
+                    .collect();
                 (Just(chains), Just(order).prop_shuffle())
             })
     });
-    let config = ProptestConfig { cases: 48, ..ProptestConfig::default() };
+    let config = ProptestConfig {
+        cases: 48,
+        ..ProptestConfig::default()
+    };
     proptest!(config, |((chains, deliveries) in strategy)| {
         let tenant = TenantId::new(format!("t{}", case.fetch_add(1, Ordering::SeqCst))).unwrap();
         let events: Vec<OutboxEvent> = chains.iter().flat_map(|chain| events_of(&tenant, chain)).collect();
@@ -118,13 +150,33 @@ fn fold_applies_each_event_once_in_lsn_order_under_any_delivery_sequence() {
 async fn fold_parks_early_events_and_ignores_redeliveries(pool: PgPool) {
     let fold = FoldStore::new(pool);
     let tenant = TenantId::new("t").unwrap();
-    let chain = Chain { run: 0, branch: 0, base: 4, steps: vec![1, 2, 1] };
+    let chain = Chain {
+        run: 0,
+        branch: 0,
+        base: 4,
+        steps: vec![1, 2, 1],
+    };
     let events = events_of(&tenant, &chain);
     assert_eq!(fold.apply(&events[1]).await.unwrap(), FoldOutcome::Parked);
     assert_eq!(fold.apply(&events[2]).await.unwrap(), FoldOutcome::Parked);
-    assert!(fold.folded(&tenant).await.unwrap().is_empty(), "nothing applied ahead of its predecessor");
-    assert_eq!(fold.apply(&events[0]).await.unwrap(), FoldOutcome::Applied { released: 2 });
-    assert_eq!(fold.apply(&events[1]).await.unwrap(), FoldOutcome::Duplicate);
-    let lsns: Vec<u64> = fold.folded(&tenant).await.unwrap().iter().map(|e| e.key.lsn.get()).collect();
+    assert!(
+        fold.folded(&tenant).await.unwrap().is_empty(),
+        "nothing applied ahead of its predecessor"
+    );
+    assert_eq!(
+        fold.apply(&events[0]).await.unwrap(),
+        FoldOutcome::Applied { released: 2 }
+    );
+    assert_eq!(
+        fold.apply(&events[1]).await.unwrap(),
+        FoldOutcome::Duplicate
+    );
+    let lsns: Vec<u64> = fold
+        .folded(&tenant)
+        .await
+        .unwrap()
+        .iter()
+        .map(|e| e.key.lsn.get())
+        .collect();
     assert_eq!(lsns, vec![5, 7, 8]);
 }

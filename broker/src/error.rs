@@ -1,0 +1,55 @@
+//! The broker's one error type.
+
+/// What went wrong talking to the broker.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The broker could not be reached (refused, reset, or no answer in time).
+    #[error("broker unreachable: {0}")]
+    Unreachable(String),
+    /// A broker operation did not finish within its timeout.
+    #[error("broker did not answer {operation} within {timeout_ms} ms")]
+    Timeout {
+        /// What was awaited.
+        operation: &'static str,
+        /// The timeout, in milliseconds.
+        timeout_ms: u64,
+    },
+    /// The connection or channel failed mid-use; it is closed and will be reopened.
+    #[error("broker channel failed: {0}")]
+    Channel(#[from] lapin::Error),
+    /// The configuration is unusable.
+    #[error("invalid broker configuration: {0}")]
+    InvalidConfig(String),
+    /// The fold's store failed.
+    #[error("fold store: {0}")]
+    Store(#[from] store::Error),
+}
+
+impl Error {
+    /// Whether retrying later may succeed.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Error::Unreachable(_) | Error::Timeout { .. } | Error::Channel(_) => true,
+            Error::InvalidConfig(_) => false,
+            Error::Store(err) => err.is_transient(),
+        }
+    }
+}
+
+/// A delivered message that does not follow the wire contract.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum WireError {
+    /// A required header is missing or has the wrong type.
+    #[error("header {0:?} is missing or not of the contract's type")]
+    Header(&'static str),
+    /// A header's id is not a valid tenant, run or branch id.
+    #[error("header {header:?} is not a valid id: {reason}")]
+    Id {
+        /// Which header.
+        header: &'static str,
+        /// Why.
+        reason: String,
+    },
+}

@@ -1,0 +1,70 @@
+//! The publisher port: what the relay's actors need from a broker.
+use std::future::Future;
+use std::pin::Pin;
+
+use store::OutboxEvent;
+
+use crate::Error;
+
+/// A boxed, sendable future (the port is object-safe so tests can inject a fault broker).
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// What the broker did with one event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Confirmed (`basic.ack`) and routed: the only outcome that may be acked in the outbox.
+    Accepted,
+    /// Negatively confirmed (`basic.nack`).
+    Nacked,
+    /// Confirmed but returned unroutable (`mandatory`, reply 312): not a delivery.
+    Returned,
+    /// Published, but no confirm arrived in time or the channel died first.
+    Unconfirmed,
+    /// Never written to the broker (unreachable, or an earlier failure in the batch).
+    NotSent,
+}
+
+impl Outcome {
+    /// Whether the broker took responsibility for the event.
+    pub fn is_accepted(self) -> bool {
+        self == Outcome::Accepted
+    }
+}
+
+/// The result of publishing a batch: one outcome per event, in the batch's order.
+#[derive(Debug)]
+pub struct PublishReport {
+    /// `outcomes[i]` is what happened to `events[i]`.
+    pub outcomes: Vec<Outcome>,
+    /// Set when the connection or channel is unusable; the publisher has dropped it, and the
+    /// owner should treat this publisher as failed (the supervisor restarts it).
+    pub fault: Option<Error>,
+}
+
+impl PublishReport {
+    /// Every event `NotSent`, because of `fault`.
+    pub fn not_sent(n_events: usize, fault: Error) -> Self {
+        Self {
+            outcomes: vec![Outcome::NotSent; n_events],
+            fault: Some(fault),
+        }
+    }
+
+    /// How many events were accepted.
+    pub fn accepted(&self) -> usize {
+        self.outcomes
+            .iter()
+            .filter(|outcome| outcome.is_accepted())
+            .count()
+    }
+}
+
+/// Publishes events to a broker with confirms.
+///
+/// Contract: events of one branch appear in `events` in ascending Lsn order and are written to
+/// the broker in that order on one channel. `publish` never panics and never hangs: every
+/// await is under a timeout.
+pub trait Publisher: Send + 'static {
+    /// Publishes `events` (pipelined: all written, then all confirms awaited).
+    fn publish<'a>(&'a mut self, events: &'a [OutboxEvent]) -> BoxFuture<'a, PublishReport>;
+}

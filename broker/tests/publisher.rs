@@ -1,0 +1,271 @@
+//! The RabbitMQ publisher and the fold consumer on the real broker, each test on its own names.
+use std::time::Duration;
+
+use broker::{
+    FoldConsumer, Outcome, Partition, Publisher, RabbitConfig, RabbitPublisher, Topology,
+};
+use chrono::Utc;
+use lapin::options::{BasicGetOptions, ExchangeDeleteOptions, QueueDeleteOptions};
+use lapin::{Connection, ConnectionProperties};
+use sqlx::PgPool;
+use store::{BranchId, BranchKey, EventKey, FoldStore, Lsn, OutboxEvent, RunId, TenantId};
+
+fn amqp_url() -> String {
+    std::env::var("AMQP_URL").expect("AMQP_URL (set in .cargo/config.toml)")
+}
+
+fn unique_topology(label: &str, partitions: u16) -> Topology {
+    let name = format!(
+        "relay-test-{label}-{}-{}",
+        std::process::id(),
+        Utc::now().timestamp_micros()
+    );
+    Topology::new(&name, partitions).unwrap()
+}
+
+fn events(tenant: &str, run: &str, branch: &str, lsns: &[u64]) -> Vec<OutboxEvent> {
+    let key = BranchKey::new(
+        TenantId::new(tenant).unwrap(),
+        RunId::new(run).unwrap(),
+        BranchId::new(branch).unwrap(),
+    );
+    let mut prev = 0;
+    lsns.iter()
+        .map(|&lsn| {
+            let event = OutboxEvent {
+                key: EventKey {
+                    branch: key.clone(),
+                    lsn: Lsn::new(lsn),
+                },
+                prev_lsn: Lsn::new(prev),
+                base_lsn: Lsn::ZERO,
+                payload: format!("{key}@{lsn}").into_bytes(),
+                created_at: Utc::now(),
+            };
+            prev = lsn;
+            event
+        })
+        .collect()
+}
+
+/// Deletes a test's queues and exchange (best effort: the broker is shared by parallel tests).
+async fn cleanup(topology: &Topology) {
+    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    for index in 0..topology.partitions() {
+        let _ = channel
+            .queue_delete(
+                topology.queue(Partition(index)),
+                QueueDeleteOptions::default(),
+            )
+            .await;
+    }
+    let _ = channel
+        .exchange_delete(
+            topology.exchange().clone(),
+            ExchangeDeleteOptions::default(),
+        )
+        .await;
+}
+
+/// Everything in a partition queue right now, decoded.
+async fn drain_queue(topology: &Topology, partition: Partition) -> Vec<OutboxEvent> {
+    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    let mut got = Vec::new();
+    let options = BasicGetOptions { no_ack: true };
+    while let Some(message) = channel
+        .basic_get(topology.queue(partition), options)
+        .await
+        .unwrap()
+    {
+        got.push(broker::decode(&message.delivery.properties, &message.delivery.data).unwrap());
+    }
+    got
+}
+
+/// Accepted events are confirmed, routed to their run's partition, in order, body unchanged.
+#[tokio::test]
+async fn accepted_events_are_confirmed_and_routed_by_run() {
+    let topology = unique_topology("accept", 4);
+    let mut publisher =
+        RabbitPublisher::new(RabbitConfig::new(amqp_url(), topology.clone()).unwrap());
+    let mut batch = events("ta", "r1", "main", &[1, 2, 3]);
+    batch.extend(events("ta", "r2", "main", &[5, 9]));
+    batch.extend(events("tb", "r1", "alt", &[7]));
+    let report = publisher.publish(&batch).await;
+    assert!(report.fault.is_none(), "{:?}", report.fault);
+    assert_eq!(report.outcomes, vec![Outcome::Accepted; batch.len()]);
+
+    let mut received = Vec::new();
+    for index in 0..topology.partitions() {
+        let partition = Partition(index);
+        for event in drain_queue(&topology, partition).await {
+            let branch = &event.key.branch;
+            assert_eq!(
+                topology.partition_of(&branch.tenant, &branch.run),
+                partition
+            );
+            received.push(event);
+        }
+    }
+    received.sort_by(|a, b| a.key.cmp(&b.key));
+    let mut expected = batch.clone();
+    expected.sort_by(|a, b| a.key.cmp(&b.key));
+    assert_eq!(received.len(), expected.len());
+    for (got, want) in received.iter().zip(&expected) {
+        assert_eq!(
+            (&got.key, got.prev_lsn, &got.payload),
+            (&want.key, want.prev_lsn, &want.payload)
+        );
+    }
+    cleanup(&topology).await;
+}
+
+/// A broker that refuses, or accepts TCP and never speaks, yields an error in bounded time:
+/// never a hang, never a panic, nothing reported accepted.
+#[tokio::test]
+async fn unreachable_broker_is_an_error_not_a_hang() {
+    let topology = unique_topology("down", 1);
+    // Refused: a port nothing listens on.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut config = RabbitConfig::new(
+        format!("amqp://guest:guest@127.0.0.1:{port}/%2f"),
+        topology.clone(),
+    )
+    .unwrap();
+    config.connect_timeout = Duration::from_millis(500);
+    let mut publisher = RabbitPublisher::new(config.clone());
+    let batch = events("ta", "r1", "main", &[1, 2]);
+    let report = tokio::time::timeout(Duration::from_secs(10), publisher.publish(&batch))
+        .await
+        .unwrap();
+    assert!(report.fault.is_some());
+    assert_eq!(report.outcomes, vec![Outcome::NotSent; 2]);
+
+    // Black hole: accepts the TCP connection, never answers the AMQP handshake.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    config.uri = format!("amqp://guest:guest@{}/%2f", silent.local_addr().unwrap());
+    let hold = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = silent.accept().await {
+            held.push(socket);
+        }
+    });
+    let mut publisher = RabbitPublisher::new(config);
+    let report = tokio::time::timeout(Duration::from_secs(10), publisher.publish(&batch))
+        .await
+        .unwrap();
+    assert!(
+        report
+            .fault
+            .as_ref()
+            .is_some_and(|fault| fault.is_transient())
+    );
+    assert_eq!(report.accepted(), 0);
+    hold.abort();
+    assert!(
+        RabbitConfig::new("http://nope", topology).is_err(),
+        "a bad URI fails fast"
+    );
+}
+
+/// A mandatory publish that nothing routes comes back as an ack *with* a returned message:
+/// it must not be reported accepted.
+#[tokio::test]
+async fn unroutable_events_are_not_reported_accepted() {
+    let topology = unique_topology("unroutable", 2);
+    let mut publisher =
+        RabbitPublisher::new(RabbitConfig::new(amqp_url(), topology.clone()).unwrap());
+    // First publish declares the topology; then the test removes partition 0's queue.
+    let warmup = events("ta", "r1", "main", &[1]);
+    assert_eq!(publisher.publish(&warmup).await.accepted(), 1);
+    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    channel
+        .queue_delete(topology.queue(Partition(0)), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+
+    let mut batch = Vec::new();
+    for run in 0..16 {
+        batch.extend(events("ta", &format!("run{run}"), "main", &[1]));
+    }
+    let report = publisher.publish(&batch).await;
+    assert!(report.fault.is_none(), "{:?}", report.fault);
+    for (event, outcome) in batch.iter().zip(&report.outcomes) {
+        let partition = topology.partition_of(&event.key.branch.tenant, &event.key.branch.run);
+        let expected = if partition == Partition(0) {
+            Outcome::Returned
+        } else {
+            Outcome::Accepted
+        };
+        assert_eq!(*outcome, expected, "{}", event.key);
+    }
+    assert!(
+        report.outcomes.contains(&Outcome::Returned),
+        "the test must route some runs to the deleted queue"
+    );
+    cleanup(&topology).await;
+}
+
+/// The consumer folds what the broker delivers: duplicates are no-ops and an event published
+/// ahead of its predecessor (a loss, then a resend) is applied only after it.
+#[sqlx::test(migrator = "store::MIGRATOR")]
+async fn fold_consumer_applies_once_in_order(pool: PgPool) {
+    let topology = unique_topology("fold", 1);
+    let config = RabbitConfig::new(amqp_url(), topology.clone()).unwrap();
+    let mut publisher = RabbitPublisher::new(config.clone());
+    let all = events("ta", "r1", "main", &[1, 2, 3, 4]);
+    // Lost 2, then the relay resends 2.. as it does after a failure, then a full duplicate run.
+    let sequence = vec![
+        all[0].clone(),
+        all[2].clone(),
+        all[1].clone(),
+        all[2].clone(),
+        all[3].clone(),
+    ];
+    assert_eq!(
+        publisher.publish(&sequence).await.accepted(),
+        sequence.len()
+    );
+    assert_eq!(publisher.publish(&all).await.accepted(), all.len());
+
+    let fold = FoldStore::new(pool);
+    let tenant = TenantId::new("ta").unwrap();
+    let consumer = FoldConsumer::new(config);
+    let stop = {
+        let fold = fold.clone();
+        let tenant = tenant.clone();
+        async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+            while fold.folded(&tenant).await.unwrap().len() < 4
+                && tokio::time::Instant::now() < deadline
+            {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    let stats = consumer.run(Partition(0), &fold, stop).await.unwrap();
+    let lsns: Vec<u64> = fold
+        .folded(&tenant)
+        .await
+        .unwrap()
+        .iter()
+        .map(|e| e.key.lsn.get())
+        .collect();
+    assert_eq!(lsns, vec![1, 2, 3, 4]);
+    assert_eq!(stats.applied, 4);
+    assert!(stats.parked >= 1, "{stats:?}");
+    cleanup(&topology).await;
+}

@@ -1,1 +1,154 @@
-fn main() {}
+//! Drain+ack throughput of the outbox on this machine's PostgreSQL, and the measurement behind
+//! retiring shipped rows by DELETE rather than by marking them.
+//!
+//! `cargo bench -p store --bench drain_ack` (BENCH_ROWS=N to change the backlog, default 200000).
+//! Each strategy drains the same backlog twice (round 2 runs on top of round 1's shipped rows),
+//! 50 tenants x 20 runs, 256-byte payloads, batches of 1000.
+use std::time::Instant;
+
+use sqlx::{Connection, PgConnection, PgPool};
+use store::{EventKey, Outbox, TenantId};
+
+const TENANTS: usize = 50;
+const BATCH: u32 = 1000;
+
+fn fill_sql(table: &str, rows: u64, round: u64) -> String {
+    format!(
+        "INSERT INTO {table} (tenant_id, run_id, branch_id, lsn, prev_lsn, base_lsn, payload)
+         SELECT 't' || (g % {TENANTS}), 'r' || ((g / {TENANTS}) % 20), 'main',
+                {round} * 1000000 + g / 1000 + 1, {round} * 1000000 + g / 1000, 0,
+                decode(repeat('ab', 256), 'hex')
+           FROM generate_series(0, {rows} - 1) g"
+    )
+}
+
+async fn exec(pool: &PgPool, sql: String) {
+    sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+        .execute(pool)
+        .await
+        .expect("bench SQL");
+}
+
+async fn drain_with_delete(outbox: &Outbox, tenants: &[TenantId]) -> u64 {
+    let mut moved = 0;
+    for tenant in tenants {
+        loop {
+            let batch = outbox.drain_outbox(tenant, BATCH).await.expect("drain");
+            if batch.is_empty() {
+                break;
+            }
+            let keys: Vec<EventKey> = batch.into_iter().map(|event| event.key).collect();
+            moved += outbox.ack_outbox(&keys).await.expect("ack");
+        }
+    }
+    moved
+}
+
+/// The alternative: keep shipped rows, mark them, drain through a partial index.
+async fn drain_with_mark(pool: &PgPool, tenants: &[TenantId]) -> u64 {
+    let mut moved = 0;
+    for tenant in tenants {
+        loop {
+            let rows: Vec<(String, String, i64, Vec<u8>)> = sqlx::query_as(
+                "SELECT run_id, branch_id, lsn, payload FROM bench_outbox_mark
+                  WHERE tenant_id = $1 AND shipped_at IS NULL ORDER BY seq LIMIT $2",
+            )
+            .bind(tenant.as_str())
+            .bind(i64::from(BATCH))
+            .fetch_all(pool)
+            .await
+            .expect("drain");
+            if rows.is_empty() {
+                break;
+            }
+            let runs: Vec<&str> = rows.iter().map(|row| row.0.as_str()).collect();
+            let branches: Vec<&str> = rows.iter().map(|row| row.1.as_str()).collect();
+            let lsns: Vec<i64> = rows.iter().map(|row| row.2).collect();
+            moved += sqlx::query(
+                "UPDATE bench_outbox_mark o SET shipped_at = now()
+                   FROM unnest($2::text[], $3::text[], $4::bigint[]) AS k(run_id, branch_id, lsn)
+                  WHERE o.tenant_id = $1 AND o.run_id = k.run_id AND o.branch_id = k.branch_id
+                    AND o.lsn = k.lsn AND o.shipped_at IS NULL",
+            )
+            .bind(tenant.as_str())
+            .bind(&runs)
+            .bind(&branches)
+            .bind(&lsns)
+            .execute(pool)
+            .await
+            .expect("ack")
+            .rows_affected();
+        }
+    }
+    moved
+}
+
+#[tokio::main]
+async fn main() {
+    let rows: u64 = std::env::var("BENCH_ROWS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(200_000);
+    let url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let name = format!("relay_bench_{}", std::process::id());
+    let mut admin = PgConnection::connect(&url)
+        .await
+        .expect("connect to DATABASE_URL");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+        .execute(&mut admin)
+        .await
+        .expect("create db");
+    let base = url
+        .rsplit_once('/')
+        .map(|(base, _)| base.to_owned())
+        .expect("URL has a database");
+    let pool = PgPool::connect(&format!("{base}/{name}"))
+        .await
+        .expect("connect bench db");
+    store::migrate(&pool).await.expect("migrate");
+    exec(&pool, "CREATE TABLE bench_outbox_mark (LIKE relay_outbox INCLUDING DEFAULTS INCLUDING IDENTITY INCLUDING CONSTRAINTS)".into()).await;
+    exec(&pool, "ALTER TABLE bench_outbox_mark ADD PRIMARY KEY (tenant_id, run_id, branch_id, lsn), ADD COLUMN shipped_at timestamptz".into()).await;
+    exec(
+        &pool,
+        "CREATE INDEX ON bench_outbox_mark (tenant_id, seq) WHERE shipped_at IS NULL".into(),
+    )
+    .await;
+    let tenants: Vec<TenantId> = (0..TENANTS)
+        .map(|i| TenantId::new(format!("t{i}")).expect("valid id"))
+        .collect();
+    let outbox = Outbox::new(pool.clone());
+
+    println!(
+        "drain+ack, {rows} rows per round, {TENANTS} tenants, batch {BATCH}, 256-byte payloads"
+    );
+    println!("| strategy | round | rows/s |");
+    println!("|---|---|---|");
+    for round in 1..=2u64 {
+        exec(&pool, fill_sql("relay_outbox", rows, round)).await;
+        exec(&pool, fill_sql("bench_outbox_mark", rows, round)).await;
+        exec(&pool, "VACUUM ANALYZE relay_outbox".into()).await;
+        exec(&pool, "VACUUM ANALYZE bench_outbox_mark".into()).await;
+
+        let started = Instant::now();
+        let moved = drain_with_delete(&outbox, &tenants).await;
+        assert_eq!(moved, rows);
+        println!(
+            "| delete (shipped) | {round} | {:.0} |",
+            moved as f64 / started.elapsed().as_secs_f64()
+        );
+
+        let started = Instant::now();
+        let moved = drain_with_mark(&pool, &tenants).await;
+        assert_eq!(moved, rows);
+        println!(
+            "| mark shipped_at | {round} | {:.0} |",
+            moved as f64 / started.elapsed().as_secs_f64()
+        );
+    }
+    pool.close().await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP DATABASE {name}")))
+        .execute(&mut admin)
+        .await
+        .expect("drop db");
+}

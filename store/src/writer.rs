@@ -1,6 +1,6 @@
 //! The host's write API: every call runs inside the host's own transaction.
 //!
-//! Pass the host's transaction as `&mut *tx` (any `&mut PgConnection` works): the intent then
+//! Pass the host's transaction as `&mut tx` (any `&mut PgConnection` works): the intent then
 //! commits or rolls back with the host's state. A plain pooled connection runs each call in its
 //! own implicit transaction. Bad input is refused before any SQL runs, and a
 //! refused append leaves the host's transaction usable (no statement failed).

@@ -41,16 +41,16 @@ async fn committed_intents_remain_and_rolled_back_ones_vanish(pool: PgPool) {
     let branch = key("t1", "r1", "b1");
 
     let mut tx = pool.begin().await.unwrap();
-    writer.open_run(&mut *tx, &branch).await.unwrap();
+    writer.open_run(&mut tx, &branch).await.unwrap();
     writer
-        .append(&mut *tx, &branch, Lsn::new(1), b"one")
+        .append(&mut tx, &branch, Lsn::new(1), b"one")
         .await
         .unwrap();
     tx.commit().await.unwrap();
 
     let mut tx = pool.begin().await.unwrap();
     writer
-        .append(&mut *tx, &branch, Lsn::new(2), b"two")
+        .append(&mut tx, &branch, Lsn::new(2), b"two")
         .await
         .unwrap();
     tx.rollback().await.unwrap();
@@ -64,7 +64,7 @@ async fn committed_intents_remain_and_rolled_back_ones_vanish(pool: PgPool) {
     // The rolled-back Lsn 2 was never taken: the branch head is still 1.
     writer
         .append(
-            &mut *pool.acquire().await.unwrap(),
+            &mut pool.acquire().await.unwrap(),
             &branch,
             Lsn::new(2),
             b"two again",
@@ -88,12 +88,12 @@ async fn bad_appends_are_refused_with_nothing_written(pool: PgPool) {
     let writer = IntentWriter::new(16);
     let branch = key("t1", "r1", "b1");
     writer
-        .open_run(&mut *pool.acquire().await.unwrap(), &branch)
+        .open_run(&mut pool.acquire().await.unwrap(), &branch)
         .await
         .unwrap();
     writer
         .append(
-            &mut *pool.acquire().await.unwrap(),
+            &mut pool.acquire().await.unwrap(),
             &branch,
             Lsn::new(5),
             b"five",
@@ -102,28 +102,26 @@ async fn bad_appends_are_refused_with_nothing_written(pool: PgPool) {
         .unwrap();
 
     let mut tx = pool.begin().await.unwrap();
-    let not_above = writer
-        .append(&mut *tx, &branch, Lsn::new(5), b"again")
-        .await;
+    let not_above = writer.append(&mut tx, &branch, Lsn::new(5), b"again").await;
     assert!(matches!(not_above, Err(Error::LsnNotAboveHead { head, .. }) if head == Lsn::new(5)));
     let too_big = writer
-        .append(&mut *tx, &branch, Lsn::new(6), &[0u8; 17])
+        .append(&mut tx, &branch, Lsn::new(6), &[0u8; 17])
         .await;
     assert!(matches!(
         too_big,
         Err(Error::PayloadTooLarge { size: 17, max: 16 })
     ));
     let unknown = writer
-        .append(&mut *tx, &key("t1", "r1", "nope"), Lsn::new(1), b"x")
+        .append(&mut tx, &key("t1", "r1", "nope"), Lsn::new(1), b"x")
         .await;
     assert!(matches!(unknown, Err(Error::UnknownBranch { .. })));
     let out_of_range = writer
-        .append(&mut *tx, &branch, Lsn::new(u64::MAX), b"x")
+        .append(&mut tx, &branch, Lsn::new(u64::MAX), b"x")
         .await;
     assert!(matches!(out_of_range, Err(Error::LsnOutOfRange { .. })));
     // The host's transaction survived every refusal and can still commit its own work.
     writer
-        .append(&mut *tx, &branch, Lsn::new(6), b"six")
+        .append(&mut tx, &branch, Lsn::new(6), b"six")
         .await
         .unwrap();
     tx.commit().await.unwrap();
@@ -137,13 +135,13 @@ async fn bad_appends_are_refused_with_nothing_written(pool: PgPool) {
         })
     ));
     let again = writer
-        .open_run(&mut *pool.acquire().await.unwrap(), &key("t1", "r1", "b2"))
+        .open_run(&mut pool.acquire().await.unwrap(), &key("t1", "r1", "b2"))
         .await;
     assert!(matches!(again, Err(Error::RunAlreadyOpen { .. })));
 
     writer
         .rewind(
-            &mut *pool.acquire().await.unwrap(),
+            &mut pool.acquire().await.unwrap(),
             &branch,
             Lsn::new(5),
             BranchId::new("b2").unwrap(),
@@ -152,7 +150,7 @@ async fn bad_appends_are_refused_with_nothing_written(pool: PgPool) {
         .unwrap();
     let abandoned = writer
         .append(
-            &mut *pool.acquire().await.unwrap(),
+            &mut pool.acquire().await.unwrap(),
             &branch,
             Lsn::new(7),
             b"seven",
@@ -161,7 +159,7 @@ async fn bad_appends_are_refused_with_nothing_written(pool: PgPool) {
     assert!(matches!(abandoned, Err(Error::BranchAbandoned { at, .. }) if at == Lsn::new(5)));
     let outside = writer
         .rewind(
-            &mut *pool.acquire().await.unwrap(),
+            &mut pool.acquire().await.unwrap(),
             &key("t1", "r1", "b2"),
             Lsn::new(9),
             BranchId::new("b3").unwrap(),
@@ -182,13 +180,13 @@ async fn a_later_lsn_waits_for_the_earlier_commit(pool: PgPool) {
     let outbox = Outbox::new(pool.clone());
     let branch = key("t1", "r1", "b1");
     writer
-        .open_run(&mut *pool.acquire().await.unwrap(), &branch)
+        .open_run(&mut pool.acquire().await.unwrap(), &branch)
         .await
         .unwrap();
 
     let mut first = pool.begin().await.unwrap();
     writer
-        .append(&mut *first, &branch, Lsn::new(1), b"1")
+        .append(&mut first, &branch, Lsn::new(1), b"1")
         .await
         .unwrap();
 
@@ -197,7 +195,7 @@ async fn a_later_lsn_waits_for_the_earlier_commit(pool: PgPool) {
         async move {
             let mut tx = pool.begin().await.unwrap();
             writer
-                .append(&mut *tx, &branch, Lsn::new(2), b"2")
+                .append(&mut tx, &branch, Lsn::new(2), b"2")
                 .await
                 .unwrap();
             tx.commit().await.unwrap();
@@ -245,7 +243,7 @@ async fn concurrent_appenders_expose_only_gap_free_prefixes(pool: PgPool) {
     let outbox = Outbox::new(pool.clone());
     let branch = key("t1", "r1", "b1");
     writer
-        .open_run(&mut *pool.acquire().await.unwrap(), &branch)
+        .open_run(&mut pool.acquire().await.unwrap(), &branch)
         .await
         .unwrap();
     let next_lsn = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(1));
@@ -264,7 +262,7 @@ async fn concurrent_appenders_expose_only_gap_free_prefixes(pool: PgPool) {
                 let lsn = next_lsn.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 let mut tx = pool.begin().await.unwrap();
                 match writer
-                    .append(&mut *tx, &branch, Lsn::new(lsn), &lsn.to_be_bytes())
+                    .append(&mut tx, &branch, Lsn::new(lsn), &lsn.to_be_bytes())
                     .await
                 {
                     Ok(()) => {
@@ -326,7 +324,7 @@ async fn drain_orders_each_branch_and_skips_acked_and_abandoned(pool: PgPool) {
         for run in ["r1", "r2"] {
             let branch = key(tenant, run, "main");
             writer
-                .open_run(&mut *pool.acquire().await.unwrap(), &branch)
+                .open_run(&mut pool.acquire().await.unwrap(), &branch)
                 .await
                 .unwrap();
             branches.push(branch);
@@ -338,7 +336,7 @@ async fn drain_orders_each_branch_and_skips_acked_and_abandoned(pool: PgPool) {
             let lsn = step * (index as u64 + 1);
             writer
                 .append(
-                    &mut *pool.acquire().await.unwrap(),
+                    &mut pool.acquire().await.unwrap(),
                     branch,
                     Lsn::new(lsn),
                     format!("{branch}@{lsn}").as_bytes(),
@@ -350,7 +348,7 @@ async fn drain_orders_each_branch_and_skips_acked_and_abandoned(pool: PgPool) {
     // Rewind ta/r1 at Lsn 10: its 11..=20 are abandoned, 1..=10 stay.
     let rewound = writer
         .rewind(
-            &mut *pool.acquire().await.unwrap(),
+            &mut pool.acquire().await.unwrap(),
             &branches[0],
             Lsn::new(10),
             BranchId::new("alt").unwrap(),
@@ -361,7 +359,7 @@ async fn drain_orders_each_branch_and_skips_acked_and_abandoned(pool: PgPool) {
     for lsn in 11..=13 {
         writer
             .append(
-                &mut *pool.acquire().await.unwrap(),
+                &mut pool.acquire().await.unwrap(),
                 &rewound.live,
                 Lsn::new(lsn),
                 b"alt",
@@ -427,13 +425,13 @@ async fn backlog_reports_pending_and_age_per_tenant(pool: PgPool) {
     for (tenant, n) in [("t1", 3u64), ("t2", 5), ("t3", 0)] {
         let branch = key(tenant, "r", "b");
         writer
-            .open_run(&mut *pool.acquire().await.unwrap(), &branch)
+            .open_run(&mut pool.acquire().await.unwrap(), &branch)
             .await
             .unwrap();
         for lsn in 1..=n {
             writer
                 .append(
-                    &mut *pool.acquire().await.unwrap(),
+                    &mut pool.acquire().await.unwrap(),
                     &branch,
                     Lsn::new(lsn),
                     b"x",

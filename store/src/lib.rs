@@ -4,6 +4,7 @@
 //! - `writer`: the host's write API ([`IntentWriter`]): open a run, append an intent, rewind; each
 //!   runs inside the host's own transaction.
 //! - `outbox`: the relay's side ([`Outbox`]): `drain_outbox`, `ack_outbox`, backlog for lag.
+//! - `lease`: [`TenantLeases`], one relay per tenant at a time (advisory locks).
 //! - `fold`: the consumer's exactly-once fold ([`FoldStore`]): idempotent on `(BranchKey, Lsn)`
 //!   and proving Lsn order per branch.
 //! - `error`: the one [`Error`] type.
@@ -12,6 +13,7 @@
 mod error;
 mod fold;
 mod key;
+mod lease;
 mod outbox;
 mod writer;
 
@@ -26,12 +28,16 @@ pub use key::Lsn;
 pub use key::MAX_ID_BYTES;
 pub use key::RunId;
 pub use key::TenantId;
+pub use lease::TenantLeases;
 pub use outbox::Backlog;
 pub use outbox::Outbox;
 pub use outbox::OutboxEvent;
 pub use writer::DEFAULT_MAX_PAYLOAD_BYTES;
 pub use writer::IntentWriter;
 pub use writer::Rewound;
+
+/// The channel `append` notifies on commit; the payload is the tenant id.
+pub const NOTIFY_CHANNEL: &str = "relay_outbox";
 
 /// The embedded migrations (`store/migrations`), compiled in: no database is needed to build.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");

@@ -116,7 +116,8 @@ impl IntentWriter {
             });
         }
         let lsn_db = lsn.to_db()?;
-        // One round trip on the happy path: lock the live branch row, move its head, insert.
+        // One round trip on the happy path: lock the live branch row, move its head, insert, and
+        // queue a wake-up for relays (NOTIFY is delivered on commit, deduplicated per transaction).
         let inserted = sqlx::query(
             "WITH old AS (
                  SELECT head_lsn, base_lsn FROM relay_branch
@@ -131,7 +132,8 @@ impl IntentWriter {
               RETURNING old.head_lsn AS prev_lsn, old.base_lsn
              )
              INSERT INTO relay_outbox (tenant_id, run_id, branch_id, lsn, prev_lsn, base_lsn, payload)
-             SELECT $1, $2, $3, $4, prev_lsn, base_lsn, $5 FROM moved",
+             SELECT $1, $2, $3, $4, prev_lsn, base_lsn, $5
+               FROM moved, LATERAL (SELECT pg_notify('relay_outbox', $1)) AS wake",
         )
         .bind(key.tenant.as_str())
         .bind(key.run.as_str())

@@ -461,3 +461,39 @@ async fn backlog_reports_pending_and_age_per_tenant(pool: PgPool) {
         .unwrap();
     assert_eq!((idle.pending, idle.oldest_age), (0, Duration::ZERO));
 }
+
+/// Two relays can never both hold a tenant; a relay's death frees its tenants at once.
+#[sqlx::test(migrator = "store::MIGRATOR")]
+async fn a_tenant_lease_has_one_holder_and_is_freed_when_its_holder_dies(
+    _options: sqlx::postgres::PgPoolOptions,
+    connect: sqlx::postgres::PgConnectOptions,
+) {
+    let url = format!(
+        "postgres://postgres@127.0.0.1:5432/{}",
+        connect.get_database().expect("sqlx::test names a database")
+    );
+    let tenants = vec![TenantId::new("a").unwrap(), TenantId::new("b").unwrap()];
+    let mut first = store::TenantLeases::connect(&url).await.unwrap();
+    let mut second = store::TenantLeases::connect(&url).await.unwrap();
+    assert_eq!(
+        first.try_acquire(&tenants[..1]).await.unwrap(),
+        tenants[..1].to_vec()
+    );
+    assert_eq!(
+        second.try_acquire(&tenants).await.unwrap(),
+        tenants[1..].to_vec()
+    );
+    drop(first); // the holder dies: its connection closes
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        if second.try_acquire(&tenants[..1]).await.unwrap() == tenants[..1].to_vec() {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "lease never handed over"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    second.check().await.unwrap();
+}

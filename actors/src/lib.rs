@@ -1,1 +1,28 @@
-//! The relay actors (built in the actor-tree issue).
+//! The relay's actors. They hold no SQL and no AMQP: the store and the publisher port do.
+//!
+//! - `shard`: [`ShardId`] and the stable `BranchKey` -> shard map.
+//! - `directory`: [`PublisherDirectory`], the live publisher of each shard, shared with drainers.
+//! - `publisher`: [`PublisherActor`], one per shard: publishes batches, replies with outcomes.
+//! - `drainer`: [`Drainer`], one per tenant: drain -> publish -> ack the confirmed prefix.
+//! - `backoff`: the never-giving-up retry delays both use.
+#![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
+
+mod backoff;
+mod directory;
+mod drainer;
+mod publisher;
+mod shard;
+
+pub use backoff::Backoff;
+pub use backoff::RetryPolicy;
+pub use directory::PublisherDirectory;
+pub use drainer::Drainer;
+pub use drainer::DrainerArgs;
+pub use drainer::DrainerConfig;
+pub use drainer::DrainerMessage;
+pub use publisher::PublisherActor;
+pub use publisher::PublisherArgs;
+pub use publisher::PublisherFactory;
+pub use publisher::PublisherMessage;
+pub use shard::ShardId;
+pub use shard::shard_of;

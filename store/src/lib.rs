@@ -5,6 +5,7 @@
 //!   runs inside the host's own transaction.
 //! - `outbox`: the relay's side ([`Outbox`]): `drain_outbox`, `ack_outbox`, backlog for lag.
 //! - `lease`: [`TenantLeases`], one relay per tenant at a time (advisory locks).
+//! - `wakeup`: [`Wakeups`], LISTEN for tenants whose intents just committed.
 //! - `fold`: the consumer's exactly-once fold ([`FoldStore`]): idempotent on `(BranchKey, Lsn)`
 //!   and proving Lsn order per branch.
 //! - `error`: the one [`Error`] type.
@@ -15,6 +16,7 @@ mod fold;
 mod key;
 mod lease;
 mod outbox;
+mod wakeup;
 mod writer;
 
 pub use error::Error;
@@ -32,6 +34,7 @@ pub use lease::TenantLeases;
 pub use outbox::Backlog;
 pub use outbox::Outbox;
 pub use outbox::OutboxEvent;
+pub use wakeup::Wakeups;
 pub use writer::DEFAULT_MAX_PAYLOAD_BYTES;
 pub use writer::IntentWriter;
 pub use writer::Rewound;

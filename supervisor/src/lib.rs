@@ -1,1 +1,13 @@
-//! The relay supervisor (built in the actor-tree issue).
+//! The relay's supervisor: spawns one publisher per shard and one drainer per leased tenant,
+//! restarts what fails with backoff, notices new work (NOTIFY + polling), reports lag.
+//!
+//! - `tree`: [`RelaySupervisor`], its [`SupervisorArgs`], [`SupervisorConfig`], [`SupervisorMessage`].
+#![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
+
+mod tree;
+
+pub use tree::RelaySupervisor;
+pub use tree::SupervisorArgs;
+pub use tree::SupervisorConfig;
+pub use tree::SupervisorMessage;
+pub use tree::TreeSnapshot;

@@ -1,0 +1,31 @@
+//! Which publisher owns a branch.
+use store::BranchKey;
+
+/// A publisher shard. Every event of a `BranchKey` goes through the same shard, so one actor's
+/// mailbox and one AMQP channel carry a branch in Lsn order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ShardId(pub u16);
+
+impl std::fmt::Display for ShardId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// The shard of a branch: FNV-1a 64 over `tenant 0x00 run 0x00 branch`, modulo `shards`.
+pub fn shard_of(key: &BranchKey, shards: u16) -> ShardId {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    let bytes = key
+        .tenant
+        .as_str()
+        .bytes()
+        .chain([0])
+        .chain(key.run.as_str().bytes())
+        .chain([0])
+        .chain(key.branch.as_str().bytes());
+    for byte in bytes {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    ShardId((hash % u64::from(shards.max(1))) as u16)
+}

@@ -1,0 +1,519 @@
+//! The supervisor actor and its restart policy.
+//!
+//! ractor has no restart strategies: a child's end arrives here as a supervision event and this
+//! actor decides. Publishers that fail are respawned after a per-shard backoff that never gives
+//! up; drainers that fail are respawned after a per-tenant backoff and resume from the store.
+//! When a publisher dies its mailbox dies with it, so every drainer is told (`PublisherLost`)
+//! and treats what it had sent there as unconfirmed.
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use actors::{
+    Backoff, Drainer, DrainerArgs, DrainerConfig, DrainerMessage, PublisherActor, PublisherArgs,
+    PublisherDirectory, PublisherFactory, PublisherMessage, RetryPolicy, ShardId,
+};
+use ractor::{
+    Actor, ActorCell, ActorId, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent,
+};
+use store::{Outbox, TenantId, TenantLeases, Wakeups};
+
+/// How the tree runs.
+#[derive(Clone, Copy, Debug)]
+pub struct SupervisorConfig {
+    /// Number of publisher shards (actors, each with its own AMQP connection). Default 4.
+    pub shards: u16,
+    /// How often pending tenants are polled and leases checked: the correctness path behind
+    /// NOTIFY, and the whole idle cost (two small queries per interval). Default 1 s.
+    pub poll_interval: Duration,
+    /// How often backlog gauges are refreshed. Default 5 s.
+    pub metrics_interval: Duration,
+    /// Drainer batch size, timeouts and retry delays.
+    pub drainer: DrainerConfig,
+    /// Delays between restarts of a failed actor. Default 100 ms doubling to 5 s.
+    pub restart: RetryPolicy,
+    /// How long a graceful shutdown waits for batches in flight. Default 10 s.
+    pub finish_grace: Duration,
+}
+
+impl Default for SupervisorConfig {
+    fn default() -> Self {
+        Self {
+            shards: 4,
+            poll_interval: Duration::from_secs(1),
+            metrics_interval: Duration::from_secs(5),
+            drainer: DrainerConfig::default(),
+            restart: RetryPolicy::default(),
+            finish_grace: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Arguments of the supervisor.
+#[derive(Clone)]
+pub struct SupervisorArgs {
+    /// The outbox (its pool).
+    pub outbox: Outbox,
+    /// Where leases and wake-ups connect (dedicated connections).
+    pub database_url: String,
+    /// Makes each shard's broker client.
+    pub factory: PublisherFactory,
+    /// Tree shape and timings.
+    pub config: SupervisorConfig,
+}
+
+impl std::fmt::Debug for SupervisorArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SupervisorArgs")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The live actors, for status and for tests that kill them.
+#[derive(Clone, Debug)]
+pub struct TreeSnapshot {
+    /// Publisher of each shard (none while restarting).
+    pub publishers: Vec<Option<ActorRef<PublisherMessage>>>,
+    /// Drainer of each tenant this relay holds.
+    pub drainers: BTreeMap<TenantId, ActorRef<DrainerMessage>>,
+}
+
+/// Messages to the supervisor.
+#[derive(Debug)]
+pub enum SupervisorMessage {
+    /// Poll pending tenants, check leases.
+    Tick,
+    /// Refresh backlog gauges.
+    MetricsTick,
+    /// A tenant's intents just committed.
+    Notified(TenantId),
+    /// Respawn a shard's publisher (after its backoff).
+    RespawnPublisher(ShardId),
+    /// Respawn a tenant's drainer (after its backoff).
+    RespawnDrainer(TenantId),
+    /// A shard's publisher published successfully: reset its backoff.
+    PublisherHealthy(ShardId),
+    /// The live actors.
+    Snapshot(RpcReplyPort<TreeSnapshot>),
+    /// Graceful shutdown: let drainers finish their batch, then stop.
+    Finish(RpcReplyPort<()>),
+    /// The grace period of `Finish` ran out.
+    FinishDeadline,
+}
+
+/// State of the supervisor.
+pub struct SupervisorState {
+    args: SupervisorArgs,
+    directory: PublisherDirectory,
+    publisher_ids: HashMap<ActorId, ShardId>,
+    publisher_backoff: Vec<Backoff>,
+    drainers: HashMap<TenantId, ActorRef<DrainerMessage>>,
+    drainer_ids: HashMap<ActorId, TenantId>,
+    drainer_backoff: HashMap<TenantId, Backoff>,
+    owned: HashSet<TenantId>,
+    leases: Option<TenantLeases>,
+    gauged: HashSet<TenantId>,
+    finishing: Option<RpcReplyPort<()>>,
+    wakeups: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for SupervisorState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SupervisorState")
+            .field("drainers", &self.drainers.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The supervisor actor.
+#[derive(Debug, Default)]
+pub struct RelaySupervisor;
+
+/// Logs a restart storm without flooding: the 1st, 2nd, 4th, 8th... consecutive failure at WARN.
+fn storm_worthy(failures: u64) -> bool {
+    failures.is_power_of_two()
+}
+
+impl RelaySupervisor {
+    async fn spawn_publisher(
+        &self,
+        myself: &ActorRef<SupervisorMessage>,
+        state: &mut SupervisorState,
+        shard: ShardId,
+    ) {
+        let supervisor = myself.clone();
+        let args = PublisherArgs {
+            shard,
+            factory: state.args.factory.clone(),
+            on_healthy: Arc::new(move |shard| {
+                let _ = supervisor.cast(SupervisorMessage::PublisherHealthy(shard));
+            }),
+        };
+        match Actor::spawn_linked(None, PublisherActor, args, myself.get_cell()).await {
+            Ok((publisher, _)) => {
+                state.publisher_ids.insert(publisher.get_id(), shard);
+                state.directory.set(shard, Some(publisher));
+            }
+            Err(err) => {
+                tracing::warn!(shard = shard.0, error = %err, "publisher failed to start");
+                let delay = state.publisher_backoff[usize::from(shard.0)].next_delay();
+                myself.send_after(delay, move || SupervisorMessage::RespawnPublisher(shard));
+            }
+        }
+    }
+
+    async fn spawn_drainer(
+        &self,
+        myself: &ActorRef<SupervisorMessage>,
+        state: &mut SupervisorState,
+        tenant: TenantId,
+    ) {
+        if state.drainers.contains_key(&tenant) || state.finishing.is_some() {
+            return;
+        }
+        let args = DrainerArgs {
+            tenant: tenant.clone(),
+            outbox: state.args.outbox.clone(),
+            publishers: state.directory.clone(),
+            config: state.args.config.drainer,
+        };
+        match Actor::spawn_linked(None, Drainer, args, myself.get_cell()).await {
+            Ok((drainer, _)) => {
+                state.drainer_ids.insert(drainer.get_id(), tenant.clone());
+                state.drainers.insert(tenant, drainer);
+            }
+            Err(err) => {
+                tracing::warn!(tenant = %tenant, error = %err, "drainer failed to start");
+                self.schedule_drainer(myself, state, tenant);
+            }
+        }
+    }
+
+    fn schedule_drainer(
+        &self,
+        myself: &ActorRef<SupervisorMessage>,
+        state: &mut SupervisorState,
+        tenant: TenantId,
+    ) {
+        let backoff = state
+            .drainer_backoff
+            .entry(tenant.clone())
+            .or_insert_with(|| Backoff::new(state.args.config.restart));
+        let delay = backoff.next_delay();
+        myself.send_after(delay, move || SupervisorMessage::RespawnDrainer(tenant));
+    }
+
+    /// Takes the leases of `tenants` this relay does not hold yet and spawns their drainers.
+    async fn claim(
+        &self,
+        myself: &ActorRef<SupervisorMessage>,
+        state: &mut SupervisorState,
+        tenants: Vec<TenantId>,
+    ) {
+        let candidates: Vec<TenantId> = tenants
+            .into_iter()
+            .filter(|tenant| !state.owned.contains(tenant))
+            .collect();
+        if candidates.is_empty() || state.finishing.is_some() {
+            return;
+        }
+        let Some(leases) = state.leases.as_mut() else {
+            return;
+        };
+        match leases.try_acquire(&candidates).await {
+            Ok(taken) => {
+                for tenant in taken {
+                    state.owned.insert(tenant.clone());
+                    self.spawn_drainer(myself, state, tenant).await;
+                }
+            }
+            Err(err) => self.lose_leases(state, &err),
+        }
+    }
+
+    /// The lease connection failed: every lease is gone, so stop draining everything at once
+    /// (another relay may already hold those tenants).
+    fn lose_leases(&self, state: &mut SupervisorState, err: &store::Error) {
+        tracing::error!(error = %err, tenants = state.owned.len(), "lease connection lost; dropping all tenants");
+        state.leases = None;
+        state.owned.clear();
+        for drainer in state.drainers.values() {
+            drainer.kill();
+        }
+    }
+
+    async fn tick(&self, myself: &ActorRef<SupervisorMessage>, state: &mut SupervisorState) {
+        if state.leases.is_none() {
+            match TenantLeases::connect(&state.args.database_url).await {
+                Ok(leases) => state.leases = Some(leases),
+                Err(err) => {
+                    tracing::warn!(error = %err, "cannot open the lease connection; will retry")
+                }
+            }
+        }
+        if let Some(leases) = state.leases.as_mut()
+            && let Err(err) = leases.check().await
+        {
+            self.lose_leases(state, &err);
+        }
+        match state.args.outbox.tenants_with_pending().await {
+            Ok(pending) => {
+                for tenant in &pending {
+                    if let Some(drainer) = state.drainers.get(tenant) {
+                        let _ = drainer.cast(DrainerMessage::Drain);
+                    }
+                }
+                self.claim(myself, state, pending).await;
+            }
+            Err(err) => tracing::warn!(error = %err, "cannot poll pending tenants; will retry"),
+        }
+    }
+
+    async fn refresh_metrics(&self, state: &mut SupervisorState) {
+        match state.args.outbox.backlog().await {
+            Ok(backlog) => {
+                let mut seen = HashSet::new();
+                for tenant in backlog {
+                    let label = tenant.tenant.to_string();
+                    metrics::gauge!("relay_backlog_pending", "tenant" => label.clone())
+                        .set(tenant.pending as f64);
+                    metrics::gauge!("relay_backlog_oldest_age_seconds", "tenant" => label)
+                        .set(tenant.oldest_age.as_secs_f64());
+                    seen.insert(tenant.tenant);
+                }
+                for tenant in state.gauged.difference(&seen) {
+                    metrics::gauge!("relay_backlog_pending", "tenant" => tenant.to_string())
+                        .set(0.0);
+                    metrics::gauge!("relay_backlog_oldest_age_seconds", "tenant" => tenant.to_string()).set(0.0);
+                }
+                state.gauged = seen;
+                metrics::gauge!("relay_tenants_held").set(state.owned.len() as f64);
+            }
+            Err(err) => tracing::warn!(error = %err, "cannot read the backlog for metrics"),
+        }
+    }
+
+    fn finish_if_done(&self, myself: &ActorRef<SupervisorMessage>, state: &mut SupervisorState) {
+        if state.drainers.is_empty()
+            && let Some(reply) = state.finishing.take()
+        {
+            let _ = reply.send(());
+            myself.stop(Some("finished".into()));
+        }
+    }
+}
+
+/// Forwards wake-ups to the supervisor until it is gone; reconnects with backoff on failure.
+async fn forward_wakeups(
+    url: String,
+    supervisor: ActorRef<SupervisorMessage>,
+    restart: RetryPolicy,
+) {
+    let mut backoff = Backoff::new(restart);
+    loop {
+        if let Ok(mut wakeups) = Wakeups::connect(&url).await {
+            backoff.reset();
+            while let Ok(tenant) = wakeups.next().await {
+                if supervisor
+                    .cast(SupervisorMessage::Notified(tenant))
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        }
+        tokio::time::sleep(backoff.next_delay()).await;
+        if supervisor.get_status() > ractor::ActorStatus::Running {
+            return;
+        }
+    }
+}
+
+impl Actor for RelaySupervisor {
+    type Msg = SupervisorMessage;
+    type State = SupervisorState;
+    type Arguments = SupervisorArgs;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        args: SupervisorArgs,
+    ) -> Result<SupervisorState, ActorProcessingErr> {
+        let shards = args.config.shards.max(1);
+        Ok(SupervisorState {
+            directory: PublisherDirectory::new(shards),
+            publisher_ids: HashMap::new(),
+            publisher_backoff: (0..shards)
+                .map(|_| Backoff::new(args.config.restart))
+                .collect(),
+            drainers: HashMap::new(),
+            drainer_ids: HashMap::new(),
+            drainer_backoff: HashMap::new(),
+            owned: HashSet::new(),
+            leases: None,
+            gauged: HashSet::new(),
+            finishing: None,
+            wakeups: None,
+            args,
+        })
+    }
+
+    async fn post_start(
+        &self,
+        myself: ActorRef<Self::Msg>,
+        state: &mut SupervisorState,
+    ) -> Result<(), ActorProcessingErr> {
+        for shard in 0..state.directory.shards() {
+            self.spawn_publisher(&myself, state, ShardId(shard)).await;
+        }
+        state.wakeups = Some(tokio::spawn(forward_wakeups(
+            state.args.database_url.clone(),
+            myself.clone(),
+            state.args.config.restart,
+        )));
+        myself.cast(SupervisorMessage::Tick)?;
+        myself.cast(SupervisorMessage::MetricsTick)?;
+        Ok(())
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        state: &mut SupervisorState,
+    ) -> Result<(), ActorProcessingErr> {
+        if let Some(wakeups) = state.wakeups.take() {
+            wakeups.abort();
+        }
+        Ok(())
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<Self::Msg>,
+        message: SupervisorMessage,
+        state: &mut SupervisorState,
+    ) -> Result<(), ActorProcessingErr> {
+        match message {
+            SupervisorMessage::Tick => {
+                if state.finishing.is_none() {
+                    self.tick(&myself, state).await;
+                }
+                myself.send_after(state.args.config.poll_interval, || SupervisorMessage::Tick);
+            }
+            SupervisorMessage::MetricsTick => {
+                self.refresh_metrics(state).await;
+                myself.send_after(state.args.config.metrics_interval, || {
+                    SupervisorMessage::MetricsTick
+                });
+            }
+            SupervisorMessage::Notified(tenant) => match state.drainers.get(&tenant) {
+                Some(drainer) => {
+                    let _ = drainer.cast(DrainerMessage::Drain);
+                }
+                None => self.claim(&myself, state, vec![tenant]).await,
+            },
+            SupervisorMessage::RespawnPublisher(shard) => {
+                if state.directory.get(shard).is_none() && state.finishing.is_none() {
+                    self.spawn_publisher(&myself, state, shard).await;
+                }
+            }
+            SupervisorMessage::RespawnDrainer(tenant) => {
+                if state.owned.contains(&tenant) {
+                    self.spawn_drainer(&myself, state, tenant).await;
+                }
+            }
+            SupervisorMessage::PublisherHealthy(shard) => {
+                let backoff = &mut state.publisher_backoff[usize::from(shard.0)];
+                if backoff.failures() > 0 {
+                    tracing::info!(
+                        shard = shard.0,
+                        failures = backoff.failures(),
+                        "publisher recovered"
+                    );
+                }
+                backoff.reset();
+            }
+            SupervisorMessage::Snapshot(reply) => {
+                let snapshot = TreeSnapshot {
+                    publishers: (0..state.directory.shards())
+                        .map(|shard| state.directory.get(ShardId(shard)))
+                        .collect(),
+                    drainers: state
+                        .drainers
+                        .iter()
+                        .map(|(tenant, drainer)| (tenant.clone(), drainer.clone()))
+                        .collect(),
+                };
+                let _ = reply.send(snapshot);
+            }
+            SupervisorMessage::Finish(reply) => {
+                state.finishing = Some(reply);
+                for drainer in state.drainers.values() {
+                    let _ = drainer.cast(DrainerMessage::Finish);
+                }
+                myself.send_after(state.args.config.finish_grace, || {
+                    SupervisorMessage::FinishDeadline
+                });
+                self.finish_if_done(&myself, state);
+            }
+            SupervisorMessage::FinishDeadline => {
+                // Batches still in flight are abandoned: they were not acked, so the next relay
+                // sends them again (the fold absorbs the duplicates). Nothing is lost.
+                for drainer in state.drainers.values() {
+                    drainer.kill();
+                }
+                state.drainers.clear();
+                self.finish_if_done(&myself, state);
+            }
+        }
+        Ok(())
+    }
+
+    async fn handle_supervisor_evt(
+        &self,
+        myself: ActorRef<Self::Msg>,
+        event: SupervisionEvent,
+        state: &mut SupervisorState,
+    ) -> Result<(), ActorProcessingErr> {
+        let (cell, why): (ActorCell, String) = match event {
+            SupervisionEvent::ActorTerminated(cell, _, reason) => {
+                (cell, reason.unwrap_or_else(|| "stopped".into()))
+            }
+            SupervisionEvent::ActorFailed(cell, err) => (cell, err.to_string()),
+            _ => return Ok(()),
+        };
+        let id = cell.get_id();
+        if let Some(shard) = state.publisher_ids.remove(&id) {
+            state.directory.set(shard, None);
+            for drainer in state.drainers.values() {
+                let _ = drainer.cast(DrainerMessage::PublisherLost(id));
+            }
+            if state.finishing.is_some() {
+                return Ok(());
+            }
+            metrics::counter!("relay_publisher_restarts_total", "shard" => shard.0.to_string())
+                .increment(1);
+            let backoff = &mut state.publisher_backoff[usize::from(shard.0)];
+            let delay = backoff.next_delay();
+            if storm_worthy(backoff.failures()) {
+                tracing::warn!(shard = shard.0, failures = backoff.failures(), retry_in_ms = delay.as_millis() as u64, reason = %why, "publisher down; restarting");
+            } else {
+                tracing::debug!(shard = shard.0, failures = backoff.failures(), reason = %why, "publisher down; restarting");
+            }
+            myself.send_after(delay, move || SupervisorMessage::RespawnPublisher(shard));
+        } else if let Some(tenant) = state.drainer_ids.remove(&id) {
+            state.drainers.remove(&tenant);
+            if state.finishing.is_some() {
+                self.finish_if_done(&myself, state);
+                return Ok(());
+            }
+            metrics::counter!("relay_drainer_restarts_total").increment(1);
+            tracing::warn!(tenant = %tenant, reason = %why, "drainer down; restarting");
+            if state.owned.contains(&tenant) {
+                self.schedule_drainer(&myself, state, tenant);
+            }
+        }
+        Ok(())
+    }
+}

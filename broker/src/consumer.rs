@@ -42,11 +42,13 @@ impl FoldConsumer {
     }
 
     /// Consumes `partition` into `fold` until `stop` completes or the broker fails.
+    /// `progress` sees the running totals after every delivery (for progress reports and tests).
     pub async fn run(
         &self,
         partition: Partition,
         fold: &FoldStore,
         stop: impl Future<Output = ()>,
+        mut progress: impl FnMut(FoldStats),
     ) -> Result<FoldStats, Error> {
         let (_connection, channel) = open(&self.config, "outbox-fold").await?;
         let limit = self.config.connect_timeout;
@@ -103,6 +105,7 @@ impl FoldConsumer {
                     .await?;
                 }
             }
+            progress(stats);
         }
     }
 }

@@ -256,7 +256,10 @@ async fn fold_consumer_applies_once_in_order(pool: PgPool) {
             }
         }
     };
-    let stats = consumer.run(Partition(0), &fold, stop).await.unwrap();
+    let stats = consumer
+        .run(Partition(0), &fold, stop, |_| {})
+        .await
+        .unwrap();
     let lsns: Vec<u64> = fold
         .folded(&tenant)
         .await

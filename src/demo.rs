@@ -1,0 +1,262 @@
+//! `distribution demo`: the seed's walk, end to end, on this machine's PostgreSQL and RabbitMQ.
+//!
+//! A simulated agent run writes its state and export intents in one transaction per step while
+//! the broker is unreachable (a proxy the demo owns is cut; RabbitMQ itself keeps running). The
+//! run completes; the backlog waits; the broker comes back; everything ships and is folded
+//! exactly once, in order. The demo uses a database and broker names of its own and removes them.
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use distribution::broker::{FoldConsumer, Partition};
+use distribution::store::{
+    self, Backlog, BranchId, BranchKey, FoldStore, IntentWriter, Lsn, Outbox, RunId, TenantId,
+};
+use distribution::{BrokerProxy, Relay, RelayConfig};
+use sqlx::{Connection, PgConnection, PgPool};
+
+const TENANTS: [&str; 3] = ["acme", "globex", "initech"];
+const RUNS: usize = 2;
+const STEPS: u64 = 40;
+
+/// A backlog as a small table.
+pub(crate) fn backlog_table(backlog: &[Backlog]) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<24} {:>10} {:>14}",
+        "tenant", "pending", "oldest (s)"
+    );
+    for tenant in backlog {
+        let _ = writeln!(
+            out,
+            "{:<24} {:>10} {:>14.1}",
+            tenant.tenant,
+            tenant.pending,
+            tenant.oldest_age.as_secs_f64()
+        );
+    }
+    if backlog.is_empty() {
+        let _ = writeln!(out, "(nothing pending)");
+    }
+    out
+}
+
+async fn wait_for<F, Fut>(what: &str, limit: Duration, mut done: F) -> Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<bool>>,
+{
+    let deadline = Instant::now() + limit;
+    while !done().await? {
+        if Instant::now() > deadline {
+            bail!("timed out after {} s waiting for {what}", limit.as_secs());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
+}
+
+/// One agent run: each step writes the run's state and its export intent in one transaction;
+/// halfway, the run rewinds two steps and continues on a new branch.
+async fn agent_run(pool: &PgPool, writer: &IntentWriter, tenant: &str, run: usize) -> Result<u64> {
+    let mut branch = BranchKey::new(
+        TenantId::new(tenant)?,
+        RunId::new(format!("run-{run}"))?,
+        BranchId::new("main")?,
+    );
+    writer
+        .open_run(&mut *pool.acquire().await?, &branch)
+        .await?;
+    let mut lsn = 0;
+    let mut written = 0;
+    for step in 1..=STEPS {
+        if step == STEPS / 2 {
+            let rewound = writer
+                .rewind(
+                    &mut *pool.acquire().await?,
+                    &branch,
+                    Lsn::new(lsn - 2),
+                    BranchId::new("retry")?,
+                )
+                .await?;
+            branch = rewound.live;
+            lsn -= 2;
+            written -= rewound.abandoned;
+        }
+        lsn += 1;
+        let mut tx = pool.begin().await?;
+        // The host's own state write (this demo plays the host).
+        sqlx::query(
+            "INSERT INTO demo_agent_state (tenant, run, step, note) VALUES ($1, $2, $3, $4)",
+        )
+        .bind(tenant)
+        .bind(run as i64)
+        .bind(step as i64)
+        .bind(format!("thought {step}"))
+        .execute(&mut *tx)
+        .await?;
+        let payload = format!("{{\"step\":{step},\"branch\":\"{}\"}}", branch.branch);
+        writer
+            .append(&mut tx, &branch, Lsn::new(lsn), payload.as_bytes())
+            .await?;
+        tx.commit().await?;
+        written += 1;
+    }
+    Ok(written)
+}
+
+pub(crate) async fn run() -> Result<()> {
+    let base_url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let amqp_url = std::env::var("AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+    let stamp = format!("{}_{}", std::process::id(), chrono_free_stamp());
+    let database = format!("relay_demo_{stamp}");
+    let mut admin = PgConnection::connect(&base_url)
+        .await
+        .context("cannot reach PostgreSQL (DATABASE_URL)")?;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
+        .execute(&mut admin)
+        .await?;
+    let server = base_url
+        .rsplit_once('/')
+        .map(|(server, _)| server.to_owned())
+        .context("DATABASE_URL has no database")?;
+    let url = format!("{server}/{database}");
+    let outcome = walk(&url, &amqp_url, &format!("relay-demo-{stamp}")).await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE IF EXISTS {database} WITH (FORCE)"
+    )))
+    .execute(&mut admin)
+    .await?;
+    outcome
+}
+
+fn chrono_free_stamp() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros())
+        .unwrap_or_default()
+}
+
+async fn walk(url: &str, amqp_url: &str, topology: &str) -> Result<()> {
+    let pool = PgPool::connect(url).await?;
+    store::migrate(&pool).await?;
+    sqlx::query("CREATE TABLE demo_agent_state (tenant text, run bigint, step bigint, note text)")
+        .execute(&pool)
+        .await?;
+
+    let proxy = BrokerProxy::start(amqp_url).context("cannot start the broker proxy")?;
+    proxy.cut();
+    println!(
+        "1. Broker DOWN: the relay talks to RabbitMQ through a proxy at {}, now cut.",
+        proxy.addr()
+    );
+    let mut config = RelayConfig::new(url, proxy.amqp_url());
+    config.topology = topology.to_owned();
+    config.partitions = 4;
+    config.supervisor.poll_interval = Duration::from_millis(200);
+    config.supervisor.restart.max = Duration::from_millis(500);
+    config.supervisor.drainer.retry.max = Duration::from_millis(500);
+    let partitions = config.partitions;
+    let rabbit = distribution::RelayConfig::new(url, amqp_url.to_owned());
+    let mut fold_config = rabbit.clone();
+    fold_config.topology = topology.to_owned();
+    fold_config.partitions = partitions;
+    let relay = Relay::start(config).await?;
+
+    let writer = IntentWriter::default();
+    let started = Instant::now();
+    let mut expected = 0;
+    for run in 0..RUNS {
+        for tenant in TENANTS {
+            expected += agent_run(&pool, &writer, tenant, run).await?;
+        }
+    }
+    println!(
+        "2. The agent runs COMPLETED with the broker down: {} runs, {expected} intents in {:.2} s.",
+        RUNS * TENANTS.len(),
+        started.elapsed().as_secs_f64()
+    );
+    let outbox = Outbox::new(pool.clone());
+    let before = outbox.backlog().await?;
+    println!(
+        "3. Backlog waiting in the outbox (what `distribution status` shows):\n{}",
+        backlog_table(&before)
+    );
+
+    proxy.restore();
+    println!("4. Broker UP: proxy restored. Shipping and folding...");
+    let fold = FoldStore::new(pool.clone());
+    let consumer = FoldConsumer::new(fold_config.rabbit_config()?);
+    let (stop_tx, _) = tokio::sync::watch::channel(false);
+    let mut consumers = Vec::new();
+    for partition in 0..partitions {
+        let (consumer, fold, mut stop) = (consumer.clone(), fold.clone(), stop_tx.subscribe());
+        consumers.push(tokio::spawn(async move {
+            let stopped = async move {
+                let _ = stop.wait_for(|stop| *stop).await;
+            };
+            consumer
+                .run(Partition(partition), &fold, stopped, |_| {})
+                .await
+        }));
+    }
+    let shipping = Instant::now();
+    let tenants: Vec<TenantId> = TENANTS
+        .iter()
+        .map(TenantId::new)
+        .collect::<Result<_, _>>()?;
+    wait_for(
+        "every intent to be folded",
+        Duration::from_secs(60),
+        || async {
+            let mut folded = 0;
+            for tenant in &tenants {
+                folded += fold.folded(tenant).await?.len() as u64;
+            }
+            Ok(folded == expected)
+        },
+    )
+    .await?;
+    let _ = stop_tx.send(true);
+    for consumer in consumers {
+        consumer.await??;
+    }
+    relay.shutdown().await;
+
+    println!(
+        "5. Everything shipped and folded in {:.2} s. Before / after:",
+        shipping.elapsed().as_secs_f64()
+    );
+    println!(
+        "{:<10} {:>16} {:>15} {:>8} {:>22}",
+        "tenant", "pending before", "pending after", "folded", "in Lsn order per branch"
+    );
+    for tenant in &tenants {
+        let pending_before = before
+            .iter()
+            .find(|b| &b.tenant == tenant)
+            .map_or(0, |b| b.pending);
+        let pending_after = outbox.tenant_backlog(tenant).await?.pending;
+        let folded = fold.folded(tenant).await?;
+        let mut last: BTreeMap<BranchKey, Lsn> = BTreeMap::new();
+        let ordered = folded.iter().all(|event| {
+            let previous = last.insert(event.key.branch.clone(), event.key.lsn);
+            previous.is_none_or(|previous| previous < event.key.lsn)
+        });
+        println!(
+            "{:<10} {:>16} {:>15} {:>8} {:>22}",
+            tenant.as_str(),
+            pending_before,
+            pending_after,
+            folded.len(),
+            if ordered { "yes" } else { "NO" }
+        );
+    }
+    println!("Each rewind abandoned two unshipped steps; they were never exported.");
+    pool.close().await;
+    Ok(())
+}

@@ -1,0 +1,116 @@
+//! `distribution`: the outbox relay's command line.
+//!
+//! - `migrate`: create or update the outbox schema.
+//! - `run`: the standalone relay, with Prometheus metrics (until Ctrl-C / SIGTERM).
+//! - `status`: backlog and lag per tenant.
+//! - `demo`: the whole walk on this machine (broker down during a run, then everything ships).
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use distribution::store::{self, Outbox};
+use distribution::{Relay, RelayConfig};
+use sqlx::postgres::PgPoolOptions;
+
+mod demo;
+
+const USAGE: &str = "usage: distribution <migrate|run|status|demo>
+  migrate  create or update the outbox schema in DATABASE_URL
+  run      run the relay (DATABASE_URL, AMQP_URL, RELAY_* variables; see README)
+  status   backlog and lag per tenant
+  demo     the broker-down walk, end to end, on this machine";
+
+fn main() -> ExitCode {
+    let command = std::env::args().nth(1).unwrap_or_default();
+    // lapin logs every broken socket at ERROR on its own thread; the relay reports broker
+    // faults itself (rate-limited), so lapin is silenced unless RUST_LOG asks for it.
+    let default_filter = if command == "demo" {
+        "error,lapin=off,sqlx=off"
+    } else {
+        "warn,lapin=off,sqlx=warn"
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| default_filter.into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(err) => {
+            eprintln!("error: cannot start the runtime: {err}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        match command.as_str() {
+            "migrate" => migrate().await,
+            "run" => run().await,
+            "status" => status().await,
+            "demo" => demo::run().await,
+            _ => {
+                eprintln!("{USAGE}");
+                Err(anyhow::anyhow!("unknown command {command:?}"))
+            }
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            // One readable line: the error and its causes, no backtrace.
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn connect(url: &str) -> Result<sqlx::PgPool> {
+    PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect(url)
+        .await
+        .context("cannot reach the outbox database (DATABASE_URL)")
+}
+
+async fn migrate() -> Result<()> {
+    let url = std::env::var("DATABASE_URL").context("DATABASE_URL is not set")?;
+    let pool = connect(&url).await?;
+    store::migrate(&pool).await?;
+    println!("outbox schema is up to date");
+    Ok(())
+}
+
+async fn run() -> Result<()> {
+    let config = RelayConfig::from_env()?;
+    // The schema is applied first (idempotent, safe with several relays starting at once).
+    store::migrate(&connect(&config.database_url).await?).await?;
+    metrics_exporter_prometheus::PrometheusBuilder::new()
+        .with_http_listener(config.metrics_addr)
+        .install()
+        .with_context(|| format!("cannot serve metrics on {}", config.metrics_addr))?;
+    let metrics_addr = config.metrics_addr;
+    let relay = Relay::start(config).await?;
+    tracing::info!(%metrics_addr, "relay running");
+    println!("relay running; metrics on http://{metrics_addr}/metrics; Ctrl-C to stop");
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = terminate.recv() => {}
+    }
+    println!("shutting down: finishing batches in flight");
+    relay.shutdown().await;
+    Ok(())
+}
+
+async fn status() -> Result<()> {
+    let url = std::env::var("DATABASE_URL").context("DATABASE_URL is not set")?;
+    let outbox = Outbox::new(connect(&url).await?);
+    let backlog = outbox.backlog().await?;
+    print!("{}", demo::backlog_table(&backlog));
+    Ok(())
+}

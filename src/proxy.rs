@@ -1,0 +1,125 @@
+//! A TCP proxy between the relay and the real broker that its owner can cut and restore.
+//!
+//! This is how a broker outage is staged without stopping the machine's RabbitMQ: the relay
+//! talks to the proxy; `cut` drops every connection and refuses new ones until `restore`.
+//! It runs on its own thread, so a stalled caller runtime does not stall it.
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+
+/// A TCP proxy to a broker.
+#[derive(Debug)]
+pub struct BrokerProxy {
+    addr: SocketAddr,
+    upstream_url: String,
+    up: Arc<AtomicBool>,
+    links: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+impl BrokerProxy {
+    /// A proxy in front of the broker of `amqp_url` (`amqp://user:pass@host:port/vhost`), up.
+    pub fn start(amqp_url: &str) -> std::io::Result<Self> {
+        let authority = amqp_url
+            .split_once("://")
+            .map(|(_, rest)| rest)
+            .and_then(|rest| rest.rsplit_once('@').map(|(_, host)| host).or(Some(rest)))
+            .and_then(|rest| rest.split('/').next())
+            .filter(|authority| !authority.is_empty())
+            .ok_or_else(|| std::io::Error::other(format!("no host in {amqp_url:?}")))?
+            .to_owned();
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("broker-proxy")
+            .enable_all()
+            .build()?;
+        // Bound with std so `start` works from inside any runtime (no `block_on`).
+        let std_listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+        std_listener.set_nonblocking(true)?;
+        let addr = std_listener.local_addr()?;
+        let up = Arc::new(AtomicBool::new(true));
+        let links: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
+        let (accept_up, accept_links) = (up.clone(), links.clone());
+        let handle = runtime.handle().clone();
+        runtime.spawn(async move {
+            let Ok(listener) = TcpListener::from_std(std_listener) else {
+                return;
+            };
+            while let Ok((mut client, _)) = listener.accept().await {
+                if !accept_up.load(Ordering::SeqCst) {
+                    continue; // dropped: the broker is "down"
+                }
+                let upstream = authority.clone();
+                let link = handle.spawn(async move {
+                    if let Ok(mut server) = TcpStream::connect(&upstream).await {
+                        let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                    }
+                });
+                let mut links = accept_links
+                    .lock()
+                    .unwrap_or_else(|poison| poison.into_inner());
+                links.retain(|link| !link.is_finished());
+                links.push(link);
+            }
+        });
+        let upstream_url = amqp_url.to_owned();
+        Ok(Self {
+            addr,
+            upstream_url,
+            up,
+            links,
+            runtime: Some(runtime),
+        })
+    }
+
+    /// The proxy's address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The upstream URL with its host and port replaced by the proxy's.
+    pub fn amqp_url(&self) -> String {
+        let (scheme, rest) = self
+            .upstream_url
+            .split_once("://")
+            .unwrap_or(("amqp", &self.upstream_url));
+        let (credentials, host_and_path) = match rest.rsplit_once('@') {
+            Some((credentials, host)) => (format!("{credentials}@"), host),
+            None => (String::new(), rest),
+        };
+        let path = host_and_path
+            .find('/')
+            .map(|at| &host_and_path[at..])
+            .unwrap_or("/%2f");
+        format!("{scheme}://{credentials}{}{path}", self.addr)
+    }
+
+    /// Takes the broker down: drops every open connection and refuses new ones.
+    pub fn cut(&self) {
+        self.up.store(false, Ordering::SeqCst);
+        let mut links = self
+            .links
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        for link in links.drain(..) {
+            link.abort();
+        }
+    }
+
+    /// Brings the broker back.
+    pub fn restore(&self) {
+        self.up.store(true, Ordering::SeqCst);
+    }
+}
+
+impl Drop for BrokerProxy {
+    fn drop(&mut self) {
+        self.cut();
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
+}

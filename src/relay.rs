@@ -1,0 +1,210 @@
+//! The relay on its own runtime: its own failure domain inside a host process.
+//!
+//! [`Relay::start`] spawns an OS thread (`outbox-relay-main`) that owns a multi-thread tokio
+//! runtime whose workers are named `outbox-relay`. Every actor, every database call of the relay
+//! and every broker call runs there, never on a host executor thread, so a stalled host runtime
+//! does not stall the relay and the broker client never runs on the execution path. Actor panics
+//! are caught by ractor; if the supervisor itself ends, this thread restarts the tree with backoff.
+use std::sync::Arc;
+use std::time::Duration;
+
+use actors::{Backoff, PublisherFactory, ShardId};
+use broker::{Publisher, RabbitPublisher};
+use ractor::rpc::CallResult;
+use ractor::{Actor, ActorRef};
+use sqlx::postgres::PgPoolOptions;
+use store::Outbox;
+use supervisor::{RelaySupervisor, SupervisorArgs, SupervisorMessage, TreeSnapshot};
+use tokio::sync::{oneshot, watch};
+
+use crate::{ConfigError, RelayConfig};
+
+/// Why a relay could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum RelayError {
+    /// The configuration is unusable.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// PostgreSQL did not answer at start (the broker may be down; the database may not).
+    #[error("cannot reach the outbox database: {0}")]
+    DatabaseUnreachable(String),
+    /// The relay's threads could not be started.
+    #[error("cannot start the relay runtime: {0}")]
+    Runtime(#[from] std::io::Error),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum StopMode {
+    Graceful,
+    Abort,
+}
+
+/// Starts relays.
+#[derive(Debug)]
+pub struct Relay;
+
+/// A running relay. Dropping it asks for a graceful shutdown without waiting.
+#[derive(Debug)]
+pub struct RelayHandle {
+    stop: Option<oneshot::Sender<StopMode>>,
+    done: Option<oneshot::Receiver<()>>,
+    tree: watch::Receiver<Option<ActorRef<SupervisorMessage>>>,
+}
+
+impl Relay {
+    /// Starts a relay publishing to RabbitMQ. Returns once the database answered.
+    pub async fn start(config: RelayConfig) -> Result<RelayHandle, RelayError> {
+        let rabbit = config.rabbit_config()?;
+        let probe = config.probe.clone();
+        let factory: PublisherFactory = Arc::new(move |_shard: ShardId| {
+            let publisher = RabbitPublisher::new(rabbit.clone());
+            let publisher = match &probe {
+                Some(probe) => publisher.with_probe(probe.clone()),
+                None => publisher,
+            };
+            Box::new(publisher) as Box<dyn Publisher>
+        });
+        Self::start_with(config, factory).await
+    }
+
+    /// Starts a relay whose shards publish through `factory` (e.g. a fault-injecting broker).
+    pub async fn start_with(
+        config: RelayConfig,
+        factory: PublisherFactory,
+    ) -> Result<RelayHandle, RelayError> {
+        config.validate()?;
+        let (ready_tx, ready_rx) = oneshot::channel();
+        let (stop_tx, stop_rx) = oneshot::channel();
+        let (done_tx, done_rx) = oneshot::channel();
+        let (tree_tx, tree_rx) = watch::channel(None);
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(config.worker_threads)
+            .thread_name("outbox-relay")
+            .enable_all()
+            .build()?;
+        std::thread::Builder::new()
+            .name("outbox-relay-main".into())
+            .spawn(move || {
+                let mode = runtime.block_on(run_tree(config, factory, ready_tx, stop_rx, tree_tx));
+                match mode {
+                    // A crash, as far as the outside world can tell: sockets drop, leases free.
+                    StopMode::Abort => runtime.shutdown_background(),
+                    StopMode::Graceful => runtime.shutdown_timeout(Duration::from_secs(5)),
+                }
+                let _ = done_tx.send(());
+            })?;
+        match ready_rx.await {
+            Ok(Ok(())) => Ok(RelayHandle {
+                stop: Some(stop_tx),
+                done: Some(done_rx),
+                tree: tree_rx,
+            }),
+            Ok(Err(err)) => Err(err),
+            Err(_) => Err(RelayError::DatabaseUnreachable(
+                "the relay thread ended during start".into(),
+            )),
+        }
+    }
+}
+
+async fn run_tree(
+    config: RelayConfig,
+    factory: PublisherFactory,
+    ready: oneshot::Sender<Result<(), RelayError>>,
+    mut stop: oneshot::Receiver<StopMode>,
+    tree: watch::Sender<Option<ActorRef<SupervisorMessage>>>,
+) -> StopMode {
+    let pool = PgPoolOptions::new()
+        .max_connections(config.db_connections)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect(&config.database_url)
+        .await;
+    let pool = match pool {
+        Ok(pool) => pool,
+        Err(err) => {
+            let _ = ready.send(Err(RelayError::DatabaseUnreachable(err.to_string())));
+            return StopMode::Abort;
+        }
+    };
+    let _ = ready.send(Ok(()));
+    let mut backoff = Backoff::new(config.supervisor.restart);
+    loop {
+        let args = SupervisorArgs {
+            outbox: Outbox::new(pool.clone()),
+            database_url: config.database_url.clone(),
+            factory: factory.clone(),
+            config: config.supervisor,
+        };
+        let (supervisor, mut ended) = match Actor::spawn(None, RelaySupervisor, args).await {
+            Ok(spawned) => spawned,
+            Err(err) => {
+                tracing::error!(error = %err, "relay supervisor failed to start; retrying");
+                tokio::time::sleep(backoff.next_delay()).await;
+                continue;
+            }
+        };
+        tree.send_replace(Some(supervisor.clone()));
+        tokio::select! {
+            mode = &mut stop => {
+                // A dropped handle means "shut down gracefully".
+                let mode = mode.unwrap_or(StopMode::Graceful);
+                if mode == StopMode::Graceful {
+                    let grace = config.supervisor.finish_grace + Duration::from_secs(1);
+                    let _ = supervisor.call(SupervisorMessage::Finish, Some(grace)).await;
+                    supervisor.stop(None);
+                    let _ = ended.await;
+                }
+                tree.send_replace(None);
+                return mode;
+            }
+            _ = &mut ended => {
+                tree.send_replace(None);
+                let delay = backoff.next_delay();
+                tracing::error!(retry_in_ms = delay.as_millis() as u64, "relay supervisor ended; restarting the tree");
+                tokio::time::sleep(delay).await;
+            }
+        }
+    }
+}
+
+impl RelayHandle {
+    /// The live actors (for status, and for tests that kill them). `None` while restarting.
+    pub async fn snapshot(&self) -> Option<TreeSnapshot> {
+        let supervisor = self.tree.borrow().clone()?;
+        match supervisor
+            .call(SupervisorMessage::Snapshot, Some(Duration::from_secs(5)))
+            .await
+        {
+            Ok(CallResult::Success(snapshot)) => Some(snapshot),
+            _ => None,
+        }
+    }
+
+    /// Graceful shutdown: batches in flight finish (or are abandoned unacked after the grace
+    /// period, to be sent again by the next relay). Nothing is lost or acked twice.
+    pub async fn shutdown(mut self) {
+        self.stop_with(StopMode::Graceful).await;
+    }
+
+    /// Stops at once, as a crash would: nothing is finished, sockets are dropped, leases freed.
+    pub async fn abort(mut self) {
+        self.stop_with(StopMode::Abort).await;
+    }
+
+    async fn stop_with(&mut self, mode: StopMode) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(mode);
+        }
+        if let Some(done) = self.done.take() {
+            let _ = done.await;
+        }
+    }
+}
+
+impl Drop for RelayHandle {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(StopMode::Graceful);
+        }
+    }
+}

@@ -1,0 +1,630 @@
+//! The T7.4 acceptance suite, on this machine's real PostgreSQL and RabbitMQ.
+//!
+//! `cargo test -p distribution outbox -- --test-threads=1` runs it; every Verify step is a test
+//! in `mod outbox`. Broker outages are a proxy each test owns; the real RabbitMQ keeps running.
+#[path = "support/harness.rs"]
+mod harness;
+
+mod outbox {
+    use std::time::{Duration, Instant};
+
+    use distribution::broker::{CallProbe, Partition};
+    use distribution::store::{
+        BranchId, BranchKey, FoldStore, IntentWriter, Lsn, Outbox, RunId, TenantId,
+    };
+    use distribution::{BrokerProxy, Relay};
+    use futures_util::StreamExt;
+    use lapin::options::{BasicConsumeOptions, BasicQosOptions};
+    use lapin::types::FieldTable;
+
+    use crate::harness::*;
+
+    /// The largest down/up latency ratio accepted for a host run (step 2). An executor that
+    /// touched the broker inline would pay connect timeouts per step: a ratio in the hundreds.
+    const LATENCY_RATIO_BOUND: f64 = 3.0;
+
+    /// Steps 1-4 and 7: the broker is down for a whole run; the run completes at normal speed
+    /// (ratio to a broker-up baseline measured here); nothing ships while it is down; when it
+    /// returns every event ships and is folded once, in Lsn order per branch, across tenants,
+    /// runs and branches interleaved; and the broker client never ran on a host thread.
+    #[test]
+    fn outbox_broker_down_for_a_whole_run_then_everything_ships_in_order() {
+        host_runtime().block_on(async {
+            let (pool, url) = fresh_database("down").await;
+            let proxy = BrokerProxy::start(&amqp_url()).unwrap();
+            let probe = CallProbe::new();
+            let mut config = relay_config(&url, &proxy.amqp_url(), &unique("relay-down"));
+            config.probe = Some(probe.clone());
+            let fold = FoldStore::new(pool.clone());
+            let folding = Folding::start(direct_rabbit(&config), &fold);
+            let relay = Relay::start(config.clone()).await.unwrap();
+            let outbox = Outbox::new(pool.clone());
+
+            let baseline = Workload::new("up", 3, 2, 40).run(&pool).await;
+            proxy.cut();
+            let mut down_workload = Workload::new("down", 3, 2, 40);
+            down_workload.rewind = true;
+            let down = down_workload.run(&pool).await;
+
+            let ratio = down.elapsed.as_secs_f64() / baseline.elapsed.as_secs_f64();
+            println!(
+                "host run latency: broker up {:.3} s, broker down {:.3} s, ratio {ratio:.2} (bound {LATENCY_RATIO_BOUND})",
+                baseline.elapsed.as_secs_f64(),
+                down.elapsed.as_secs_f64()
+            );
+            assert!(ratio <= LATENCY_RATIO_BOUND, "broker-down run was {ratio:.2}x slower than broker-up");
+
+            // While the broker is down nothing of the down run ships; the backlog shows it waiting.
+            assert_eq!(folded_count(&fold, &down.expected).await, 0);
+            let waiting: u64 = {
+                let mut waiting = 0;
+                for tenant in tenants_of(&down.expected) {
+                    waiting += outbox.tenant_backlog(&tenant).await.unwrap().pending;
+                }
+                waiting
+            };
+            assert_eq!(waiting as usize, count(&down.expected));
+
+            proxy.restore();
+            let mut all = baseline.expected.clone();
+            merge(&mut all, &down.expected);
+            wait_until("every event folded", Duration::from_secs(60), || async {
+                folded_count(&fold, &all).await == count(&all)
+            })
+            .await;
+            assert_folded_exactly(&fold, &all).await;
+            wait_until("backlog empty", Duration::from_secs(10), || async { pending(&outbox).await == 0 }).await;
+
+            // Step 7: the broker client was called, and never from a host executor thread.
+            let calls = probe.calls_by_thread();
+            assert!(!calls.is_empty(), "the probe saw no broker call at all");
+            for (thread, n_calls) in &calls {
+                assert!(!thread.starts_with(HOST_THREADS), "{n_calls} broker calls from host thread {thread}");
+                assert!(thread.starts_with("outbox-relay"), "broker call from unexpected thread {thread}");
+            }
+
+            relay.shutdown().await;
+            folding.stop().await;
+            drop_topology(&config.rabbit_config().unwrap().topology).await;
+        });
+    }
+
+    /// Step 5: ack loss forces every event to be delivered twice; the folded state is identical
+    /// to folding each event once (exactly once at the fold, not in transport).
+    #[test]
+    fn outbox_forced_redelivery_leaves_the_fold_identical_to_single_delivery() {
+        host_runtime().block_on(async {
+            let (pool, url) = fresh_database("redeliver").await;
+            let config = relay_config(&url, &amqp_url(), &unique("relay-redeliver"));
+            let rabbit = direct_rabbit(&config);
+            let outbox = Outbox::new(pool.clone());
+            let ran = Workload::new("rd", 2, 2, 25).run(&pool).await;
+            let relay = Relay::start(config.clone()).await.unwrap();
+            wait_until("all confirmed", Duration::from_secs(60), || async {
+                pending(&outbox).await == 0
+            })
+            .await;
+            relay.shutdown().await;
+
+            // A consumer folds every delivery but loses its acks (its channel dies unacked).
+            let fold = FoldStore::new(pool.clone());
+            let total = count(&ran.expected);
+            let connection =
+                lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default())
+                    .await
+                    .unwrap();
+            let mut first_pass = 0;
+            for index in 0..rabbit.topology.partitions() {
+                let channel = connection.create_channel().await.unwrap();
+                channel
+                    .basic_qos(10_000, BasicQosOptions::default())
+                    .await
+                    .unwrap();
+                let in_partition = ran
+                    .expected
+                    .iter()
+                    .filter(|(key, _)| {
+                        rabbit.topology.partition_of(&key.tenant, &key.run) == Partition(index)
+                    })
+                    .map(|(_, events)| events.len())
+                    .sum::<usize>();
+                let mut consumer = channel
+                    .basic_consume(
+                        rabbit.topology.queue(Partition(index)),
+                        "".into(),
+                        BasicConsumeOptions::default(),
+                        FieldTable::default(),
+                    )
+                    .await
+                    .unwrap();
+                for _ in 0..in_partition {
+                    let delivery = consumer.next().await.unwrap().unwrap();
+                    let event =
+                        distribution::broker::decode(&delivery.properties, &delivery.data).unwrap();
+                    fold.apply(&event).await.unwrap();
+                    first_pass += 1;
+                }
+                channel.close(200, "ack lost".into()).await.unwrap();
+            }
+            connection.close(200, "ack lost".into()).await.unwrap();
+            assert_eq!(first_pass, total);
+
+            // The real consumer then receives all of it again.
+            let folding = Folding::start(rabbit.clone(), &fold);
+            wait_until(
+                "every event redelivered",
+                Duration::from_secs(60),
+                || async { folding.totals().duplicates as usize == total },
+            )
+            .await;
+            let stats = folding.stop().await;
+            assert_eq!(
+                (stats.applied, stats.duplicates),
+                (0, total as u64),
+                "redeliveries are no-ops"
+            );
+
+            // The single-delivery case, folded in another database, is identical.
+            let (reference_pool, _) = fresh_database("reference").await;
+            let reference = FoldStore::new(reference_pool);
+            for (branch, events) in &ran.expected {
+                let mut prev = Lsn::ZERO;
+                for (lsn, payload) in events {
+                    let event = distribution::store::OutboxEvent {
+                        key: distribution::store::EventKey {
+                            branch: branch.clone(),
+                            lsn: *lsn,
+                        },
+                        prev_lsn: prev,
+                        base_lsn: Lsn::ZERO,
+                        payload: payload.clone(),
+                        created_at: chrono_now(),
+                    };
+                    reference.apply(&event).await.unwrap();
+                    prev = *lsn;
+                }
+            }
+            for tenant in tenants_of(&ran.expected) {
+                assert_eq!(
+                    fold.folded(&tenant).await.unwrap().len(),
+                    reference.folded(&tenant).await.unwrap().len()
+                );
+            }
+            assert_folded_exactly(&fold, &ran.expected).await;
+            assert_folded_exactly(&reference, &ran.expected).await;
+            drop_topology(&rabbit.topology).await;
+        });
+    }
+
+    fn chrono_now() -> chrono::DateTime<chrono::Utc> {
+        chrono::Utc::now()
+    }
+
+    /// Step 6 (actors): drainers and publishers killed mid-batch, again and again, while a
+    /// backlog ships; restarted, they lose nothing and duplicate nothing at the fold.
+    #[test]
+    fn outbox_killing_drainers_and_publishers_mid_batch_loses_and_duplicates_nothing() {
+        host_runtime().block_on(async {
+            let (pool, url) = fresh_database("kill").await;
+            let mut config = relay_config(&url, &amqp_url(), &unique("relay-kill"));
+            config.supervisor.drainer.batch_size = 25;
+            let outbox = Outbox::new(pool.clone());
+            let fold = FoldStore::new(pool.clone());
+            let ran = Workload::new("kill", 3, 2, 150).run(&pool).await;
+            let total = count(&ran.expected) as u64;
+            let folding = Folding::start(direct_rabbit(&config), &fold);
+            let relay = Relay::start(config.clone()).await.unwrap();
+
+            let mut kills = 0;
+            let mut last_pending = total;
+            while kills < 8 {
+                // Wait for progress since the last kill, so each kill lands on a working tree.
+                wait_until("progress", Duration::from_secs(30), || async {
+                    let now = pending(&outbox).await;
+                    now < last_pending || now == 0
+                })
+                .await;
+                last_pending = pending(&outbox).await;
+                if last_pending == 0 {
+                    break;
+                }
+                let Some(tree) = relay.snapshot().await else {
+                    continue;
+                };
+                if kills % 2 == 0 {
+                    if let Some(drainer) = tree
+                        .drainers
+                        .values()
+                        .nth(kills % tree.drainers.len().max(1))
+                    {
+                        drainer.kill();
+                        kills += 1;
+                    }
+                } else if let Some(publisher) = tree.publishers.iter().flatten().nth(kills % 3) {
+                    publisher.kill();
+                    kills += 1;
+                }
+            }
+            assert!(
+                kills >= 4,
+                "only {kills} kills landed before the backlog drained"
+            );
+            wait_until("every event folded", Duration::from_secs(60), || async {
+                folded_count(&fold, &ran.expected).await as u64 == total
+            })
+            .await;
+            assert_folded_exactly(&fold, &ran.expected).await;
+            assert_eq!(pending(&outbox).await, 0);
+            relay.shutdown().await;
+            folding.stop().await;
+            drop_topology(&config.rabbit_config().unwrap().topology).await;
+        });
+    }
+
+    /// Step 6 (process): the standalone relay is SIGKILLed mid-batch and started again; nothing
+    /// is lost and nothing is duplicated at the fold. Proves ack-after-confirm end to end.
+    #[test]
+    fn outbox_sigkill_of_the_relay_process_loses_and_duplicates_nothing() {
+        host_runtime().block_on(async {
+            let (pool, url) = fresh_database("sigkill").await;
+            let config = relay_config(&url, &amqp_url(), &unique("relay-sigkill"));
+            let outbox = Outbox::new(pool.clone());
+            let fold = FoldStore::new(pool.clone());
+            let ran = Workload::new("sk", 3, 2, 300).run(&pool).await;
+            let total = count(&ran.expected) as u64;
+            let folding = Folding::start(direct_rabbit(&config), &fold);
+            let spawn = || {
+                std::process::Command::new(env!("CARGO_BIN_EXE_distribution"))
+                    .arg("run")
+                    .env("DATABASE_URL", &url)
+                    .env("AMQP_URL", amqp_url())
+                    .env("RELAY_TOPOLOGY", &config.topology)
+                    .env("RELAY_PARTITIONS", config.partitions.to_string())
+                    .env("RELAY_BATCH_SIZE", "20")
+                    .env("RELAY_POLL_MS", "100")
+                    .env("RELAY_METRICS_ADDR", "127.0.0.1:0")
+                    .stdout(std::process::Stdio::null())
+                    .stderr(std::process::Stdio::null())
+                    .spawn()
+                    .expect("spawn the relay binary")
+            };
+            let mut first = spawn();
+            wait_until(
+                "the first relay to ship something",
+                Duration::from_secs(60),
+                || async { pending(&outbox).await < total },
+            )
+            .await;
+            first.kill().unwrap(); // SIGKILL
+            first.wait().unwrap();
+            let left = pending(&outbox).await;
+            assert!(
+                left > 0,
+                "the relay finished before it could be killed mid-run"
+            );
+            println!("SIGKILL with {left} of {total} events pending");
+
+            let mut second = spawn();
+            wait_until("every event folded", Duration::from_secs(90), || async {
+                folded_count(&fold, &ran.expected).await as u64 == total
+            })
+            .await;
+            second.kill().unwrap();
+            second.wait().unwrap();
+            assert_folded_exactly(&fold, &ran.expected).await;
+            folding.stop().await;
+            drop_topology(&config.rabbit_config().unwrap().topology).await;
+        });
+    }
+
+    /// Step 8: after a rewind only the live branch is exported: the abandoned tail never
+    /// reaches the broker; the shared prefix and the new branch do.
+    #[test]
+    fn outbox_only_the_live_branch_is_exported_after_a_rewind() {
+        host_runtime().block_on(async {
+            let (pool, url) = fresh_database("rewind").await;
+            let proxy = BrokerProxy::start(&amqp_url()).unwrap();
+            proxy.cut();
+            let config = relay_config(&url, &proxy.amqp_url(), &unique("relay-rewind"));
+            let relay = Relay::start(config.clone()).await.unwrap();
+            let writer = IntentWriter::default();
+            let tenant = TenantId::new("rw").unwrap();
+            let main = BranchKey::new(
+                tenant.clone(),
+                RunId::new("r1").unwrap(),
+                BranchId::new("main").unwrap(),
+            );
+            let other = BranchKey::new(
+                tenant.clone(),
+                RunId::new("r2").unwrap(),
+                BranchId::new("main").unwrap(),
+            );
+            writer
+                .open_run(&mut *pool.acquire().await.unwrap(), &main)
+                .await
+                .unwrap();
+            writer
+                .open_run(&mut *pool.acquire().await.unwrap(), &other)
+                .await
+                .unwrap();
+            for lsn in 1..=10 {
+                writer
+                    .append(
+                        &mut *pool.acquire().await.unwrap(),
+                        &main,
+                        Lsn::new(lsn),
+                        format!("main{lsn}").as_bytes(),
+                    )
+                    .await
+                    .unwrap();
+                writer
+                    .append(
+                        &mut *pool.acquire().await.unwrap(),
+                        &other,
+                        Lsn::new(lsn),
+                        format!("other{lsn}").as_bytes(),
+                    )
+                    .await
+                    .unwrap();
+            }
+            let rewound = writer
+                .rewind(
+                    &mut *pool.acquire().await.unwrap(),
+                    &main,
+                    Lsn::new(5),
+                    BranchId::new("alt").unwrap(),
+                )
+                .await
+                .unwrap();
+            assert_eq!(rewound.abandoned, 5);
+            for lsn in 6..=9 {
+                writer
+                    .append(
+                        &mut *pool.acquire().await.unwrap(),
+                        &rewound.live,
+                        Lsn::new(lsn),
+                        format!("alt{lsn}").as_bytes(),
+                    )
+                    .await
+                    .unwrap();
+            }
+            let mut expected = Expected::new();
+            expected.insert(
+                main.clone(),
+                (1..=5)
+                    .map(|l| (Lsn::new(l), format!("main{l}").into_bytes()))
+                    .collect(),
+            );
+            expected.insert(
+                rewound.live.clone(),
+                (6..=9)
+                    .map(|l| (Lsn::new(l), format!("alt{l}").into_bytes()))
+                    .collect(),
+            );
+            expected.insert(
+                other.clone(),
+                (1..=10)
+                    .map(|l| (Lsn::new(l), format!("other{l}").into_bytes()))
+                    .collect(),
+            );
+
+            let fold = FoldStore::new(pool.clone());
+            let folding = Folding::start(direct_rabbit(&config), &fold);
+            proxy.restore();
+            wait_until(
+                "the live history folded",
+                Duration::from_secs(60),
+                || async { folded_count(&fold, &expected).await == count(&expected) },
+            )
+            .await;
+            wait_until("backlog empty", Duration::from_secs(10), || async {
+                pending(&Outbox::new(pool.clone())).await == 0
+            })
+            .await;
+            // Everything the broker ever carried has been folded (the backlog is empty and the
+            // fold consumers are caught up), and it is exactly the live history.
+            assert_folded_exactly(&fold, &expected).await;
+            assert!(
+                fold.folded(&tenant)
+                    .await
+                    .unwrap()
+                    .iter()
+                    .all(|e| !(e.key.branch == main && e.key.lsn > Lsn::new(5)))
+            );
+            relay.shutdown().await;
+            folding.stop().await;
+            drop_topology(&config.rabbit_config().unwrap().topology).await;
+        });
+    }
+
+    /// Step 9: relay lag is emitted: pending rows and oldest age per tenant while the broker is
+    /// down, and events shipped once it is back.
+    #[test]
+    fn outbox_relay_lag_is_emitted_as_metrics() {
+        let snapshotter = {
+            let recorder = metrics_util::debugging::DebuggingRecorder::new();
+            let snapshotter = recorder.snapshotter();
+            recorder
+                .install()
+                .expect("only this test installs a recorder");
+            snapshotter
+        };
+        host_runtime().block_on(async {
+            let (pool, url) = fresh_database("metrics").await;
+            let proxy = BrokerProxy::start(&amqp_url()).unwrap();
+            proxy.cut();
+            let config = relay_config(&url, &proxy.amqp_url(), &unique("relay-metrics"));
+            let relay = Relay::start(config.clone()).await.unwrap();
+            let prefix = unique("lag").replace('_', "-");
+            let ran = Workload::new(&prefix, 1, 2, 10).run(&pool).await;
+            let tenant = tenants_of(&ran.expected)[0].to_string();
+            let total = count(&ran.expected) as f64;
+
+            let mut shipped = 0u64;
+            let mut saw_pending = false;
+            let mut saw_age = false;
+            let read = |shipped: &mut u64, saw_pending: &mut bool, saw_age: &mut bool| {
+                for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+                    let key = key.key();
+                    if !key
+                        .labels()
+                        .any(|label| label.key() == "tenant" && label.value() == tenant)
+                    {
+                        continue;
+                    }
+                    match (key.name(), value) {
+                        (
+                            "relay_backlog_pending",
+                            metrics_util::debugging::DebugValue::Gauge(v),
+                        ) if v.0 == total => *saw_pending = true,
+                        (
+                            "relay_backlog_oldest_age_seconds",
+                            metrics_util::debugging::DebugValue::Gauge(v),
+                        ) if v.0 > 0.0 => *saw_age = true,
+                        (
+                            "relay_events_shipped_total",
+                            metrics_util::debugging::DebugValue::Counter(n),
+                        ) => *shipped += n,
+                        _ => {}
+                    }
+                }
+            };
+            wait_until("backlog gauges", Duration::from_secs(30), || {
+                read(&mut shipped, &mut saw_pending, &mut saw_age);
+                let done = saw_pending && saw_age;
+                async move { done }
+            })
+            .await;
+            proxy.restore();
+            wait_until("shipped counter", Duration::from_secs(60), || {
+                read(&mut shipped, &mut saw_pending, &mut saw_age);
+                let done = shipped as f64 == total;
+                async move { done }
+            })
+            .await;
+            relay.shutdown().await;
+            drop_topology(&config.rabbit_config().unwrap().topology).await;
+        });
+    }
+
+    /// Several relays on one database: each tenant is drained by exactly one of them; when one
+    /// dies, the survivor takes its tenants over with no operator, and nothing is lost.
+    #[test]
+    fn outbox_two_relays_split_tenants_and_a_dead_relays_tenants_move_to_the_survivor() {
+        host_runtime().block_on(async {
+            let (pool, url) = fresh_database("two").await;
+            let config = relay_config(&url, &amqp_url(), &unique("relay-two"));
+            let fold = FoldStore::new(pool.clone());
+            let folding = Folding::start(direct_rabbit(&config), &fold);
+            let first = Relay::start(config.clone()).await.unwrap();
+            let second = Relay::start(config.clone()).await.unwrap();
+            let workload = Workload::new("two", 8, 1, 30);
+            let ran = workload.run(&pool).await;
+            let mut all = ran.expected.clone();
+            let tenants = tenants_of(&all);
+            wait_until("every event folded", Duration::from_secs(60), || async {
+                folded_count(&fold, &all).await == count(&all)
+            })
+            .await;
+            let held_first: Vec<TenantId> = first
+                .snapshot()
+                .await
+                .unwrap()
+                .drainers
+                .into_keys()
+                .collect();
+            let held_second: Vec<TenantId> = second
+                .snapshot()
+                .await
+                .unwrap()
+                .drainers
+                .into_keys()
+                .collect();
+            assert!(
+                held_first
+                    .iter()
+                    .all(|tenant| !held_second.contains(tenant)),
+                "a tenant held twice"
+            );
+            assert_eq!(held_first.len() + held_second.len(), tenants.len());
+
+            first.abort().await; // a crash: its leases go with its connections
+            let more = workload.steps(&pool, ran.live.clone(), 31..=50).await;
+            merge(&mut all, &more.expected);
+            wait_until(
+                "the survivor ships the dead relay's tenants",
+                Duration::from_secs(60),
+                || async { folded_count(&fold, &all).await == count(&all) },
+            )
+            .await;
+            let held: Vec<TenantId> = second
+                .snapshot()
+                .await
+                .unwrap()
+                .drainers
+                .into_keys()
+                .collect();
+            assert_eq!(held.len(), tenants.len(), "the survivor holds every tenant");
+            assert_folded_exactly(&fold, &all).await;
+            second.shutdown().await;
+            folding.stop().await;
+            drop_topology(&config.rabbit_config().unwrap().topology).await;
+        });
+    }
+
+    /// A stalled host runtime does not stall the relay: with every host executor thread
+    /// blocked, committed events still ship.
+    #[test]
+    fn outbox_relay_keeps_shipping_while_the_host_runtime_is_stalled() {
+        let host = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let (pool, url, relay, fold, folding, ran, config) = host.block_on(async {
+            let (pool, url) = fresh_database("stall").await;
+            let config = relay_config(&url, &amqp_url(), &unique("relay-stall"));
+            let fold = FoldStore::new(pool.clone());
+            let folding = Folding::start(direct_rabbit(&config), &fold);
+            let relay = Relay::start(config.clone()).await.unwrap();
+            let ran = Workload::new("stall", 2, 2, 20).run(&pool).await;
+            (pool, url, relay, fold, folding, ran, config)
+        });
+        // The host's only executor thread is now blocked (not driving anything) until the relay
+        // has shipped everything, as observed from a separate checker thread with its own runtime.
+        let checker = std::thread::spawn({
+            let url = url.clone();
+            move || {
+                let checker = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                checker.block_on(async {
+                    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+                    let outbox = Outbox::new(pool);
+                    let started = Instant::now();
+                    while pending(&outbox).await > 0 {
+                        assert!(
+                            started.elapsed() < Duration::from_secs(60),
+                            "relay stalled with the host"
+                        );
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                })
+            }
+        });
+        checker
+            .join()
+            .expect("the relay shipped everything while the host was blocked");
+        host.block_on(async {
+            wait_until("every event folded", Duration::from_secs(60), || async {
+                folded_count(&fold, &ran.expected).await == count(&ran.expected)
+            })
+            .await;
+            assert_folded_exactly(&fold, &ran.expected).await;
+            relay.shutdown().await;
+            folding.stop().await;
+            drop_topology(&config.rabbit_config().unwrap().topology).await;
+            drop(pool);
+        });
+    }
+}

@@ -1,0 +1,366 @@
+//! Shared harness of the relay's integration tests: a fresh database per test, unique broker
+//! names, a host runtime with named executor threads, a simulated agent workload, a fold that
+//! consumes the real broker, and waiting on conditions with deadlines (never sleeps as sync).
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use distribution::RelayConfig;
+use distribution::broker::{FoldConsumer, FoldStats, Partition, RabbitConfig, Topology};
+use distribution::store::{
+    self, BranchId, BranchKey, FoldStore, IntentWriter, Lsn, Outbox, RunId, TenantId,
+};
+use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
+use sqlx::{Connection, PgConnection, PgPool};
+
+/// Name prefix of the host's executor threads: the broker client must never run on them.
+pub const HOST_THREADS: &str = "host-executor";
+
+pub fn amqp_url() -> String {
+    std::env::var("AMQP_URL").expect("AMQP_URL (set in .cargo/config.toml)")
+}
+
+pub fn unique(label: &str) -> String {
+    let micros = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros();
+    format!("{label}_{}_{micros}", std::process::id())
+}
+
+/// The host: a multi-thread runtime whose workers are named `host-executor`.
+pub fn host_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name(HOST_THREADS)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// A fresh, migrated database with a host state table; returns its pool and URL.
+pub async fn fresh_database(label: &str) -> (PgPool, String) {
+    let url = std::env::var("DATABASE_URL").expect("DATABASE_URL (set in .cargo/config.toml)");
+    let name = unique(&format!("relay_it_{label}"));
+    let mut admin = PgConnection::connect(&url).await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    let server = url.rsplit_once('/').unwrap().0;
+    let url = format!("{server}/{name}");
+    let pool = PgPool::connect(&url).await.unwrap();
+    store::migrate(&pool).await.unwrap();
+    sqlx::query("CREATE TABLE host_state (tenant text, run text, step bigint, note text)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    (pool, url)
+}
+
+/// A relay configuration with test-speed timings.
+pub fn relay_config(database_url: &str, amqp_url: &str, topology: &str) -> RelayConfig {
+    let mut config = RelayConfig::new(database_url, amqp_url);
+    config.topology = topology.to_owned();
+    config.partitions = 4;
+    config.supervisor.shards = 3;
+    config.supervisor.poll_interval = Duration::from_millis(100);
+    config.supervisor.metrics_interval = Duration::from_millis(100);
+    config.supervisor.restart.min = Duration::from_millis(20);
+    config.supervisor.restart.max = Duration::from_millis(300);
+    config.supervisor.drainer.retry.min = Duration::from_millis(20);
+    config.supervisor.drainer.retry.max = Duration::from_millis(300);
+    config.supervisor.drainer.batch_timeout = Duration::from_secs(10);
+    config.supervisor.finish_grace = Duration::from_secs(5);
+    config
+}
+
+/// The broker side of `config`, but talking to the real broker directly (the fold's side).
+pub fn direct_rabbit(config: &RelayConfig) -> RabbitConfig {
+    let mut direct = config.clone();
+    direct.amqp_url = amqp_url();
+    direct.rabbit_config().unwrap()
+}
+
+pub async fn wait_until<F, Fut>(what: &str, limit: Duration, mut done: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + limit;
+    while !done().await {
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {limit:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// What the fold must end with: per branch, the live events in Lsn order with their payloads.
+pub type Expected = BTreeMap<BranchKey, Vec<(Lsn, Vec<u8>)>>;
+
+pub fn count(expected: &Expected) -> usize {
+    expected.values().map(Vec::len).sum()
+}
+
+pub fn tenants_of(expected: &Expected) -> Vec<TenantId> {
+    let mut tenants: Vec<TenantId> = expected.keys().map(|key| key.tenant.clone()).collect();
+    tenants.dedup();
+    tenants
+}
+
+/// A simulated agent workload: tenants x runs, `steps` steps each, interleaved round-robin; each
+/// step is one host transaction writing the host's state and the export intent. With `rewind`,
+/// run 0 of each tenant rewinds 3 steps halfway (only use it while nothing can ship).
+pub struct Workload {
+    pub prefix: String,
+    pub tenants: usize,
+    pub runs: usize,
+    pub steps: u64,
+    pub rewind: bool,
+}
+
+pub struct Ran {
+    pub expected: Expected,
+    pub elapsed: Duration,
+    /// Each run's live branch and its head, to continue the runs.
+    pub live: Vec<(BranchKey, u64)>,
+}
+
+impl Workload {
+    pub fn new(prefix: &str, tenants: usize, runs: usize, steps: u64) -> Self {
+        Self {
+            prefix: prefix.to_owned(),
+            tenants,
+            runs,
+            steps,
+            rewind: false,
+        }
+    }
+
+    /// Opens the runs and writes `steps` steps.
+    pub async fn run(&self, pool: &PgPool) -> Ran {
+        let writer = IntentWriter::default();
+        let mut live: Vec<(BranchKey, u64)> = Vec::new();
+        for tenant in 0..self.tenants {
+            for run in 0..self.runs {
+                let key = BranchKey::new(
+                    TenantId::new(format!("{}-t{tenant}", self.prefix)).unwrap(),
+                    RunId::new(format!("r{run}")).unwrap(),
+                    BranchId::new("main").unwrap(),
+                );
+                writer
+                    .open_run(&mut *pool.acquire().await.unwrap(), &key)
+                    .await
+                    .unwrap();
+                live.push((key, 0));
+            }
+        }
+        self.steps(pool, live, 1..=self.steps).await
+    }
+
+    /// Writes the steps `range` on the live branches `live` (continuing a previous `Ran`).
+    pub async fn steps(
+        &self,
+        pool: &PgPool,
+        mut live: Vec<(BranchKey, u64)>,
+        range: std::ops::RangeInclusive<u64>,
+    ) -> Ran {
+        let writer = IntentWriter::default();
+        let mut expected = Expected::new();
+        let started = Instant::now();
+        for step in range {
+            for (index, (branch, lsn)) in live.iter_mut().enumerate() {
+                if self.rewind && step == self.steps / 2 && index % self.runs == 0 {
+                    let at = *lsn - 3;
+                    let rewound = writer
+                        .rewind(
+                            &mut *pool.acquire().await.unwrap(),
+                            branch,
+                            Lsn::new(at),
+                            BranchId::new(format!("fork{step}")).unwrap(),
+                        )
+                        .await
+                        .unwrap();
+                    assert_eq!(rewound.abandoned, 3);
+                    expected
+                        .get_mut(branch)
+                        .unwrap()
+                        .retain(|(event_lsn, _)| event_lsn.get() <= at);
+                    *branch = rewound.live;
+                    *lsn = at;
+                }
+                *lsn += 1;
+                let payload = format!("{branch}@{lsn}:step{step}").into_bytes();
+                let mut tx = pool.begin().await.unwrap();
+                sqlx::query("INSERT INTO host_state (tenant, run, step, note) VALUES ($1, $2, $3, 'thought')")
+                    .bind(branch.tenant.as_str())
+                    .bind(branch.run.as_str())
+                    .bind(step as i64)
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
+                writer
+                    .append(&mut tx, branch, Lsn::new(*lsn), &payload)
+                    .await
+                    .unwrap();
+                tx.commit().await.unwrap();
+                expected
+                    .entry(branch.clone())
+                    .or_default()
+                    .push((Lsn::new(*lsn), payload));
+            }
+        }
+        Ran {
+            expected,
+            elapsed: started.elapsed(),
+            live,
+        }
+    }
+}
+
+pub fn merge(into: &mut Expected, more: &Expected) {
+    for (branch, events) in more {
+        into.entry(branch.clone())
+            .or_default()
+            .extend(events.iter().cloned());
+    }
+}
+
+/// Number of expected events already folded.
+pub async fn folded_count(fold: &FoldStore, expected: &Expected) -> usize {
+    let mut folded = 0;
+    for tenant in tenants_of(expected) {
+        folded += fold.folded(&tenant).await.unwrap().len();
+    }
+    folded
+}
+
+/// The fold holds exactly `expected`: every live event once, applied in Lsn order per branch,
+/// nothing else, nothing parked.
+pub async fn assert_folded_exactly(fold: &FoldStore, expected: &Expected) {
+    for tenant in tenants_of(expected) {
+        let mut got = Expected::new();
+        for event in fold.folded(&tenant).await.unwrap() {
+            got.entry(event.key.branch)
+                .or_default()
+                .push((event.key.lsn, event.payload));
+        }
+        let want: Expected = expected
+            .iter()
+            .filter(|(key, _)| key.tenant == tenant)
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        assert_eq!(got.len(), want.len(), "branches of {tenant}");
+        for (branch, events) in &want {
+            let got_lsns: Vec<u64> = got[branch].iter().map(|(lsn, _)| lsn.get()).collect();
+            let want_lsns: Vec<u64> = events.iter().map(|(lsn, _)| lsn.get()).collect();
+            assert_eq!(
+                got_lsns, want_lsns,
+                "fold of {branch}: each live event once, in Lsn order"
+            );
+            assert_eq!(&got[branch], events, "payloads of {branch}");
+        }
+        assert_eq!(fold.parked(&tenant).await.unwrap(), 0);
+    }
+}
+
+pub async fn pending(outbox: &Outbox) -> u64 {
+    outbox
+        .backlog()
+        .await
+        .unwrap()
+        .iter()
+        .map(|tenant| tenant.pending)
+        .sum()
+}
+
+/// Fold consumers on every partition of the real broker, until stopped.
+pub struct Folding {
+    stop: tokio::sync::watch::Sender<bool>,
+    tasks: Vec<tokio::task::JoinHandle<FoldStats>>,
+    pub progress: Arc<Mutex<Vec<FoldStats>>>,
+}
+
+impl Folding {
+    pub fn start(rabbit: RabbitConfig, fold: &FoldStore) -> Self {
+        let partitions = rabbit.topology.partitions();
+        let (stop, _) = tokio::sync::watch::channel(false);
+        let progress = Arc::new(Mutex::new(vec![
+            FoldStats::default();
+            usize::from(partitions)
+        ]));
+        let consumer = FoldConsumer::new(rabbit);
+        let tasks = (0..partitions)
+            .map(|partition| {
+                let (consumer, fold, mut stop, progress) = (
+                    consumer.clone(),
+                    fold.clone(),
+                    stop.subscribe(),
+                    progress.clone(),
+                );
+                tokio::spawn(async move {
+                    let stopped = async move {
+                        let _ = stop.wait_for(|stop| *stop).await;
+                    };
+                    let report = |stats| progress.lock().unwrap()[usize::from(partition)] = stats;
+                    consumer
+                        .run(Partition(partition), &fold, stopped, report)
+                        .await
+                        .expect("fold consumer")
+                })
+            })
+            .collect();
+        Self {
+            stop,
+            tasks,
+            progress,
+        }
+    }
+
+    pub fn totals(&self) -> FoldStats {
+        let progress = self.progress.lock().unwrap();
+        progress
+            .iter()
+            .fold(FoldStats::default(), |sum, stats| FoldStats {
+                applied: sum.applied + stats.applied,
+                duplicates: sum.duplicates + stats.duplicates,
+                parked: sum.parked + stats.parked,
+                rejected: sum.rejected + stats.rejected,
+            })
+    }
+
+    pub async fn stop(mut self) -> FoldStats {
+        let _ = self.stop.send(true);
+        for task in std::mem::take(&mut self.tasks) {
+            task.await.unwrap();
+        }
+        self.totals()
+    }
+}
+
+/// Removes a test's queues and exchange.
+pub async fn drop_topology(topology: &Topology) {
+    let connection =
+        lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default())
+            .await
+            .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    for index in 0..topology.partitions() {
+        let _ = channel
+            .queue_delete(
+                topology.queue(Partition(index)),
+                QueueDeleteOptions::default(),
+            )
+            .await;
+    }
+    let _ = channel
+        .exchange_delete(
+            topology.exchange().clone(),
+            ExchangeDeleteOptions::default(),
+        )
+        .await;
+}

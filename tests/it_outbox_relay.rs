@@ -340,17 +340,17 @@ mod outbox {
                 BranchId::new("main").unwrap(),
             );
             writer
-                .open_run(&mut *pool.acquire().await.unwrap(), &main)
+                .open_run(&mut pool.acquire().await.unwrap(), &main)
                 .await
                 .unwrap();
             writer
-                .open_run(&mut *pool.acquire().await.unwrap(), &other)
+                .open_run(&mut pool.acquire().await.unwrap(), &other)
                 .await
                 .unwrap();
             for lsn in 1..=10 {
                 writer
                     .append(
-                        &mut *pool.acquire().await.unwrap(),
+                        &mut pool.acquire().await.unwrap(),
                         &main,
                         Lsn::new(lsn),
                         format!("main{lsn}").as_bytes(),
@@ -359,7 +359,7 @@ mod outbox {
                     .unwrap();
                 writer
                     .append(
-                        &mut *pool.acquire().await.unwrap(),
+                        &mut pool.acquire().await.unwrap(),
                         &other,
                         Lsn::new(lsn),
                         format!("other{lsn}").as_bytes(),
@@ -369,7 +369,7 @@ mod outbox {
             }
             let rewound = writer
                 .rewind(
-                    &mut *pool.acquire().await.unwrap(),
+                    &mut pool.acquire().await.unwrap(),
                     &main,
                     Lsn::new(5),
                     BranchId::new("alt").unwrap(),
@@ -380,7 +380,7 @@ mod outbox {
             for lsn in 6..=9 {
                 writer
                     .append(
-                        &mut *pool.acquire().await.unwrap(),
+                        &mut pool.acquire().await.unwrap(),
                         &rewound.live,
                         Lsn::new(lsn),
                         format!("alt{lsn}").as_bytes(),

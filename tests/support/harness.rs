@@ -153,7 +153,7 @@ impl Workload {
                     BranchId::new("main").unwrap(),
                 );
                 writer
-                    .open_run(&mut *pool.acquire().await.unwrap(), &key)
+                    .open_run(&mut pool.acquire().await.unwrap(), &key)
                     .await
                     .unwrap();
                 live.push((key, 0));
@@ -178,7 +178,7 @@ impl Workload {
                     let at = *lsn - 3;
                     let rewound = writer
                         .rewind(
-                            &mut *pool.acquire().await.unwrap(),
+                            &mut pool.acquire().await.unwrap(),
                             branch,
                             Lsn::new(at),
                             BranchId::new(format!("fork{step}")).unwrap(),

@@ -61,11 +61,24 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
-            // One readable line: the error and its causes, no backtrace.
-            eprintln!("error: {err:#}");
+            eprintln!("error: {}", one_line(&err));
             ExitCode::FAILURE
         }
     }
+}
+
+/// The error and its causes on one line, without a backtrace, skipping causes whose text the
+/// line already contains (sqlx repeats its database error at every level).
+fn one_line(err: &anyhow::Error) -> String {
+    let mut line = err.to_string();
+    for cause in err.chain().skip(1) {
+        let text = cause.to_string();
+        if !line.contains(&text) {
+            line.push_str(": ");
+            line.push_str(&text);
+        }
+    }
+    line
 }
 
 async fn connect(url: &str) -> Result<sqlx::PgPool> {
@@ -110,7 +123,10 @@ async fn run() -> Result<()> {
 async fn status() -> Result<()> {
     let url = std::env::var("DATABASE_URL").context("DATABASE_URL is not set")?;
     let outbox = Outbox::new(connect(&url).await?);
-    let backlog = outbox.backlog().await?;
+    let backlog = outbox
+        .backlog()
+        .await
+        .context("cannot read the backlog (has `distribution migrate` run?)")?;
     print!("{}", demo::backlog_table(&backlog));
     Ok(())
 }

@@ -13,7 +13,7 @@ mod outbox {
     use std::time::Duration;
 
     use distribution::Relay;
-    use distribution::broker::{BoxFuture, Error, Outcome, PublishReport, Publisher};
+    use distribution::broker::{BoxFuture, Confirms, Error, Outcome, PublishReport, Publisher};
     use distribution::store::{BranchKey, FoldStore, Lsn, Outbox, OutboxEvent};
     use proptest::prelude::*;
 
@@ -56,7 +56,7 @@ mod outbox {
     struct FaultPublisher(Arc<FaultBroker>);
 
     impl Publisher for FaultPublisher {
-        fn publish<'a>(&'a mut self, events: &'a [OutboxEvent]) -> BoxFuture<'a, PublishReport> {
+        fn send<'a>(&'a mut self, events: &'a [OutboxEvent]) -> BoxFuture<'a, Confirms> {
             Box::pin(async move {
                 let broker = &self.0;
                 broker.calls.fetch_add(1, Ordering::SeqCst);
@@ -87,10 +87,11 @@ mod outbox {
                     };
                     outcomes.push(outcome);
                 }
-                PublishReport {
+                let report = PublishReport {
                     outcomes,
                     fault: fault_error,
-                }
+                };
+                Box::pin(std::future::ready(report)) as Confirms
             })
         }
     }

@@ -12,10 +12,13 @@ use crate::{DrainerMessage, ShardId};
 /// RabbitMQ adapter connects lazily on its first publish.
 pub type PublisherFactory = Arc<dyn Fn(ShardId) -> Box<dyn Publisher> + Send + Sync>;
 
+/// Default bound on events written but not yet confirmed, per publisher.
+pub const DEFAULT_MAX_UNCONFIRMED: usize = 20_000;
+
 /// Messages to a publisher.
 #[derive(Debug)]
 pub enum PublisherMessage {
-    /// Publish `events` (one branch's events in Lsn order) and reply `Confirmed` to `reply`.
+    /// Publish `events` (each branch's events in Lsn order) and reply `Confirmed` to `reply`.
     Publish {
         /// The drainer's batch number, echoed back.
         batch: u64,
@@ -24,6 +27,10 @@ pub enum PublisherMessage {
         /// Who gets the outcomes.
         reply: ActorRef<DrainerMessage>,
     },
+    /// A batch's confirms came back with a broker fault: fail, to be restarted fresh.
+    Fault(String),
+    /// A batch was accepted without fault.
+    Healthy,
 }
 
 /// Arguments of a publisher.
@@ -35,6 +42,9 @@ pub struct PublisherArgs {
     pub factory: PublisherFactory,
     /// Called after the first successful publish of this incarnation (a recovery signal).
     pub on_healthy: Arc<dyn Fn(ShardId) + Send + Sync>,
+    /// Most events written but not yet confirmed; further batches wait. Default
+    /// [`DEFAULT_MAX_UNCONFIRMED`]. Bounds the publisher's memory whatever the backlog.
+    pub max_unconfirmed: usize,
 }
 
 impl std::fmt::Debug for PublisherArgs {
@@ -50,6 +60,7 @@ pub struct PublisherState {
     args: PublisherArgs,
     client: Box<dyn Publisher>,
     healthy: bool,
+    unconfirmed: Arc<tokio::sync::Semaphore>,
 }
 
 impl std::fmt::Debug for PublisherState {
@@ -86,47 +97,66 @@ impl Actor for PublisherActor {
         args: PublisherArgs,
     ) -> Result<PublisherState, ActorProcessingErr> {
         let client = (args.factory)(args.shard);
+        let unconfirmed = Arc::new(tokio::sync::Semaphore::new(args.max_unconfirmed.max(1)));
         Ok(PublisherState {
             args,
             client,
             healthy: false,
+            unconfirmed,
         })
     }
 
     async fn handle(
         &self,
-        _myself: ActorRef<Self::Msg>,
+        myself: ActorRef<Self::Msg>,
         message: PublisherMessage,
         state: &mut PublisherState,
     ) -> Result<(), ActorProcessingErr> {
-        let PublisherMessage::Publish {
-            batch,
-            events,
-            reply,
-        } = message;
+        let (batch, events, reply) = match message {
+            PublisherMessage::Publish {
+                batch,
+                events,
+                reply,
+            } => (batch, events, reply),
+            PublisherMessage::Fault(reason) => return Err(reason.into()),
+            PublisherMessage::Healthy => {
+                if !state.healthy {
+                    state.healthy = true;
+                    (state.args.on_healthy)(state.args.shard);
+                }
+                return Ok(());
+            }
+        };
         let shard = state.args.shard;
+        // Backpressure: wait until this batch fits under the unconfirmed bound.
+        let wanted = events.len().clamp(1, state.args.max_unconfirmed.max(1)) as u32;
+        let permits = state.unconfirmed.clone().acquire_many_owned(wanted).await?;
         let span = tracing::debug_span!("publish", shard = shard.0, events = events.len());
-        let report = state.client.publish(&events).instrument(span).await;
-        for outcome in report
-            .outcomes
-            .iter()
-            .filter(|outcome| !outcome.is_accepted())
-        {
-            metrics::counter!("relay_publish_failures_total", "shard" => shard.0.to_string(), "outcome" => outcome_label(*outcome)).increment(1);
-        }
-        if report.fault.is_none() && !state.healthy && report.accepted() > 0 {
-            state.healthy = true;
-            (state.args.on_healthy)(shard);
-        }
-        // The drainer may have died meanwhile; it re-drains from the store, so a lost reply is safe.
-        let _ = reply.cast(DrainerMessage::Confirmed {
-            batch,
-            shard,
-            outcomes: report.outcomes,
-        });
-        match report.fault {
-            Some(fault) => Err(Box::new(fault)),
-            None => Ok(()),
-        }
+        // Invariant: batches are written in mailbox order on one channel, so each branch's
+        // events reach the broker in Lsn order; only the confirms are awaited concurrently.
+        let confirms = state.client.send(&events).instrument(span.clone()).await;
+        tokio::spawn(
+            async move {
+                let report = confirms.await;
+                drop(permits);
+                for outcome in report.outcomes.iter().filter(|outcome| !outcome.is_accepted()) {
+                    metrics::counter!("relay_publish_failures_total", "shard" => shard.0.to_string(), "outcome" => outcome_label(*outcome)).increment(1);
+                }
+                let verdict = match &report.fault {
+                    Some(fault) => PublisherMessage::Fault(fault.to_string()),
+                    None => PublisherMessage::Healthy,
+                };
+                // The drainer may have died meanwhile; it re-drains from the store, so a lost
+                // reply is safe. Likewise a verdict for a publisher already restarted.
+                let _ = reply.cast(DrainerMessage::Confirmed {
+                    batch,
+                    shard,
+                    outcomes: report.outcomes,
+                });
+                let _ = myself.cast(verdict);
+            }
+            .instrument(span),
+        );
+        Ok(())
     }
 }

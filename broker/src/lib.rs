@@ -22,6 +22,7 @@ pub use consumer::FoldStats;
 pub use error::Error;
 pub use error::WireError;
 pub use port::BoxFuture;
+pub use port::Confirms;
 pub use port::Outcome;
 pub use port::PublishReport;
 pub use port::Publisher;

@@ -59,12 +59,21 @@ impl PublishReport {
     }
 }
 
+/// The confirms of a batch already written: awaited on its own, so the next batch can be
+/// written meanwhile (many batches in flight on one channel, confirms pipelined).
+pub type Confirms = BoxFuture<'static, PublishReport>;
+
 /// Publishes events to a broker with confirms.
 ///
-/// Contract: events of one branch appear in `events` in ascending Lsn order and are written to
-/// the broker in that order on one channel. `publish` never panics and never hangs: every
-/// await is under a timeout.
+/// Contract: events of one branch appear in `events` in ascending Lsn order, and batches are
+/// written to the broker in the order of `send` calls on one channel. Nothing here panics or
+/// hangs: every await is under a timeout.
 pub trait Publisher: Send + 'static {
-    /// Publishes `events` (pipelined: all written, then all confirms awaited).
-    fn publish<'a>(&'a mut self, events: &'a [OutboxEvent]) -> BoxFuture<'a, PublishReport>;
+    /// Writes `events` to the broker, in order, and returns the future of their confirms.
+    fn send<'a>(&'a mut self, events: &'a [OutboxEvent]) -> BoxFuture<'a, Confirms>;
+
+    /// Writes `events` and awaits their confirms.
+    fn publish<'a>(&'a mut self, events: &'a [OutboxEvent]) -> BoxFuture<'a, PublishReport> {
+        Box::pin(async move { self.send(events).await.await })
+    }
 }

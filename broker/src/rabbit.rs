@@ -3,17 +3,22 @@
 //! - Lazy: constructing it does no I/O; the first publish connects. A broker that is down at
 //!   start is normal: publishes report `NotSent` with a fault, never a panic or a hang.
 //! - Confirms on, persistent messages, `mandatory`: a returned message is a failure.
-//! - Pipelined: a batch is written in full, then its confirms are awaited under one deadline.
+//! - Pipelined: `send` writes a batch and returns its confirms as a future (one deadline for the
+//!   batch); the caller may write further batches before awaiting it.
+//! - A fault seen while awaiting confirms is reported in the batch's `PublishReport`; the owner
+//!   drops this publisher (the relay restarts the actor, which builds a fresh one).
 //! - No auto-recovery: any channel fault drops the connection; the next publish reconnects
 //!   (and the relay's supervisor restarts the publisher with backoff).
+use std::collections::HashSet;
 use std::future::Future;
 use std::time::Duration;
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::types::ShortString;
 use lapin::{Channel, Confirmation, Connection, ConnectionProperties};
 use store::OutboxEvent;
 
-use crate::port::{BoxFuture, Outcome, PublishReport, Publisher};
+use crate::port::{BoxFuture, Confirms, Outcome, PublishReport, Publisher};
 use crate::{CallProbe, Error, Topology, wire};
 
 /// How to reach RabbitMQ.
@@ -93,11 +98,24 @@ pub(crate) async fn open(
     Ok((connection, channel))
 }
 
+/// An open connection, its confirming channel, and the pump awaiting that channel's confirms.
+struct Session {
+    _connection: Connection,
+    channel: Channel,
+    pump: tokio::sync::mpsc::UnboundedSender<PendingBatch>,
+}
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session").finish_non_exhaustive()
+    }
+}
+
 /// Publishes to RabbitMQ with confirms. One connection and one channel per publisher.
 #[derive(Debug)]
 pub struct RabbitPublisher {
     config: RabbitConfig,
-    session: Option<(Connection, Channel)>,
+    session: Option<Session>,
     probe: Option<CallProbe>,
 }
 
@@ -117,7 +135,7 @@ impl RabbitPublisher {
         self
     }
 
-    async fn channel(&mut self) -> Result<&Channel, Error> {
+    async fn session(&mut self) -> Result<&Session, Error> {
         if self.session.is_none() {
             let (connection, channel) = open(&self.config, "outbox-relay-publisher").await?;
             within(
@@ -126,34 +144,44 @@ impl RabbitPublisher {
                 channel.confirm_select(ConfirmSelectOptions::default()),
             )
             .await?;
-            self.session = Some((connection, channel));
+            let (pump, batches) = tokio::sync::mpsc::unbounded_channel();
+            // The pump ends when this session (its sender) is dropped and its queue is empty.
+            tokio::spawn(confirm_pump(batches, self.config.confirm_timeout));
+            self.session = Some(Session {
+                _connection: connection,
+                channel,
+                pump,
+            });
         }
         // Invariant: the session was set just above if it was missing.
-        Ok(&self.session.as_ref().expect("session is open").1)
+        Ok(self.session.as_ref().expect("session is open"))
     }
 
-    async fn publish_batch(&mut self, events: &[OutboxEvent]) -> PublishReport {
+    async fn send_batch(&mut self, events: &[OutboxEvent]) -> Confirms {
         if let Some(probe) = &self.probe {
             probe.record();
         }
+        let n_events = events.len();
         let topology = self.config.topology.clone();
         let (connect_timeout, confirm_timeout) =
             (self.config.connect_timeout, self.config.confirm_timeout);
-        let channel = match self.channel().await {
-            Ok(channel) => channel,
-            Err(fault) => return PublishReport::not_sent(events.len(), fault),
+        let session = match self.session().await {
+            Ok(session) => session,
+            Err(fault) => {
+                return Box::pin(std::future::ready(PublishReport::not_sent(n_events, fault)));
+            }
         };
-        let mut outcomes = vec![Outcome::NotSent; events.len()];
-        let mut fault = None;
-        let mut confirms = Vec::with_capacity(events.len());
-        // Write the whole batch first (ordered on one channel), then await confirms.
+        let mut write_fault = None;
+        let mut confirms = Vec::with_capacity(n_events);
+        let mut ids = Vec::with_capacity(n_events);
+        // Write the whole batch (ordered on one channel); its confirms are awaited by the pump.
         for event in events {
             let partition = topology.partition_of(&event.key.branch.tenant, &event.key.branch.run);
             let options = BasicPublishOptions {
                 mandatory: true,
                 ..BasicPublishOptions::default()
             };
-            let publish = channel.basic_publish(
+            let publish = session.channel.basic_publish(
                 topology.exchange().clone(),
                 topology.routing_key(partition),
                 options,
@@ -161,20 +189,86 @@ impl RabbitPublisher {
                 wire::properties(event),
             );
             match within("basic.publish", connect_timeout, publish).await {
-                Ok(confirm) => confirms.push(confirm),
+                Ok(confirm) => {
+                    confirms.push(confirm);
+                    ids.push(wire::message_id(&event.key));
+                }
                 Err(err) => {
-                    fault = Some(err);
+                    write_fault = Some(err);
                     break;
                 }
             }
         }
-        let deadline = tokio::time::Instant::now() + confirm_timeout;
-        for (index, confirm) in confirms.into_iter().enumerate() {
-            outcomes[index] = match tokio::time::timeout_at(deadline, confirm).await {
-                Ok(Ok(Confirmation::Ack(None))) => Outcome::Accepted,
-                // Acked but returned: nothing routed it, so it was not delivered.
-                Ok(Ok(Confirmation::Ack(Some(_)))) => Outcome::Returned,
-                Ok(Ok(Confirmation::Nack(_))) => Outcome::Nacked,
+        let (reply, report) = tokio::sync::oneshot::channel();
+        let batch = PendingBatch {
+            confirms,
+            ids,
+            n_events,
+            deadline: tokio::time::Instant::now() + confirm_timeout,
+            write_fault,
+            reply,
+        };
+        let broken = batch.write_fault.is_some();
+        let _ = session.pump.send(batch);
+        if broken {
+            // Dropping the connection closes it; the next send starts a fresh one.
+            self.session = None;
+        }
+        Box::pin(async move {
+            report.await.unwrap_or_else(|_| {
+                PublishReport::not_sent(
+                    n_events,
+                    Error::Unreachable("the confirm pump stopped".into()),
+                )
+            })
+        })
+    }
+}
+
+/// A written batch whose confirms the pump awaits.
+struct PendingBatch {
+    confirms: Vec<lapin::PublisherConfirm>,
+    ids: Vec<ShortString>,
+    n_events: usize,
+    deadline: tokio::time::Instant,
+    write_fault: Option<Error>,
+    reply: tokio::sync::oneshot::Sender<PublishReport>,
+}
+
+/// Awaits a channel's confirms strictly in write order and decides each event's outcome.
+///
+/// lapin hands a returned message to whichever pending confirm an ack resolves first, not to
+/// the message that was returned (with multiple-acks that is often another event). RabbitMQ
+/// sends a message's `basic.return` before its `basic.ack`, and an ack resolves only tags up to
+/// its own, so once every confirm of batches up to this one has resolved, every return of this
+/// batch has been seen by this pump. Outcomes are therefore decided by message id against the
+/// channel-wide set of returned ids, never by which confirm carried the return.
+async fn confirm_pump(
+    mut batches: tokio::sync::mpsc::UnboundedReceiver<PendingBatch>,
+    confirm_timeout: Duration,
+) {
+    let mut returned: HashSet<ShortString> = HashSet::new();
+    let note_return = |message: Option<lapin::message::BasicReturnMessage>,
+                       returned: &mut HashSet<ShortString>| {
+        if let Some(id) =
+            message.and_then(|message| message.delivery.properties.message_id().clone())
+        {
+            returned.insert(id);
+        }
+    };
+    while let Some(batch) = batches.recv().await {
+        let mut outcomes = vec![Outcome::NotSent; batch.n_events];
+        let mut fault = batch.write_fault;
+        for (index, confirm) in batch.confirms.into_iter().enumerate() {
+            outcomes[index] = match tokio::time::timeout_at(batch.deadline, confirm).await {
+                Ok(Ok(Confirmation::Ack(message))) => {
+                    note_return(message, &mut returned);
+                    Outcome::Accepted
+                }
+                Ok(Ok(Confirmation::Nack(message))) => {
+                    note_return(message, &mut returned);
+                    Outcome::Nacked
+                }
                 Ok(Ok(Confirmation::NotRequested)) => Outcome::Unconfirmed,
                 Ok(Err(err)) => {
                     fault.get_or_insert(Error::Channel(err));
@@ -189,16 +283,18 @@ impl RabbitPublisher {
                 }
             };
         }
-        if fault.is_some() {
-            // Dropping the connection closes it; the next publish starts a fresh one.
-            self.session = None;
+        for (outcome, id) in outcomes.iter_mut().zip(&batch.ids) {
+            // Acked but returned: nothing routed it, so it was not delivered.
+            if returned.remove(id) && *outcome == Outcome::Accepted {
+                *outcome = Outcome::Returned;
+            }
         }
-        PublishReport { outcomes, fault }
+        let _ = batch.reply.send(PublishReport { outcomes, fault });
     }
 }
 
 impl Publisher for RabbitPublisher {
-    fn publish<'a>(&'a mut self, events: &'a [OutboxEvent]) -> BoxFuture<'a, PublishReport> {
-        Box::pin(self.publish_batch(events))
+    fn send<'a>(&'a mut self, events: &'a [OutboxEvent]) -> BoxFuture<'a, Confirms> {
+        Box::pin(self.send_batch(events))
     }
 }

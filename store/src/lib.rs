@@ -9,9 +9,12 @@
 //! - `fold`: the consumer's exactly-once fold ([`FoldStore`]): idempotent on `(BranchKey, Lsn)`
 //!   and proving Lsn order per branch.
 //! - `error`: the one [`Error`] type.
+//! - `fixtures` (feature `fixtures`): bulk backlogs for benchmarks.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
 mod error;
+#[cfg(feature = "fixtures")]
+pub mod fixtures;
 mod fold;
 mod key;
 mod lease;

@@ -149,6 +149,7 @@ impl RelaySupervisor {
             on_healthy: Arc::new(move |shard| {
                 let _ = supervisor.cast(SupervisorMessage::PublisherHealthy(shard));
             }),
+            max_unconfirmed: actors::DEFAULT_MAX_UNCONFIRMED,
         };
         match Actor::spawn_linked(None, PublisherActor, args, myself.get_cell()).await {
             Ok((publisher, _)) => {

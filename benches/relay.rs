@@ -1,0 +1,678 @@
+//! The relay benchmark, side by side in one run on this machine's PostgreSQL and RabbitMQ.
+//!
+//! `cargo bench --bench relay` (full) or `cargo bench --bench relay -- --quick` (under a minute).
+//! Prints a table and writes it to `benches/results.md` with the date, commit and machine:
+//! 1. raw ceiling: pipelined confirmed publishes, no database (1 channel, and one per shard);
+//! 2. seed-style baseline: drain 100, publish-and-await one at a time, ack;
+//! 3. this relay draining a pre-filled backlog (50 tenants x 20 runs);
+//! 4. commit-to-confirm latency at a steady 2,000 events/s from 8 concurrent host writers;
+//! 5. peak RSS of the standalone relay draining a small and a 10x larger backlog;
+//! 6. database queries per second and CPU of the relay while 1,000 tenants sit idle.
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use distribution::broker::{
+    BoxFuture, Confirms, Partition, Publisher, RabbitConfig, RabbitPublisher, Topology,
+};
+use distribution::store::{
+    self, BranchId, BranchKey, EventKey, IntentWriter, Lsn, Outbox, OutboxEvent, RunId, TenantId,
+};
+use distribution::{Relay, RelayConfig};
+use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
+use sqlx::{Connection, PgConnection, PgPool};
+
+const PAYLOAD_BYTES: u32 = 256;
+
+struct Mode {
+    name: &'static str,
+    raw_events: usize,
+    baseline_events: u32,
+    backlog_per_run: u32,
+    latency_secs: u64,
+    rss_small_per_run: u32,
+    rss_large_per_run: u32,
+    idle_tenants: u32,
+    idle_secs: u64,
+}
+
+const QUICK: Mode = Mode {
+    name: "quick",
+    raw_events: 20_000,
+    baseline_events: 3_000,
+    backlog_per_run: 20,
+    latency_secs: 4,
+    rss_small_per_run: 10,
+    rss_large_per_run: 100,
+    idle_tenants: 1_000,
+    idle_secs: 6,
+};
+
+const FULL: Mode = Mode {
+    name: "full",
+    raw_events: 100_000,
+    baseline_events: 10_000,
+    backlog_per_run: 200,
+    latency_secs: 20,
+    rss_small_per_run: 100,
+    rss_large_per_run: 1_000,
+    idle_tenants: 1_000,
+    idle_secs: 20,
+};
+
+fn unique(label: &str) -> String {
+    let micros = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros())
+        .unwrap_or_default();
+    format!("{label}_{}_{micros}", std::process::id())
+}
+
+struct Env {
+    admin: PgConnection,
+    server: String,
+    amqp: String,
+    databases: Vec<String>,
+}
+
+impl Env {
+    async fn database(&mut self, label: &str) -> Result<(PgPool, String)> {
+        let name = unique(&format!("relay_bench_{label}"));
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .execute(&mut self.admin)
+            .await?;
+        self.databases.push(name.clone());
+        let url = format!("{}/{name}", self.server);
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(16)
+            .connect(&url)
+            .await?;
+        store::migrate(&pool).await?;
+        Ok((pool, url))
+    }
+
+    fn rabbit(&self, label: &str, partitions: u16) -> Result<RabbitConfig> {
+        let topology = Topology::new(&unique(&format!("relay-bench-{label}")), partitions)?;
+        Ok(RabbitConfig::new(self.amqp.clone(), topology)?)
+    }
+
+    fn relay_config(&self, url: &str, rabbit: &RabbitConfig) -> RelayConfig {
+        let mut config = RelayConfig::new(url, self.amqp.clone());
+        config.topology = rabbit.topology.exchange().to_string();
+        config.partitions = rabbit.topology.partitions();
+        config
+    }
+
+    async fn cleanup(&mut self) {
+        for name in std::mem::take(&mut self.databases) {
+            let drop = format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)");
+            let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(drop))
+                .execute(&mut self.admin)
+                .await;
+        }
+    }
+}
+
+async fn drop_topology(amqp: &str, topology: &Topology) -> Result<()> {
+    let connection =
+        lapin::Connection::connect(amqp, lapin::ConnectionProperties::default()).await?;
+    let channel = connection.create_channel().await?;
+    for index in 0..topology.partitions() {
+        channel
+            .queue_delete(
+                topology.queue(Partition(index)),
+                QueueDeleteOptions::default(),
+            )
+            .await?;
+    }
+    channel
+        .exchange_delete(
+            topology.exchange().clone(),
+            ExchangeDeleteOptions::default(),
+        )
+        .await?;
+    Ok(())
+}
+
+fn synthetic_events(n: usize) -> Vec<OutboxEvent> {
+    (0..n)
+        .map(|index| {
+            let (tenant, run, lsn) = (index % 50, (index / 50) % 20, index / 1000 + 1);
+            OutboxEvent {
+                key: EventKey {
+                    branch: BranchKey::new(
+                        TenantId::new(format!("t{tenant}")).expect("valid id"),
+                        RunId::new(format!("r{run}")).expect("valid id"),
+                        BranchId::new("main").expect("valid id"),
+                    ),
+                    lsn: Lsn::new(lsn as u64),
+                },
+                prev_lsn: Lsn::new(lsn as u64 - 1),
+                base_lsn: Lsn::ZERO,
+                payload: vec![b'x'; PAYLOAD_BYTES as usize],
+                created_at: chrono::Utc::now(),
+            }
+        })
+        .collect()
+}
+
+/// 1. Pipelined confirmed publishes straight from memory over `channels` connections.
+async fn raw_ceiling(
+    rabbit: &RabbitConfig,
+    events: &[OutboxEvent],
+    channels: usize,
+) -> Result<f64> {
+    let mut warmup = RabbitPublisher::new(rabbit.clone());
+    anyhow::ensure!(
+        warmup.publish(&events[..1]).await.fault.is_none(),
+        "broker not reachable"
+    );
+    let per_channel = events.len().div_ceil(channels);
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for slice in events.chunks(per_channel) {
+        let (rabbit, slice) = (rabbit.clone(), slice.to_vec());
+        tasks.push(tokio::spawn(async move {
+            let mut publisher = RabbitPublisher::new(rabbit);
+            let mut accepted = 0;
+            for batch in slice.chunks(1000) {
+                accepted += publisher.publish(batch).await.accepted();
+            }
+            accepted
+        }));
+    }
+    let mut accepted = 0;
+    for task in tasks {
+        accepted += task.await?;
+    }
+    anyhow::ensure!(
+        accepted == events.len(),
+        "raw ceiling: only {accepted} of {} accepted",
+        events.len()
+    );
+    Ok(events.len() as f64 / started.elapsed().as_secs_f64())
+}
+
+async fn pending(outbox: &Outbox) -> Result<u64> {
+    Ok(outbox
+        .backlog()
+        .await?
+        .iter()
+        .map(|tenant| tenant.pending)
+        .sum())
+}
+
+async fn wait_drained(outbox: &Outbox, limit: Duration) -> Result<()> {
+    let deadline = Instant::now() + limit;
+    while pending(outbox).await? > 0 {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "backlog not drained within {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
+}
+
+/// 2. The seed's loop: drain 100, publish each and await its confirm, ack.
+async fn seed_style(outbox: &Outbox, rabbit: &RabbitConfig, tenants: &[TenantId]) -> Result<f64> {
+    let mut publisher = RabbitPublisher::new(rabbit.clone());
+    let started = Instant::now();
+    let mut shipped = 0u64;
+    loop {
+        let mut drained_any = false;
+        for tenant in tenants {
+            let batch = outbox.drain_outbox(tenant, 100).await?;
+            drained_any |= !batch.is_empty();
+            let mut acks = Vec::with_capacity(batch.len());
+            for event in batch {
+                if !publisher
+                    .publish(std::slice::from_ref(&event))
+                    .await
+                    .outcomes[0]
+                    .is_accepted()
+                {
+                    break;
+                }
+                acks.push(event.key);
+            }
+            shipped += outbox.ack_outbox(&acks).await?;
+        }
+        if !drained_any {
+            break;
+        }
+    }
+    Ok(shipped as f64 / started.elapsed().as_secs_f64())
+}
+
+/// Records when the broker confirmed each event (first confirm wins), for latency. The time is
+/// taken when the whole batch's confirms are in, so it never understates a confirm.
+struct TimedPublisher {
+    inner: RabbitPublisher,
+    confirmed: Arc<Mutex<HashMap<EventKey, Instant>>>,
+}
+
+impl Publisher for TimedPublisher {
+    fn send<'a>(&'a mut self, events: &'a [OutboxEvent]) -> BoxFuture<'a, Confirms> {
+        Box::pin(async move {
+            let confirms = self.inner.send(events).await;
+            let keys: Vec<EventKey> = events.iter().map(|event| event.key.clone()).collect();
+            let confirmed = self.confirmed.clone();
+            Box::pin(async move {
+                let report = confirms.await;
+                let now = Instant::now();
+                let mut confirmed = confirmed
+                    .lock()
+                    .unwrap_or_else(|poison| poison.into_inner());
+                for (key, outcome) in keys.into_iter().zip(&report.outcomes) {
+                    if outcome.is_accepted() {
+                        confirmed.entry(key).or_insert(now);
+                    }
+                }
+                report
+            }) as Confirms
+        })
+    }
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+struct Latency {
+    p50: f64,
+    p99: f64,
+    max: f64,
+    events: usize,
+    rate: f64,
+}
+
+/// 4. 8 writers at 250 events/s each; latency from each host commit to its broker confirm.
+async fn latency(env: &mut Env, mode: &Mode) -> Result<Latency> {
+    let (pool, url) = env.database("latency").await?;
+    let rabbit = env.rabbit("latency", 8)?;
+    let confirmed: Arc<Mutex<HashMap<EventKey, Instant>>> = Arc::default();
+    let (factory_rabbit, factory_confirmed) = (rabbit.clone(), confirmed.clone());
+    let relay = Relay::start_with(
+        env.relay_config(&url, &rabbit),
+        Arc::new(move |_| {
+            Box::new(TimedPublisher {
+                inner: RabbitPublisher::new(factory_rabbit.clone()),
+                confirmed: factory_confirmed.clone(),
+            }) as Box<dyn Publisher>
+        }),
+    )
+    .await?;
+    // Warm the publishers' connections so the first events do not pay for the handshake.
+    let warm = IntentWriter::default();
+    let warm_key = BranchKey::new(
+        TenantId::new("warm")?,
+        RunId::new("r")?,
+        BranchId::new("main")?,
+    );
+    warm.open_run(&mut *pool.acquire().await?, &warm_key)
+        .await?;
+    warm.append(&mut *pool.acquire().await?, &warm_key, Lsn::new(1), b"warm")
+        .await?;
+    wait_drained(&Outbox::new(pool.clone()), Duration::from_secs(30)).await?;
+
+    let started = Instant::now();
+    let mut writers = Vec::new();
+    for writer_index in 0..8 {
+        let pool = pool.clone();
+        let seconds = mode.latency_secs;
+        writers.push(tokio::spawn(async move {
+            let writer = IntentWriter::default();
+            let key = BranchKey::new(
+                TenantId::new(format!("lat{}", writer_index % 4)).expect("valid id"),
+                RunId::new(format!("w{writer_index}")).expect("valid id"),
+                BranchId::new("main").expect("valid id"),
+            );
+            writer
+                .open_run(&mut pool.acquire().await.expect("conn"), &key)
+                .await
+                .expect("open");
+            let mut ticker = tokio::time::interval(Duration::from_millis(4));
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut commits = Vec::new();
+            for lsn in 1..=(250 * seconds) {
+                ticker.tick().await;
+                let mut tx = pool.begin().await.expect("begin");
+                let payload = [b'x'; PAYLOAD_BYTES as usize];
+                writer
+                    .append(&mut tx, &key, Lsn::new(lsn), &payload)
+                    .await
+                    .expect("append");
+                tx.commit().await.expect("commit");
+                commits.push((
+                    EventKey {
+                        branch: key.clone(),
+                        lsn: Lsn::new(lsn),
+                    },
+                    Instant::now(),
+                ));
+            }
+            commits
+        }));
+    }
+    let mut commits = Vec::new();
+    for writer in writers {
+        commits.extend(writer.await?);
+    }
+    let rate = commits.len() as f64 / started.elapsed().as_secs_f64();
+    wait_drained(&Outbox::new(pool.clone()), Duration::from_secs(60)).await?;
+    relay.shutdown().await;
+    let confirmed = confirmed
+        .lock()
+        .unwrap_or_else(|poison| poison.into_inner());
+    let mut millis: Vec<f64> = commits
+        .iter()
+        .map(|(key, committed)| {
+            confirmed.get(key).map_or(f64::INFINITY, |at| {
+                at.saturating_duration_since(*committed).as_secs_f64() * 1000.0
+            })
+        })
+        .collect();
+    millis.sort_by(f64::total_cmp);
+    drop_topology(&env.amqp, &rabbit.topology).await?;
+    pool.close().await;
+    Ok(Latency {
+        p50: percentile(&millis, 0.5),
+        p99: percentile(&millis, 0.99),
+        max: millis.last().copied().unwrap_or_default(),
+        events: commits.len(),
+        rate,
+    })
+}
+
+fn spawn_relay(url: &str, amqp: &str, rabbit: &RabbitConfig) -> Result<std::process::Child> {
+    Ok(
+        std::process::Command::new(env!("CARGO_BIN_EXE_distribution"))
+            .arg("run")
+            .env("DATABASE_URL", url)
+            .env("AMQP_URL", amqp)
+            .env("RELAY_TOPOLOGY", rabbit.topology.exchange().as_str())
+            .env("RELAY_PARTITIONS", rabbit.topology.partitions().to_string())
+            .env("RELAY_METRICS_ADDR", "127.0.0.1:0")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()?,
+    )
+}
+
+fn proc_status_kb(pid: u32, field: &str) -> Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let line = status
+        .lines()
+        .find(|line| line.starts_with(field))
+        .context("no such field")?;
+    Ok(line
+        .split_whitespace()
+        .nth(1)
+        .context("no value")?
+        .parse()?)
+}
+
+fn cpu_ticks(pid: u32) -> Result<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    let after_name = stat.rsplit_once(')').context("malformed stat")?.1;
+    let fields: Vec<&str> = after_name.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of stat; 12 and 13 after the name.
+    Ok(fields[11].parse::<u64>()? + fields[12].parse::<u64>()?)
+}
+
+/// 5. Peak RSS (VmHWM) of the standalone relay draining a backlog of 50 x 20 x `per_run`.
+async fn peak_rss(env: &mut Env, per_run: u32) -> Result<(u64, f64)> {
+    let (pool, url) = env.database("rss").await?;
+    let rabbit = env.rabbit("rss", 8)?;
+    let written = store::fixtures::fill_backlog(&pool, "t", 50, 20, per_run, PAYLOAD_BYTES).await?;
+    let mut child = spawn_relay(&url, &env.amqp, &rabbit)?;
+    let started = Instant::now();
+    let drained = wait_drained(&Outbox::new(pool.clone()), Duration::from_secs(900)).await;
+    let elapsed = started.elapsed().as_secs_f64();
+    let peak = proc_status_kb(child.id(), "VmHWM");
+    child.kill()?;
+    child.wait()?;
+    drained?;
+    drop_topology(&env.amqp, &rabbit.topology).await?;
+    pool.close().await;
+    Ok((peak? / 1024, written as f64 / elapsed))
+}
+
+/// 6. Queries per second and CPU of the standalone relay holding `tenants` idle tenants.
+async fn idle(env: &mut Env, tenants: u32, seconds: u64) -> Result<(f64, f64)> {
+    let (pool, url) = env.database("idle").await?;
+    let rabbit = env.rabbit("idle", 8)?;
+    store::fixtures::fill_backlog(&pool, "idle", tenants, 1, 1, PAYLOAD_BYTES).await?;
+    let mut child = spawn_relay(&url, &env.amqp, &rabbit)?;
+    wait_drained(&Outbox::new(pool.clone()), Duration::from_secs(120)).await?;
+    pool.close().await;
+    let database = url.rsplit_once('/').context("url")?.1.to_owned();
+    async fn transactions(admin: &mut PgConnection, database: &str) -> Result<i64> {
+        let (commits, rollbacks): (i64, i64) = sqlx::query_as(
+            "SELECT xact_commit, xact_rollback FROM pg_stat_database WHERE datname = $1",
+        )
+        .bind(database)
+        .fetch_one(admin)
+        .await?;
+        Ok(commits + rollbacks)
+    }
+    // A measurement window, not synchronisation: PostgreSQL 15 backends flush their statistics
+    // up to 10 s after going idle (PGSTAT_IDLE_INTERVAL), so wait that out or the drain that
+    // just finished is counted as idle load.
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let before = transactions(&mut env.admin, &database).await?;
+    let cpu_before = cpu_ticks(child.id())?;
+    let started = Instant::now();
+    tokio::time::sleep(Duration::from_secs(seconds)).await;
+    let after = transactions(&mut env.admin, &database).await?;
+    let cpu_after = cpu_ticks(child.id())?;
+    let elapsed = started.elapsed().as_secs_f64();
+    child.kill()?;
+    child.wait()?;
+    drop_topology(&env.amqp, &rabbit.topology).await?;
+    let ticks_per_second = 100.0; // USER_HZ on Linux
+    let cpu_percent = (cpu_after - cpu_before) as f64 / ticks_per_second / elapsed * 100.0;
+    Ok(((after - before) as f64 / elapsed, cpu_percent))
+}
+
+async fn run(mode: &Mode) -> Result<String> {
+    let url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let amqp = std::env::var("AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+    let mut env = Env {
+        admin: PgConnection::connect(&url).await.context("DATABASE_URL")?,
+        server: url
+            .rsplit_once('/')
+            .context("DATABASE_URL has no database")?
+            .0
+            .to_owned(),
+        amqp,
+        databases: Vec::new(),
+    };
+    let mut table = String::new();
+    let mut row = |measure: &str, value: String, note: &str| {
+        println!("| {measure} | {value} | {note} |");
+        let _ = writeln!(table, "| {measure} | {value} | {note} |");
+    };
+    println!("| measure | value | note |\n|---|---|---|");
+
+    let rabbit = env.rabbit("raw", 8)?;
+    let events = synthetic_events(mode.raw_events);
+    let raw_one = raw_ceiling(&rabbit, &events, 1).await?;
+    let note = format!("{} events, batches of 1000 pipelined", mode.raw_events);
+    row(
+        "1. raw ceiling, 1 channel",
+        format!("{raw_one:.0} ev/s"),
+        &note,
+    );
+    let raw_shards = raw_ceiling(&rabbit, &events, 4).await?;
+    row(
+        "1. raw ceiling, 4 channels",
+        format!("{raw_shards:.0} ev/s"),
+        "a connection per channel, like the relay's 4 shards",
+    );
+    drop_topology(&env.amqp, &rabbit.topology).await?;
+
+    let (pool, _) = env.database("baseline").await?;
+    let rabbit = env.rabbit("baseline", 8)?;
+    let per_run = (mode.baseline_events / 1000).max(1);
+    store::fixtures::fill_backlog(&pool, "t", 50, 20, per_run, PAYLOAD_BYTES).await?;
+    let tenants: Vec<TenantId> = (0..50)
+        .map(|t| TenantId::new(format!("t{t}")))
+        .collect::<Result<_, _>>()?;
+    let baseline = seed_style(&Outbox::new(pool.clone()), &rabbit, &tenants).await?;
+    let note = format!(
+        "{} events, drain 100, one confirm awaited at a time",
+        per_run * 1000
+    );
+    row(
+        "2. seed-style baseline",
+        format!("{baseline:.0} ev/s"),
+        &note,
+    );
+    drop_topology(&env.amqp, &rabbit.topology).await?;
+    pool.close().await;
+
+    let (pool, url) = env.database("drain").await?;
+    let rabbit = env.rabbit("drain", 8)?;
+    let written =
+        store::fixtures::fill_backlog(&pool, "t", 50, 20, mode.backlog_per_run, PAYLOAD_BYTES)
+            .await?;
+    let outbox = Outbox::new(pool.clone());
+    let started = Instant::now();
+    let relay = Relay::start(env.relay_config(&url, &rabbit)).await?;
+    wait_drained(&outbox, Duration::from_secs(900)).await?;
+    let drain = written as f64 / started.elapsed().as_secs_f64();
+    relay.shutdown().await;
+    let note = format!("{written} events, 50 tenants x 20 runs, 4 shards, batch 1000");
+    row("3. relay, backlog drain", format!("{drain:.0} ev/s"), &note);
+    row(
+        "3/1 ratio (vs 4 channels)",
+        format!("{:.2}", drain / raw_shards),
+        "target >= 0.8",
+    );
+    row(
+        "3/1 ratio (vs 1 channel)",
+        format!("{:.2}", drain / raw_one),
+        "",
+    );
+    row(
+        "3/2 ratio",
+        format!("{:.1}", drain / baseline),
+        "target >= 10",
+    );
+    drop_topology(&env.amqp, &rabbit.topology).await?;
+    pool.close().await;
+
+    let measured = latency(&mut env, mode).await?;
+    let note = format!(
+        "{} events at {:.0}/s from 8 writers; target <= 5 ms",
+        measured.events, measured.rate
+    );
+    row(
+        "4. commit-to-confirm p50",
+        format!("{:.1} ms", measured.p50),
+        &note,
+    );
+    row(
+        "4. commit-to-confirm p99",
+        format!("{:.1} ms", measured.p99),
+        "target <= 25 ms",
+    );
+    row(
+        "4. commit-to-confirm max",
+        format!("{:.1} ms", measured.max),
+        "",
+    );
+
+    let (small_rss, small_rate) = peak_rss(&mut env, mode.rss_small_per_run).await?;
+    let (large_rss, large_rate) = peak_rss(&mut env, mode.rss_large_per_run).await?;
+    let (small, large) = (mode.rss_small_per_run * 1000, mode.rss_large_per_run * 1000);
+    let note = format!("standalone relay, drained at {small_rate:.0} ev/s");
+    row(
+        &format!("5. peak RSS, {small} backlog"),
+        format!("{small_rss} MB"),
+        &note,
+    );
+    let note = format!("drained at {large_rate:.0} ev/s; target < 100 MB");
+    row(
+        &format!("5. peak RSS, {large} backlog"),
+        format!("{large_rss} MB"),
+        &note,
+    );
+    let ratio = large_rss as f64 / small_rss.max(1) as f64;
+    row(
+        "5. RSS ratio large/small",
+        format!("{ratio:.2}"),
+        "target <= 1.2",
+    );
+
+    let (qps, cpu) = idle(&mut env, mode.idle_tenants, mode.idle_secs).await?;
+    let tenants = mode.idle_tenants;
+    row(
+        &format!("6. idle, {tenants} tenants: DB queries"),
+        format!("{qps:.1} /s"),
+        "transactions on the relay's database",
+    );
+    row(
+        &format!("6. idle, {tenants} tenants: relay CPU"),
+        format!("{cpu:.1} %"),
+        "of one core",
+    );
+    env.cleanup().await;
+    Ok(table)
+}
+
+fn machine() -> String {
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(0);
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|info| {
+            info.lines()
+                .find(|line| line.starts_with("model name"))
+                .and_then(|line| line.split(':').nth(1))
+                .map(|name| name.trim().to_owned())
+        })
+        .unwrap_or_default();
+    format!("{cores} cores ({cpu})")
+}
+
+fn command_output(program: &str, args: &[&str]) -> String {
+    std::process::Command::new(program)
+        .args(args)
+        .output()
+        .ok()
+        .map(|out| String::from_utf8_lossy(&out.stdout).trim().to_owned())
+        .unwrap_or_default()
+}
+
+fn main() -> Result<()> {
+    let quick = std::env::args().any(|arg| arg == "--quick")
+        || std::env::var("BENCH_QUICK").is_ok_and(|v| v == "1");
+    let mode = if quick { &QUICK } else { &FULL };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let table = runtime.block_on(run(mode))?;
+    let report = format!(
+        "# Relay benchmark\n\n{}, commit {}, {} mode, {}; PostgreSQL and RabbitMQ on the same machine.\n\
+         Command: `cargo bench --bench relay{}`\n\n| measure | value | note |\n|---|---|---|\n{table}",
+        command_output("date", &["-u", "+%Y-%m-%d %H:%M UTC"]),
+        command_output("git", &["rev-parse", "--short", "HEAD"]),
+        mode.name,
+        machine(),
+        if quick { " -- --quick" } else { "" }
+    );
+    std::fs::write(
+        concat!(env!("CARGO_MANIFEST_DIR"), "/benches/results.md"),
+        report,
+    )?;
+    println!("written to benches/results.md");
+    Ok(())
+}

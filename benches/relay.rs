@@ -255,6 +255,8 @@ struct TimedPublisher {
 }
 
 impl Publisher for TimedPublisher {
+    // The port's shape: writing yields the future of the confirms.
+    #[allow(clippy::async_yields_async)]
     fn send<'a>(&'a mut self, events: &'a [OutboxEvent]) -> BoxFuture<'a, Confirms> {
         Box::pin(async move {
             let confirms = self.inner.send(events).await;
@@ -364,17 +366,19 @@ async fn latency(env: &mut Env, mode: &Mode) -> Result<Latency> {
     let rate = commits.len() as f64 / started.elapsed().as_secs_f64();
     wait_drained(&Outbox::new(pool.clone()), Duration::from_secs(60)).await?;
     relay.shutdown().await;
-    let confirmed = confirmed
-        .lock()
-        .unwrap_or_else(|poison| poison.into_inner());
-    let mut millis: Vec<f64> = commits
-        .iter()
-        .map(|(key, committed)| {
-            confirmed.get(key).map_or(f64::INFINITY, |at| {
-                at.saturating_duration_since(*committed).as_secs_f64() * 1000.0
+    let mut millis: Vec<f64> = {
+        let confirmed = confirmed
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        commits
+            .iter()
+            .map(|(key, committed)| {
+                confirmed.get(key).map_or(f64::INFINITY, |at| {
+                    at.saturating_duration_since(*committed).as_secs_f64() * 1000.0
+                })
             })
-        })
-        .collect();
+            .collect()
+    };
     millis.sort_by(f64::total_cmp);
     drop_topology(&env.amqp, &rabbit.topology).await?;
     pool.close().await;

@@ -56,6 +56,8 @@ mod outbox {
     struct FaultPublisher(Arc<FaultBroker>);
 
     impl Publisher for FaultPublisher {
+        // The port's shape: writing yields the future of the confirms.
+        #[allow(clippy::async_yields_async)]
         fn send<'a>(&'a mut self, events: &'a [OutboxEvent]) -> BoxFuture<'a, Confirms> {
             Box::pin(async move {
                 let broker = &self.0;

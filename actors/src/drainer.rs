@@ -4,12 +4,17 @@
 //! branch. Per branch, the drainer acks the longest prefix of the batch whose every event was
 //! accepted; everything after the first failure stays pending and is drained (and published)
 //! again, in Lsn order. Only one batch is in flight per tenant, so batches never overtake.
+//!
+//! Memory is bounded by configuration, not by the backlog: a batch takes permits for its events
+//! from a budget shared by every drainer of the relay, and gives them back when it finishes.
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::time::Duration;
 
 use broker::Outcome;
 use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef};
 use store::{BranchKey, EventKey, Outbox, OutboxEvent, TenantId};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::Instrument;
 
 use crate::{Backoff, PublisherDirectory, PublisherMessage, RetryPolicy, ShardId, shard_of};
@@ -44,6 +49,8 @@ pub struct DrainerArgs {
     pub outbox: Outbox,
     /// The live publisher of each shard.
     pub publishers: PublisherDirectory,
+    /// Events in flight across the whole relay, shared by every drainer: one permit per event.
+    pub budget: Arc<Semaphore>,
     /// Batch size, timeouts, retry delays.
     pub config: DrainerConfig,
 }
@@ -72,11 +79,13 @@ pub enum DrainerMessage {
     Finish,
 }
 
+/// A batch in flight. Only keys are kept here: the payloads travel to the publishers.
 struct Batch {
     id: u64,
-    events: Vec<OutboxEvent>,
+    keys: Vec<EventKey>,
     outcomes: Vec<Option<Outcome>>,
     pending: HashMap<ShardId, (ActorId, Vec<usize>)>,
+    _permits: OwnedSemaphorePermit,
 }
 
 /// State of a drainer.
@@ -95,7 +104,7 @@ impl std::fmt::Debug for DrainerState {
             .field("tenant", &self.args.tenant)
             .field(
                 "in_flight",
-                &self.batch.as_ref().map(|batch| batch.events.len()),
+                &self.batch.as_ref().map(|batch| batch.keys.len()),
             )
             .finish_non_exhaustive()
     }
@@ -106,6 +115,12 @@ impl std::fmt::Debug for DrainerState {
 pub struct Drainer;
 
 impl Drainer {
+    /// Takes budget for a full batch (waiting while the relay is at its in-flight bound).
+    async fn permits(state: &DrainerState) -> Result<OwnedSemaphorePermit, ActorProcessingErr> {
+        let wanted = state.args.config.batch_size.max(1);
+        Ok(state.args.budget.clone().acquire_many_owned(wanted).await?)
+    }
+
     async fn drain(
         &self,
         myself: &ActorRef<DrainerMessage>,
@@ -118,37 +133,48 @@ impl Drainer {
             myself.stop(Some("finished".into()));
             return Ok(());
         }
-        let tenant = &state.args.tenant;
+        let permits = Self::permits(state).await?;
         let events = state
             .args
             .outbox
-            .drain_outbox(tenant, state.args.config.batch_size)
+            .drain_outbox(&state.args.tenant, state.args.config.batch_size)
             .await?;
+        self.start_batch(myself, state, events, permits).await
+    }
+
+    async fn start_batch(
+        &self,
+        myself: &ActorRef<DrainerMessage>,
+        state: &mut DrainerState,
+        events: Vec<OutboxEvent>,
+        mut permits: OwnedSemaphorePermit,
+    ) -> Result<(), ActorProcessingErr> {
         if events.is_empty() {
             return Ok(());
         }
+        // Keep only as many permits as events; the rest go back to other drainers now.
+        drop(permits.split(permits.num_permits().saturating_sub(events.len())));
         let id = state.next_batch;
         state.next_batch += 1;
         let shards = state.args.publishers.shards();
-        let mut by_shard: HashMap<ShardId, Vec<usize>> = HashMap::new();
-        for (index, event) in events.iter().enumerate() {
-            by_shard
+        let keys: Vec<EventKey> = events.iter().map(|event| event.key.clone()).collect();
+        let mut by_shard: HashMap<ShardId, (Vec<usize>, Vec<OutboxEvent>)> = HashMap::new();
+        for (index, event) in events.into_iter().enumerate() {
+            let group = by_shard
                 .entry(shard_of(&event.key.branch, shards))
-                .or_default()
-                .push(index);
+                .or_default();
+            group.0.push(index);
+            group.1.push(event);
         }
         let mut batch = Batch {
             id,
-            outcomes: vec![None; events.len()],
+            outcomes: vec![None; keys.len()],
+            keys,
             pending: HashMap::new(),
-            events,
+            _permits: permits,
         };
-        for (shard, indexes) in by_shard {
+        for (shard, (indexes, events)) in by_shard {
             let sent = state.args.publishers.get(shard).and_then(|publisher| {
-                let events = indexes
-                    .iter()
-                    .map(|&index| batch.events[index].clone())
-                    .collect();
                 let message = PublisherMessage::Publish {
                     batch: id,
                     events,
@@ -168,16 +194,17 @@ impl Drainer {
                 }
             }
         }
-        let done = batch.pending.is_empty();
+        let nothing_sent = batch.pending.is_empty();
         state.batch = Some(batch);
-        if done {
-            self.finish_batch(myself, state).await
+        if nothing_sent {
+            // Every part failed to send: settle it as the next message (no recursion here).
+            myself.cast(DrainerMessage::BatchTimeout(id))?;
         } else {
             myself.send_after(state.args.config.batch_timeout, move || {
                 DrainerMessage::BatchTimeout(id)
             });
-            Ok(())
         }
+        Ok(())
     }
 
     async fn finish_batch(
@@ -190,24 +217,25 @@ impl Drainer {
         };
         // Invariant: ack only the confirmed prefix of each branch.
         let mut blocked: HashSet<&BranchKey> = HashSet::new();
-        let mut acks: Vec<EventKey> = Vec::with_capacity(batch.events.len());
-        for (event, outcome) in batch.events.iter().zip(&batch.outcomes) {
-            if blocked.contains(&event.key.branch) {
+        let mut acks: Vec<EventKey> = Vec::with_capacity(batch.keys.len());
+        for (key, outcome) in batch.keys.iter().zip(&batch.outcomes) {
+            if blocked.contains(&key.branch) {
                 continue;
             }
             if *outcome == Some(Outcome::Accepted) {
-                acks.push(event.key.clone());
+                acks.push(key.clone());
             } else {
-                blocked.insert(&event.key.branch);
+                blocked.insert(&key.branch);
             }
         }
         let shipped = acks.len();
-        let failed = batch.events.len() - shipped;
-        state.args.outbox.ack_outbox(&acks).await?;
+        let failed = batch.keys.len() - shipped;
+        drop(batch);
         metrics::counter!("relay_events_shipped_total", "tenant" => state.args.tenant.to_string())
             .increment(shipped as u64);
         tracing::debug!(shipped, failed, "batch finished");
-        if failed > 0 {
+        if failed > 0 || state.finishing {
+            state.args.outbox.ack_outbox(&acks).await?;
             if state.finishing {
                 myself.stop(Some("finished".into()));
                 return Ok(());
@@ -215,11 +243,18 @@ impl Drainer {
             let delay = state.backoff.next_delay();
             state.retry_scheduled = true;
             myself.send_after(delay, || DrainerMessage::Retry);
-        } else {
-            state.backoff.reset();
-            myself.cast(DrainerMessage::Drain)?;
+            return Ok(());
         }
-        Ok(())
+        state.backoff.reset();
+        // The steady state: retire this batch and drain the next in one round trip.
+        let permits = Self::permits(state).await?;
+        let tenant = &state.args.tenant;
+        let events = state
+            .args
+            .outbox
+            .ack_and_drain(&acks, tenant, state.args.config.batch_size)
+            .await?;
+        self.start_batch(myself, state, events, permits).await
     }
 
     fn resolve(
@@ -236,16 +271,67 @@ impl Drainer {
             if let Some(outcomes) = settle(shard, publisher_id) {
                 let (_, indexes) = batch.pending.remove(&shard).expect("shard is pending");
                 for (position, index) in indexes.into_iter().enumerate() {
-                    batch.outcomes[index] = Some(
-                        outcomes
-                            .get(position)
-                            .copied()
-                            .unwrap_or(Outcome::Unconfirmed),
-                    );
+                    let outcome = outcomes
+                        .get(position)
+                        .copied()
+                        .unwrap_or(Outcome::Unconfirmed);
+                    batch.outcomes[index] = Some(outcome);
                 }
             }
         }
         batch.pending.is_empty()
+    }
+
+    async fn dispatch(
+        &self,
+        myself: ActorRef<DrainerMessage>,
+        message: DrainerMessage,
+        state: &mut DrainerState,
+    ) -> Result<(), ActorProcessingErr> {
+        let done = match message {
+            DrainerMessage::Drain => return self.drain(&myself, state).await,
+            DrainerMessage::Retry => {
+                state.retry_scheduled = false;
+                return self.drain(&myself, state).await;
+            }
+            DrainerMessage::Confirmed {
+                batch,
+                shard,
+                outcomes,
+            } => {
+                let mut outcomes = Some(outcomes);
+                Self::resolve(state, batch, |pending_shard, _| {
+                    if pending_shard == shard {
+                        outcomes.take()
+                    } else {
+                        None
+                    }
+                })
+            }
+            DrainerMessage::PublisherLost(lost) => {
+                let Some(batch_id) = state.batch.as_ref().map(|batch| batch.id) else {
+                    return Ok(());
+                };
+                Self::resolve(state, batch_id, |_, publisher_id| {
+                    (publisher_id == lost).then(Vec::new)
+                })
+            }
+            DrainerMessage::BatchTimeout(batch_id) => {
+                Self::resolve(state, batch_id, |_, _| Some(Vec::new()))
+            }
+            DrainerMessage::Finish => {
+                state.finishing = true;
+                if state.batch.is_none() {
+                    myself.stop(Some("finished".into()));
+                }
+                return Ok(());
+            }
+        };
+        if done {
+            self.finish_batch(&myself, state).await
+        } else {
+            Ok(())
+        }
     }
 }
 
@@ -279,69 +365,5 @@ impl Actor for Drainer {
     ) -> Result<(), ActorProcessingErr> {
         let span = tracing::debug_span!("drainer", tenant = %state.args.tenant);
         self.dispatch(myself, message, state).instrument(span).await
-    }
-}
-
-impl Drainer {
-    async fn dispatch(
-        &self,
-        myself: ActorRef<DrainerMessage>,
-        message: DrainerMessage,
-        state: &mut DrainerState,
-    ) -> Result<(), ActorProcessingErr> {
-        match message {
-            DrainerMessage::Drain => self.drain(&myself, state).await,
-            DrainerMessage::Retry => {
-                state.retry_scheduled = false;
-                self.drain(&myself, state).await
-            }
-            DrainerMessage::Confirmed {
-                batch,
-                shard,
-                outcomes,
-            } => {
-                let mut outcomes = Some(outcomes);
-                let done = Self::resolve(state, batch, |pending_shard, _| {
-                    if pending_shard == shard {
-                        outcomes.take()
-                    } else {
-                        None
-                    }
-                });
-                if done {
-                    self.finish_batch(&myself, state).await
-                } else {
-                    Ok(())
-                }
-            }
-            DrainerMessage::PublisherLost(lost) => {
-                let Some(batch_id) = state.batch.as_ref().map(|batch| batch.id) else {
-                    return Ok(());
-                };
-                let done = Self::resolve(state, batch_id, |_, publisher_id| {
-                    (publisher_id == lost).then(Vec::new)
-                });
-                if done {
-                    self.finish_batch(&myself, state).await
-                } else {
-                    Ok(())
-                }
-            }
-            DrainerMessage::BatchTimeout(batch_id) => {
-                let done = Self::resolve(state, batch_id, |_, _| Some(Vec::new()));
-                if done {
-                    self.finish_batch(&myself, state).await
-                } else {
-                    Ok(())
-                }
-            }
-            DrainerMessage::Finish => {
-                state.finishing = true;
-                if state.batch.is_none() {
-                    myself.stop(Some("finished".into()));
-                }
-                Ok(())
-            }
-        }
     }
 }

@@ -83,26 +83,7 @@ impl Outbox {
         .bind(i64::from(limit))
         .fetch_all(&self.pool)
         .await?;
-        rows.into_iter()
-            .map(
-                |(run, branch, lsn, prev_lsn, base_lsn, payload, created_at)| {
-                    Ok(OutboxEvent {
-                        key: EventKey {
-                            branch: BranchKey::new(
-                                tenant.clone(),
-                                RunId::new(run)?,
-                                BranchId::new(branch)?,
-                            ),
-                            lsn: Lsn::from_db(lsn),
-                        },
-                        prev_lsn: Lsn::from_db(prev_lsn),
-                        base_lsn: Lsn::from_db(base_lsn),
-                        payload,
-                        created_at,
-                    })
-                },
-            )
-            .collect()
+        events_of(tenant, rows)
     }
 
     /// Retires exactly the intents in `shipped`; unknown or already-acked keys are a no-op.
@@ -113,16 +94,7 @@ impl Outbox {
         if shipped.is_empty() {
             return Ok(0);
         }
-        let mut tenants = Vec::with_capacity(shipped.len());
-        let mut runs = Vec::with_capacity(shipped.len());
-        let mut branches = Vec::with_capacity(shipped.len());
-        let mut lsns = Vec::with_capacity(shipped.len());
-        for key in shipped {
-            tenants.push(key.branch.tenant.as_str());
-            runs.push(key.branch.run.as_str());
-            branches.push(key.branch.branch.as_str());
-            lsns.push(key.lsn.to_db()?);
-        }
+        let keys = KeyArrays::new(shipped)?;
         let retired = sqlx::query(
             "DELETE FROM relay_outbox o
               USING unnest($1::text[], $2::text[], $3::text[], $4::bigint[])
@@ -130,14 +102,52 @@ impl Outbox {
               WHERE o.tenant_id = k.tenant_id AND o.run_id = k.run_id
                 AND o.branch_id = k.branch_id AND o.lsn = k.lsn",
         )
-        .bind(&tenants)
-        .bind(&runs)
-        .bind(&branches)
-        .bind(&lsns)
+        .bind(&keys.tenants)
+        .bind(&keys.runs)
+        .bind(&keys.branches)
+        .bind(&keys.lsns)
         .execute(&self.pool)
         .await?
         .rows_affected();
         Ok(retired)
+    }
+
+    /// Retires `shipped` (confirmed keys) and drains the next `limit` pending intents of
+    /// `tenant` in one round trip: the relay's steady-state step. Same guarantees as
+    /// [`Outbox::ack_outbox`] followed by [`Outbox::drain_outbox`].
+    pub async fn ack_and_drain(
+        &self,
+        shipped: &[EventKey],
+        tenant: &TenantId,
+        limit: u32,
+    ) -> Result<Vec<OutboxEvent>, Error> {
+        let keys = KeyArrays::new(shipped)?;
+        // The SELECT reads the statement's snapshot, from before the DELETE: it must exclude
+        // what the DELETE retires.
+        let rows: Vec<EventRow> = sqlx::query_as(
+            "WITH acked AS (
+                 DELETE FROM relay_outbox o
+                  USING unnest($1::text[], $2::text[], $3::text[], $4::bigint[])
+                        AS k(tenant_id, run_id, branch_id, lsn)
+                  WHERE o.tenant_id = k.tenant_id AND o.run_id = k.run_id
+                    AND o.branch_id = k.branch_id AND o.lsn = k.lsn
+              RETURNING o.seq
+             )
+             SELECT run_id, branch_id, lsn, prev_lsn, base_lsn, payload, created_at
+               FROM relay_outbox
+              WHERE tenant_id = $5 AND seq NOT IN (SELECT seq FROM acked)
+              ORDER BY seq
+              LIMIT $6",
+        )
+        .bind(&keys.tenants)
+        .bind(&keys.runs)
+        .bind(&keys.branches)
+        .bind(&keys.lsns)
+        .bind(tenant.as_str())
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?;
+        events_of(tenant, rows)
     }
 
     /// The tenants that have pending intents (a skip scan over the drain index: one index probe
@@ -195,4 +205,53 @@ impl Outbox {
             oldest_age: Duration::from_secs_f64(age_secs.unwrap_or(0.0).max(0.0)),
         })
     }
+}
+
+/// Keys as the parallel arrays `unnest` takes.
+struct KeyArrays<'a> {
+    tenants: Vec<&'a str>,
+    runs: Vec<&'a str>,
+    branches: Vec<&'a str>,
+    lsns: Vec<i64>,
+}
+
+impl<'a> KeyArrays<'a> {
+    fn new(keys: &'a [EventKey]) -> Result<Self, Error> {
+        let mut arrays = Self {
+            tenants: Vec::with_capacity(keys.len()),
+            runs: Vec::with_capacity(keys.len()),
+            branches: Vec::with_capacity(keys.len()),
+            lsns: Vec::with_capacity(keys.len()),
+        };
+        for key in keys {
+            arrays.tenants.push(key.branch.tenant.as_str());
+            arrays.runs.push(key.branch.run.as_str());
+            arrays.branches.push(key.branch.branch.as_str());
+            arrays.lsns.push(key.lsn.to_db()?);
+        }
+        Ok(arrays)
+    }
+}
+
+fn events_of(tenant: &TenantId, rows: Vec<EventRow>) -> Result<Vec<OutboxEvent>, Error> {
+    rows.into_iter()
+        .map(
+            |(run, branch, lsn, prev_lsn, base_lsn, payload, created_at)| {
+                Ok(OutboxEvent {
+                    key: EventKey {
+                        branch: BranchKey::new(
+                            tenant.clone(),
+                            RunId::new(run)?,
+                            BranchId::new(branch)?,
+                        ),
+                        lsn: Lsn::from_db(lsn),
+                    },
+                    prev_lsn: Lsn::from_db(prev_lsn),
+                    base_lsn: Lsn::from_db(base_lsn),
+                    payload,
+                    created_at,
+                })
+            },
+        )
+        .collect()
 }

@@ -497,3 +497,40 @@ async fn a_tenant_lease_has_one_holder_and_is_freed_when_its_holder_dies(
     }
     second.check().await.unwrap();
 }
+
+/// The relay's one-round-trip step retires exactly what it is given and returns what follows,
+/// never what it just retired.
+#[sqlx::test(migrator = "store::MIGRATOR")]
+async fn ack_and_drain_retires_and_returns_the_next_prefix(pool: PgPool) {
+    let writer = IntentWriter::default();
+    let outbox = Outbox::new(pool.clone());
+    let branch = key("t1", "r1", "b1");
+    writer
+        .open_run(&mut pool.acquire().await.unwrap(), &branch)
+        .await
+        .unwrap();
+    for lsn in 1..=10 {
+        writer
+            .append(
+                &mut pool.acquire().await.unwrap(),
+                &branch,
+                Lsn::new(lsn),
+                b"x",
+            )
+            .await
+            .unwrap();
+    }
+    let first = outbox.drain_outbox(&branch.tenant, 4).await.unwrap();
+    let keys: Vec<EventKey> = first.iter().map(|event| event.key.clone()).collect();
+    let next = outbox
+        .ack_and_drain(&keys, &branch.tenant, 4)
+        .await
+        .unwrap();
+    assert_eq!(lsns_by_branch(&next)[&branch], vec![5, 6, 7, 8]);
+    assert_eq!(count_rows(&pool).await, 6);
+    let last = outbox
+        .ack_and_drain(&[], &branch.tenant, 100)
+        .await
+        .unwrap();
+    assert_eq!(lsns_by_branch(&last)[&branch], vec![5, 6, 7, 8, 9, 10]);
+}

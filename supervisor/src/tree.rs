@@ -34,6 +34,9 @@ pub struct SupervisorConfig {
     pub restart: RetryPolicy,
     /// How long a graceful shutdown waits for batches in flight. Default 10 s.
     pub finish_grace: Duration,
+    /// Most events in flight (drained, not yet acked) across all drainers: bounds the relay's
+    /// memory whatever the backlog. At least `drainer.batch_size`. Default 10,000.
+    pub max_in_flight: usize,
 }
 
 impl Default for SupervisorConfig {
@@ -45,6 +48,7 @@ impl Default for SupervisorConfig {
             drainer: DrainerConfig::default(),
             restart: RetryPolicy::default(),
             finish_grace: Duration::from_secs(10),
+            max_in_flight: 10_000,
         }
     }
 }
@@ -116,6 +120,7 @@ pub struct SupervisorState {
     gauged: HashSet<TenantId>,
     finishing: Option<RpcReplyPort<()>>,
     wakeups: Option<tokio::task::JoinHandle<()>>,
+    budget: Arc<tokio::sync::Semaphore>,
 }
 
 impl std::fmt::Debug for SupervisorState {
@@ -177,6 +182,7 @@ impl RelaySupervisor {
             tenant: tenant.clone(),
             outbox: state.args.outbox.clone(),
             publishers: state.directory.clone(),
+            budget: state.budget.clone(),
             config: state.args.config.drainer,
         };
         match Actor::spawn_linked(None, Drainer, args, myself.get_cell()).await {
@@ -356,6 +362,12 @@ impl Actor for RelaySupervisor {
             gauged: HashSet::new(),
             finishing: None,
             wakeups: None,
+            // A budget below one batch would deadlock a drainer waiting for a full batch.
+            budget: Arc::new(tokio::sync::Semaphore::new(
+                args.config
+                    .max_in_flight
+                    .max(args.config.drainer.batch_size as usize),
+            )),
             args,
         })
     }

@@ -19,6 +19,7 @@ pub use proxy::BrokerProxy;
 pub use relay::Relay;
 pub use relay::RelayError;
 pub use relay::RelayHandle;
+pub use relay::RelayWaker;
 pub use store;
 pub use supervisor::SupervisorConfig;
 pub use supervisor::TreeSnapshot;

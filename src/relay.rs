@@ -167,7 +167,31 @@ async fn run_tree(
     }
 }
 
+/// Wakes an embedded relay for a tenant whose intents just committed: the in-process
+/// alternative to NOTIFY (see `IntentWriter::with_notify`). Enqueues one message; never blocks,
+/// never fails, runs no relay code on the caller's thread. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct RelayWaker {
+    tree: watch::Receiver<Option<ActorRef<SupervisorMessage>>>,
+}
+
+impl RelayWaker {
+    /// Tells the relay that `tenant` has newly committed intents.
+    pub fn wake(&self, tenant: &store::TenantId) {
+        if let Some(supervisor) = self.tree.borrow().as_ref() {
+            let _ = supervisor.cast(SupervisorMessage::Notified(tenant.clone()));
+        }
+    }
+}
+
 impl RelayHandle {
+    /// A waker for this relay (for hosts that append with `with_notify(false)`).
+    pub fn waker(&self) -> RelayWaker {
+        RelayWaker {
+            tree: self.tree.clone(),
+        }
+    }
+
     /// The live actors (for status, and for tests that kill them). `None` while restarting.
     pub async fn snapshot(&self) -> Option<TreeSnapshot> {
         let supervisor = self.tree.borrow().clone()?;

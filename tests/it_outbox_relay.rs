@@ -627,4 +627,45 @@ mod outbox {
             drop(pool);
         });
     }
+
+    /// An embedded host that turns NOTIFY off (to keep its commits fast) wakes the relay
+    /// in-process: events ship long before the next poll would have found them.
+    #[test]
+    fn outbox_an_in_process_waker_replaces_notify() {
+        host_runtime().block_on(async {
+            let (pool, url) = fresh_database("waker").await;
+            let mut config = relay_config(&url, &amqp_url(), &unique("relay-waker"));
+            config.supervisor.poll_interval = Duration::from_secs(120);
+            let relay = Relay::start(config.clone()).await.unwrap();
+            let outbox = Outbox::new(pool.clone());
+            // Wait until the relay's first poll has run (its lease connection is open), so that
+            // what follows can only be found through the waker.
+            wait_until("first poll", Duration::from_secs(10), || async {
+                relay.snapshot().await.is_some()
+            })
+            .await;
+            let writer = IntentWriter::default().with_notify(false);
+            let branch = BranchKey::new(
+                TenantId::new("wk").unwrap(),
+                RunId::new("r").unwrap(),
+                BranchId::new("b").unwrap(),
+            );
+            let mut tx = pool.begin().await.unwrap();
+            writer.open_run(&mut tx, &branch).await.unwrap();
+            for lsn in 1..=5 {
+                writer
+                    .append(&mut tx, &branch, Lsn::new(lsn), b"x")
+                    .await
+                    .unwrap();
+            }
+            tx.commit().await.unwrap();
+            relay.waker().wake(&branch.tenant);
+            wait_until("woken relay ships", Duration::from_secs(20), || async {
+                pending(&outbox).await == 0
+            })
+            .await;
+            relay.shutdown().await;
+            drop_topology(&config.rabbit_config().unwrap().topology).await;
+        });
+    }
 }

@@ -534,3 +534,37 @@ async fn ack_and_drain_retires_and_returns_the_next_prefix(pool: PgPool) {
         .unwrap();
     assert_eq!(lsns_by_branch(&last)[&branch], vec![5, 6, 7, 8, 9, 10]);
 }
+
+/// A writer with NOTIFY off wakes nobody; the default one wakes listeners on commit.
+#[sqlx::test(migrator = "store::MIGRATOR")]
+async fn notify_is_sent_on_commit_only_when_enabled(
+    options: sqlx::postgres::PgPoolOptions,
+    connect: sqlx::postgres::PgConnectOptions,
+) {
+    let pool = options.connect_with(connect.clone()).await.unwrap();
+    let url = format!(
+        "postgres://postgres@127.0.0.1:5432/{}",
+        connect.get_database().unwrap()
+    );
+    let mut wakeups = store::Wakeups::connect(&url).await.unwrap();
+    let silent = key("quiet", "r", "b");
+    let loud = key("loud", "r", "b");
+    for (branch, writer) in [
+        (&silent, IntentWriter::default().with_notify(false)),
+        (&loud, IntentWriter::default()),
+    ] {
+        let mut tx = pool.begin().await.unwrap();
+        writer.open_run(&mut tx, branch).await.unwrap();
+        writer
+            .append(&mut tx, branch, Lsn::new(1), b"x")
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    }
+    // Notifications arrive in commit order: the first one must be the second commit's.
+    let first = tokio::time::timeout(Duration::from_secs(10), wakeups.next())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(first, loud.tenant);
+}

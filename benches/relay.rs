@@ -359,13 +359,15 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake) -> Result<Latency> {
                     .await
                     .expect("append");
                 tx.commit().await.expect("commit");
-                commits.push((
-                    EventKey {
-                        branch: key.clone(),
-                        lsn: Lsn::new(lsn),
-                    },
-                    Instant::now(),
-                ));
+                let committed = Instant::now();
+                if wake == Wake::Waker {
+                    waker.wake(&key.tenant);
+                }
+                let event = EventKey {
+                    branch: key.clone(),
+                    lsn: Lsn::new(lsn),
+                };
+                commits.push((event, committed));
             }
             commits
         }));

@@ -3,18 +3,24 @@
 //! Invariant: a row is acked only after the broker confirmed it, and never past a failure in its
 //! branch. Per branch, the drainer acks the longest prefix of the batch whose every event was
 //! accepted; everything after the first failure stays pending and is drained (and published)
-//! again, in Lsn order. Only one batch is in flight per tenant, so batches never overtake.
+//! again, in Lsn order.
+//!
+//! Up to `max_batches_in_flight` batches of a tenant are in flight at once (drained, published,
+//! awaiting confirms), so an event committed meanwhile ships without waiting for the earlier
+//! batch's round trip. Batches are settled strictly in drain order, and the prefix rule holds
+//! across the whole window: once an event of a branch fails, no later event of that branch in
+//! the window is acked, and no new batch starts until the window is empty and a retry is due.
 //!
 //! Memory is bounded by configuration, not by the backlog: a batch takes permits for its events
 //! from a budget shared by every drainer of the relay, and gives them back when it finishes.
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
 use broker::Outcome;
 use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef};
 use store::{BranchKey, EventKey, Outbox, OutboxEvent, TenantId};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, TryAcquireError};
 use tracing::Instrument;
 
 use crate::{Backoff, PublisherDirectory, PublisherMessage, RetryPolicy, ShardId, shard_of};
@@ -28,6 +34,8 @@ pub struct DrainerConfig {
     pub batch_timeout: Duration,
     /// Delays between retries after a batch had failures.
     pub retry: RetryPolicy,
+    /// Batches of one tenant in flight at once. Default 4.
+    pub max_batches_in_flight: usize,
 }
 
 impl Default for DrainerConfig {
@@ -36,6 +44,7 @@ impl Default for DrainerConfig {
             batch_size: 1000,
             batch_timeout: Duration::from_secs(30),
             retry: RetryPolicy::default(),
+            max_batches_in_flight: 4,
         }
     }
 }
@@ -91,7 +100,12 @@ struct Batch {
 /// State of a drainer.
 pub struct DrainerState {
     args: DrainerArgs,
-    batch: Option<Batch>,
+    /// In flight, in drain order.
+    batches: VecDeque<Batch>,
+    /// Branches with a failure in the current window: nothing later of theirs is acked.
+    blocked: HashSet<BranchKey>,
+    /// A failure was seen: no new batch until the window is empty and the retry is due.
+    window_failed: bool,
     next_batch: u64,
     backoff: Backoff,
     retry_scheduled: bool,
@@ -102,10 +116,7 @@ impl std::fmt::Debug for DrainerState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DrainerState")
             .field("tenant", &self.args.tenant)
-            .field(
-                "in_flight",
-                &self.batch.as_ref().map(|batch| batch.keys.len()),
-            )
+            .field("batches_in_flight", &self.batches.len())
             .finish_non_exhaustive()
     }
 }
@@ -115,10 +126,37 @@ impl std::fmt::Debug for DrainerState {
 pub struct Drainer;
 
 impl Drainer {
-    /// Takes budget for a full batch (waiting while the relay is at its in-flight bound).
-    async fn permits(state: &DrainerState) -> Result<OwnedSemaphorePermit, ActorProcessingErr> {
+    /// Budget for a full batch. Waits only when nothing of this drainer is in flight: a drainer
+    /// blocked here cannot settle its own batches, which hold the permits it would wait for.
+    async fn permits(
+        state: &DrainerState,
+    ) -> Result<Option<OwnedSemaphorePermit>, ActorProcessingErr> {
         let wanted = state.args.config.batch_size.max(1);
-        Ok(state.args.budget.clone().acquire_many_owned(wanted).await?)
+        let budget = state.args.budget.clone();
+        if state.batches.is_empty() {
+            return Ok(Some(budget.acquire_many_owned(wanted).await?));
+        }
+        match budget.try_acquire_many_owned(wanted) {
+            Ok(permits) => Ok(Some(permits)),
+            Err(TryAcquireError::NoPermits) => Ok(None),
+            Err(closed) => Err(closed.into()),
+        }
+    }
+
+    /// The newest in-flight event of each branch: the next drain starts after them.
+    fn newest_in_flight(state: &DrainerState) -> Vec<EventKey> {
+        let mut newest: HashMap<&BranchKey, &EventKey> = HashMap::new();
+        for key in state.batches.iter().flat_map(|batch| &batch.keys) {
+            newest.insert(&key.branch, key);
+        }
+        newest.into_values().cloned().collect()
+    }
+
+    fn may_start_batch(state: &DrainerState) -> bool {
+        !state.retry_scheduled
+            && !state.window_failed
+            && !state.finishing
+            && state.batches.len() < state.args.config.max_batches_in_flight.max(1)
     }
 
     async fn drain(
@@ -126,23 +164,26 @@ impl Drainer {
         myself: &ActorRef<DrainerMessage>,
         state: &mut DrainerState,
     ) -> Result<(), ActorProcessingErr> {
-        if state.batch.is_some() || state.retry_scheduled {
-            return Ok(());
-        }
-        if state.finishing {
+        if state.finishing && state.batches.is_empty() {
             myself.stop(Some("finished".into()));
             return Ok(());
         }
-        let permits = Self::permits(state).await?;
+        if !Self::may_start_batch(state) {
+            return Ok(());
+        }
+        let Some(permits) = Self::permits(state).await? else {
+            return Ok(());
+        };
+        let in_flight = Self::newest_in_flight(state);
         let events = state
             .args
             .outbox
-            .drain_outbox(&state.args.tenant, state.args.config.batch_size)
+            .drain_after(&state.args.tenant, state.args.config.batch_size, &in_flight)
             .await?;
-        self.start_batch(myself, state, events, permits).await
+        self.start_batch(myself, state, events, permits)
     }
 
-    async fn start_batch(
+    fn start_batch(
         &self,
         myself: &ActorRef<DrainerMessage>,
         state: &mut DrainerState,
@@ -195,7 +236,7 @@ impl Drainer {
             }
         }
         let nothing_sent = batch.pending.is_empty();
-        state.batch = Some(batch);
+        state.batches.push_back(batch);
         if nothing_sent {
             // Every part failed to send: settle it as the next message (no recursion here).
             myself.cast(DrainerMessage::BatchTimeout(id))?;
@@ -207,68 +248,94 @@ impl Drainer {
         Ok(())
     }
 
-    async fn finish_batch(
+    /// Settles the complete batches at the front of the window, in drain order.
+    async fn settle(
         &self,
         myself: &ActorRef<DrainerMessage>,
         state: &mut DrainerState,
     ) -> Result<(), ActorProcessingErr> {
-        let Some(batch) = state.batch.take() else {
-            return Ok(());
-        };
-        // Invariant: ack only the confirmed prefix of each branch.
-        let mut blocked: HashSet<&BranchKey> = HashSet::new();
-        let mut acks: Vec<EventKey> = Vec::with_capacity(batch.keys.len());
-        for (key, outcome) in batch.keys.iter().zip(&batch.outcomes) {
-            if blocked.contains(&key.branch) {
-                continue;
-            }
-            if *outcome == Some(Outcome::Accepted) {
-                acks.push(key.clone());
-            } else {
-                blocked.insert(&key.branch);
+        let mut acks: Vec<EventKey> = Vec::new();
+        let mut failed = 0;
+        let mut settled = 0;
+        while state
+            .batches
+            .front()
+            .is_some_and(|batch| batch.pending.is_empty())
+        {
+            let Some(batch) = state.batches.pop_front() else {
+                break;
+            };
+            settled += 1;
+            // Invariant: ack only the confirmed prefix of each branch, across the window.
+            for (key, outcome) in batch.keys.into_iter().zip(batch.outcomes) {
+                if state.blocked.contains(&key.branch) {
+                    failed += 1;
+                } else if outcome == Some(Outcome::Accepted) {
+                    acks.push(key);
+                } else {
+                    state.blocked.insert(key.branch);
+                    failed += 1;
+                }
             }
         }
-        let shipped = acks.len();
-        let failed = batch.keys.len() - shipped;
-        drop(batch);
-        metrics::counter!("relay_events_shipped_total", "tenant" => state.args.tenant.to_string())
-            .increment(shipped as u64);
-        tracing::debug!(shipped, failed, "batch finished");
-        if failed > 0 || state.finishing {
+        if settled == 0 {
+            return Ok(());
+        }
+        let tenant = &state.args.tenant;
+        metrics::counter!("relay_events_shipped_total", "tenant" => tenant.to_string())
+            .increment(acks.len() as u64);
+        tracing::debug!(shipped = acks.len(), failed, "batches settled");
+        state.window_failed |= failed > 0;
+        if state.window_failed || state.finishing {
             state.args.outbox.ack_outbox(&acks).await?;
-            if state.finishing {
-                myself.stop(Some("finished".into()));
+            if !state.batches.is_empty() {
                 return Ok(());
             }
-            let delay = state.backoff.next_delay();
-            state.retry_scheduled = true;
-            myself.send_after(delay, || DrainerMessage::Retry);
+            if state.finishing {
+                myself.stop(Some("finished".into()));
+            } else {
+                state.blocked.clear();
+                state.window_failed = false;
+                state.retry_scheduled = true;
+                let delay = state.backoff.next_delay();
+                myself.send_after(delay, || DrainerMessage::Retry);
+            }
             return Ok(());
         }
         state.backoff.reset();
-        // The steady state: retire this batch and drain the next in one round trip.
-        let permits = Self::permits(state).await?;
-        let tenant = &state.args.tenant;
-        let events = state
-            .args
-            .outbox
-            .ack_and_drain(&acks, tenant, state.args.config.batch_size)
-            .await?;
-        self.start_batch(myself, state, events, permits).await
+        // The steady state: retire what was confirmed and drain the next batch in one round trip.
+        let permits = if Self::may_start_batch(state) {
+            Self::permits(state).await?
+        } else {
+            None
+        };
+        match permits {
+            Some(permits) => {
+                let in_flight = Self::newest_in_flight(state);
+                let limit = state.args.config.batch_size;
+                let events = state
+                    .args
+                    .outbox
+                    .ack_and_drain(&acks, tenant, limit, &in_flight)
+                    .await?;
+                self.start_batch(myself, state, events, permits)
+            }
+            None => {
+                state.args.outbox.ack_outbox(&acks).await?;
+                Ok(())
+            }
+        }
     }
 
+    /// Records outcomes for the shards `settle_shard` answers, in the batch numbered `batch_id`.
     fn resolve(
-        state: &mut DrainerState,
-        batch_id: u64,
-        mut settle: impl FnMut(ShardId, ActorId) -> Option<Vec<Outcome>>,
-    ) -> bool {
-        let Some(batch) = state.batch.as_mut().filter(|batch| batch.id == batch_id) else {
-            return false;
-        };
+        batch: &mut Batch,
+        mut settle_shard: impl FnMut(ShardId, ActorId) -> Option<Vec<Outcome>>,
+    ) {
         let shards: Vec<ShardId> = batch.pending.keys().copied().collect();
         for shard in shards {
             let publisher_id = batch.pending[&shard].0;
-            if let Some(outcomes) = settle(shard, publisher_id) {
+            if let Some(outcomes) = settle_shard(shard, publisher_id) {
                 let (_, indexes) = batch.pending.remove(&shard).expect("shard is pending");
                 for (position, index) in indexes.into_iter().enumerate() {
                     let outcome = outcomes
@@ -279,7 +346,6 @@ impl Drainer {
                 }
             }
         }
-        batch.pending.is_empty()
     }
 
     async fn dispatch(
@@ -288,7 +354,7 @@ impl Drainer {
         message: DrainerMessage,
         state: &mut DrainerState,
     ) -> Result<(), ActorProcessingErr> {
-        let done = match message {
+        match message {
             DrainerMessage::Drain => return self.drain(&myself, state).await,
             DrainerMessage::Retry => {
                 state.retry_scheduled = false;
@@ -299,39 +365,38 @@ impl Drainer {
                 shard,
                 outcomes,
             } => {
-                let mut outcomes = Some(outcomes);
-                Self::resolve(state, batch, |pending_shard, _| {
-                    if pending_shard == shard {
-                        outcomes.take()
-                    } else {
-                        None
-                    }
-                })
+                if let Some(batch) = state.batches.iter_mut().find(|b| b.id == batch) {
+                    let mut outcomes = Some(outcomes);
+                    Self::resolve(batch, |pending_shard, _| {
+                        if pending_shard == shard {
+                            outcomes.take()
+                        } else {
+                            None
+                        }
+                    });
+                }
             }
             DrainerMessage::PublisherLost(lost) => {
-                let Some(batch_id) = state.batch.as_ref().map(|batch| batch.id) else {
-                    return Ok(());
-                };
-                Self::resolve(state, batch_id, |_, publisher_id| {
-                    (publisher_id == lost).then(Vec::new)
-                })
+                for batch in &mut state.batches {
+                    Self::resolve(batch, |_, publisher_id| {
+                        (publisher_id == lost).then(Vec::new)
+                    });
+                }
             }
             DrainerMessage::BatchTimeout(batch_id) => {
-                Self::resolve(state, batch_id, |_, _| Some(Vec::new()))
+                if let Some(batch) = state.batches.iter_mut().find(|b| b.id == batch_id) {
+                    Self::resolve(batch, |_, _| Some(Vec::new()));
+                }
             }
             DrainerMessage::Finish => {
                 state.finishing = true;
-                if state.batch.is_none() {
+                if state.batches.is_empty() {
                     myself.stop(Some("finished".into()));
                 }
                 return Ok(());
             }
-        };
-        if done {
-            self.finish_batch(&myself, state).await
-        } else {
-            Ok(())
         }
+        self.settle(&myself, state).await
     }
 }
 
@@ -350,7 +415,9 @@ impl Actor for Drainer {
         Ok(DrainerState {
             backoff: Backoff::new(args.config.retry),
             args,
-            batch: None,
+            batches: VecDeque::new(),
+            blocked: HashSet::new(),
+            window_failed: false,
             next_batch: 0,
             retry_scheduled: false,
             finishing: false,

@@ -112,18 +112,34 @@ impl Outbox {
         Ok(retired)
     }
 
+    /// Like [`Outbox::drain_outbox`], but skips, for each branch named in `in_flight`, its
+    /// intents up to and including that key's Lsn (the newest of the branch already in flight).
+    /// Lets a relay drain the next batch of a tenant while earlier ones await their confirms.
+    pub async fn drain_after(
+        &self,
+        tenant: &TenantId,
+        limit: u32,
+        in_flight: &[EventKey],
+    ) -> Result<Vec<OutboxEvent>, Error> {
+        self.ack_and_drain(&[], tenant, limit, in_flight).await
+    }
+
     /// Retires `shipped` (confirmed keys) and drains the next `limit` pending intents of
-    /// `tenant` in one round trip: the relay's steady-state step. Same guarantees as
-    /// [`Outbox::ack_outbox`] followed by [`Outbox::drain_outbox`].
+    /// `tenant` after `in_flight` (see [`Outbox::drain_after`]), in one round trip: the relay's
+    /// steady-state step. Same guarantees as [`Outbox::ack_outbox`] then [`Outbox::drain_outbox`].
     pub async fn ack_and_drain(
         &self,
         shipped: &[EventKey],
         tenant: &TenantId,
         limit: u32,
+        in_flight: &[EventKey],
     ) -> Result<Vec<OutboxEvent>, Error> {
         let keys = KeyArrays::new(shipped)?;
+        let flying = KeyArrays::new(in_flight)?;
         // The SELECT reads the statement's snapshot, from before the DELETE: it must exclude
-        // what the DELETE retires.
+        // what the DELETE retires. Within a branch, in-flight intents are exactly those up to its
+        // newest in-flight Lsn (a branch is always drained as a prefix), hence the Lsn filter;
+        // a filter on `seq` would be wrong, since another branch's row may commit late.
         let rows: Vec<EventRow> = sqlx::query_as(
             "WITH acked AS (
                  DELETE FROM relay_outbox o
@@ -134,8 +150,11 @@ impl Outbox {
               RETURNING o.seq
              )
              SELECT run_id, branch_id, lsn, prev_lsn, base_lsn, payload, created_at
-               FROM relay_outbox
+               FROM relay_outbox o
               WHERE tenant_id = $5 AND seq NOT IN (SELECT seq FROM acked)
+                AND NOT EXISTS (
+                     SELECT 1 FROM unnest($7::text[], $8::text[], $9::bigint[]) AS f(run_id, branch_id, lsn)
+                      WHERE f.run_id = o.run_id AND f.branch_id = o.branch_id AND o.lsn <= f.lsn)
               ORDER BY seq
               LIMIT $6",
         )
@@ -145,6 +164,9 @@ impl Outbox {
         .bind(&keys.lsns)
         .bind(tenant.as_str())
         .bind(i64::from(limit))
+        .bind(&flying.runs)
+        .bind(&flying.branches)
+        .bind(&flying.lsns)
         .fetch_all(&self.pool)
         .await?;
         events_of(tenant, rows)

@@ -523,16 +523,42 @@ async fn ack_and_drain_retires_and_returns_the_next_prefix(pool: PgPool) {
     let first = outbox.drain_outbox(&branch.tenant, 4).await.unwrap();
     let keys: Vec<EventKey> = first.iter().map(|event| event.key.clone()).collect();
     let next = outbox
-        .ack_and_drain(&keys, &branch.tenant, 4)
+        .ack_and_drain(&keys, &branch.tenant, 4, &[])
         .await
         .unwrap();
     assert_eq!(lsns_by_branch(&next)[&branch], vec![5, 6, 7, 8]);
     assert_eq!(count_rows(&pool).await, 6);
     let last = outbox
-        .ack_and_drain(&[], &branch.tenant, 100)
+        .ack_and_drain(&[], &branch.tenant, 100, &[])
         .await
         .unwrap();
     assert_eq!(lsns_by_branch(&last)[&branch], vec![5, 6, 7, 8, 9, 10]);
+    // With 5..=8 in flight, the next drain starts after 8 on that branch only.
+    let other = key("t1", "r2", "b1");
+    writer
+        .open_run(&mut pool.acquire().await.unwrap(), &other)
+        .await
+        .unwrap();
+    writer
+        .append(
+            &mut pool.acquire().await.unwrap(),
+            &other,
+            Lsn::new(1),
+            b"y",
+        )
+        .await
+        .unwrap();
+    let newest_in_flight = EventKey {
+        branch: branch.clone(),
+        lsn: Lsn::new(8),
+    };
+    let after = outbox
+        .drain_after(&branch.tenant, 100, &[newest_in_flight])
+        .await
+        .unwrap();
+    let by_branch = lsns_by_branch(&after);
+    assert_eq!(by_branch[&branch], vec![9, 10]);
+    assert_eq!(by_branch[&other], vec![1]);
 }
 
 /// A writer with NOTIFY off wakes nobody; the default one wakes listeners on commit.

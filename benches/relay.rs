@@ -102,6 +102,12 @@ impl Env {
         let mut config = RelayConfig::new(url, self.amqp.clone());
         config.topology = rabbit.topology.exchange().to_string();
         config.partitions = rabbit.topology.partitions();
+        if let Some(window) = std::env::var("BENCH_WINDOW")
+            .ok()
+            .and_then(|w| w.parse().ok())
+        {
+            config.supervisor.drainer.max_batches_in_flight = window;
+        }
         config
     }
 
@@ -556,6 +562,22 @@ async fn run(mode: &Mode) -> Result<String> {
     };
     println!("| measure | value | note |\n|---|---|---|");
 
+    if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "latency") {
+        for (wake, label) in [(Wake::Notify, "NOTIFY"), (Wake::Waker, "in-process waker")] {
+            let m = latency(&mut env, mode, wake).await?;
+            let (floor_p50, floor_p99) = m.floor;
+            row(
+                &format!("4. {label}: p50 / p99 / floor p50 / floor p99"),
+                format!(
+                    "{:.1} / {:.1} / {floor_p50:.1} / {floor_p99:.1} ms",
+                    m.p50, m.p99
+                ),
+                &format!("writers achieved {:.0}/s", m.rate),
+            );
+        }
+        env.cleanup().await;
+        return Ok(table);
+    }
     let rabbit = env.rabbit("raw", 8)?;
     let events = synthetic_events(mode.raw_events);
     let raw_one = raw_ceiling(&rabbit, &events, 1).await?;

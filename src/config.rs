@@ -35,7 +35,7 @@ pub struct RelayConfig {
     /// Broker partitions (queues), keyed by (TenantId, RunId). Env `RELAY_PARTITIONS`, default 8.
     pub partitions: u16,
     /// Tree shape and timings (`RELAY_SHARDS` default 4, `RELAY_BATCH_SIZE` default 1000,
-    /// `RELAY_POLL_MS` default 1000).
+    /// `RELAY_BATCHES_IN_FLIGHT` default 1, `RELAY_POLL_MS` default 1000).
     pub supervisor: SupervisorConfig,
     /// Runtime threads of the relay (named `outbox-relay`). Env `RELAY_THREADS`, default 2.
     pub worker_threads: usize,
@@ -101,6 +101,10 @@ impl RelayConfig {
         config.supervisor.shards = parsed("RELAY_SHARDS", config.supervisor.shards)?;
         config.supervisor.drainer.batch_size =
             parsed("RELAY_BATCH_SIZE", config.supervisor.drainer.batch_size)?;
+        config.supervisor.drainer.max_batches_in_flight = parsed(
+            "RELAY_BATCHES_IN_FLIGHT",
+            config.supervisor.drainer.max_batches_in_flight,
+        )?;
         let poll_ms: u64 = parsed(
             "RELAY_POLL_MS",
             config.supervisor.poll_interval.as_millis() as u64,
@@ -149,6 +153,13 @@ impl RelayConfig {
                 "RELAY_POLL_MS",
                 self.supervisor.poll_interval.as_millis().to_string(),
                 "must be at least 10",
+            ));
+        }
+        if self.supervisor.drainer.max_batches_in_flight == 0 {
+            return Err(invalid(
+                "RELAY_BATCHES_IN_FLIGHT",
+                "0".into(),
+                "must be at least 1",
             ));
         }
         if self.worker_threads == 0 {

@@ -122,6 +122,8 @@ mod outbox {
                 broker.schedule.lock().unwrap().extend(faults.iter().copied());
                 let mut relay_config = relay_config(&url, &amqp_url(), &unique("relay-faults"));
                 relay_config.supervisor.drainer.batch_size = 5;
+                // Several batches per tenant in flight: the window's settling is under test too.
+                relay_config.supervisor.drainer.max_batches_in_flight = 3;
                 let factory_broker = broker.clone();
                 let relay = Relay::start_with(relay_config, Arc::new(move |_| {
                     Box::new(FaultPublisher(factory_broker.clone())) as Box<dyn Publisher>

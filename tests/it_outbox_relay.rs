@@ -526,20 +526,8 @@ mod outbox {
                 folded_count(&fold, &all).await == count(&all)
             })
             .await;
-            let held_first: Vec<TenantId> = first
-                .snapshot()
-                .await
-                .unwrap()
-                .drainers
-                .into_keys()
-                .collect();
-            let held_second: Vec<TenantId> = second
-                .snapshot()
-                .await
-                .unwrap()
-                .drainers
-                .into_keys()
-                .collect();
+            let held_first = held(&first).await;
+            let held_second = held(&second).await;
             assert!(
                 held_first
                     .iter()
@@ -557,19 +545,24 @@ mod outbox {
                 || async { folded_count(&fold, &all).await == count(&all) },
             )
             .await;
-            let held: Vec<TenantId> = second
-                .snapshot()
-                .await
-                .unwrap()
-                .drainers
-                .into_keys()
-                .collect();
+            let held = held(&second).await;
             assert_eq!(held.len(), tenants.len(), "the survivor holds every tenant");
             assert_folded_exactly(&fold, &all).await;
             second.shutdown().await;
             folding.stop().await;
             drop_topology(&config.rabbit_config().unwrap().topology).await;
         });
+    }
+
+    /// The tenants a relay holds right now.
+    async fn held(relay: &distribution::RelayHandle) -> Vec<TenantId> {
+        relay
+            .snapshot()
+            .await
+            .expect("relay running")
+            .drainers
+            .into_keys()
+            .collect()
     }
 
     /// A stalled host runtime does not stall the relay: with every host executor thread

@@ -9,7 +9,7 @@
 //! The consumer acks the delivery only after this transaction commits.
 use sqlx::{PgConnection, PgPool};
 
-use crate::{BranchId, BranchKey, Error, EventKey, Lsn, OutboxEvent, RunId, TenantId};
+use crate::{BranchKey, Error, EventKey, Lsn, OutboxEvent, TenantId};
 
 /// What applying one delivery did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -125,14 +125,7 @@ impl FoldStore {
         rows.into_iter()
             .map(|(run, branch, lsn, payload)| {
                 Ok(FoldedEvent {
-                    key: EventKey {
-                        branch: BranchKey::new(
-                            tenant.clone(),
-                            RunId::new(run)?,
-                            BranchId::new(branch)?,
-                        ),
-                        lsn: Lsn::from_db(lsn),
-                    },
+                    key: EventKey::from_db(tenant, run, branch, lsn)?,
                     payload,
                 })
             })

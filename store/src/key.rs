@@ -149,6 +149,21 @@ pub struct EventKey {
     pub lsn: Lsn,
 }
 
+impl EventKey {
+    /// A key read back from the database (ids re-validated).
+    pub(crate) fn from_db(
+        tenant: &TenantId,
+        run: String,
+        branch: String,
+        lsn: i64,
+    ) -> Result<Self, Error> {
+        Ok(Self {
+            branch: BranchKey::new(tenant.clone(), RunId::new(run)?, BranchId::new(branch)?),
+            lsn: Lsn::from_db(lsn),
+        })
+    }
+}
+
 impl fmt::Display for EventKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}@{}", self.branch, self.lsn)

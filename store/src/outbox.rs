@@ -4,7 +4,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 
-use crate::{BranchId, BranchKey, Error, EventKey, Lsn, RunId, TenantId};
+use crate::{Error, EventKey, Lsn, TenantId};
 
 /// One committed export intent, as the relay ships it.
 #[derive(Clone, PartialEq, Eq)]
@@ -260,14 +260,7 @@ fn events_of(tenant: &TenantId, rows: Vec<EventRow>) -> Result<Vec<OutboxEvent>,
         .map(
             |(run, branch, lsn, prev_lsn, base_lsn, payload, created_at)| {
                 Ok(OutboxEvent {
-                    key: EventKey {
-                        branch: BranchKey::new(
-                            tenant.clone(),
-                            RunId::new(run)?,
-                            BranchId::new(branch)?,
-                        ),
-                        lsn: Lsn::from_db(lsn),
-                    },
+                    key: EventKey::from_db(tenant, run, branch, lsn)?,
                     prev_lsn: Lsn::from_db(prev_lsn),
                     base_lsn: Lsn::from_db(base_lsn),
                     payload,

@@ -113,7 +113,8 @@ pub struct SupervisorState {
     publisher_ids: HashMap<ActorId, ShardId>,
     publisher_backoff: Vec<Backoff>,
     drainers: HashMap<TenantId, ActorRef<DrainerMessage>>,
-    drainer_ids: HashMap<ActorId, TenantId>,
+    /// Live drainers by actor id, with when each was spawned.
+    drainer_ids: HashMap<ActorId, (TenantId, std::time::Instant)>,
     drainer_backoff: HashMap<TenantId, Backoff>,
     owned: HashSet<TenantId>,
     leases: Option<TenantLeases>,
@@ -187,7 +188,10 @@ impl RelaySupervisor {
         };
         match Actor::spawn_linked(None, Drainer, args, myself.get_cell()).await {
             Ok((drainer, _)) => {
-                state.drainer_ids.insert(drainer.get_id(), tenant.clone());
+                state.drainer_ids.insert(
+                    drainer.get_id(),
+                    (tenant.clone(), std::time::Instant::now()),
+                );
                 state.drainers.insert(tenant, drainer);
             }
             Err(err) => {
@@ -515,8 +519,15 @@ impl Actor for RelaySupervisor {
                 tracing::debug!(shard = shard.0, failures = backoff.failures(), reason = %why, "publisher down; restarting");
             }
             myself.send_after(delay, move || SupervisorMessage::RespawnPublisher(shard));
-        } else if let Some(tenant) = state.drainer_ids.remove(&id) {
+        } else if let Some((tenant, spawned)) = state.drainer_ids.remove(&id) {
             state.drainers.remove(&tenant);
+            // A drainer that lived longer than the longest delay failed afresh: start its
+            // backoff over instead of carrying an old outage's delays forward.
+            if spawned.elapsed() > state.args.config.restart.max
+                && let Some(backoff) = state.drainer_backoff.get_mut(&tenant)
+            {
+                backoff.reset();
+            }
             if state.finishing.is_some() {
                 self.finish_if_done(&myself, state);
                 return Ok(());

@@ -438,7 +438,7 @@ mod outbox {
     }
 
     /// Step 9: relay lag is emitted: pending rows and oldest age per tenant while the broker is
-    /// down, and events shipped once it is back.
+    /// down; once it is back, events shipped and the write-to-confirm latency of each.
     #[test]
     fn outbox_relay_lag_is_emitted_as_metrics() {
         let snapshotter = {
@@ -460,10 +460,18 @@ mod outbox {
             let tenant = tenants_of(&ran.expected)[0].to_string();
             let total = count(&ran.expected) as f64;
 
-            let mut shipped = 0u64;
-            let mut saw_pending = false;
-            let mut saw_age = false;
-            let read = |shipped: &mut u64, saw_pending: &mut bool, saw_age: &mut bool| {
+            /// What the recorder showed for this test's tenant, accumulated over snapshots
+            /// (a `DebuggingRecorder` snapshot resets what it reads).
+            #[derive(Default)]
+            struct Seen {
+                shipped: u64,
+                lag_samples: usize,
+                pending: bool,
+                age: bool,
+            }
+            let mut seen = Seen::default();
+            let read = |seen: &mut Seen| {
+                use metrics_util::debugging::DebugValue;
                 for (key, _, _, value) in snapshotter.snapshot().into_vec() {
                     let key = key.key();
                     if !key
@@ -473,34 +481,36 @@ mod outbox {
                         continue;
                     }
                     match (key.name(), value) {
-                        (
-                            "relay_backlog_pending",
-                            metrics_util::debugging::DebugValue::Gauge(v),
-                        ) if v.0 == total => *saw_pending = true,
-                        (
-                            "relay_backlog_oldest_age_seconds",
-                            metrics_util::debugging::DebugValue::Gauge(v),
-                        ) if v.0 > 0.0 => *saw_age = true,
-                        (
-                            "relay_events_shipped_total",
-                            metrics_util::debugging::DebugValue::Counter(n),
-                        ) => *shipped += n,
+                        ("relay_backlog_pending", DebugValue::Gauge(v)) if v.0 == total => {
+                            seen.pending = true
+                        }
+                        ("relay_backlog_oldest_age_seconds", DebugValue::Gauge(v)) if v.0 > 0.0 => {
+                            seen.age = true
+                        }
+                        ("relay_events_shipped_total", DebugValue::Counter(n)) => seen.shipped += n,
+                        ("relay_write_to_confirm_seconds", DebugValue::Histogram(values)) => {
+                            seen.lag_samples += values.len();
+                        }
                         _ => {}
                     }
                 }
             };
             wait_until("backlog gauges", Duration::from_secs(30), || {
-                read(&mut shipped, &mut saw_pending, &mut saw_age);
-                let done = saw_pending && saw_age;
+                read(&mut seen);
+                let done = seen.pending && seen.age;
                 async move { done }
             })
             .await;
             proxy.restore();
-            wait_until("shipped counter", Duration::from_secs(60), || {
-                read(&mut shipped, &mut saw_pending, &mut saw_age);
-                let done = shipped as f64 == total;
-                async move { done }
-            })
+            wait_until(
+                "shipped counter and lag histogram",
+                Duration::from_secs(60),
+                || {
+                    read(&mut seen);
+                    let done = seen.shipped as f64 == total && seen.lag_samples as f64 == total;
+                    async move { done }
+                },
+            )
             .await;
             relay.shutdown().await;
             drop_topology(&config.rabbit_config().unwrap().topology).await;

@@ -94,6 +94,8 @@ pub enum DrainerMessage {
 struct Batch {
     id: u64,
     keys: Vec<EventKey>,
+    /// When the host wrote each event (parallel to `keys`), for the lag histogram.
+    written: Vec<chrono::DateTime<chrono::Utc>>,
     outcomes: Vec<Option<Outcome>>,
     pending: HashMap<ShardId, (ActorId, Vec<usize>)>,
     _permits: OwnedSemaphorePermit,
@@ -201,6 +203,7 @@ impl Drainer {
         state.next_batch += 1;
         let shards = state.args.publishers.shards();
         let keys: Vec<EventKey> = events.iter().map(|event| event.key.clone()).collect();
+        let written = events.iter().map(|event| event.created_at).collect();
         let mut by_shard: HashMap<ShardId, (Vec<usize>, Vec<OutboxEvent>)> = HashMap::new();
         for (index, event) in events.into_iter().enumerate() {
             let group = by_shard
@@ -213,6 +216,7 @@ impl Drainer {
             id,
             outcomes: vec![None; keys.len()],
             keys,
+            written,
             pending: HashMap::new(),
             _permits: permits,
         };
@@ -257,6 +261,7 @@ impl Drainer {
         state: &mut DrainerState,
     ) -> Result<(), ActorProcessingErr> {
         let mut acks: Vec<EventKey> = Vec::new();
+        let mut acked_written: Vec<chrono::DateTime<chrono::Utc>> = Vec::new();
         let mut failed = 0;
         let mut settled = 0;
         while state
@@ -269,11 +274,17 @@ impl Drainer {
             };
             settled += 1;
             // Invariant: ack only the confirmed prefix of each branch, across the window.
-            for (key, outcome) in batch.keys.into_iter().zip(batch.outcomes) {
+            let settled_events = batch
+                .keys
+                .into_iter()
+                .zip(batch.written)
+                .zip(batch.outcomes);
+            for ((key, written), outcome) in settled_events {
                 if state.blocked.contains(&key.branch) {
                     failed += 1;
                 } else if outcome == Some(Outcome::Accepted) {
                     acks.push(key);
+                    acked_written.push(written);
                 } else {
                     state.blocked.insert(key.branch);
                     failed += 1;
@@ -286,6 +297,14 @@ impl Drainer {
         let tenant = &state.args.tenant;
         metrics::counter!("relay_events_shipped_total", "tenant" => tenant.to_string())
             .increment(acks.len() as u64);
+        // Lag as a latency: from the host's write (inside its transaction) to the broker's
+        // confirm, per shipped event.
+        let now = chrono::Utc::now();
+        let lag =
+            metrics::histogram!("relay_write_to_confirm_seconds", "tenant" => tenant.to_string());
+        for written in acked_written {
+            lag.record((now - written).to_std().unwrap_or_default().as_secs_f64());
+        }
         tracing::debug!(shipped = acks.len(), failed, "batches settled");
         state.window_failed |= failed > 0;
         if state.window_failed || state.finishing {

@@ -178,7 +178,7 @@ mod outbox {
                         prev_lsn: prev,
                         base_lsn: Lsn::ZERO,
                         payload: payload.clone(),
-                        created_at: chrono_now(),
+                        created_at: chrono::Utc::now(),
                     };
                     reference.apply(&event).await.unwrap();
                     prev = *lsn;
@@ -194,10 +194,6 @@ mod outbox {
             assert_folded_exactly(&reference, &ran.expected).await;
             drop_topology(&rabbit.topology).await;
         });
-    }
-
-    fn chrono_now() -> chrono::DateTime<chrono::Utc> {
-        chrono::Utc::now()
     }
 
     /// Step 6 (actors): drainers and publishers killed mid-batch, again and again, while a

@@ -57,11 +57,6 @@ impl Outbox {
         Self { pool }
     }
 
-    /// The pool this outbox reads.
-    pub fn pool(&self) -> &PgPool {
-        &self.pool
-    }
-
     /// Up to `limit` pending intents of `tenant`, oldest first; each branch's in ascending Lsn.
     ///
     /// Only live history is ever returned: a rewind deletes its abandoned tail in the same

@@ -6,7 +6,7 @@
 //! refused append leaves the host's transaction usable (no statement failed).
 use sqlx::PgConnection;
 
-use crate::{BranchId, BranchKey, Error, Lsn, RunId, TenantId};
+use crate::{BranchId, BranchKey, Error, Lsn};
 
 /// Default largest payload, 256 KiB: far below RabbitMQ's 128 MiB `max_message_size` and small
 /// enough that a relay batch of 1,000 intents stays bounded in memory.
@@ -239,32 +239,6 @@ impl IntentWriter {
             })
         })?;
         Ok(Rewound { live, abandoned })
-    }
-
-    /// The live branch of a run, if the run is open.
-    pub async fn live_branch(
-        &self,
-        conn: &mut PgConnection,
-        tenant: &TenantId,
-        run: &RunId,
-    ) -> Result<Option<BranchKey>, Error> {
-        let branch: Option<String> = sqlx::query_scalar(
-            "SELECT branch_id FROM relay_branch
-              WHERE tenant_id = $1 AND run_id = $2 AND abandoned_at_lsn IS NULL",
-        )
-        .bind(tenant.as_str())
-        .bind(run.as_str())
-        .fetch_optional(&mut *conn)
-        .await?;
-        branch
-            .map(|id| {
-                Ok(BranchKey::new(
-                    tenant.clone(),
-                    run.clone(),
-                    BranchId::new(id)?,
-                ))
-            })
-            .transpose()
     }
 }
 

@@ -18,7 +18,8 @@ use distribution::broker::{
     BoxFuture, Confirms, Partition, Publisher, RabbitConfig, RabbitPublisher, Topology,
 };
 use distribution::store::{
-    self, BranchId, BranchKey, EventKey, IntentWriter, Lsn, Outbox, OutboxEvent, RunId, TenantId,
+    self, BranchId, BranchKey, EventKey, EventKind, Fence, IntentWriter, Lsn, Outbox, OutboxEvent,
+    RunId, TenantId,
 };
 use distribution::{Relay, RelayConfig};
 use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
@@ -162,6 +163,8 @@ fn synthetic_events(n: usize) -> Vec<OutboxEvent> {
                 base_lsn: Lsn::ZERO,
                 payload: vec![b'x'; PAYLOAD_BYTES as usize],
                 created_at: chrono::Utc::now(),
+                kind: EventKind::Intent,
+                parent: None,
             }
         })
         .collect()
@@ -260,9 +263,13 @@ struct TimedPublisher {
 impl Publisher for TimedPublisher {
     // The port's shape: writing yields the future of the confirms.
     #[allow(clippy::async_yields_async)]
-    fn send<'a>(&'a mut self, events: &'a [OutboxEvent]) -> BoxFuture<'a, Confirms> {
+    fn send<'a>(
+        &'a mut self,
+        events: &'a [OutboxEvent],
+        fence: &'a Fence,
+    ) -> BoxFuture<'a, Confirms> {
         Box::pin(async move {
-            let confirms = self.inner.send(events).await;
+            let confirms = self.inner.send(events, fence).await;
             let keys: Vec<EventKey> = events.iter().map(|event| event.key.clone()).collect();
             let confirmed = self.confirmed.clone();
             Box::pin(async move {

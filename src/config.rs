@@ -35,7 +35,8 @@ pub struct RelayConfig {
     /// Broker partitions (queues), keyed by (TenantId, RunId). Env `RELAY_PARTITIONS`, default 8.
     pub partitions: u16,
     /// Tree shape and timings (`RELAY_SHARDS` default 4, `RELAY_BATCH_SIZE` default 1000,
-    /// `RELAY_BATCHES_IN_FLIGHT` default 1, `RELAY_POLL_MS` default 1000).
+    /// `RELAY_BATCHES_IN_FLIGHT` default 1, `RELAY_POLL_MS` default 1000,
+    /// `RELAY_LEASE_TTL_MS` default 5000, `RELAY_LEASE_HEARTBEAT_MS` default 1000).
     pub supervisor: SupervisorConfig,
     /// Runtime threads of the relay (named `outbox-relay`). Env `RELAY_THREADS`, default 2.
     pub worker_threads: usize,
@@ -110,6 +111,16 @@ impl RelayConfig {
             config.supervisor.poll_interval.as_millis() as u64,
         )?;
         config.supervisor.poll_interval = Duration::from_millis(poll_ms);
+        let ttl_ms: u64 = parsed(
+            "RELAY_LEASE_TTL_MS",
+            config.supervisor.lease.ttl.as_millis() as u64,
+        )?;
+        config.supervisor.lease.ttl = Duration::from_millis(ttl_ms);
+        let heartbeat_ms: u64 = parsed(
+            "RELAY_LEASE_HEARTBEAT_MS",
+            config.supervisor.lease.heartbeat.as_millis() as u64,
+        )?;
+        config.supervisor.lease.heartbeat = Duration::from_millis(heartbeat_ms);
         config.worker_threads = parsed("RELAY_THREADS", config.worker_threads)?;
         config.db_connections = parsed("RELAY_DB_CONNECTIONS", config.db_connections)?;
         config.metrics_addr = parsed("RELAY_METRICS_ADDR", config.metrics_addr)?;
@@ -153,6 +164,21 @@ impl RelayConfig {
                 "RELAY_POLL_MS",
                 self.supervisor.poll_interval.as_millis().to_string(),
                 "must be at least 10",
+            ));
+        }
+        let lease = self.supervisor.lease;
+        if lease.heartbeat < Duration::from_millis(50) {
+            return Err(invalid(
+                "RELAY_LEASE_HEARTBEAT_MS",
+                lease.heartbeat.as_millis().to_string(),
+                "must be at least 50",
+            ));
+        }
+        if lease.ttl < lease.heartbeat * 3 {
+            return Err(invalid(
+                "RELAY_LEASE_TTL_MS",
+                lease.ttl.as_millis().to_string(),
+                "must be at least three heartbeats (RELAY_LEASE_HEARTBEAT_MS x 3)",
             ));
         }
         if self.supervisor.drainer.max_batches_in_flight == 0 {

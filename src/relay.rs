@@ -13,7 +13,7 @@ use broker::{Publisher, RabbitPublisher};
 use ractor::rpc::CallResult;
 use ractor::{Actor, ActorRef};
 use sqlx::postgres::PgPoolOptions;
-use store::Outbox;
+use store::{LeaseStore, Outbox};
 use supervisor::{RelaySupervisor, SupervisorArgs, SupervisorMessage, TreeSnapshot};
 use tokio::sync::{oneshot, watch};
 
@@ -126,11 +126,24 @@ async fn run_tree(
             return StopMode::Abort;
         }
     };
+    // Leases heartbeat on a pool of their own: a drain storm never delays a renewal.
+    let lease_pool = PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(config.supervisor.lease.heartbeat)
+        .connect_lazy(&config.database_url);
+    let lease_pool = match lease_pool {
+        Ok(lease_pool) => lease_pool,
+        Err(err) => {
+            let _ = ready.send(Err(RelayError::DatabaseUnreachable(err.to_string())));
+            return StopMode::Abort;
+        }
+    };
     let _ = ready.send(Ok(()));
     let mut backoff = Backoff::new(config.supervisor.restart);
     loop {
         let args = SupervisorArgs {
             outbox: Outbox::new(pool.clone()),
+            leases: LeaseStore::new(lease_pool.clone()),
             database_url: config.database_url.clone(),
             factory: factory.clone(),
             config: config.supervisor,

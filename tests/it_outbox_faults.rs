@@ -14,7 +14,7 @@ mod outbox {
 
     use distribution::Relay;
     use distribution::broker::{BoxFuture, Confirms, Error, Outcome, PublishReport, Publisher};
-    use distribution::store::{BranchKey, FoldStore, Lsn, Outbox, OutboxEvent};
+    use distribution::store::{BranchKey, Fence, FoldStore, Lsn, Outbox, OutboxEvent};
     use proptest::prelude::*;
 
     use crate::harness::*;
@@ -58,7 +58,11 @@ mod outbox {
     impl Publisher for FaultPublisher {
         // The port's shape: writing yields the future of the confirms.
         #[allow(clippy::async_yields_async)]
-        fn send<'a>(&'a mut self, events: &'a [OutboxEvent]) -> BoxFuture<'a, Confirms> {
+        fn send<'a>(
+            &'a mut self,
+            events: &'a [OutboxEvent],
+            fence: &'a Fence,
+        ) -> BoxFuture<'a, Confirms> {
             Box::pin(async move {
                 let broker = &self.0;
                 broker.calls.fetch_add(1, Ordering::SeqCst);
@@ -74,6 +78,7 @@ mod outbox {
                 for (index, event) in events.iter().enumerate() {
                     let at = |k: usize| index == k % events.len();
                     let outcome = match fault {
+                        _ if !fence.is_open() => Outcome::NotSent,
                         Fault::ChannelDiesAt(k) if index > k % events.len() => Outcome::NotSent,
                         Fault::ChannelDiesAt(k) | Fault::ConfirmLostAt(k) if at(k) => {
                             stored.push(event.clone());

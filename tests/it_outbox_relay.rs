@@ -10,7 +10,7 @@ mod outbox {
 
     use distribution::broker::{CallProbe, Partition};
     use distribution::store::{
-        BranchId, BranchKey, FoldStore, IntentWriter, Lsn, Outbox, RunId, TenantId,
+        BranchId, BranchKey, FoldStore, IntentWriter, LEASE_BUCKETS, Lsn, Outbox, RunId, TenantId,
     };
     use distribution::{BrokerProxy, Relay};
     use futures_util::StreamExt;
@@ -63,7 +63,8 @@ mod outbox {
                 }
                 waiting
             };
-            assert_eq!(waiting as usize, count(&down.expected));
+            // Every intent of the run waits, and one rewind marker per rewind.
+            assert_eq!(waiting as usize, count(&down.expected) + down.rewinds);
 
             proxy.restore();
             let mut all = baseline.expected.clone();
@@ -179,6 +180,8 @@ mod outbox {
                         base_lsn: Lsn::ZERO,
                         payload: payload.clone(),
                         created_at: chrono::Utc::now(),
+                        kind: distribution::store::EventKind::Intent,
+                        parent: None,
                     };
                     reference.apply(&event).await.unwrap();
                     prev = *lsn;
@@ -637,10 +640,13 @@ mod outbox {
             config.supervisor.poll_interval = Duration::from_secs(120);
             let relay = Relay::start(config.clone()).await.unwrap();
             let outbox = Outbox::new(pool.clone());
-            // Wait until the relay's first poll has run (its lease connection is open), so that
-            // what follows can only be found through the waker.
-            wait_until("first poll", Duration::from_secs(10), || async {
-                relay.snapshot().await.is_some()
+            // Wait until the relay holds every lease bucket (its first poll has run, finding
+            // nothing), so that what follows can only be found through the waker.
+            wait_until("leases held", Duration::from_secs(10), || async {
+                relay
+                    .snapshot()
+                    .await
+                    .is_some_and(|tree| tree.buckets_held == usize::from(LEASE_BUCKETS))
             })
             .await;
             let writer = IntentWriter::default().with_notify(false);

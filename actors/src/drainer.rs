@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use broker::Outcome;
 use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef};
-use store::{BranchKey, EventKey, Outbox, OutboxEvent, TenantId};
+use store::{BranchKey, EventKey, Fence, Outbox, OutboxEvent, TenantId};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, TryAcquireError};
 use tracing::Instrument;
 
@@ -38,6 +38,9 @@ pub struct DrainerConfig {
     /// window of 4 raised load without lowering latency (see ARCHITECTURE.md); a wider window
     /// pays where the broker round trip, not CPU, dominates.
     pub max_batches_in_flight: usize,
+    /// A drainer with nothing to do for this long stops and frees what it holds; the next
+    /// wake-up or poll starts a new one. Default 30 s.
+    pub idle_retire: Duration,
 }
 
 impl Default for DrainerConfig {
@@ -47,7 +50,23 @@ impl Default for DrainerConfig {
             batch_timeout: Duration::from_secs(30),
             retry: RetryPolicy::default(),
             max_batches_in_flight: 1,
+            idle_retire: Duration::from_secs(30),
         }
+    }
+}
+
+/// Why a drainer stopped on its own: the supervisor restarts none of these.
+pub mod stop_reason {
+    /// Graceful shutdown finished its batches.
+    pub const FINISHED: &str = "finished";
+    /// Its tenant's lease is gone: another relay may own the tenant now.
+    pub const FENCED: &str = "fenced";
+    /// Nothing to do for `idle_retire`.
+    pub const IDLE: &str = "idle";
+
+    /// Whether `reason` is one of the above (an orderly stop, not a failure).
+    pub fn is_orderly(reason: &str) -> bool {
+        [FINISHED, FENCED, IDLE].contains(&reason)
     }
 }
 
@@ -62,6 +81,8 @@ pub struct DrainerArgs {
     pub publishers: PublisherDirectory,
     /// Events in flight across the whole relay, shared by every drainer: one permit per event.
     pub budget: Arc<Semaphore>,
+    /// The tenant's lease: every publish and ack is fenced by it.
+    pub fence: Fence,
     /// Batch size, timeouts, retry delays.
     pub config: DrainerConfig,
 }
@@ -88,6 +109,8 @@ pub enum DrainerMessage {
     BatchTimeout(u64),
     /// Graceful shutdown: finish the batch in flight (or abandon it to a timeout), then stop.
     Finish,
+    /// Retire if nothing happened since activity number `0`.
+    IdleCheck(u64),
 }
 
 /// A batch in flight. Only keys are kept here: the payloads travel to the publishers.
@@ -114,6 +137,8 @@ pub struct DrainerState {
     backoff: Backoff,
     retry_scheduled: bool,
     finishing: bool,
+    /// Counts batches started; an idle check compares it.
+    activity: u64,
 }
 
 impl std::fmt::Debug for DrainerState {
@@ -169,7 +194,7 @@ impl Drainer {
         state: &mut DrainerState,
     ) -> Result<(), ActorProcessingErr> {
         if state.finishing && state.batches.is_empty() {
-            myself.stop(Some("finished".into()));
+            myself.stop(Some(stop_reason::FINISHED.into()));
             return Ok(());
         }
         if !Self::may_start_batch(state) {
@@ -179,12 +204,43 @@ impl Drainer {
             return Ok(());
         };
         let in_flight = Self::newest_in_flight(state);
-        let events = state
+        let drained = state
             .args
             .outbox
-            .drain_after(&state.args.tenant, state.args.config.batch_size, &in_flight)
-            .await?;
-        self.start_batch(myself, state, events, permits)
+            .drain_after(
+                &state.args.fence,
+                &state.args.tenant,
+                state.args.config.batch_size,
+                &in_flight,
+            )
+            .await;
+        match drained {
+            Ok(events) => self.start_batch(myself, state, events, permits),
+            Err(err) => Self::store_failed(myself, err),
+        }
+    }
+
+    /// A store call failed: a lost lease stops the drainer in order; anything else fails it
+    /// (the supervisor restarts it with backoff).
+    fn store_failed(
+        myself: &ActorRef<DrainerMessage>,
+        err: store::Error,
+    ) -> Result<(), ActorProcessingErr> {
+        if matches!(err, store::Error::Fenced { .. }) {
+            tracing::info!(error = %err, "lease lost; drainer stops");
+            myself.stop(Some(stop_reason::FENCED.into()));
+            return Ok(());
+        }
+        Err(err.into())
+    }
+
+    /// Nothing is in flight and the last drain was empty: retire after `idle_retire` unless
+    /// something happens meanwhile.
+    fn schedule_idle_check(myself: &ActorRef<DrainerMessage>, state: &DrainerState) {
+        let activity = state.activity;
+        myself.send_after(state.args.config.idle_retire, move || {
+            DrainerMessage::IdleCheck(activity)
+        });
     }
 
     fn start_batch(
@@ -195,8 +251,12 @@ impl Drainer {
         mut permits: OwnedSemaphorePermit,
     ) -> Result<(), ActorProcessingErr> {
         if events.is_empty() {
+            if state.batches.is_empty() && !state.retry_scheduled {
+                Self::schedule_idle_check(myself, state);
+            }
             return Ok(());
         }
+        state.activity += 1;
         // Keep only as many permits as events; the rest go back to other drainers now.
         drop(permits.split(permits.num_permits().saturating_sub(events.len())));
         let id = state.next_batch;
@@ -226,6 +286,7 @@ impl Drainer {
                     batch: id,
                     events,
                     reply: myself.clone(),
+                    fence: state.args.fence.clone(),
                 };
                 publisher.cast(message).ok().map(|()| publisher.get_id())
             });
@@ -308,12 +369,15 @@ impl Drainer {
         tracing::debug!(shipped = acks.len(), failed, "batches settled");
         state.window_failed |= failed > 0;
         if state.window_failed || state.finishing {
-            state.args.outbox.ack_outbox(&acks).await?;
+            let fence = &state.args.fence;
+            if let Err(err) = state.args.outbox.ack_fenced(fence, tenant, &acks).await {
+                return Self::store_failed(myself, err);
+            }
             if !state.batches.is_empty() {
                 return Ok(());
             }
             if state.finishing {
-                myself.stop(Some("finished".into()));
+                myself.stop(Some(stop_reason::FINISHED.into()));
             } else {
                 state.blocked.clear();
                 state.window_failed = false;
@@ -334,17 +398,26 @@ impl Drainer {
             Some(permits) => {
                 let in_flight = Self::newest_in_flight(state);
                 let limit = state.args.config.batch_size;
-                let events = state
+                let fence = &state.args.fence;
+                match state
                     .args
                     .outbox
-                    .ack_and_drain(&acks, tenant, limit, &in_flight)
-                    .await?;
-                self.start_batch(myself, state, events, permits)
+                    .ack_and_drain(fence, &acks, tenant, limit, &in_flight)
+                    .await
+                {
+                    Ok(events) => self.start_batch(myself, state, events, permits),
+                    Err(err) => Self::store_failed(myself, err),
+                }
             }
-            None => {
-                state.args.outbox.ack_outbox(&acks).await?;
-                Ok(())
-            }
+            None => match state
+                .args
+                .outbox
+                .ack_fenced(&state.args.fence, tenant, &acks)
+                .await
+            {
+                Ok(()) => Ok(()),
+                Err(err) => Self::store_failed(myself, err),
+            },
         }
     }
 
@@ -412,7 +485,14 @@ impl Drainer {
             DrainerMessage::Finish => {
                 state.finishing = true;
                 if state.batches.is_empty() {
-                    myself.stop(Some("finished".into()));
+                    myself.stop(Some(stop_reason::FINISHED.into()));
+                }
+                return Ok(());
+            }
+            DrainerMessage::IdleCheck(activity) => {
+                if activity == state.activity && state.batches.is_empty() && !state.retry_scheduled
+                {
+                    myself.stop(Some(stop_reason::IDLE.into()));
                 }
                 return Ok(());
             }
@@ -442,6 +522,7 @@ impl Actor for Drainer {
             next_batch: 0,
             retry_scheduled: false,
             finishing: false,
+            activity: 0,
         })
     }
 

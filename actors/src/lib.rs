@@ -20,6 +20,7 @@ pub use drainer::Drainer;
 pub use drainer::DrainerArgs;
 pub use drainer::DrainerConfig;
 pub use drainer::DrainerMessage;
+pub use drainer::stop_reason;
 pub use publisher::DEFAULT_MAX_UNCONFIRMED;
 pub use publisher::PublisherActor;
 pub use publisher::PublisherArgs;

@@ -3,7 +3,7 @@ use std::sync::Arc;
 
 use broker::{Outcome, Publisher};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
-use store::OutboxEvent;
+use store::{Fence, OutboxEvent};
 use tracing::Instrument;
 
 use crate::{DrainerMessage, ShardId};
@@ -26,6 +26,8 @@ pub enum PublisherMessage {
         events: Vec<OutboxEvent>,
         /// Who gets the outcomes.
         reply: ActorRef<DrainerMessage>,
+        /// The tenant's lease: nothing is written once it is closed.
+        fence: Fence,
     },
     /// A batch's confirms came back with a broker fault: fail, to be restarted fresh.
     Fault(String),
@@ -112,12 +114,13 @@ impl Actor for PublisherActor {
         message: PublisherMessage,
         state: &mut PublisherState,
     ) -> Result<(), ActorProcessingErr> {
-        let (batch, events, reply) = match message {
+        let (batch, events, reply, fence) = match message {
             PublisherMessage::Publish {
                 batch,
                 events,
                 reply,
-            } => (batch, events, reply),
+                fence,
+            } => (batch, events, reply, fence),
             PublisherMessage::Fault(reason) => return Err(reason.into()),
             PublisherMessage::Healthy => {
                 if !state.healthy {
@@ -134,7 +137,11 @@ impl Actor for PublisherActor {
         let span = tracing::debug_span!("publish", shard = shard.0, events = events.len());
         // Invariant: batches are written in mailbox order on one channel, so each branch's
         // events reach the broker in Lsn order; only the confirms are awaited concurrently.
-        let confirms = state.client.send(&events).instrument(span.clone()).await;
+        let confirms = state
+            .client
+            .send(&events, &fence)
+            .instrument(span.clone())
+            .await;
         tokio::spawn(
             async move {
                 let report = confirms.await;

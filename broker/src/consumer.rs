@@ -22,6 +22,8 @@ pub struct FoldStats {
     pub parked: u64,
     /// Deliveries that broke the wire contract, rejected without requeue.
     pub rejected: u64,
+    /// Rewind markers folded.
+    pub rewinds: u64,
 }
 
 /// Consumes partitions into a [`FoldStore`].
@@ -87,7 +89,11 @@ impl FoldConsumer {
                         FoldOutcome::Applied { released } => {
                             stats.applied += 1 + u64::from(released)
                         }
-                        FoldOutcome::Duplicate => stats.duplicates += 1,
+                        FoldOutcome::Rewound { released } => {
+                            stats.rewinds += 1;
+                            stats.applied += u64::from(released);
+                        }
+                        FoldOutcome::Duplicate | FoldOutcome::Abandoned => stats.duplicates += 1,
                         FoldOutcome::Parked => stats.parked += 1,
                     }
                     // Invariant: acked only after the fold's transaction committed.

@@ -31,4 +31,5 @@ pub use rabbit::RabbitConfig;
 pub use rabbit::RabbitPublisher;
 pub use topology::Partition;
 pub use topology::Topology;
+pub use wire::WIRE_VERSION;
 pub use wire::decode;

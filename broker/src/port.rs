@@ -2,7 +2,7 @@
 use std::future::Future;
 use std::pin::Pin;
 
-use store::OutboxEvent;
+use store::{Fence, OutboxEvent};
 
 use crate::Error;
 
@@ -70,10 +70,20 @@ pub type Confirms = BoxFuture<'static, PublishReport>;
 /// hangs: every await is under a timeout.
 pub trait Publisher: Send + 'static {
     /// Writes `events` to the broker, in order, and returns the future of their confirms.
-    fn send<'a>(&'a mut self, events: &'a [OutboxEvent]) -> BoxFuture<'a, Confirms>;
+    ///
+    /// Invariant: nothing is written once `fence` is closed (checked before every write); the
+    /// events not written are reported `NotSent`, without a fault.
+    fn send<'a>(
+        &'a mut self,
+        events: &'a [OutboxEvent],
+        fence: &'a Fence,
+    ) -> BoxFuture<'a, Confirms>;
 
-    /// Writes `events` and awaits their confirms.
+    /// Writes `events` without a lease fence and awaits their confirms (tools and tests).
     fn publish<'a>(&'a mut self, events: &'a [OutboxEvent]) -> BoxFuture<'a, PublishReport> {
-        Box::pin(async move { self.send(events).await.await })
+        Box::pin(async move {
+            let fence = Fence::open();
+            self.send(events, &fence).await.await
+        })
     }
 }

@@ -16,7 +16,7 @@ use std::time::Duration;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::ShortString;
 use lapin::{Channel, Confirmation, Connection, ConnectionProperties};
-use store::OutboxEvent;
+use store::{Fence, OutboxEvent};
 
 use crate::port::{BoxFuture, Confirms, Outcome, PublishReport, Publisher};
 use crate::{CallProbe, Error, Topology, wire};
@@ -157,7 +157,7 @@ impl RabbitPublisher {
         Ok(self.session.as_ref().expect("session is open"))
     }
 
-    async fn send_batch(&mut self, events: &[OutboxEvent]) -> Confirms {
+    async fn send_batch(&mut self, events: &[OutboxEvent], fence: &Fence) -> Confirms {
         if let Some(probe) = &self.probe {
             probe.record();
         }
@@ -165,6 +165,13 @@ impl RabbitPublisher {
         let topology = self.config.topology.clone();
         let (connect_timeout, confirm_timeout) =
             (self.config.connect_timeout, self.config.confirm_timeout);
+        if !fence.is_open() {
+            let outcomes = vec![Outcome::NotSent; n_events];
+            return Box::pin(std::future::ready(PublishReport {
+                outcomes,
+                fault: None,
+            }));
+        }
         let session = match self.session().await {
             Ok(session) => session,
             Err(fault) => {
@@ -176,6 +183,11 @@ impl RabbitPublisher {
         let mut ids = Vec::with_capacity(n_events);
         // Write the whole batch (ordered on one channel); its confirms are awaited by the pump.
         for event in events {
+            // Fenced: the lease is gone, another relay may own the tenant now. The rest is
+            // reported NotSent (no fault: the session is fine).
+            if !fence.is_open() {
+                break;
+            }
             let partition = topology.partition_of(&event.key.branch.tenant, &event.key.branch.run);
             let options = BasicPublishOptions {
                 mandatory: true,
@@ -294,7 +306,11 @@ async fn confirm_pump(
 }
 
 impl Publisher for RabbitPublisher {
-    fn send<'a>(&'a mut self, events: &'a [OutboxEvent]) -> BoxFuture<'a, Confirms> {
-        Box::pin(self.send_batch(events))
+    fn send<'a>(
+        &'a mut self,
+        events: &'a [OutboxEvent],
+        fence: &'a Fence,
+    ) -> BoxFuture<'a, Confirms> {
+        Box::pin(self.send_batch(events, fence))
     }
 }

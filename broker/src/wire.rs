@@ -2,7 +2,15 @@
 use chrono::{DateTime, Utc};
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use store::{BranchId, BranchKey, EventKey, Lsn, OutboxEvent, RunId, TenantId};
+use store::{BranchId, BranchKey, EventKey, EventKind, Lsn, OutboxEvent, RunId, TenantId};
+
+/// The contract version this relay writes (header `wire_version`).
+pub const WIRE_VERSION: i64 = 2;
+
+/// AMQP `type` of an export intent.
+pub(crate) const TYPE_INTENT: &str = "outbox.intent";
+/// AMQP `type` of a rewind marker.
+pub(crate) const TYPE_REWIND: &str = "outbox.rewind";
 
 use crate::WireError;
 
@@ -44,8 +52,33 @@ pub(crate) fn properties(event: &OutboxEvent) -> BasicProperties {
         "created_at_us".into(),
         AMQPValue::LongLongInt(event.created_at.timestamp_micros()),
     );
+    headers.insert("wire_version".into(), AMQPValue::LongLongInt(WIRE_VERSION));
+    let kind = match &event.kind {
+        EventKind::Intent => TYPE_INTENT,
+        EventKind::Rewind { to } => {
+            headers.insert(
+                "rewound_to".into(),
+                AMQPValue::LongString(LongString::from(to.as_str())),
+            );
+            TYPE_REWIND
+        }
+    };
+    headers.insert(
+        "kind".into(),
+        AMQPValue::LongString(LongString::from(match &event.kind {
+            EventKind::Intent => "intent",
+            EventKind::Rewind { .. } => "rewind",
+        })),
+    );
+    if let Some(parent) = &event.parent {
+        headers.insert(
+            "parent_branch".into(),
+            AMQPValue::LongString(LongString::from(parent.as_str())),
+        );
+    }
     BasicProperties::default()
         .with_message_id(message_id(&event.key))
+        .with_type(kind.into())
         .with_content_type("application/octet-stream".into())
         .with_delivery_mode(2)
         .with_headers(headers)
@@ -90,6 +123,19 @@ pub fn decode(properties: &BasicProperties, body: &[u8]) -> Result<OutboxEvent, 
     );
     let created_at = DateTime::<Utc>::from_timestamp_micros(number(headers, "created_at_us")?)
         .ok_or(WireError::Header("created_at_us"))?;
+    // Version 1 messages carry neither `kind` nor `parent_branch`: they are intents.
+    let kind = match headers.inner().get("kind") {
+        None => EventKind::Intent,
+        Some(AMQPValue::LongString(kind)) if kind.as_bytes() == b"intent" => EventKind::Intent,
+        Some(AMQPValue::LongString(kind)) if kind.as_bytes() == b"rewind" => EventKind::Rewind {
+            to: id(headers, "rewound_to", |s| BranchId::new(s))?,
+        },
+        Some(_) => return Err(WireError::Header("kind")),
+    };
+    let parent = match headers.inner().get("parent_branch") {
+        None => None,
+        Some(_) => Some(id(headers, "parent_branch", |s| BranchId::new(s))?),
+    };
     Ok(OutboxEvent {
         key: EventKey {
             branch,
@@ -99,6 +145,8 @@ pub fn decode(properties: &BasicProperties, body: &[u8]) -> Result<OutboxEvent, 
         base_lsn: Lsn::new(number(headers, "base_lsn")? as u64),
         payload: body.to_vec(),
         created_at,
+        kind,
+        parent,
     })
 }
 
@@ -122,6 +170,8 @@ mod tests {
             base_lsn: Lsn::new(3),
             payload: vec![0, 255, 1, 2],
             created_at: DateTime::from_timestamp_micros(1_700_000_000_123_456).unwrap(),
+            kind: EventKind::Intent,
+            parent: Some(BranchId::new("root").unwrap()),
         };
         let props = properties(&event);
         assert_eq!(
@@ -134,5 +184,32 @@ mod tests {
             decode(&BasicProperties::default(), b""),
             Err(WireError::Header("tenant"))
         );
+        assert_eq!(props.kind().as_ref().unwrap().as_str(), TYPE_INTENT);
+
+        // A rewind marker round-trips with its new branch.
+        let marker = OutboxEvent {
+            kind: EventKind::Rewind {
+                to: BranchId::new("retry-1").unwrap(),
+            },
+            parent: None,
+            payload: Vec::new(),
+            ..event.clone()
+        };
+        let props = properties(&marker);
+        assert_eq!(props.kind().as_ref().unwrap().as_str(), TYPE_REWIND);
+        assert_eq!(decode(&props, b"").unwrap(), marker);
+
+        // A version 1 message (no kind, no parent) is an intent.
+        let v2 = properties(&event);
+        let mut headers = FieldTable::default();
+        for (name, value) in v2.headers().as_ref().unwrap().inner() {
+            if !["kind", "parent_branch", "wire_version"].contains(&name.as_str()) {
+                headers.insert(name.clone(), value.clone());
+            }
+        }
+        let v1 = v2.with_headers(headers);
+        let decoded = decode(&v1, &event.payload).unwrap();
+        assert_eq!(decoded.kind, EventKind::Intent);
+        assert_eq!(decoded.parent, None);
     }
 }

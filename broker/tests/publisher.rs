@@ -8,7 +8,9 @@ use chrono::Utc;
 use lapin::options::{BasicGetOptions, ExchangeDeleteOptions, QueueDeleteOptions};
 use lapin::{Connection, ConnectionProperties};
 use sqlx::PgPool;
-use store::{BranchId, BranchKey, EventKey, FoldStore, Lsn, OutboxEvent, RunId, TenantId};
+use store::{
+    BranchId, BranchKey, EventKey, EventKind, Fence, FoldStore, Lsn, OutboxEvent, RunId, TenantId,
+};
 
 fn amqp_url() -> String {
     std::env::var("AMQP_URL").expect("AMQP_URL (set in .cargo/config.toml)")
@@ -41,6 +43,8 @@ fn events(tenant: &str, run: &str, branch: &str, lsns: &[u64]) -> Vec<OutboxEven
                 base_lsn: Lsn::ZERO,
                 payload: format!("{key}@{lsn}").into_bytes(),
                 created_at: Utc::now(),
+                kind: EventKind::Intent,
+                parent: None,
             };
             prev = lsn;
             event
@@ -225,9 +229,9 @@ async fn unroutable_events_are_not_reported_accepted() {
     // Three batches written back to back before any confirm is awaited (the relay's pattern):
     // RabbitMQ acks several tags at once and lapin attaches a return to whichever confirm it
     // resolves first, so outcomes must be decided by message id, not by position.
-    let first = publisher.send(&batch[..5]).await;
-    let second = publisher.send(&batch[5..11]).await;
-    let third = publisher.send(&batch[11..]).await;
+    let first = publisher.send(&batch[..5], &Fence::open()).await;
+    let second = publisher.send(&batch[5..11], &Fence::open()).await;
+    let third = publisher.send(&batch[11..], &Fence::open()).await;
     let mut pipelined = first.await.outcomes;
     pipelined.extend(second.await.outcomes);
     pipelined.extend(third.await.outcomes);

@@ -7,7 +7,11 @@
 use std::time::Instant;
 
 use sqlx::{Connection, PgConnection, PgPool};
-use store::{EventKey, Outbox, TenantId};
+use std::time::Duration;
+
+use store::{
+    EventKey, Fence, LEASE_BUCKETS, LeaseBook, LeaseStore, Outbox, RelayId, TenantId, bucket_of,
+};
 
 const TENANTS: usize = 50;
 const BATCH: u32 = 1000;
@@ -39,6 +43,35 @@ async fn drain_with_delete(outbox: &Outbox, tenants: &[TenantId]) -> u64 {
             }
             let keys: Vec<EventKey> = batch.into_iter().map(|event| event.key).collect();
             moved += outbox.ack_outbox(&keys).await.expect("ack");
+        }
+    }
+    moved
+}
+
+/// The relay's steady state: retire the last batch and drain the next in one call.
+/// With `book`, each call presents the tenant's lease (the relay's fenced path).
+async fn drain_with_ack_and_drain(
+    outbox: &Outbox,
+    tenants: &[TenantId],
+    book: Option<&LeaseBook>,
+) -> u64 {
+    let mut moved = 0;
+    for tenant in tenants {
+        let fence = match book {
+            Some(book) => book.fence(bucket_of(tenant)).expect("bucket held"),
+            None => Fence::open(),
+        };
+        let mut shipped: Vec<EventKey> = Vec::new();
+        loop {
+            let batch = outbox
+                .ack_and_drain(&fence, &shipped, tenant, BATCH, &[])
+                .await
+                .expect("ack_and_drain");
+            moved += shipped.len() as u64;
+            if batch.is_empty() {
+                break;
+            }
+            shipped = batch.into_iter().map(|event| event.key).collect();
         }
     }
     moved
@@ -118,6 +151,16 @@ async fn main() {
         .map(|i| TenantId::new(format!("t{i}")).expect("valid id"))
         .collect();
     let outbox = Outbox::new(pool.clone());
+    // One relay holding every lease bucket for the whole run.
+    let me = RelayId::generate();
+    let ttl = Duration::from_secs(3600);
+    let mut book = LeaseBook::new(me.clone(), ttl);
+    let sent = Instant::now();
+    let claimed = LeaseStore::new(pool.clone())
+        .claim(&me, ttl, LEASE_BUCKETS)
+        .await
+        .expect("claim");
+    book.claimed(&claimed, sent);
 
     println!(
         "drain+ack, {rows} rows per round, {TENANTS} tenants, batch {BATCH}, 256-byte payloads"
@@ -137,6 +180,25 @@ async fn main() {
             "| delete (shipped) | {round} | {:.0} |",
             moved as f64 / started.elapsed().as_secs_f64()
         );
+
+        for (label, book, offset) in [
+            ("delete, ack_and_drain unfenced", None, 10),
+            (
+                "delete, ack_and_drain fenced (relay's step)",
+                Some(&book),
+                20,
+            ),
+        ] {
+            exec(&pool, fill_sql("relay_outbox", rows, round + offset)).await;
+            exec(&pool, "VACUUM ANALYZE relay_outbox".into()).await;
+            let started = Instant::now();
+            let moved = drain_with_ack_and_drain(&outbox, &tenants, book).await;
+            assert_eq!(moved, rows);
+            println!(
+                "| {label} | {round} | {:.0} |",
+                moved as f64 / started.elapsed().as_secs_f64()
+            );
+        }
 
         let started = Instant::now();
         let moved = drain_with_mark(&pool, &tenants).await;

@@ -93,6 +93,21 @@ pub enum Error {
         /// What the fold has applied.
         applied: Lsn,
     },
+    /// This relay's lease on the tenant's bucket is gone (expired or taken over): nothing was
+    /// acked or drained. The caller must stop working on the tenant.
+    #[error("lease of bucket {bucket} (epoch {epoch}) is no longer held")]
+    Fenced {
+        /// The lease bucket.
+        bucket: u16,
+        /// The epoch presented.
+        epoch: i64,
+    },
+    /// A rewind cannot fork a branch whose head is the largest Lsn (no room for its marker).
+    #[error("cannot rewind {branch}: its head is the largest Lsn, no room for the rewind marker")]
+    NoRoomForMarker {
+        /// The branch.
+        branch: BranchKey,
+    },
     /// Applying the migrations failed.
     #[error("migrating the outbox schema failed: {0}")]
     Migrate(#[source] sqlx::migrate::MigrateError),

@@ -1,60 +1,607 @@
-//! Tenant leases: each tenant is drained by exactly one relay at a time.
+//! Ownership of tenants across relays: lease buckets with epochs and expiry, in a table.
 //!
-//! A lease is a session-level advisory lock held on one dedicated connection. A relay that dies
-//! (crash, SIGKILL, lost network) loses the connection, PostgreSQL drops its locks, and another
-//! relay takes the tenants over on its next tick, with no operator and no expiry to wait out.
-use sqlx::{Connection, PgConnection};
+//! Tenants hash into [`LEASE_BUCKETS`] buckets (FNV-1a 64 of the tenant id). A relay owns a
+//! bucket while its row in `relay_lease` names it and has not expired; it renews every
+//! heartbeat. Each change of owner increments the bucket's epoch. Nothing here is held in
+//! PostgreSQL's shared lock table, so the number of tenants never touches the host.
+//!
+//! Fencing, two ways:
+//! - **In PostgreSQL**: every ack and drain of the relay presents `(bucket, owner, epoch)`;
+//!   `relay_ack_and_drain` refuses it ([`crate::Error::Fenced`]) once the lease is not current.
+//! - **In time**: a relay's own view of a lease ([`Fence`]) is valid until the instant it sent
+//!   its last successful renewal plus 90% of the TTL; PostgreSQL expires the row no earlier
+//!   than the renewal's arrival plus the TTL. Publishers check the fence before every write,
+//!   so a relay stops publishing a tenant before any other relay may claim it.
+//!
+//! Sharing: each relay registers in `relay_member`; its share is `ceil(buckets / members)`. A
+//! relay above its share revokes its fences first and then releases the surplus; one below it
+//! claims free or expired buckets ([`LeasePlan`], pure and unit-tested).
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use sqlx::PgPool;
 
 use crate::{Error, TenantId};
 
-/// Namespace of the relay's advisory locks (first key of the two-key form), "RELY".
-const LOCK_NAMESPACE: i32 = 0x5245_4c59;
+/// Number of lease buckets (rows of `relay_lease`, fixed by the migration).
+pub const LEASE_BUCKETS: u16 = 128;
 
-/// The leases one relay holds. Not `Clone`: the connection is the lease.
-#[derive(Debug)]
-pub struct TenantLeases {
-    connection: PgConnection,
+/// A lease bucket: the unit of ownership.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Bucket(pub u16);
+
+/// The bucket of a tenant: FNV-1a 64 over the tenant id's bytes, modulo [`LEASE_BUCKETS`].
+pub fn bucket_of(tenant: &TenantId) -> Bucket {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in tenant.as_str().bytes() {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    Bucket((hash % u64::from(LEASE_BUCKETS)) as u16)
 }
 
-impl TenantLeases {
-    /// Opens the lease connection.
-    pub async fn connect(url: &str) -> Result<Self, Error> {
-        Ok(Self {
-            connection: PgConnection::connect(url).await?,
-        })
+/// The identity of one relay process (host, pid, start time): unique per start.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct RelayId(Arc<str>);
+
+impl RelayId {
+    /// A fresh id for this process start.
+    pub fn generate() -> Self {
+        let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "relay".into());
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos();
+        static SEQ: AtomicU64 = AtomicU64::new(0);
+        let seq = SEQ.fetch_add(1, Ordering::Relaxed);
+        Self(format!("{host}-{}-{nanos:x}-{seq}", std::process::id()).into())
     }
 
-    /// Tries to take the leases of `tenants`; returns the ones taken (already held ones included).
-    pub async fn try_acquire(&mut self, tenants: &[TenantId]) -> Result<Vec<TenantId>, Error> {
-        if tenants.is_empty() {
+    /// The id as stored in `relay_lease.owner`.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for RelayId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+fn base() -> Instant {
+    static BASE: OnceLock<Instant> = OnceLock::new();
+    *BASE.get_or_init(Instant::now)
+}
+
+/// Milliseconds since the process base, rounded down (0 means "revoked").
+fn to_ms(at: Instant) -> u64 {
+    at.saturating_duration_since(base()).as_millis() as u64
+}
+
+#[derive(Debug)]
+struct LeaseInner {
+    bucket: Bucket,
+    owner: RelayId,
+    epoch: i64,
+    /// Valid strictly before this many ms after `base()`; 0 once revoked.
+    valid_until_ms: AtomicU64,
+}
+
+/// One relay's view of one lease: what publishers and drainers check before each write and
+/// ack. Cheap to clone. [`Fence::open`] is the fence of a caller without ownership (tests,
+/// tools), always open.
+#[derive(Clone, Debug)]
+pub struct Fence {
+    lease: Option<Arc<LeaseInner>>,
+}
+
+impl Fence {
+    /// A fence that is always open and presents no lease to PostgreSQL.
+    pub fn open() -> Self {
+        Self { lease: None }
+    }
+
+    /// Whether work under this fence may still be published and acked now.
+    pub fn is_open(&self) -> bool {
+        self.is_open_at(Instant::now())
+    }
+
+    /// Whether the fence is open at `now`.
+    pub fn is_open_at(&self, now: Instant) -> bool {
+        match &self.lease {
+            None => true,
+            Some(lease) => to_ms(now) < lease.valid_until_ms.load(Ordering::Acquire),
+        }
+    }
+
+    /// `(bucket, owner, epoch)` presented to PostgreSQL, if this fence is a lease.
+    pub fn lease(&self) -> Option<(Bucket, &RelayId, i64)> {
+        self.lease
+            .as_ref()
+            .map(|lease| (lease.bucket, &lease.owner, lease.epoch))
+    }
+}
+
+/// The keeper's handle on a lease it holds: extends or revokes the fence everyone else reads.
+#[derive(Debug)]
+pub struct Lease {
+    inner: Arc<LeaseInner>,
+}
+
+impl Lease {
+    /// A lease of `bucket` at `epoch`, valid before `until`.
+    pub fn new(bucket: Bucket, owner: RelayId, epoch: i64, until: Instant) -> Self {
+        Self {
+            inner: Arc::new(LeaseInner {
+                bucket,
+                owner,
+                epoch,
+                valid_until_ms: AtomicU64::new(to_ms(until).max(1)),
+            }),
+        }
+    }
+
+    /// The fence to hand to drainers and publishers.
+    pub fn fence(&self) -> Fence {
+        Fence {
+            lease: Some(self.inner.clone()),
+        }
+    }
+
+    /// The bucket.
+    pub fn bucket(&self) -> Bucket {
+        self.inner.bucket
+    }
+
+    /// The epoch.
+    pub fn epoch(&self) -> i64 {
+        self.inner.epoch
+    }
+
+    /// Moves the validity forward to `until` (never backward, never after a revoke).
+    pub fn extend(&self, until: Instant) {
+        let until = to_ms(until).max(1);
+        let _ = self.inner.valid_until_ms.fetch_update(
+            Ordering::AcqRel,
+            Ordering::Acquire,
+            |current| (current != 0 && until > current).then_some(until),
+        );
+    }
+
+    /// Closes the fence for good: nothing more is published or acked under it.
+    pub fn revoke(&self) {
+        self.inner.valid_until_ms.store(0, Ordering::Release);
+    }
+}
+
+/// What a keeper should do next with its leases. Pure: no clock, no database.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LeaseStep {
+    /// Claim up to this many free or expired buckets.
+    Claim(u16),
+    /// Give up this many buckets (revoke, then release).
+    Shed(u16),
+    /// At its share.
+    Hold,
+}
+
+/// The share rule: `ceil(buckets / members)` each; the sum of shares covers every bucket, so no
+/// bucket stays unowned while a relay lives, and no relay holds more than one above another.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LeasePlan {
+    /// Buckets in all.
+    pub buckets: u16,
+}
+
+impl LeasePlan {
+    /// The plan over [`LEASE_BUCKETS`].
+    pub fn new() -> Self {
+        Self {
+            buckets: LEASE_BUCKETS,
+        }
+    }
+
+    /// A relay's share when `members` relays are live (itself included).
+    pub fn share(&self, members: u32) -> u16 {
+        let members = members.max(1);
+        u32::from(self.buckets)
+            .div_ceil(members)
+            .min(u32::from(self.buckets)) as u16
+    }
+
+    /// The next step for a relay holding `owned` buckets among `members` live relays.
+    pub fn step(&self, owned: usize, members: u32) -> LeaseStep {
+        let share = usize::from(self.share(members));
+        if owned < share {
+            LeaseStep::Claim((share - owned) as u16)
+        } else if owned > share {
+            LeaseStep::Shed((owned - share) as u16)
+        } else {
+            LeaseStep::Hold
+        }
+    }
+}
+
+impl Default for LeasePlan {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// The leases one relay holds, and how renewals, claims and sheds change them. Pure: instants
+/// are passed in, so the rules are unit-tested without a database or a clock.
+#[derive(Debug)]
+pub struct LeaseBook {
+    owner: RelayId,
+    ttl: Duration,
+    held: BTreeMap<Bucket, Lease>,
+}
+
+/// How the leases held changed.
+#[derive(Debug, Default)]
+pub struct LeaseChanges {
+    /// Newly held: their fences.
+    pub gained: Vec<Fence>,
+    /// No longer held (already revoked).
+    pub lost: Vec<Bucket>,
+}
+
+impl LeaseChanges {
+    /// Whether anything changed.
+    pub fn is_empty(&self) -> bool {
+        self.gained.is_empty() && self.lost.is_empty()
+    }
+}
+
+impl LeaseBook {
+    /// An empty book of relay `owner` with leases of `ttl`.
+    pub fn new(owner: RelayId, ttl: Duration) -> Self {
+        Self {
+            owner,
+            ttl,
+            held: BTreeMap::new(),
+        }
+    }
+
+    /// The relay's id.
+    pub fn owner(&self) -> &RelayId {
+        &self.owner
+    }
+
+    /// Buckets held.
+    pub fn len(&self) -> usize {
+        self.held.len()
+    }
+
+    /// Whether nothing is held.
+    pub fn is_empty(&self) -> bool {
+        self.held.is_empty()
+    }
+
+    /// The fence of `bucket`, if held.
+    pub fn fence(&self, bucket: Bucket) -> Option<Fence> {
+        self.held.get(&bucket).map(Lease::fence)
+    }
+
+    /// The local deadline of a renewal sent at `sent`: 90% of the TTL, so clock-rate
+    /// differences between this host and PostgreSQL's cannot let the fence outlive the row.
+    fn deadline(&self, sent: Instant) -> Instant {
+        sent + self.ttl.mul_f64(0.9)
+    }
+
+    /// A renewal sent at `sent` came back with `renewed` `(bucket, epoch)`: those are extended,
+    /// every other held lease is lost (expired or taken over) and revoked.
+    pub fn renewed(&mut self, renewed: &[(Bucket, i64)], sent: Instant) -> Vec<Bucket> {
+        let until = self.deadline(sent);
+        let current: BTreeMap<Bucket, i64> = renewed.iter().copied().collect();
+        let mut lost = Vec::new();
+        self.held.retain(|bucket, lease| {
+            if current.get(bucket) == Some(&lease.epoch()) {
+                lease.extend(until);
+                true
+            } else {
+                lease.revoke();
+                lost.push(*bucket);
+                false
+            }
+        });
+        lost
+    }
+
+    /// Claims sent at `sent` came back with `claimed` `(bucket, epoch)`.
+    pub fn claimed(&mut self, claimed: &[(Bucket, i64)], sent: Instant) -> Vec<Fence> {
+        let until = self.deadline(sent);
+        let mut gained = Vec::new();
+        for &(bucket, epoch) in claimed {
+            if let Some(old) = self.held.remove(&bucket) {
+                old.revoke();
+            }
+            let lease = Lease::new(bucket, self.owner.clone(), epoch, until);
+            gained.push(lease.fence());
+            self.held.insert(bucket, lease);
+        }
+        gained
+    }
+
+    /// Leases whose fence closed by `now` without a renewal (e.g. PostgreSQL unreachable):
+    /// dropped from the book and reported lost.
+    pub fn expire(&mut self, now: Instant) -> Vec<Bucket> {
+        let mut lost = Vec::new();
+        self.held.retain(|bucket, lease| {
+            if lease.fence().is_open_at(now) {
+                true
+            } else {
+                lease.revoke();
+                lost.push(*bucket);
+                false
+            }
+        });
+        lost
+    }
+
+    /// Picks `n` buckets to give up (the highest-numbered), revokes their fences and removes
+    /// them from the book. Release them in PostgreSQL only after this.
+    pub fn shed(&mut self, n: u16) -> Vec<(Bucket, i64)> {
+        let chosen: Vec<Bucket> = self
+            .held
+            .keys()
+            .rev()
+            .take(usize::from(n))
+            .copied()
+            .collect();
+        chosen
+            .into_iter()
+            .filter_map(|bucket| {
+                self.held.remove(&bucket).map(|lease| {
+                    lease.revoke();
+                    (bucket, lease.epoch())
+                })
+            })
+            .collect()
+    }
+
+    /// Revokes everything (shutdown); returns what was held, to release.
+    pub fn revoke_all(&mut self) -> Vec<(Bucket, i64)> {
+        let all = self.held.len() as u16;
+        self.shed(all)
+    }
+}
+
+/// The lease tables' SQL. Cheap to clone (a pool handle). Give it its own small pool, so
+/// heartbeats never queue behind drains.
+#[derive(Clone, Debug)]
+pub struct LeaseStore {
+    pool: PgPool,
+}
+
+/// One bucket as `distribution status` shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BucketHolder {
+    /// The bucket.
+    pub bucket: Bucket,
+    /// Its owner, if any lease is current.
+    pub owner: Option<String>,
+    /// Its epoch.
+    pub epoch: i64,
+}
+
+fn ms(duration: Duration) -> i64 {
+    duration.as_millis().min(i64::MAX as u128) as i64
+}
+
+fn buckets(rows: Vec<(i32, i64)>) -> Vec<(Bucket, i64)> {
+    rows.into_iter()
+        .map(|(bucket, epoch)| (Bucket(bucket.clamp(0, i32::from(u16::MAX)) as u16), epoch))
+        .collect()
+}
+
+impl LeaseStore {
+    /// The lease tables on `pool`.
+    pub fn new(pool: PgPool) -> Self {
+        Self { pool }
+    }
+
+    /// Registers (or renews) relay `me` as a member for `ttl`; returns the live members,
+    /// itself included.
+    pub async fn heartbeat(&self, me: &RelayId, ttl: Duration) -> Result<u32, Error> {
+        let others: i64 = sqlx::query_scalar(
+            "WITH up AS (
+                 INSERT INTO relay_member (relay_id, expires_at)
+                 VALUES ($1, now() + $2 * interval '1 millisecond')
+                 ON CONFLICT (relay_id) DO UPDATE SET expires_at = EXCLUDED.expires_at
+                 RETURNING 1
+             ), gone AS (
+                 DELETE FROM relay_member WHERE expires_at < now() - interval '1 hour'
+             )
+             SELECT count(*) FROM relay_member, up WHERE relay_id <> $1 AND expires_at > now()",
+        )
+        .bind(me.as_str())
+        .bind(ms(ttl))
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(others.max(0) as u32 + 1)
+    }
+
+    /// Renews every unexpired lease of `me` for `ttl`; returns what it still holds.
+    pub async fn renew(&self, me: &RelayId, ttl: Duration) -> Result<Vec<(Bucket, i64)>, Error> {
+        let rows: Vec<(i32, i64)> = sqlx::query_as(
+            "UPDATE relay_lease SET expires_at = now() + $2 * interval '1 millisecond'
+              WHERE owner = $1 AND expires_at > now()
+             RETURNING bucket, epoch",
+        )
+        .bind(me.as_str())
+        .bind(ms(ttl))
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(buckets(rows))
+    }
+
+    /// Claims up to `n` free or expired buckets for `me`, each with a new epoch. Buckets that
+    /// another relay is claiming, or whose old owner is acking right now, are skipped (taken
+    /// on a later heartbeat). FOR UPDATE waits for no one and conflicts with the FOR KEY SHARE
+    /// of a fenced ack, so an ack and a takeover never overlap.
+    pub async fn claim(
+        &self,
+        me: &RelayId,
+        ttl: Duration,
+        n: u16,
+    ) -> Result<Vec<(Bucket, i64)>, Error> {
+        if n == 0 {
             return Ok(Vec::new());
         }
-        let names: Vec<&str> = tenants.iter().map(TenantId::as_str).collect();
-        // Locks are re-entrant per session; an already held tenant would stack a second lock, so
-        // callers pass only tenants they do not hold.
-        let taken: Vec<String> = sqlx::query_scalar(
-            "SELECT t FROM unnest($1::text[]) AS t WHERE pg_try_advisory_lock($2, hashtext(t))",
+        let rows: Vec<(i32, i64)> = sqlx::query_as(
+            "UPDATE relay_lease l
+                SET owner = $1, epoch = l.epoch + 1,
+                    expires_at = now() + $2 * interval '1 millisecond'
+               FROM (SELECT bucket FROM relay_lease
+                      WHERE expires_at <= now()
+                      ORDER BY bucket
+                      LIMIT $3
+                      FOR UPDATE SKIP LOCKED) free
+              WHERE l.bucket = free.bucket
+             RETURNING l.bucket, l.epoch",
         )
-        .bind(&names)
-        .bind(LOCK_NAMESPACE)
-        .fetch_all(&mut self.connection)
+        .bind(me.as_str())
+        .bind(ms(ttl))
+        .bind(i64::from(n))
+        .fetch_all(&self.pool)
         .await?;
-        taken.into_iter().map(TenantId::new).collect()
+        Ok(buckets(rows))
     }
 
-    /// Gives a tenant's lease back.
-    pub async fn release(&mut self, tenant: &TenantId) -> Result<(), Error> {
-        sqlx::query("SELECT pg_advisory_unlock($1, hashtext($2))")
-            .bind(LOCK_NAMESPACE)
-            .bind(tenant.as_str())
-            .execute(&mut self.connection)
+    /// Releases `leases` of `me` (already revoked locally) so others may claim them at once.
+    pub async fn release(&self, me: &RelayId, leases: &[(Bucket, i64)]) -> Result<(), Error> {
+        if leases.is_empty() {
+            return Ok(());
+        }
+        let buckets: Vec<i32> = leases.iter().map(|(b, _)| i32::from(b.0)).collect();
+        let epochs: Vec<i64> = leases.iter().map(|(_, e)| *e).collect();
+        sqlx::query(
+            "UPDATE relay_lease l SET owner = NULL, expires_at = '-infinity'
+               FROM unnest($2::int[], $3::bigint[]) AS r(bucket, epoch)
+              WHERE l.bucket = r.bucket AND l.epoch = r.epoch AND l.owner = $1",
+        )
+        .bind(me.as_str())
+        .bind(&buckets)
+        .bind(&epochs)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Leaves the membership (graceful shutdown), so the others' shares grow at once.
+    pub async fn leave(&self, me: &RelayId) -> Result<(), Error> {
+        sqlx::query("DELETE FROM relay_member WHERE relay_id = $1")
+            .bind(me.as_str())
+            .execute(&self.pool)
             .await?;
         Ok(())
     }
 
-    /// Proves the lease connection (and so every lease on it) is still alive.
-    pub async fn check(&mut self) -> Result<(), Error> {
-        self.connection.ping().await?;
-        Ok(())
+    /// Every bucket and its current owner (status and tests).
+    pub async fn holders(&self) -> Result<Vec<BucketHolder>, Error> {
+        let rows: Vec<(i32, Option<String>, i64)> = sqlx::query_as(
+            "SELECT bucket, CASE WHEN expires_at > now() THEN owner END, epoch
+               FROM relay_lease ORDER BY bucket",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(bucket, owner, epoch)| BucketHolder {
+                bucket: Bucket(bucket.clamp(0, i32::from(u16::MAX)) as u16),
+                owner,
+                epoch,
+            })
+            .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn book(ttl_ms: u64) -> LeaseBook {
+        LeaseBook::new(RelayId::generate(), Duration::from_millis(ttl_ms))
+    }
+
+    #[test]
+    fn shares_cover_every_bucket_and_differ_by_at_most_one() {
+        let plan = LeasePlan::new();
+        for members in 1..=200u32 {
+            let share = u32::from(plan.share(members));
+            assert!(share * members >= u32::from(LEASE_BUCKETS), "{members}");
+            assert!(share >= 1);
+        }
+        assert_eq!(plan.share(1), 128);
+        assert_eq!(plan.share(3), 43);
+        assert_eq!(plan.step(0, 2), LeaseStep::Claim(64));
+        assert_eq!(plan.step(128, 2), LeaseStep::Shed(64));
+        assert_eq!(plan.step(43, 3), LeaseStep::Hold);
+        assert_eq!(plan.step(5, 0), LeaseStep::Claim(123));
+    }
+
+    #[test]
+    fn a_renewal_extends_what_came_back_and_revokes_the_rest() {
+        let mut book = book(10_000);
+        let t0 = Instant::now();
+        let fences = book.claimed(&[(Bucket(1), 7), (Bucket(2), 3)], t0);
+        assert_eq!(fences.len(), 2);
+        assert!(fences.iter().all(|f| f.is_open_at(t0)));
+        // Bucket 2 was taken over (epoch moved on): lost, its fence closes at once.
+        let lost = book.renewed(&[(Bucket(1), 7), (Bucket(2), 4)], t0);
+        assert_eq!(lost, vec![Bucket(2)]);
+        assert!(fences[0].is_open_at(t0 + Duration::from_secs(5)));
+        assert!(!fences[1].is_open_at(t0));
+        assert_eq!(book.len(), 1);
+    }
+
+    #[test]
+    fn a_fence_closes_before_the_row_can_expire() {
+        let mut book = book(10_000);
+        let sent = Instant::now();
+        let fences = book.claimed(&[(Bucket(0), 1)], sent);
+        // PostgreSQL expires the row at (arrival >= sent) + 10 s; the fence closes at sent + 9 s.
+        assert!(fences[0].is_open_at(sent + Duration::from_millis(8_900)));
+        assert!(!fences[0].is_open_at(sent + Duration::from_millis(9_001)));
+        // Without renewals the book drops it and reports it lost.
+        assert!(book.expire(sent + Duration::from_secs(5)).is_empty());
+        assert_eq!(book.expire(sent + Duration::from_secs(10)), vec![Bucket(0)]);
+        assert!(book.is_empty());
+    }
+
+    #[test]
+    fn a_revoked_fence_is_never_reopened() {
+        let mut book = book(10_000);
+        let t0 = Instant::now();
+        let fence = book.claimed(&[(Bucket(5), 1), (Bucket(9), 1)], t0);
+        let shed = book.shed(1);
+        assert_eq!(shed, vec![(Bucket(9), 1)]);
+        assert!(!fence[1].is_open_at(t0));
+        // A late renewal that still lists the shed bucket does not bring it back.
+        let lost = book.renewed(&[(Bucket(5), 1), (Bucket(9), 1)], t0);
+        assert!(lost.is_empty());
+        assert!(!fence[1].is_open_at(t0));
+        assert!(book.fence(Bucket(9)).is_none());
+        assert!(fence[0].is_open_at(t0));
+        let all = book.revoke_all();
+        assert_eq!(all, vec![(Bucket(5), 1)]);
+        assert!(!fence[0].is_open_at(t0));
+    }
+
+    #[test]
+    fn buckets_spread_tenants() {
+        let mut counts = vec![0u32; usize::from(LEASE_BUCKETS)];
+        for i in 0..12_800 {
+            let tenant = TenantId::new(format!("tenant-{i}")).unwrap();
+            counts[usize::from(bucket_of(&tenant).0)] += 1;
+        }
+        let (min, max) = (*counts.iter().min().unwrap(), *counts.iter().max().unwrap());
+        assert!(min > 50 && max < 150, "min {min} max {max}");
+        assert_eq!(Fence::open().lease(), None);
+        assert!(Fence::open().is_open());
     }
 }

@@ -4,7 +4,9 @@
 //! - `writer`: the host's write API ([`IntentWriter`]): open a run, append an intent, rewind; each
 //!   runs inside the host's own transaction.
 //! - `outbox`: the relay's side ([`Outbox`]): `drain_outbox`, `ack_outbox`, backlog for lag.
-//! - `lease`: [`TenantLeases`], one relay per tenant at a time (advisory locks).
+//! - `lease`: ownership across relays: lease buckets with epochs ([`LeaseStore`]), the pure
+//!   share rule and book ([`LeasePlan`], [`LeaseBook`]), and the [`Fence`] checked before every
+//!   publish and ack.
 //! - `wakeup`: [`Wakeups`], LISTEN for tenants whose intents just committed.
 //! - `fold`: the consumer's exactly-once fold ([`FoldStore`]): idempotent on `(BranchKey, Lsn)`
 //!   and proving Lsn order per branch.
@@ -23,9 +25,14 @@ mod wakeup;
 mod writer;
 
 pub use error::Error;
+pub use fold::EventTable;
+pub use fold::FoldError;
 pub use fold::FoldOutcome;
 pub use fold::FoldStore;
 pub use fold::FoldedEvent;
+pub use fold::Projection;
+pub use fold::RewindNotice;
+pub use fold::fold;
 pub use key::BranchId;
 pub use key::BranchKey;
 pub use key::EventKey;
@@ -33,8 +40,20 @@ pub use key::Lsn;
 pub use key::MAX_ID_BYTES;
 pub use key::RunId;
 pub use key::TenantId;
-pub use lease::TenantLeases;
+pub use lease::Bucket;
+pub use lease::BucketHolder;
+pub use lease::Fence;
+pub use lease::LEASE_BUCKETS;
+pub use lease::Lease;
+pub use lease::LeaseBook;
+pub use lease::LeaseChanges;
+pub use lease::LeasePlan;
+pub use lease::LeaseStep;
+pub use lease::LeaseStore;
+pub use lease::RelayId;
+pub use lease::bucket_of;
 pub use outbox::Backlog;
+pub use outbox::EventKind;
 pub use outbox::Outbox;
 pub use outbox::OutboxEvent;
 pub use wakeup::Wakeups;

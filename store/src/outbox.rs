@@ -4,7 +4,21 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 
-use crate::{Error, EventKey, Lsn, TenantId};
+use crate::{BranchId, Error, EventKey, Fence, Lsn, TenantId};
+
+/// What an outbox row carries.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EventKind {
+    /// An export intent: the host's payload.
+    Intent,
+    /// A rewind marker: the branch is abandoned above `prev_lsn` (the fork point) and live
+    /// history continues on `to`. Written by [`crate::IntentWriter::rewind`] after every
+    /// intent of the branch, so it reaches the broker after all of them that still can.
+    Rewind {
+        /// The new live branch.
+        to: BranchId,
+    },
+}
 
 /// One committed export intent, as the relay ships it.
 #[derive(Clone, PartialEq, Eq)]
@@ -15,10 +29,21 @@ pub struct OutboxEvent {
     pub prev_lsn: Lsn,
     /// Where the branch starts: 0 for a run's first branch, the fork point after a rewind.
     pub base_lsn: Lsn,
-    /// The host's bytes, unchanged.
+    /// The host's bytes, unchanged (empty for a rewind marker).
     pub payload: Vec<u8>,
     /// When the host wrote the intent (clock time inside its transaction).
     pub created_at: DateTime<Utc>,
+    /// An intent or a rewind marker.
+    pub kind: EventKind,
+    /// For a branch forked by a rewind: the branch it was forked from (at `base_lsn`).
+    pub parent: Option<BranchId>,
+}
+
+impl OutboxEvent {
+    /// Whether this is a rewind marker.
+    pub fn is_rewind(&self) -> bool {
+        matches!(self.kind, EventKind::Rewind { .. })
+    }
 }
 
 impl std::fmt::Debug for OutboxEvent {
@@ -27,6 +52,7 @@ impl std::fmt::Debug for OutboxEvent {
         f.debug_struct("OutboxEvent")
             .field("key", &self.key)
             .field("prev_lsn", &self.prev_lsn)
+            .field("kind", &self.kind)
             .field("payload_bytes", &self.payload.len())
             .finish_non_exhaustive()
     }
@@ -49,7 +75,26 @@ pub struct Outbox {
     pool: PgPool,
 }
 
-type EventRow = (String, String, i64, i64, i64, Vec<u8>, DateTime<Utc>);
+type EventRow = (
+    String,
+    String,
+    i64,
+    i64,
+    i64,
+    Vec<u8>,
+    DateTime<Utc>,
+    i16,
+    Option<String>,
+    Option<String>,
+);
+
+/// Columns of [`EventRow`], in order.
+macro_rules! event_columns {
+    () => {
+        "run_id, branch_id, lsn, prev_lsn, base_lsn, payload, created_at, kind, \
+         parent_branch_id, rewound_to"
+    };
+}
 
 impl Outbox {
     /// The outbox on `pool` (migrated with [`crate::migrate`]).
@@ -67,13 +112,11 @@ impl Outbox {
         tenant: &TenantId,
         limit: u32,
     ) -> Result<Vec<OutboxEvent>, Error> {
-        let rows: Vec<EventRow> = sqlx::query_as(
-            "SELECT run_id, branch_id, lsn, prev_lsn, base_lsn, payload, created_at
-               FROM relay_outbox
-              WHERE tenant_id = $1
-              ORDER BY seq
-              LIMIT $2",
-        )
+        let rows: Vec<EventRow> = sqlx::query_as(concat!(
+            "SELECT ",
+            event_columns!(),
+            " FROM relay_outbox WHERE tenant_id = $1 ORDER BY seq LIMIT $2"
+        ))
         .bind(tenant.as_str())
         .bind(i64::from(limit))
         .fetch_all(&self.pool)
@@ -89,7 +132,7 @@ impl Outbox {
         if shipped.is_empty() {
             return Ok(0);
         }
-        let keys = KeyArrays::new(shipped)?;
+        let keys = KeyArrays::new(shipped.iter())?;
         let retired = sqlx::query(
             "DELETE FROM relay_outbox o
               USING unnest($1::text[], $2::text[], $3::text[], $4::bigint[])
@@ -112,59 +155,78 @@ impl Outbox {
     /// Lets a relay drain the next batch of a tenant while earlier ones await their confirms.
     pub async fn drain_after(
         &self,
+        fence: &Fence,
         tenant: &TenantId,
         limit: u32,
         in_flight: &[EventKey],
     ) -> Result<Vec<OutboxEvent>, Error> {
-        self.ack_and_drain(&[], tenant, limit, in_flight).await
+        self.ack_and_drain(fence, &[], tenant, limit, in_flight)
+            .await
     }
 
-    /// Retires `shipped` (confirmed keys) and drains the next `limit` pending intents of
-    /// `tenant` after `in_flight` (see [`Outbox::drain_after`]), in one round trip: the relay's
-    /// steady-state step. Same guarantees as [`Outbox::ack_outbox`] then [`Outbox::drain_outbox`].
+    /// Retires `shipped` (confirmed keys of `tenant`) and drains the next `limit` pending
+    /// intents of `tenant` after `in_flight` (see [`Outbox::drain_after`]), in one round trip:
+    /// the relay's steady-state step. Same guarantees as [`Outbox::ack_outbox`] then
+    /// [`Outbox::drain_outbox`], and:
+    /// - the drain reads after the ack, on a fresh snapshot: it never returns a row that a
+    ///   transaction deleted and committed while the ack waited for it (another relay's ack, a
+    ///   rewind);
+    /// - with a lease `fence`, nothing is acked or drained unless the lease is still current in
+    ///   PostgreSQL ([`Error::Fenced`] otherwise), and a takeover of the bucket waits for the call.
     pub async fn ack_and_drain(
         &self,
+        fence: &Fence,
         shipped: &[EventKey],
         tenant: &TenantId,
         limit: u32,
         in_flight: &[EventKey],
     ) -> Result<Vec<OutboxEvent>, Error> {
-        let keys = KeyArrays::new(shipped)?;
-        let flying = KeyArrays::new(in_flight)?;
-        // The SELECT reads the statement's snapshot, from before the DELETE: it must exclude
-        // what the DELETE retires. Within a branch, in-flight intents are exactly those up to its
-        // newest in-flight Lsn (a branch is always drained as a prefix), hence the Lsn filter;
-        // a filter on `seq` would be wrong, since another branch's row may commit late.
-        let rows: Vec<EventRow> = sqlx::query_as(
-            "WITH acked AS (
-                 DELETE FROM relay_outbox o
-                  USING unnest($1::text[], $2::text[], $3::text[], $4::bigint[])
-                        AS k(tenant_id, run_id, branch_id, lsn)
-                  WHERE o.tenant_id = k.tenant_id AND o.run_id = k.run_id
-                    AND o.branch_id = k.branch_id AND o.lsn = k.lsn
-              RETURNING o.seq
-             )
-             SELECT run_id, branch_id, lsn, prev_lsn, base_lsn, payload, created_at
-               FROM relay_outbox o
-              WHERE tenant_id = $5 AND seq NOT IN (SELECT seq FROM acked)
-                AND NOT EXISTS (
-                     SELECT 1 FROM unnest($7::text[], $8::text[], $9::bigint[]) AS f(run_id, branch_id, lsn)
-                      WHERE f.run_id = o.run_id AND f.branch_id = o.branch_id AND o.lsn <= f.lsn)
-              ORDER BY seq
-              LIMIT $6",
-        )
-        .bind(&keys.tenants)
+        if !fence.is_open() {
+            return Err(fenced(fence));
+        }
+        let keys = KeyArrays::new(shipped.iter().filter(|key| key.branch.tenant == *tenant))?;
+        let flying = KeyArrays::new(in_flight.iter())?;
+        let (bucket, owner, epoch) = match fence.lease() {
+            Some((bucket, owner, epoch)) => {
+                (Some(i32::from(bucket.0)), Some(owner.as_str()), Some(epoch))
+            }
+            None => (None, None, None),
+        };
+        let rows: Vec<EventRow> = sqlx::query_as(concat!(
+            "SELECT ",
+            event_columns!(),
+            " FROM relay_ack_and_drain($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"
+        ))
+        .bind(bucket)
+        .bind(owner)
+        .bind(epoch)
+        .bind(tenant.as_str())
         .bind(&keys.runs)
         .bind(&keys.branches)
         .bind(&keys.lsns)
-        .bind(tenant.as_str())
         .bind(i64::from(limit))
         .bind(&flying.runs)
         .bind(&flying.branches)
         .bind(&flying.lsns)
         .fetch_all(&self.pool)
-        .await?;
+        .await
+        .map_err(|err| fenced_or(err, fence))?;
         events_of(tenant, rows)
+    }
+
+    /// Retires `shipped` (confirmed keys of `tenant`) under a lease `fence`: like
+    /// [`Outbox::ack_outbox`], refused with [`Error::Fenced`] once the lease is gone.
+    pub async fn ack_fenced(
+        &self,
+        fence: &Fence,
+        tenant: &TenantId,
+        shipped: &[EventKey],
+    ) -> Result<(), Error> {
+        if shipped.is_empty() {
+            return Ok(());
+        }
+        self.ack_and_drain(fence, shipped, tenant, 0, &[]).await?;
+        Ok(())
     }
 
     /// The tenants that have pending intents (a skip scan over the drain index: one index probe
@@ -233,12 +295,12 @@ struct KeyArrays<'a> {
 }
 
 impl<'a> KeyArrays<'a> {
-    fn new(keys: &'a [EventKey]) -> Result<Self, Error> {
+    fn new(keys: impl IntoIterator<Item = &'a EventKey>) -> Result<Self, Error> {
         let mut arrays = Self {
-            tenants: Vec::with_capacity(keys.len()),
-            runs: Vec::with_capacity(keys.len()),
-            branches: Vec::with_capacity(keys.len()),
-            lsns: Vec::with_capacity(keys.len()),
+            tenants: Vec::new(),
+            runs: Vec::new(),
+            branches: Vec::new(),
+            lsns: Vec::new(),
         };
         for key in keys {
             arrays.tenants.push(key.branch.tenant.as_str());
@@ -250,16 +312,42 @@ impl<'a> KeyArrays<'a> {
     }
 }
 
+/// SQLSTATE `relay_ack_and_drain` raises when the caller's lease is not current.
+const FENCED_SQLSTATE: &str = "RL001";
+
+fn fenced(fence: &Fence) -> Error {
+    let (bucket, epoch) = fence
+        .lease()
+        .map(|(bucket, _, epoch)| (bucket.0, epoch))
+        .unwrap_or_default();
+    Error::Fenced { bucket, epoch }
+}
+
+fn fenced_or(err: sqlx::Error, fence: &Fence) -> Error {
+    match &err {
+        sqlx::Error::Database(db) if db.code().as_deref() == Some(FENCED_SQLSTATE) => fenced(fence),
+        _ => Error::Database(err),
+    }
+}
+
 fn events_of(tenant: &TenantId, rows: Vec<EventRow>) -> Result<Vec<OutboxEvent>, Error> {
     rows.into_iter()
         .map(
-            |(run, branch, lsn, prev_lsn, base_lsn, payload, created_at)| {
+            |(run, branch, lsn, prev_lsn, base_lsn, payload, created_at, kind, parent, to)| {
+                let kind = match (kind, to) {
+                    (1, Some(to)) => EventKind::Rewind {
+                        to: BranchId::new(to)?,
+                    },
+                    _ => EventKind::Intent,
+                };
                 Ok(OutboxEvent {
                     key: EventKey::from_db(tenant, run, branch, lsn)?,
                     prev_lsn: Lsn::from_db(prev_lsn),
                     base_lsn: Lsn::from_db(base_lsn),
                     payload,
                     created_at,
+                    kind,
+                    parent: parent.map(BranchId::new).transpose()?,
                 })
             },
         )

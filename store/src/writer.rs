@@ -169,6 +169,10 @@ impl IntentWriter {
     /// Rewinds: forks a new live branch `new_branch` from the live branch `from` at Lsn `at`.
     /// The old branch's intents after `at` that are not yet shipped are abandoned (deleted, never
     /// exported); its intents up to `at` stay on live history and still ship under its key.
+    ///
+    /// A rewind marker is written on the old branch after all its intents: consumers learn that
+    /// the branch ends at `at` (undoing anything above it they applied, since intents already in
+    /// flight when the rewind commits may still arrive) and continues on `new_branch`.
     pub async fn rewind(
         &self,
         conn: &mut PgConnection,
@@ -200,6 +204,12 @@ impl IntentWriter {
         if branch_row(conn, &live, false).await?.is_some() {
             return Err(Error::BranchExists { branch: live });
         }
+        let marker_lsn = row
+            .head_lsn
+            .checked_add(1)
+            .ok_or_else(|| Error::NoRoomForMarker {
+                branch: from.clone(),
+            })?;
         sqlx::query(
             "UPDATE relay_branch SET abandoned_at_lsn = $4
               WHERE tenant_id = $1 AND run_id = $2 AND branch_id = $3",
@@ -221,6 +231,22 @@ impl IntentWriter {
         .execute(&mut *conn)
         .await?
         .rows_affected();
+        // The marker: after every intent of the old branch (highest Lsn and seq), so it reaches
+        // the broker after each of them that still can, on the same shard and partition.
+        sqlx::query(
+            "INSERT INTO relay_outbox
+                 (tenant_id, run_id, branch_id, lsn, prev_lsn, base_lsn, payload, kind, rewound_to)
+             VALUES ($1, $2, $3, $4, $5, $6, '', 1, $7)",
+        )
+        .bind(from.tenant.as_str())
+        .bind(from.run.as_str())
+        .bind(from.branch.as_str())
+        .bind(marker_lsn)
+        .bind(at_db)
+        .bind(row.base_lsn)
+        .bind(live.branch.as_str())
+        .execute(&mut *conn)
+        .await?;
         sqlx::query(
             "INSERT INTO relay_branch
                  (tenant_id, run_id, branch_id, base_lsn, head_lsn, parent_branch_id)
@@ -249,7 +275,7 @@ macro_rules! append_sql {
     ($from:literal) => {
         concat!(
             "WITH old AS (
-                 SELECT head_lsn, base_lsn FROM relay_branch
+                 SELECT head_lsn, base_lsn, parent_branch_id FROM relay_branch
                   WHERE tenant_id = $1 AND run_id = $2 AND branch_id = $3
                     AND abandoned_at_lsn IS NULL
                   FOR UPDATE
@@ -258,10 +284,11 @@ macro_rules! append_sql {
                    FROM old
                   WHERE b.tenant_id = $1 AND b.run_id = $2 AND b.branch_id = $3
                     AND old.head_lsn < $4
-              RETURNING old.head_lsn AS prev_lsn, old.base_lsn
+              RETURNING old.head_lsn AS prev_lsn, old.base_lsn, old.parent_branch_id
              )
-             INSERT INTO relay_outbox (tenant_id, run_id, branch_id, lsn, prev_lsn, base_lsn, payload)
-             SELECT $1, $2, $3, $4, prev_lsn, base_lsn, $5 ",
+             INSERT INTO relay_outbox
+                 (tenant_id, run_id, branch_id, lsn, prev_lsn, base_lsn, payload, parent_branch_id)
+             SELECT $1, $2, $3, $4, prev_lsn, base_lsn, $5, parent_branch_id ",
             $from
         )
     };

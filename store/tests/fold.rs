@@ -7,7 +7,8 @@ use chrono::Utc;
 use proptest::prelude::*;
 use sqlx::{Connection, PgConnection, PgPool};
 use store::{
-    BranchId, BranchKey, EventKey, FoldOutcome, FoldStore, Lsn, OutboxEvent, RunId, TenantId,
+    BranchId, BranchKey, EventKey, EventKind, FoldOutcome, FoldStore, Lsn, OutboxEvent, RunId,
+    TenantId,
 };
 
 /// A fresh database for a test that is not a `#[sqlx::test]` (proptest drives its own runtime).
@@ -83,6 +84,8 @@ fn events_of(tenant: &TenantId, chain: &Chain) -> Vec<OutboxEvent> {
                 base_lsn: Lsn::new(chain.base),
                 payload: format!("{key}@{lsn}").into_bytes(),
                 created_at: Utc::now(),
+                kind: EventKind::Intent,
+                parent: None,
             };
             prev = lsn;
             event

@@ -4,7 +4,8 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 use store::{
-    BranchId, BranchKey, Error, EventKey, IntentWriter, Lsn, Outbox, OutboxEvent, RunId, TenantId,
+    BranchId, BranchKey, Error, EventKey, Fence, IntentWriter, Lsn, Outbox, OutboxEvent, RunId,
+    TenantId,
 };
 
 fn key(tenant: &str, run: &str, branch: &str) -> BranchKey {
@@ -462,42 +463,6 @@ async fn backlog_reports_pending_and_age_per_tenant(pool: PgPool) {
     assert_eq!((idle.pending, idle.oldest_age), (0, Duration::ZERO));
 }
 
-/// Two relays can never both hold a tenant; a relay's death frees its tenants at once.
-#[sqlx::test(migrator = "store::MIGRATOR")]
-async fn a_tenant_lease_has_one_holder_and_is_freed_when_its_holder_dies(
-    _options: sqlx::postgres::PgPoolOptions,
-    connect: sqlx::postgres::PgConnectOptions,
-) {
-    let url = format!(
-        "postgres://postgres@127.0.0.1:5432/{}",
-        connect.get_database().expect("sqlx::test names a database")
-    );
-    let tenants = vec![TenantId::new("a").unwrap(), TenantId::new("b").unwrap()];
-    let mut first = store::TenantLeases::connect(&url).await.unwrap();
-    let mut second = store::TenantLeases::connect(&url).await.unwrap();
-    assert_eq!(
-        first.try_acquire(&tenants[..1]).await.unwrap(),
-        tenants[..1].to_vec()
-    );
-    assert_eq!(
-        second.try_acquire(&tenants).await.unwrap(),
-        tenants[1..].to_vec()
-    );
-    drop(first); // the holder dies: its connection closes
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        if second.try_acquire(&tenants[..1]).await.unwrap() == tenants[..1].to_vec() {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "lease never handed over"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    second.check().await.unwrap();
-}
-
 /// The relay's one-round-trip step retires exactly what it is given and returns what follows,
 /// never what it just retired.
 #[sqlx::test(migrator = "store::MIGRATOR")]
@@ -523,13 +488,13 @@ async fn ack_and_drain_retires_and_returns_the_next_prefix(pool: PgPool) {
     let first = outbox.drain_outbox(&branch.tenant, 4).await.unwrap();
     let keys: Vec<EventKey> = first.iter().map(|event| event.key.clone()).collect();
     let next = outbox
-        .ack_and_drain(&keys, &branch.tenant, 4, &[])
+        .ack_and_drain(&Fence::open(), &keys, &branch.tenant, 4, &[])
         .await
         .unwrap();
     assert_eq!(lsns_by_branch(&next)[&branch], vec![5, 6, 7, 8]);
     assert_eq!(count_rows(&pool).await, 6);
     let last = outbox
-        .ack_and_drain(&[], &branch.tenant, 100, &[])
+        .ack_and_drain(&Fence::open(), &[], &branch.tenant, 100, &[])
         .await
         .unwrap();
     assert_eq!(lsns_by_branch(&last)[&branch], vec![5, 6, 7, 8, 9, 10]);
@@ -553,7 +518,7 @@ async fn ack_and_drain_retires_and_returns_the_next_prefix(pool: PgPool) {
         lsn: Lsn::new(8),
     };
     let after = outbox
-        .drain_after(&branch.tenant, 100, &[newest_in_flight])
+        .drain_after(&Fence::open(), &branch.tenant, 100, &[newest_in_flight])
         .await
         .unwrap();
     let by_branch = lsns_by_branch(&after);

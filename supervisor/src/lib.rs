@@ -1,11 +1,15 @@
 //! The relay's supervisor: spawns one publisher per shard and one drainer per leased tenant,
 //! restarts what fails with backoff, notices new work (NOTIFY + polling), reports lag.
 //!
+//! - `keeper`: the lease keeper task (heartbeats, shares, the pending-tenant poll) and its
+//!   [`LeaseConfig`].
 //! - `tree`: [`RelaySupervisor`], its [`SupervisorArgs`], [`SupervisorConfig`], [`SupervisorMessage`].
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
+mod keeper;
 mod tree;
 
+pub use keeper::LeaseConfig;
 pub use tree::RelaySupervisor;
 pub use tree::SupervisorArgs;
 pub use tree::SupervisorConfig;

@@ -6,26 +6,33 @@
 //! When a publisher dies its mailbox dies with it, so every drainer is told (`PublisherLost`)
 //! and treats what it had sent there as unconfirmed.
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use actors::{
     Backoff, Drainer, DrainerArgs, DrainerConfig, DrainerMessage, PublisherActor, PublisherArgs,
-    PublisherDirectory, PublisherFactory, PublisherMessage, RetryPolicy, ShardId,
+    PublisherDirectory, PublisherFactory, PublisherMessage, RetryPolicy, ShardId, stop_reason,
 };
 use ractor::{
     Actor, ActorCell, ActorId, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent,
 };
-use store::{Outbox, TenantId, TenantLeases, Wakeups};
+use store::{
+    Bucket, Fence, LeaseChanges, LeaseStore, Outbox, RelayId, TenantId, Wakeups, bucket_of,
+};
+use tokio::sync::watch;
+
+use crate::keeper::{Keeper, LeaseConfig};
 
 /// How the tree runs.
 #[derive(Clone, Copy, Debug)]
 pub struct SupervisorConfig {
     /// Number of publisher shards (actors, each with its own AMQP connection). Default 4.
     pub shards: u16,
-    /// How often pending tenants are polled and leases checked: the correctness path behind
-    /// NOTIFY, and the whole idle cost (two small queries per interval). Default 1 s.
+    /// How often pending tenants are polled: the correctness path behind NOTIFY. Default 1 s.
     pub poll_interval: Duration,
+    /// Lease TTL and heartbeat (ownership of tenants across relays).
+    pub lease: LeaseConfig,
     /// How often backlog gauges are refreshed. Default 5 s.
     pub metrics_interval: Duration,
     /// Drainer batch size, timeouts and retry delays.
@@ -44,6 +51,7 @@ impl Default for SupervisorConfig {
         Self {
             shards: 4,
             poll_interval: Duration::from_secs(1),
+            lease: LeaseConfig::default(),
             metrics_interval: Duration::from_secs(5),
             drainer: DrainerConfig::default(),
             restart: RetryPolicy::default(),
@@ -58,7 +66,9 @@ impl Default for SupervisorConfig {
 pub struct SupervisorArgs {
     /// The outbox (its pool).
     pub outbox: Outbox,
-    /// Where leases and wake-ups connect (dedicated connections).
+    /// The lease tables, on a pool of their own so heartbeats never queue behind drains.
+    pub leases: LeaseStore,
+    /// Where wake-ups (LISTEN) connect (a dedicated connection).
     pub database_url: String,
     /// Makes each shard's broker client.
     pub factory: PublisherFactory,
@@ -79,15 +89,21 @@ impl std::fmt::Debug for SupervisorArgs {
 pub struct TreeSnapshot {
     /// Publisher of each shard (none while restarting).
     pub publishers: Vec<Option<ActorRef<PublisherMessage>>>,
-    /// Drainer of each tenant this relay holds.
+    /// Drainer of each tenant this relay is draining now.
     pub drainers: BTreeMap<TenantId, ActorRef<DrainerMessage>>,
+    /// Lease buckets this relay holds.
+    pub buckets_held: usize,
+    /// This relay's id in the lease tables.
+    pub relay_id: RelayId,
 }
 
 /// Messages to the supervisor.
 #[derive(Debug)]
 pub enum SupervisorMessage {
-    /// Poll pending tenants, check leases.
-    Tick,
+    /// The lease keeper gained or lost buckets.
+    Leases(LeaseChanges),
+    /// Tenants with pending intents (from the poller); those in buckets held are drained.
+    Pending(Vec<TenantId>),
     /// Refresh backlog gauges.
     MetricsTick,
     /// A tenant's intents just committed.
@@ -116,11 +132,14 @@ pub struct SupervisorState {
     /// Live drainers by actor id, with when each was spawned.
     drainer_ids: HashMap<ActorId, (TenantId, std::time::Instant)>,
     drainer_backoff: HashMap<TenantId, Backoff>,
-    owned: HashSet<TenantId>,
-    leases: Option<TenantLeases>,
-    gauged: HashSet<TenantId>,
+    /// Fences of the buckets held.
+    held: HashMap<Bucket, Fence>,
+    relay_id: RelayId,
+    gauged: Arc<Mutex<HashSet<TenantId>>>,
     finishing: Option<RpcReplyPort<()>>,
     wakeups: Option<tokio::task::JoinHandle<()>>,
+    keeper: Option<(watch::Sender<bool>, tokio::task::JoinHandle<()>)>,
+    metrics_busy: Arc<AtomicBool>,
     budget: Arc<tokio::sync::Semaphore>,
 }
 
@@ -179,11 +198,20 @@ impl RelaySupervisor {
         if state.drainers.contains_key(&tenant) || state.finishing.is_some() {
             return;
         }
+        let Some(fence) = state
+            .held
+            .get(&bucket_of(&tenant))
+            .filter(|fence| fence.is_open())
+            .cloned()
+        else {
+            return;
+        };
         let args = DrainerArgs {
             tenant: tenant.clone(),
             outbox: state.args.outbox.clone(),
             publishers: state.directory.clone(),
             budget: state.budget.clone(),
+            fence,
             config: state.args.config.drainer,
         };
         match Actor::spawn_linked(None, Drainer, args, myself.get_cell()).await {
@@ -215,77 +243,93 @@ impl RelaySupervisor {
         myself.send_after(delay, move || SupervisorMessage::RespawnDrainer(tenant));
     }
 
-    /// Takes the leases of `tenants` this relay does not hold yet and spawns their drainers.
-    async fn claim(
+    /// Drains `tenants` (in buckets this relay holds): wakes their drainers, starts missing ones.
+    async fn wake(
         &self,
         myself: &ActorRef<SupervisorMessage>,
         state: &mut SupervisorState,
         tenants: Vec<TenantId>,
     ) {
-        let candidates: Vec<TenantId> = tenants
-            .into_iter()
-            .filter(|tenant| !state.owned.contains(tenant))
+        for tenant in tenants {
+            if !state.held.contains_key(&bucket_of(&tenant)) {
+                continue;
+            }
+            match state.drainers.get(&tenant) {
+                Some(drainer) => {
+                    let _ = drainer.cast(DrainerMessage::Drain);
+                }
+                None => self.spawn_drainer(myself, state, tenant).await,
+            }
+        }
+        metrics::gauge!("relay_tenants_held").set(state.drainers.len() as f64);
+    }
+
+    /// The keeper gained or lost buckets. Lost fences are already closed (nothing more is
+    /// published or acked under them); their drainers are stopped now and not restarted.
+    fn leases_changed(&self, state: &mut SupervisorState, changes: LeaseChanges) {
+        for bucket in &changes.lost {
+            state.held.remove(bucket);
+        }
+        for fence in changes.gained {
+            if let Some((bucket, _, _)) = fence.lease() {
+                state.held.insert(bucket, fence);
+            }
+        }
+        if changes.lost.is_empty() {
+            return;
+        }
+        let lost: HashSet<Bucket> = changes.lost.into_iter().collect();
+        let dropped: Vec<TenantId> = state
+            .drainers
+            .keys()
+            .filter(|tenant| lost.contains(&bucket_of(tenant)))
+            .cloned()
             .collect();
-        if candidates.is_empty() || state.finishing.is_some() {
+        for tenant in dropped {
+            if let Some(drainer) = state.drainers.remove(&tenant) {
+                state.drainer_ids.remove(&drainer.get_id());
+                drainer.kill();
+            }
+            state.drainer_backoff.remove(&tenant);
+        }
+        metrics::gauge!("relay_tenants_held").set(state.drainers.len() as f64);
+    }
+
+    /// Reads the backlog for the lag gauges on a task of its own (a slow query never holds
+    /// the supervisor's mailbox); at most one read at a time, each under a timeout.
+    fn refresh_metrics(&self, state: &mut SupervisorState) {
+        if state.metrics_busy.swap(true, Ordering::AcqRel) {
             return;
         }
-        let Some(leases) = state.leases.as_mut() else {
-            return;
-        };
-        match leases.try_acquire(&candidates).await {
-            Ok(taken) => {
-                for tenant in taken {
-                    state.owned.insert(tenant.clone());
-                    self.spawn_drainer(myself, state, tenant).await;
+        let outbox = state.args.outbox.clone();
+        let busy = state.metrics_busy.clone();
+        let gauged = state.gauged.clone();
+        let limit = state
+            .args
+            .config
+            .metrics_interval
+            .max(Duration::from_secs(1))
+            * 5;
+        let held: HashSet<Bucket> = state.held.keys().copied().collect();
+        tokio::spawn(async move {
+            let backlog = tokio::time::timeout(limit, outbox.backlog()).await;
+            let backlog = match backlog {
+                Ok(Ok(backlog)) => Some(backlog),
+                Ok(Err(err)) => {
+                    tracing::warn!(error = %err, "cannot read the backlog for metrics");
+                    None
                 }
-            }
-            Err(err) => self.lose_leases(state, &err),
-        }
-    }
-
-    /// The lease connection failed: every lease is gone, so stop draining everything at once
-    /// (another relay may already hold those tenants).
-    fn lose_leases(&self, state: &mut SupervisorState, err: &store::Error) {
-        tracing::error!(error = %err, tenants = state.owned.len(), "lease connection lost; dropping all tenants");
-        state.leases = None;
-        state.owned.clear();
-        for drainer in state.drainers.values() {
-            drainer.kill();
-        }
-    }
-
-    async fn tick(&self, myself: &ActorRef<SupervisorMessage>, state: &mut SupervisorState) {
-        if state.leases.is_none() {
-            match TenantLeases::connect(&state.args.database_url).await {
-                Ok(leases) => state.leases = Some(leases),
-                Err(err) => {
-                    tracing::warn!(error = %err, "cannot open the lease connection; will retry")
+                Err(_) => {
+                    tracing::warn!("backlog read for metrics timed out");
+                    None
                 }
-            }
-        }
-        if let Some(leases) = state.leases.as_mut()
-            && let Err(err) = leases.check().await
-        {
-            self.lose_leases(state, &err);
-        }
-        match state.args.outbox.tenants_with_pending().await {
-            Ok(pending) => {
-                for tenant in &pending {
-                    if let Some(drainer) = state.drainers.get(tenant) {
-                        let _ = drainer.cast(DrainerMessage::Drain);
-                    }
-                }
-                self.claim(myself, state, pending).await;
-            }
-            Err(err) => tracing::warn!(error = %err, "cannot poll pending tenants; will retry"),
-        }
-    }
-
-    async fn refresh_metrics(&self, state: &mut SupervisorState) {
-        match state.args.outbox.backlog().await {
-            Ok(backlog) => {
+            };
+            if let Some(backlog) = backlog {
                 let mut seen = HashSet::new();
-                for tenant in backlog {
+                for tenant in backlog
+                    .into_iter()
+                    .filter(|tenant| held.contains(&bucket_of(&tenant.tenant)))
+                {
                     let label = tenant.tenant.to_string();
                     metrics::gauge!("relay_backlog_pending", "tenant" => label.clone())
                         .set(tenant.pending as f64);
@@ -293,16 +337,16 @@ impl RelaySupervisor {
                         .set(tenant.oldest_age.as_secs_f64());
                     seen.insert(tenant.tenant);
                 }
-                for tenant in state.gauged.difference(&seen) {
-                    metrics::gauge!("relay_backlog_pending", "tenant" => tenant.to_string())
-                        .set(0.0);
-                    metrics::gauge!("relay_backlog_oldest_age_seconds", "tenant" => tenant.to_string()).set(0.0);
+                let mut gauged = gauged.lock().unwrap_or_else(|poison| poison.into_inner());
+                for tenant in gauged.difference(&seen) {
+                    let label = tenant.to_string();
+                    metrics::gauge!("relay_backlog_pending", "tenant" => label.clone()).set(0.0);
+                    metrics::gauge!("relay_backlog_oldest_age_seconds", "tenant" => label).set(0.0);
                 }
-                state.gauged = seen;
-                metrics::gauge!("relay_tenants_held").set(state.owned.len() as f64);
+                *gauged = seen;
             }
-            Err(err) => tracing::warn!(error = %err, "cannot read the backlog for metrics"),
-        }
+            busy.store(false, Ordering::Release);
+        });
     }
 
     fn finish_if_done(&self, myself: &ActorRef<SupervisorMessage>, state: &mut SupervisorState) {
@@ -361,11 +405,13 @@ impl Actor for RelaySupervisor {
             drainers: HashMap::new(),
             drainer_ids: HashMap::new(),
             drainer_backoff: HashMap::new(),
-            owned: HashSet::new(),
-            leases: None,
-            gauged: HashSet::new(),
+            held: HashMap::new(),
+            relay_id: RelayId::generate(),
+            gauged: Arc::new(Mutex::new(HashSet::new())),
             finishing: None,
             wakeups: None,
+            keeper: None,
+            metrics_busy: Arc::new(AtomicBool::new(false)),
             // A budget below one batch would deadlock a drainer waiting for a full batch.
             budget: Arc::new(tokio::sync::Semaphore::new(
                 args.config
@@ -389,7 +435,15 @@ impl Actor for RelaySupervisor {
             myself.clone(),
             state.args.config.restart,
         )));
-        myself.cast(SupervisorMessage::Tick)?;
+        let keeper = Keeper {
+            leases: state.args.leases.clone(),
+            outbox: state.args.outbox.clone(),
+            me: state.relay_id.clone(),
+            config: state.args.config.lease,
+            poll_interval: state.args.config.poll_interval,
+        };
+        let (stop, stopped) = watch::channel(false);
+        state.keeper = Some((stop, tokio::spawn(keeper.run(myself.clone(), stopped))));
         myself.cast(SupervisorMessage::MetricsTick)?;
         Ok(())
     }
@@ -402,6 +456,11 @@ impl Actor for RelaySupervisor {
         if let Some(wakeups) = state.wakeups.take() {
             wakeups.abort();
         }
+        // Hand the buckets over at once (bounded: they expire by themselves otherwise).
+        if let Some((stop, keeper)) = state.keeper.take() {
+            let _ = stop.send(true);
+            let _ = tokio::time::timeout(Duration::from_secs(3), keeper).await;
+        }
         Ok(())
     }
 
@@ -412,33 +471,30 @@ impl Actor for RelaySupervisor {
         state: &mut SupervisorState,
     ) -> Result<(), ActorProcessingErr> {
         match message {
-            SupervisorMessage::Tick => {
+            SupervisorMessage::Leases(changes) => self.leases_changed(state, changes),
+            SupervisorMessage::Pending(tenants) => {
                 if state.finishing.is_none() {
-                    self.tick(&myself, state).await;
+                    self.wake(&myself, state, tenants).await;
                 }
-                myself.send_after(state.args.config.poll_interval, || SupervisorMessage::Tick);
             }
             SupervisorMessage::MetricsTick => {
-                self.refresh_metrics(state).await;
+                self.refresh_metrics(state);
                 myself.send_after(state.args.config.metrics_interval, || {
                     SupervisorMessage::MetricsTick
                 });
             }
-            SupervisorMessage::Notified(tenant) => match state.drainers.get(&tenant) {
-                Some(drainer) => {
-                    let _ = drainer.cast(DrainerMessage::Drain);
+            SupervisorMessage::Notified(tenant) => {
+                if state.finishing.is_none() {
+                    self.wake(&myself, state, vec![tenant]).await;
                 }
-                None => self.claim(&myself, state, vec![tenant]).await,
-            },
+            }
             SupervisorMessage::RespawnPublisher(shard) => {
                 if state.directory.get(shard).is_none() && state.finishing.is_none() {
                     self.spawn_publisher(&myself, state, shard).await;
                 }
             }
             SupervisorMessage::RespawnDrainer(tenant) => {
-                if state.owned.contains(&tenant) {
-                    self.spawn_drainer(&myself, state, tenant).await;
-                }
+                self.spawn_drainer(&myself, state, tenant).await;
             }
             SupervisorMessage::PublisherHealthy(shard) => {
                 let backoff = &mut state.publisher_backoff[usize::from(shard.0)];
@@ -461,6 +517,8 @@ impl Actor for RelaySupervisor {
                         .iter()
                         .map(|(tenant, drainer)| (tenant.clone(), drainer.clone()))
                         .collect(),
+                    buckets_held: state.held.len(),
+                    relay_id: state.relay_id.clone(),
                 };
                 let _ = reply.send(snapshot);
             }
@@ -532,11 +590,17 @@ impl Actor for RelaySupervisor {
                 self.finish_if_done(&myself, state);
                 return Ok(());
             }
+            metrics::gauge!("relay_tenants_held").set(state.drainers.len() as f64);
+            let held = state.held.contains_key(&bucket_of(&tenant));
+            if stop_reason::is_orderly(&why) || !held {
+                // Retired (idle), fenced or finished: nothing to restart, nothing to keep.
+                tracing::debug!(tenant = %tenant, reason = %why, "drainer stopped");
+                state.drainer_backoff.remove(&tenant);
+                return Ok(());
+            }
             metrics::counter!("relay_drainer_restarts_total").increment(1);
             tracing::warn!(tenant = %tenant, reason = %why, "drainer down; restarting");
-            if state.owned.contains(&tenant) {
-                self.schedule_drainer(&myself, state, tenant);
-            }
+            self.schedule_drainer(&myself, state, tenant);
         }
         Ok(())
     }

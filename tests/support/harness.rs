@@ -160,6 +160,8 @@ pub struct Ran {
     pub elapsed: Duration,
     /// Each run's live branch and its head, to continue the runs.
     pub live: Vec<(BranchKey, u64)>,
+    /// Rewinds made (each writes one rewind marker to the outbox).
+    pub rewinds: usize,
 }
 
 impl Workload {
@@ -203,6 +205,7 @@ impl Workload {
     ) -> Ran {
         let writer = IntentWriter::default();
         let mut expected = Expected::new();
+        let mut rewinds = 0;
         let started = Instant::now();
         for step in range {
             for (index, (branch, lsn)) in live.iter_mut().enumerate() {
@@ -218,6 +221,7 @@ impl Workload {
                         .await
                         .unwrap();
                     assert_eq!(rewound.abandoned, 3);
+                    rewinds += 1;
                     expected
                         .get_mut(branch)
                         .unwrap()
@@ -250,6 +254,7 @@ impl Workload {
             expected,
             elapsed: started.elapsed(),
             live,
+            rewinds,
         }
     }
 }
@@ -362,6 +367,7 @@ impl Folding {
                 duplicates: sum.duplicates + stats.duplicates,
                 parked: sum.parked + stats.parked,
                 rejected: sum.rejected + stats.rejected,
+                rewinds: sum.rewinds + stats.rewinds,
             })
     }
 

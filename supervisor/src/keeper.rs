@@ -1,0 +1,258 @@
+//! The lease keeper: a task beside the supervisor that owns this relay's leases.
+//!
+//! Every heartbeat it renews its membership and its leases and claims or sheds buckets to reach
+//! its share ([`store::LeasePlan`]); beside it, a poller finds the tenants with pending intents
+//! (the supervisor drains those in buckets it holds). It tells the supervisor what changed by message; no database call ever runs on
+//! the supervisor's mailbox, and each one here is under a timeout. A failed call is logged
+//! (rate-limited) and tried again on the next heartbeat; leases that could not be renewed in
+//! time close their fences on their own ([`store::LeaseBook::expire`]).
+use std::time::{Duration, Instant};
+
+use ractor::ActorRef;
+use std::sync::Arc;
+use store::{Bucket, LeaseBook, LeaseChanges, LeasePlan, LeaseStep, LeaseStore, Outbox, RelayId};
+
+use tokio::sync::{Notify, watch};
+
+use crate::SupervisorMessage;
+
+/// Lease timings.
+#[derive(Clone, Copy, Debug)]
+pub struct LeaseConfig {
+    /// How long a lease (and a membership) lasts without renewal: the longest a dead relay's
+    /// tenants wait for another relay. Default 5 s.
+    pub ttl: Duration,
+    /// How often leases are renewed, shares rebalanced and pending tenants polled. Must be well
+    /// below `ttl` (at most a third). Default 1 s.
+    pub heartbeat: Duration,
+}
+
+impl Default for LeaseConfig {
+    fn default() -> Self {
+        Self {
+            ttl: Duration::from_secs(5),
+            heartbeat: Duration::from_secs(1),
+        }
+    }
+}
+
+/// Logs a repeated failure at WARN the 1st, 2nd, 4th, 8th... time, else at DEBUG.
+#[derive(Debug, Default)]
+struct Failures(u64);
+
+impl Failures {
+    fn failed(&mut self, what: &str, err: &dyn std::fmt::Display) {
+        self.0 += 1;
+        if self.0.is_power_of_two() {
+            tracing::warn!(failures = self.0, error = %err, "{what} failed; will retry");
+        } else {
+            tracing::debug!(failures = self.0, error = %err, "{what} failed; will retry");
+        }
+    }
+
+    fn ok(&mut self, what: &str) {
+        if self.0 > 0 {
+            tracing::info!(failures = self.0, "{what} recovered");
+        }
+        self.0 = 0;
+    }
+}
+
+#[derive(Debug, Default)]
+struct KeeperFailures {
+    membership: Failures,
+    renewal: Failures,
+    claims: Failures,
+}
+
+async fn within<T>(
+    limit: Duration,
+    call: impl Future<Output = Result<T, store::Error>>,
+) -> Result<T, String> {
+    match tokio::time::timeout(limit, call).await {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(err)) => Err(err.to_string()),
+        Err(_) => Err(format!("no answer within {} ms", limit.as_millis())),
+    }
+}
+
+/// What the keeper needs.
+#[derive(Clone, Debug)]
+pub(crate) struct Keeper {
+    pub(crate) leases: LeaseStore,
+    pub(crate) outbox: Outbox,
+    pub(crate) me: RelayId,
+    pub(crate) config: LeaseConfig,
+    pub(crate) poll_interval: Duration,
+}
+
+/// Polls the tenants with pending intents every `interval` (or at once when `early` fires)
+/// and hands them to the supervisor, which drains those in buckets it holds. Ends with the
+/// supervisor.
+async fn poll_pending(
+    outbox: Outbox,
+    supervisor: ActorRef<SupervisorMessage>,
+    interval: Duration,
+    early: Arc<Notify>,
+) {
+    let limit = interval.max(Duration::from_secs(5));
+    let mut failures = Failures::default();
+    loop {
+        match within(limit, outbox.tenants_with_pending()).await {
+            Ok(tenants) => {
+                failures.ok("pending-tenant poll");
+                if !tenants.is_empty()
+                    && supervisor
+                        .cast(SupervisorMessage::Pending(tenants))
+                        .is_err()
+                {
+                    return;
+                }
+            }
+            Err(err) => failures.failed("pending-tenant poll", &err),
+        }
+        tokio::select! {
+            () = tokio::time::sleep(interval) => {}
+            () = early.notified() => {}
+        }
+        if supervisor.get_status() > ractor::ActorStatus::Running {
+            return;
+        }
+    }
+}
+
+impl Keeper {
+    /// Runs until `stop` turns true (then revokes, releases and leaves) or the supervisor is
+    /// gone (then the same, as far as the database answers).
+    pub(crate) async fn run(
+        self,
+        supervisor: ActorRef<SupervisorMessage>,
+        mut stop: watch::Receiver<bool>,
+    ) {
+        let mut book = LeaseBook::new(self.me.clone(), self.config.ttl);
+        let plan = LeasePlan::new();
+        let limit = self.config.heartbeat.max(Duration::from_millis(100));
+        let mut members = 1;
+        let mut failures = KeeperFailures::default();
+        // The poll runs beside the heartbeats, so a slow poll never delays a renewal.
+        let early = Arc::new(Notify::new());
+        let poller = tokio::spawn(poll_pending(
+            self.outbox.clone(),
+            supervisor.clone(),
+            self.poll_interval,
+            early.clone(),
+        ));
+        let mut ticker = tokio::time::interval(self.config.heartbeat);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = ticker.tick() => {}
+                _ = stop.changed() => break,
+            }
+            if *stop.borrow() {
+                break;
+            }
+            let beat = self.heartbeat(
+                &supervisor,
+                &mut book,
+                &plan,
+                &mut members,
+                &mut failures,
+                limit,
+            );
+            match beat.await {
+                None => break,
+                Some(true) => early.notify_one(),
+                Some(false) => {}
+            }
+        }
+        poller.abort();
+        let released = book.revoke_all();
+        let lost: Vec<Bucket> = released.iter().map(|(bucket, _)| *bucket).collect();
+        let _ = supervisor.cast(SupervisorMessage::Leases(LeaseChanges {
+            gained: Vec::new(),
+            lost,
+        }));
+        let _ = within(limit, self.leases.release(&self.me, &released)).await;
+        let _ = within(limit, self.leases.leave(&self.me)).await;
+        metrics::gauge!("relay_lease_buckets_held").set(0.0);
+    }
+
+    /// Renews membership and leases and moves toward this relay's share. Returns whether
+    /// buckets were gained, or `None` once the supervisor is gone.
+    async fn heartbeat(
+        &self,
+        supervisor: &ActorRef<SupervisorMessage>,
+        book: &mut LeaseBook,
+        plan: &LeasePlan,
+        members: &mut u32,
+        failures: &mut KeeperFailures,
+        limit: Duration,
+    ) -> Option<bool> {
+        {
+            let mut changes = LeaseChanges::default();
+            match within(limit, self.leases.heartbeat(&self.me, self.config.ttl)).await {
+                Ok(live) => {
+                    *members = live;
+                    failures.membership.ok("relay membership");
+                }
+                Err(err) => failures.membership.failed("relay membership", &err),
+            }
+            let sent = Instant::now();
+            match within(limit, self.leases.renew(&self.me, self.config.ttl)).await {
+                Ok(held) => {
+                    changes.lost.extend(book.renewed(&held, sent));
+                    failures.renewal.ok("lease renewal");
+                }
+                Err(err) => failures.renewal.failed("lease renewal", &err),
+            }
+            changes.lost.extend(book.expire(Instant::now()));
+            if !changes.lost.is_empty() {
+                tracing::warn!(
+                    buckets = changes.lost.len(),
+                    "leases lost (expired or taken over)"
+                );
+                metrics::counter!("relay_leases_lost_total").increment(changes.lost.len() as u64);
+            }
+            let mut release = Vec::new();
+            match plan.step(book.len(), *members) {
+                LeaseStep::Claim(n) => {
+                    let sent = Instant::now();
+                    match within(limit, self.leases.claim(&self.me, self.config.ttl, n)).await {
+                        Ok(claimed) => {
+                            changes.gained.extend(book.claimed(&claimed, sent));
+                            failures.claims.ok("lease claim");
+                        }
+                        Err(err) => failures.claims.failed("lease claim", &err),
+                    }
+                }
+                LeaseStep::Shed(n) => {
+                    // Fences close here, before the release: nothing more is published or acked.
+                    release = book.shed(n);
+                    changes
+                        .lost
+                        .extend(release.iter().map(|(bucket, _)| *bucket));
+                    tracing::info!(
+                        buckets = release.len(),
+                        members = *members,
+                        "handing buckets over"
+                    );
+                }
+                LeaseStep::Hold => {}
+            }
+            metrics::gauge!("relay_lease_buckets_held").set(book.len() as f64);
+            metrics::gauge!("relay_members").set(f64::from(*members));
+            let gained = !changes.gained.is_empty();
+            if !changes.is_empty() && supervisor.cast(SupervisorMessage::Leases(changes)).is_err() {
+                return None;
+            }
+            if !release.is_empty()
+                && let Err(err) = within(limit, self.leases.release(&self.me, &release)).await
+            {
+                // They expire by themselves within the TTL.
+                tracing::warn!(error = %err, "could not release buckets; they expire instead");
+            }
+            Some(gained)
+        }
+    }
+}

@@ -37,9 +37,11 @@ COMMENT ON COLUMN relay_outbox.rewound_to IS 'For a rewind marker: the new live 
 
 ALTER TABLE relay_fold_cursor
     ADD COLUMN abandoned_at_lsn bigint NULL,
-    ADD COLUMN rewound_to text NULL;
+    ADD COLUMN rewound_to text NULL,
+    ADD COLUMN started boolean NOT NULL DEFAULT true;
 COMMENT ON COLUMN relay_fold_cursor.abandoned_at_lsn IS 'Set when the branch''s rewind marker was folded: nothing above this Lsn is ever applied.';
 COMMENT ON COLUMN relay_fold_cursor.rewound_to IS 'The branch that live history continues on, from the rewind marker.';
+COMMENT ON COLUMN relay_fold_cursor.started IS 'False while a forked branch waits for its parent to be folded up to the fork point and rewound; nothing of it is applied until then.';
 
 ALTER TABLE relay_fold_parked
     ADD COLUMN base_lsn bigint NOT NULL DEFAULT 0,
@@ -52,9 +54,10 @@ COMMENT ON COLUMN relay_fold_parked.parent_branch_id IS 'The branch the event''s
 -- Rewinds made before this version have no marker: write one for each abandoned branch, so
 -- consumers learn about them too (a marker is idempotent at the fold).
 INSERT INTO relay_outbox
-    (tenant_id, run_id, branch_id, lsn, prev_lsn, base_lsn, payload, kind, rewound_to)
+    (tenant_id, run_id, branch_id, lsn, prev_lsn, base_lsn, payload, kind, rewound_to,
+     parent_branch_id)
 SELECT parent.tenant_id, parent.run_id, parent.branch_id, parent.head_lsn + 1,
-       parent.abandoned_at_lsn, parent.base_lsn, '', 1, child.branch_id
+       parent.abandoned_at_lsn, parent.base_lsn, '', 1, child.branch_id, parent.parent_branch_id
   FROM relay_branch parent
   JOIN relay_branch child
     ON child.tenant_id = parent.tenant_id AND child.run_id = parent.run_id

@@ -95,40 +95,51 @@ struct Cursor {
     applied: i64,
     abandoned_at: Option<i64>,
     rewound_to: Option<String>,
+    /// A forked branch starts once its parent is folded up to the fork and rewound.
+    started: bool,
 }
 
-async fn lock_cursor(tx: &mut PgConnection, key: &BranchKey, base: i64) -> Result<Cursor, Error> {
+/// Locks `key`'s cursor, creating it at `base` (started unless the branch has a parent).
+async fn lock_cursor(
+    tx: &mut PgConnection,
+    key: &BranchKey,
+    base: i64,
+    has_parent: bool,
+) -> Result<Cursor, Error> {
     sqlx::query(
-        "INSERT INTO relay_fold_cursor (tenant_id, run_id, branch_id, applied_lsn)
-         VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
+        "INSERT INTO relay_fold_cursor (tenant_id, run_id, branch_id, applied_lsn, started)
+         VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING",
     )
     .bind(key.tenant.as_str())
     .bind(key.run.as_str())
     .bind(key.branch.as_str())
     .bind(base)
+    .bind(!has_parent)
     .execute(&mut *tx)
     .await?;
-    let (applied, abandoned_at, rewound_to): (i64, Option<i64>, Option<String>) = sqlx::query_as(
-        "SELECT applied_lsn, abandoned_at_lsn, rewound_to FROM relay_fold_cursor
-          WHERE tenant_id = $1 AND run_id = $2 AND branch_id = $3 FOR UPDATE",
-    )
-    .bind(key.tenant.as_str())
-    .bind(key.run.as_str())
-    .bind(key.branch.as_str())
-    .fetch_one(&mut *tx)
-    .await?;
+    let (applied, abandoned_at, rewound_to, started): (i64, Option<i64>, Option<String>, bool) =
+        sqlx::query_as(
+            "SELECT applied_lsn, abandoned_at_lsn, rewound_to, started FROM relay_fold_cursor
+              WHERE tenant_id = $1 AND run_id = $2 AND branch_id = $3 FOR UPDATE",
+        )
+        .bind(key.tenant.as_str())
+        .bind(key.run.as_str())
+        .bind(key.branch.as_str())
+        .fetch_one(&mut *tx)
+        .await?;
     Ok(Cursor {
         applied,
         abandoned_at,
         rewound_to,
+        started,
     })
 }
 
-/// Whether the parent of a forked branch is folded up to its fork point and its marker folded.
-/// FOR SHARE waits for a marker being folded concurrently and reads its committed result.
+/// Whether a forked branch's parent is ready for it: started itself, folded up to its fork
+/// point, and its marker folded. FOR SHARE waits for a marker being folded concurrently.
 async fn parent_ready(tx: &mut PgConnection, parent: &BranchKey) -> Result<bool, Error> {
-    let row: Option<(i64, Option<i64>)> = sqlx::query_as(
-        "SELECT applied_lsn, abandoned_at_lsn FROM relay_fold_cursor
+    let row: Option<(i64, Option<i64>, bool)> = sqlx::query_as(
+        "SELECT applied_lsn, abandoned_at_lsn, started FROM relay_fold_cursor
           WHERE tenant_id = $1 AND run_id = $2 AND branch_id = $3 FOR SHARE",
     )
     .bind(parent.tenant.as_str())
@@ -136,7 +147,11 @@ async fn parent_ready(tx: &mut PgConnection, parent: &BranchKey) -> Result<bool,
     .bind(parent.branch.as_str())
     .fetch_optional(&mut *tx)
     .await?;
-    Ok(matches!(row, Some((applied, Some(at))) if applied >= at))
+    Ok(matches!(row, Some((applied, Some(at), true)) if applied >= at))
+}
+
+fn sibling(key: &BranchKey, branch: BranchId) -> BranchKey {
+    BranchKey::new(key.tenant.clone(), key.run.clone(), branch)
 }
 
 /// Folds one delivered event in `tx` (see the module docs). The caller commits `tx`, then acks.
@@ -149,27 +164,15 @@ pub async fn fold<P: Projection>(
     let lsn = event.key.lsn.to_db()?;
     let prev = event.prev_lsn.to_db()?;
     let base = event.base_lsn.to_db()?;
+    let mut cursor = lock_cursor(tx, key, base, event.parent.is_some()).await?;
     if let EventKind::Rewind { to } = &event.kind {
-        return fold_rewind(tx, key, prev, base, to, projection).await;
+        return fold_rewind(tx, key, prev, to, cursor, projection).await;
     }
-    // The first intent of a forked branch may only follow its parent's marker.
-    let gated = match &event.parent {
-        Some(parent) if prev == base => {
-            let parent = BranchKey::new(key.tenant.clone(), key.run.clone(), parent.clone());
-            !parent_ready(tx, &parent).await?
-        }
-        _ => false,
-    };
-    let cursor = lock_cursor(tx, key, base).await?;
     if cursor.abandoned_at.is_some_and(|at| lsn > at) {
         return Ok(FoldOutcome::Abandoned);
     }
     if lsn <= cursor.applied {
         return Ok(FoldOutcome::Duplicate);
-    }
-    if prev > cursor.applied || (gated && prev == cursor.applied) {
-        park(tx, event).await?;
-        return Ok(FoldOutcome::Parked);
     }
     if prev < cursor.applied {
         return Err(Error::BrokenChain {
@@ -180,30 +183,42 @@ pub async fn fold<P: Projection>(
         }
         .into());
     }
+    // The first intent of a forked branch may only follow its parent's marker.
+    if !cursor.started && prev == cursor.applied {
+        let parent = event.parent.clone().map(|parent| sibling(key, parent));
+        cursor.started = match parent {
+            Some(parent) => parent_ready(tx, &parent).await?,
+            None => true,
+        };
+    }
+    if prev > cursor.applied || !cursor.started {
+        park(tx, event).await?;
+        return Ok(FoldOutcome::Parked);
+    }
     projection
         .apply(tx, event)
         .await
         .map_err(FoldError::Projection)?;
-    let released = advance(tx, key, lsn, &cursor, projection).await?;
+    let released = advance(tx, key, lsn, cursor, projection).await?;
     Ok(FoldOutcome::Applied { released })
 }
 
-/// After applying up to `applied` on `key`: applies its parked successors, sets the cursor,
-/// and, once a rewound branch reaches its fork point, releases the branches forked from it.
+/// After applying up to `applied` on a started branch `key`: applies its parked successors,
+/// stores the cursor, and once a rewound branch reaches its fork point, starts the branch
+/// forked from it and does the same there.
 async fn advance<P: Projection>(
     tx: &mut PgConnection,
     key: &BranchKey,
     applied: i64,
-    cursor: &Cursor,
+    cursor: Cursor,
     projection: &mut P,
 ) -> Result<u32, FoldError<P::Error>> {
     let mut released = 0;
     let mut key = key.clone();
     let mut applied = applied;
-    let mut abandoned_at = cursor.abandoned_at;
-    let mut rewound_to = cursor.rewound_to.clone();
+    let mut cursor = cursor;
     loop {
-        while abandoned_at.is_none_or(|at| applied < at)
+        while cursor.abandoned_at.is_none_or(|at| applied < at)
             && let Some(next) = take_parked_successor(tx, &key, applied).await?
         {
             projection
@@ -213,22 +228,20 @@ async fn advance<P: Projection>(
             applied = next.key.lsn.to_db()?;
             released += 1;
         }
-        set_cursor(tx, &key, applied).await?;
-        // A rewound branch folded up to its fork: its child may start.
-        let (Some(at), Some(to)) = (abandoned_at, rewound_to.take()) else {
+        set_cursor(tx, &key, applied, true).await?;
+        // A rewound branch folded up to its fork: the branch forked from it starts.
+        let (Some(at), Some(to)) = (cursor.abandoned_at, cursor.rewound_to.take()) else {
             return Ok(released);
         };
         if applied != at {
             return Ok(released);
         }
-        key = BranchKey::new(key.tenant.clone(), key.run.clone(), BranchId::new(to)?);
-        let child = lock_cursor(tx, &key, at).await?;
-        if child.applied != at {
-            return Ok(released); // the child already started
+        key = sibling(&key, BranchId::new(to)?);
+        cursor = lock_cursor(tx, &key, at, true).await?;
+        if cursor.started {
+            return Ok(released);
         }
-        applied = child.applied;
-        abandoned_at = child.abandoned_at;
-        rewound_to = child.rewound_to;
+        applied = cursor.applied;
     }
 }
 
@@ -236,11 +249,10 @@ async fn fold_rewind<P: Projection>(
     tx: &mut PgConnection,
     key: &BranchKey,
     fork: i64,
-    base: i64,
     to: &BranchId,
+    cursor: Cursor,
     projection: &mut P,
 ) -> Result<FoldOutcome, FoldError<P::Error>> {
-    let cursor = lock_cursor(tx, key, base).await?;
     if cursor.abandoned_at.is_some() {
         return Ok(FoldOutcome::Duplicate);
     }
@@ -279,12 +291,18 @@ async fn fold_rewind<P: Projection>(
     .execute(&mut *tx)
     .await
     .map_err(Error::from)?;
+    if !cursor.started {
+        // Nothing of this branch applies before its own parent is ready; it is started (and
+        // its successors released) from there.
+        return Ok(FoldOutcome::Rewound { released: 0 });
+    }
     let closed = Cursor {
         applied,
         abandoned_at: Some(fork),
         rewound_to: Some(to.as_str().to_owned()),
+        started: true,
     };
-    let released = advance(tx, key, applied, &closed, projection).await?;
+    let released = advance(tx, key, applied, closed, projection).await?;
     Ok(FoldOutcome::Rewound { released })
 }
 
@@ -345,15 +363,21 @@ async fn take_parked_successor(
     .transpose()
 }
 
-async fn set_cursor(tx: &mut PgConnection, key: &BranchKey, applied: i64) -> Result<(), Error> {
+async fn set_cursor(
+    tx: &mut PgConnection,
+    key: &BranchKey,
+    applied: i64,
+    started: bool,
+) -> Result<(), Error> {
     sqlx::query(
-        "UPDATE relay_fold_cursor SET applied_lsn = $4
+        "UPDATE relay_fold_cursor SET applied_lsn = $4, started = $5
           WHERE tenant_id = $1 AND run_id = $2 AND branch_id = $3",
     )
     .bind(key.tenant.as_str())
     .bind(key.run.as_str())
     .bind(key.branch.as_str())
     .bind(applied)
+    .bind(started)
     .execute(&mut *tx)
     .await?;
     Ok(())

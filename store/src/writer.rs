@@ -43,6 +43,7 @@ struct BranchRow {
     base_lsn: i64,
     head_lsn: i64,
     abandoned_at_lsn: Option<i64>,
+    parent_branch_id: Option<String>,
 }
 
 async fn branch_row(
@@ -51,23 +52,26 @@ async fn branch_row(
     lock: bool,
 ) -> Result<Option<BranchRow>, Error> {
     let sql = if lock {
-        "SELECT base_lsn, head_lsn, abandoned_at_lsn FROM relay_branch
+        "SELECT base_lsn, head_lsn, abandoned_at_lsn, parent_branch_id FROM relay_branch
           WHERE tenant_id = $1 AND run_id = $2 AND branch_id = $3 FOR UPDATE"
     } else {
-        "SELECT base_lsn, head_lsn, abandoned_at_lsn FROM relay_branch
+        "SELECT base_lsn, head_lsn, abandoned_at_lsn, parent_branch_id FROM relay_branch
           WHERE tenant_id = $1 AND run_id = $2 AND branch_id = $3"
     };
-    let row: Option<(i64, i64, Option<i64>)> = sqlx::query_as(sql)
+    let row: Option<(i64, i64, Option<i64>, Option<String>)> = sqlx::query_as(sql)
         .bind(key.tenant.as_str())
         .bind(key.run.as_str())
         .bind(key.branch.as_str())
         .fetch_optional(&mut *conn)
         .await?;
-    Ok(row.map(|(base_lsn, head_lsn, abandoned_at_lsn)| BranchRow {
-        base_lsn,
-        head_lsn,
-        abandoned_at_lsn,
-    }))
+    Ok(row.map(
+        |(base_lsn, head_lsn, abandoned_at_lsn, parent_branch_id)| BranchRow {
+            base_lsn,
+            head_lsn,
+            abandoned_at_lsn,
+            parent_branch_id,
+        },
+    ))
 }
 
 impl IntentWriter {
@@ -235,8 +239,9 @@ impl IntentWriter {
         // the broker after each of them that still can, on the same shard and partition.
         sqlx::query(
             "INSERT INTO relay_outbox
-                 (tenant_id, run_id, branch_id, lsn, prev_lsn, base_lsn, payload, kind, rewound_to)
-             VALUES ($1, $2, $3, $4, $5, $6, '', 1, $7)",
+                 (tenant_id, run_id, branch_id, lsn, prev_lsn, base_lsn, payload, kind, rewound_to,
+                  parent_branch_id)
+             VALUES ($1, $2, $3, $4, $5, $6, '', 1, $7, $8)",
         )
         .bind(from.tenant.as_str())
         .bind(from.run.as_str())
@@ -245,6 +250,7 @@ impl IntentWriter {
         .bind(at_db)
         .bind(row.base_lsn)
         .bind(live.branch.as_str())
+        .bind(row.parent_branch_id.as_deref())
         .execute(&mut *conn)
         .await?;
         sqlx::query(

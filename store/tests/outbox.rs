@@ -4,8 +4,8 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 use store::{
-    BranchId, BranchKey, Error, EventKey, Fence, IntentWriter, Lsn, Outbox, OutboxEvent, RunId,
-    TenantId,
+    BranchId, BranchKey, Error, EventKey, EventKind, Fence, IntentWriter, Lsn, Outbox, OutboxEvent,
+    RunId, TenantId,
 };
 
 fn key(tenant: &str, run: &str, branch: &str) -> BranchKey {
@@ -169,8 +169,8 @@ async fn bad_appends_are_refused_with_nothing_written(pool: PgPool) {
     assert!(matches!(outside, Err(Error::ForkOutsideBranch { .. })));
     assert_eq!(
         count_rows(&pool).await,
-        1,
-        "the rewind abandoned lsn 6 and nothing else was written"
+        2,
+        "the rewind abandoned lsn 6 and wrote its marker; nothing else was written"
     );
 }
 
@@ -372,13 +372,30 @@ async fn drain_orders_each_branch_and_skips_acked_and_abandoned(pool: PgPool) {
     let tenant_a = TenantId::new("ta").unwrap();
     // Drain in small batches, acking as we go: every branch stays ascending and nothing repeats.
     let mut shipped: BTreeMap<BranchKey, Vec<u64>> = BTreeMap::new();
+    let mut markers = Vec::new();
     loop {
         let batch = outbox.drain_outbox(&tenant_a, 7).await.unwrap();
         if batch.is_empty() {
             break;
         }
-        for (branch, lsns) in lsns_by_branch(&batch) {
-            shipped.entry(branch).or_default().extend(lsns);
+        for event in &batch {
+            if event.is_rewind() {
+                // The marker comes after every intent of its branch.
+                assert_eq!(shipped[&event.key.branch].last(), Some(&10));
+                markers.push(event.clone());
+            } else {
+                assert!(!markers.iter().any(|m| m.key.branch == event.key.branch));
+                shipped
+                    .entry(event.key.branch.clone())
+                    .or_default()
+                    .push(event.key.lsn.get());
+            }
+            let forked = event.key.branch == rewound.live;
+            assert_eq!(
+                event.parent.as_ref(),
+                forked.then_some(&branches[0].branch),
+                "intents of a forked branch name their parent"
+            );
         }
         let keys: Vec<EventKey> = batch.iter().map(|event| event.key.clone()).collect();
         assert_eq!(outbox.ack_outbox(&keys).await.unwrap(), keys.len() as u64);
@@ -394,6 +411,21 @@ async fn drain_orders_each_branch_and_skips_acked_and_abandoned(pool: PgPool) {
         "live prefix only"
     );
     assert_eq!(shipped[&rewound.live], vec![11, 12, 13]);
+    assert_eq!(markers.len(), 1, "one marker for the one rewind");
+    let marker = &markers[0];
+    assert_eq!(marker.key.branch, branches[0]);
+    assert_eq!(
+        marker.prev_lsn,
+        Lsn::new(10),
+        "the marker names the fork point"
+    );
+    assert_eq!(marker.key.lsn, Lsn::new(21), "above the old head");
+    assert_eq!(
+        marker.kind,
+        EventKind::Rewind {
+            to: rewound.live.branch.clone()
+        }
+    );
     assert_eq!(
         shipped[&branches[1]],
         (1..=20).map(|s| s * 2).collect::<Vec<_>>()

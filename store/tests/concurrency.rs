@@ -1,0 +1,339 @@
+//! SQL-level races, made deterministic: one connection holds a transaction open while another
+//! runs the exact statement the relay runs; the test waits until PostgreSQL shows the second
+//! one blocked on a lock (no sleeps), then lets the first commit.
+use std::time::{Duration, Instant};
+
+use sqlx::{Connection, PgConnection, PgPool};
+use store::{
+    BranchId, BranchKey, Error, EventKey, Fence, IntentWriter, LEASE_BUCKETS, LeaseBook, LeasePlan,
+    LeaseStep, LeaseStore, Lsn, Outbox, RelayId, RunId, TenantId, bucket_of,
+};
+
+fn key(tenant: &str, run: &str, branch: &str) -> BranchKey {
+    BranchKey::new(
+        TenantId::new(tenant).unwrap(),
+        RunId::new(run).unwrap(),
+        BranchId::new(branch).unwrap(),
+    )
+}
+
+async fn connect(connect: &sqlx::postgres::PgConnectOptions) -> PgConnection {
+    PgConnection::connect_with(connect).await.unwrap()
+}
+
+/// Waits until some backend runs a statement containing `fragment` and waits on a lock.
+async fn blocked_on_lock(pool: &PgPool, fragment: &str) {
+    let started = Instant::now();
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+              WHERE wait_event_type = 'Lock' AND query LIKE '%' || $1 || '%'
+                AND pid <> pg_backend_pid()",
+        )
+        .bind(fragment)
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "no statement with {fragment:?} ever blocked"
+        );
+        tokio::task::yield_now().await;
+    }
+}
+
+async fn appended(pool: &PgPool, branch: &BranchKey, lsns: std::ops::RangeInclusive<u64>) {
+    let writer = IntentWriter::default().with_notify(false);
+    let mut conn = pool.acquire().await.unwrap();
+    if *lsns.start() == 1 {
+        writer.open_run(&mut conn, branch).await.unwrap();
+    }
+    for lsn in lsns {
+        writer
+            .append(&mut conn, branch, Lsn::new(lsn), b"x")
+            .await
+            .unwrap();
+    }
+}
+
+fn at(branch: &BranchKey, lsn: u64) -> EventKey {
+    EventKey {
+        branch: branch.clone(),
+        lsn: Lsn::new(lsn),
+    }
+}
+
+/// The race of the issue: lsn 1 and 2 are in flight and confirmed; a rewind at 1 deletes 2 and
+/// 3 and commits while the relay's ack of 2 waits on that row. The relay's next drain must not
+/// return lsn 3: it was abandoned before the drain read anything. (With the former single
+/// statement `WITH acked AS (DELETE ...) SELECT ...` it did: one snapshot for both.)
+#[sqlx::test(migrator = "store::MIGRATOR")]
+async fn a_drain_never_returns_what_a_rewind_deleted_while_the_ack_waited(
+    pool_options: sqlx::postgres::PgPoolOptions,
+    options: sqlx::postgres::PgConnectOptions,
+) {
+    let pool = pool_options.connect_with(options.clone()).await.unwrap();
+    let branch = key("t", "r", "main");
+    appended(&pool, &branch, 1..=3).await;
+    let outbox = Outbox::new(pool.clone());
+
+    let mut host = connect(&options).await;
+    let mut rewind_tx = host.begin().await.unwrap();
+    IntentWriter::default()
+        .rewind(
+            &mut rewind_tx,
+            &branch,
+            Lsn::new(1),
+            BranchId::new("alt").unwrap(),
+        )
+        .await
+        .unwrap();
+
+    let relay = {
+        let outbox = outbox.clone();
+        let tenant = branch.tenant.clone();
+        let shipped = vec![at(&branch, 1), at(&branch, 2)];
+        tokio::spawn(async move {
+            outbox
+                .ack_and_drain(&Fence::open(), &shipped, &tenant, 100, &[])
+                .await
+        })
+    };
+    blocked_on_lock(&pool, "relay_ack_and_drain").await;
+    rewind_tx.commit().await.unwrap();
+
+    let drained = relay.await.unwrap().unwrap();
+    let intents: Vec<u64> = drained
+        .iter()
+        .filter(|event| !event.is_rewind())
+        .map(|event| event.key.lsn.get())
+        .collect();
+    assert!(
+        intents.is_empty(),
+        "abandoned intents {intents:?} drained after the rewind committed"
+    );
+    // What the drain does see, it sees fresh: the rewind's marker.
+    assert_eq!(drained.len(), 1);
+    assert!(drained[0].is_rewind());
+}
+
+/// The same race with another relay's ack in place of the rewind: rows it retired while this
+/// ack waited are never drained again (they would be published twice).
+#[sqlx::test(migrator = "store::MIGRATOR")]
+async fn a_drain_never_returns_what_another_ack_retired_while_it_waited(
+    pool_options: sqlx::postgres::PgPoolOptions,
+    options: sqlx::postgres::PgConnectOptions,
+) {
+    let pool = pool_options.connect_with(options.clone()).await.unwrap();
+    let branch = key("t", "r", "main");
+    appended(&pool, &branch, 1..=3).await;
+    let outbox = Outbox::new(pool.clone());
+    let mut other = connect(&options).await;
+    let mut other_tx = other.begin().await.unwrap();
+    sqlx::query("DELETE FROM relay_outbox WHERE lsn <= 3")
+        .execute(&mut *other_tx)
+        .await
+        .unwrap();
+    let relay = {
+        let outbox = outbox.clone();
+        let tenant = branch.tenant.clone();
+        let shipped = vec![at(&branch, 1)];
+        tokio::spawn(async move {
+            outbox
+                .ack_and_drain(&Fence::open(), &shipped, &tenant, 100, &[])
+                .await
+        })
+    };
+    blocked_on_lock(&pool, "relay_ack_and_drain").await;
+    other_tx.commit().await.unwrap();
+    let drained = relay.await.unwrap().unwrap();
+    assert!(
+        drained.is_empty(),
+        "drained {drained:?} after it was retired"
+    );
+}
+
+/// A takeover bumps the epoch; the former owner's acks and drains are refused by PostgreSQL
+/// (its own fence may still look open: clocks are not trusted for this).
+#[sqlx::test(migrator = "store::MIGRATOR")]
+async fn a_takeover_fences_the_former_owner_in_postgres(pool: PgPool) {
+    let branch = key("t", "r", "main");
+    appended(&pool, &branch, 1..=3).await;
+    let outbox = Outbox::new(pool.clone());
+    let leases = LeaseStore::new(pool.clone());
+    let ttl = Duration::from_secs(60);
+    let (first, second) = (RelayId::generate(), RelayId::generate());
+    let mut first_book = LeaseBook::new(first.clone(), ttl);
+    let sent = Instant::now();
+    let claimed = leases.claim(&first, ttl, LEASE_BUCKETS).await.unwrap();
+    assert_eq!(claimed.len(), usize::from(LEASE_BUCKETS));
+    first_book.claimed(&claimed, sent);
+    let bucket = bucket_of(&branch.tenant);
+    let stale = first_book.fence(bucket).unwrap();
+
+    // Nothing is free while the first relay's leases are current.
+    assert!(leases.claim(&second, ttl, 1).await.unwrap().is_empty());
+    // The first relay stalls past its lease (forced here), the second takes the bucket over.
+    sqlx::query(
+        "UPDATE relay_lease SET expires_at = now() - interval '1 second' WHERE bucket = $1",
+    )
+    .bind(i32::from(bucket.0))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let taken = leases.claim(&second, ttl, 1).await.unwrap();
+    assert_eq!(taken.len(), 1);
+    assert_eq!(taken[0].0, bucket);
+    let old_epoch = stale.lease().unwrap().2;
+    assert_eq!(taken[0].1, old_epoch + 1, "each takeover is a new epoch");
+
+    assert!(
+        stale.is_open(),
+        "the stale relay's clock says it still owns the bucket"
+    );
+    let refused = outbox
+        .ack_and_drain(&stale, &[at(&branch, 1)], &branch.tenant, 10, &[])
+        .await;
+    assert!(matches!(refused, Err(Error::Fenced { .. })), "{refused:?}");
+    let refused = outbox
+        .ack_fenced(&stale, &branch.tenant, &[at(&branch, 1)])
+        .await;
+    assert!(matches!(refused, Err(Error::Fenced { .. })));
+    assert_eq!(
+        outbox.drain_outbox(&branch.tenant, 10).await.unwrap().len(),
+        3
+    );
+
+    // The first relay's renewal shows the loss and closes its fence.
+    let renewed = leases.renew(&first, ttl).await.unwrap();
+    assert_eq!(first_book.renewed(&renewed, Instant::now()), vec![bucket]);
+    assert!(!stale.is_open());
+
+    // The new owner acks and drains normally.
+    let mut second_book = LeaseBook::new(second.clone(), ttl);
+    second_book.claimed(&taken, Instant::now());
+    let fence = second_book.fence(bucket).unwrap();
+    let next = outbox
+        .ack_and_drain(&fence, &[at(&branch, 1)], &branch.tenant, 10, &[])
+        .await
+        .unwrap();
+    assert_eq!(next.len(), 2);
+}
+
+/// An ack in progress holds its bucket: a takeover claimed meanwhile skips the bucket instead
+/// of overlapping with it, and gets it once the ack is done.
+#[sqlx::test(migrator = "store::MIGRATOR")]
+async fn an_ack_in_progress_holds_off_a_takeover(
+    pool_options: sqlx::postgres::PgPoolOptions,
+    options: sqlx::postgres::PgConnectOptions,
+) {
+    let pool = pool_options.connect_with(options.clone()).await.unwrap();
+    let branch = key("t", "r", "main");
+    appended(&pool, &branch, 1..=2).await;
+    let leases = LeaseStore::new(pool.clone());
+    let ttl = Duration::from_secs(60);
+    let (first, second) = (RelayId::generate(), RelayId::generate());
+    let bucket = bucket_of(&branch.tenant);
+    let claimed = leases.claim(&first, ttl, LEASE_BUCKETS).await.unwrap();
+    let epoch = claimed.iter().find(|(b, _)| *b == bucket).unwrap().1;
+
+    // The first relay's ack, inside a transaction held open: the exact function the relay calls.
+    let mut acking = connect(&options).await;
+    let mut ack_tx = acking.begin().await.unwrap();
+    sqlx::query(
+        "SELECT count(*) FROM relay_ack_and_drain($1, $2, $3, $4, $5, $6, $7, 0, '{}', '{}', '{}')",
+    )
+    .bind(i32::from(bucket.0))
+    .bind(first.as_str())
+    .bind(epoch)
+    .bind(branch.tenant.as_str())
+    .bind(vec![branch.run.as_str()])
+    .bind(vec![branch.branch.as_str()])
+    .bind(vec![1i64])
+    .fetch_one(&mut *ack_tx)
+    .await
+    .unwrap();
+    // Meanwhile its lease lapses (its row says so), and another relay tries to take it.
+    sqlx::query(
+        "UPDATE relay_lease SET expires_at = now() - interval '1 second' WHERE bucket = $1",
+    )
+    .bind(i32::from(bucket.0))
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert!(
+        leases.claim(&second, ttl, 1).await.unwrap().is_empty(),
+        "a takeover overlapped an ack in progress"
+    );
+    ack_tx.commit().await.unwrap();
+    let taken = leases.claim(&second, ttl, 1).await.unwrap();
+    assert_eq!(taken, vec![(bucket, epoch + 1)]);
+}
+
+/// Relays share the buckets evenly through the lease tables: a second relay's arrival makes
+/// the first shed half, a third makes each hold a third, and a release frees at once.
+#[sqlx::test(migrator = "store::MIGRATOR")]
+async fn relays_share_buckets_evenly(pool: PgPool) {
+    let leases = LeaseStore::new(pool.clone());
+    let plan = LeasePlan::new();
+    let ttl = Duration::from_secs(60);
+    let relays: Vec<RelayId> = (0..3).map(|_| RelayId::generate()).collect();
+    let mut books: Vec<LeaseBook> = relays
+        .iter()
+        .map(|id| LeaseBook::new(id.clone(), ttl))
+        .collect();
+    for joined in 1..=3 {
+        // The new relay registers (its keeper's first heartbeat).
+        leases.heartbeat(&relays[joined - 1], ttl).await.unwrap();
+        // A few heartbeats of every joined relay, in turn, as their keepers would run them.
+        for _ in 0..3 {
+            for (relay, book) in relays.iter().zip(books.iter_mut()).take(joined) {
+                let members = leases.heartbeat(relay, ttl).await.unwrap();
+                assert_eq!(members as usize, joined);
+                let sent = Instant::now();
+                let held = leases.renew(relay, ttl).await.unwrap();
+                assert!(book.renewed(&held, sent).is_empty());
+                match plan.step(book.len(), members) {
+                    LeaseStep::Claim(n) => {
+                        let claimed = leases.claim(relay, ttl, n).await.unwrap();
+                        book.claimed(&claimed, sent);
+                    }
+                    LeaseStep::Shed(n) => {
+                        let shed = book.shed(n);
+                        leases.release(relay, &shed).await.unwrap();
+                    }
+                    LeaseStep::Hold => {}
+                }
+            }
+        }
+        let held: Vec<usize> = books.iter().take(joined).map(LeaseBook::len).collect();
+        assert_eq!(
+            held.iter().sum::<usize>(),
+            usize::from(LEASE_BUCKETS),
+            "{held:?}"
+        );
+        let share = usize::from(plan.share(joined as u32));
+        assert!(
+            held.iter().all(|&n| n + 1 >= share && n <= share),
+            "{held:?}"
+        );
+        // Each bucket has exactly one current owner in the table.
+        let owners = leases.holders().await.unwrap();
+        assert!(owners.iter().all(|holder| holder.owner.is_some()));
+    }
+    // A relay leaving releases at once; the others' next heartbeats take its share.
+    let gone = books[2].revoke_all();
+    leases.release(&relays[2], &gone).await.unwrap();
+    leases.leave(&relays[2]).await.unwrap();
+    let members = leases.heartbeat(&relays[0], ttl).await.unwrap();
+    assert_eq!(members, 2);
+    let step = plan.step(books[0].len(), members);
+    let LeaseStep::Claim(n) = step else {
+        panic!("expected a claim, got {step:?}");
+    };
+    let claimed = leases.claim(&relays[0], ttl, n).await.unwrap();
+    assert_eq!(claimed.len(), usize::from(n));
+}

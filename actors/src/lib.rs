@@ -4,17 +4,16 @@
 //! - `directory`: [`PublisherDirectory`], the live publisher of each shard, shared with drainers.
 //! - `publisher`: [`PublisherActor`], one per shard: publishes batches, replies with outcomes.
 //! - `drainer`: [`Drainer`], one per tenant: drain -> publish -> ack the confirmed prefix.
-//! - `backoff`: the never-giving-up retry delays both use.
+//! - [`Backoff`] / [`RetryPolicy`] (from `broker`): the never-giving-up retry delays both use.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
-mod backoff;
 mod directory;
 mod drainer;
 mod publisher;
 mod shard;
 
-pub use backoff::Backoff;
-pub use backoff::RetryPolicy;
+pub use broker::Backoff;
+pub use broker::RetryPolicy;
 pub use directory::PublisherDirectory;
 pub use drainer::Drainer;
 pub use drainer::DrainerArgs;

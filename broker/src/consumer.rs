@@ -1,32 +1,484 @@
-//! The fold's consumer: reads one partition and folds each delivery, acking only after the
-//! fold's transaction committed. A crash before the ack means a redelivery, which the fold
-//! turns into a no-op: exactly once at the fold, at least once in transport.
+//! The consumer: folds deliveries into the user's own tables, exactly once, in order.
+//!
+//! [`Consumer`] serves every partition of a topology (or a chosen subset, to scale out over
+//! several consumer processes), one task per partition. Each delivery is folded with
+//! [`store::fold`] into the user's [`Projection`] inside one database transaction, committed
+//! before the delivery is acked: a crash anywhere means a redelivery, which the fold turns into
+//! a no-op. Exactly once at the fold, at least once in transport.
+//!
+//! Failures, by kind:
+//! - broker or database gone: the partition reconnects with backoff (the delivery in hand is
+//!   not acked, so it comes back);
+//! - the projection fails with a transient error ([`Projection::is_permanent`] false): the same
+//!   delivery is retried with backoff;
+//! - a permanent projection error, a message that breaks the wire contract, or a
+//!   [`store::Error::BrokenChain`]: the message goes to the dead-letter queue (`<topology>.dead`)
+//!   with the reason in header `x-relay-dead-letter-reason`, and the partition keeps flowing.
+//!   Later intents of that branch wait (parked) behind it: re-publish it to the exchange once
+//!   the cause is fixed and the branch resumes in order.
 use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use futures_util::StreamExt;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, BasicRejectOptions};
-use lapin::types::FieldTable;
-use store::{FoldOutcome, FoldStore};
+use lapin::message::Delivery;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{Channel, Confirmation, Connection};
+use sqlx::PgPool;
+use store::{EventTable, FoldError, FoldOutcome, FoldStore, OutboxEvent, Projection};
+use tokio::sync::watch;
 
 use crate::rabbit::{open, within};
-use crate::{Error, Partition, RabbitConfig, wire};
+use crate::{Backoff, Error, Partition, RabbitConfig, RetryPolicy, wire};
 
-/// What a consumer did.
+/// Header naming why a message was dead-lettered.
+pub const DEAD_LETTER_REASON: &str = "x-relay-dead-letter-reason";
+
+/// What a consumer did (per partition, or summed).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FoldStats {
-    /// Deliveries applied (parked successors they released are counted too).
+    /// Intents applied (parked successors they released are counted too).
     pub applied: u64,
-    /// Redeliveries of events already applied (no-ops).
+    /// Redeliveries of messages already folded, and abandoned intents (no-ops).
     pub duplicates: u64,
-    /// Deliveries parked until their predecessor arrives.
+    /// Deliveries parked until their predecessor (or their parent's rewind) arrives.
     pub parked: u64,
-    /// Deliveries that broke the wire contract, rejected without requeue.
+    /// Messages dead-lettered (contract breaks, broken chains, permanent handler errors).
     pub rejected: u64,
     /// Rewind markers folded.
     pub rewinds: u64,
 }
 
-/// Consumes partitions into a [`FoldStore`].
+impl FoldStats {
+    fn add(&mut self, outcome: FoldOutcome) {
+        match outcome {
+            FoldOutcome::Applied { released } => self.applied += 1 + u64::from(released),
+            FoldOutcome::Rewound { released } => {
+                self.rewinds += 1;
+                self.applied += u64::from(released);
+            }
+            FoldOutcome::Duplicate | FoldOutcome::Abandoned => self.duplicates += 1,
+            FoldOutcome::Parked => self.parked += 1,
+        }
+    }
+
+    /// The sum of two tallies.
+    pub fn plus(self, other: FoldStats) -> FoldStats {
+        FoldStats {
+            applied: self.applied + other.applied,
+            duplicates: self.duplicates + other.duplicates,
+            parked: self.parked + other.parked,
+            rejected: self.rejected + other.rejected,
+            rewinds: self.rewinds + other.rewinds,
+        }
+    }
+}
+
+/// How a [`Consumer`] runs.
+#[derive(Clone, Debug)]
+pub struct ConsumerConfig {
+    /// The broker and topology.
+    pub rabbit: RabbitConfig,
+    /// Partitions to serve; `None` serves all of them. Give each consumer process its own
+    /// subset to scale out (each queue also has single-active-consumer, so overlaps are safe).
+    pub partitions: Option<Vec<Partition>>,
+    /// Deliveries the broker may push ahead per partition. Default 256.
+    pub prefetch: u16,
+    /// Delays between reconnects and between retries of a failing delivery.
+    pub retry: RetryPolicy,
+}
+
+impl ConsumerConfig {
+    /// Every partition of `rabbit`'s topology, default prefetch and retry delays.
+    pub fn new(rabbit: RabbitConfig) -> Self {
+        Self {
+            rabbit,
+            partitions: None,
+            prefetch: 256,
+            retry: RetryPolicy::default(),
+        }
+    }
+
+    fn partitions(&self) -> Vec<Partition> {
+        self.partitions.clone().unwrap_or_else(|| {
+            (0..self.rabbit.topology.partitions())
+                .map(Partition)
+                .collect()
+        })
+    }
+}
+
+/// Folds the relay's messages into a user's [`Projection`], exactly once, in order.
+///
+/// ```no_run
+/// # async fn example(pool: sqlx::PgPool, rabbit: broker::RabbitConfig) -> Result<(), broker::Error> {
+/// use broker::{Consumer, ConsumerConfig};
+///
+/// // `EventTable` keeps every event; implement `store::Projection` to write your own tables.
+/// let consumer = Consumer::new(ConsumerConfig::new(rabbit), pool, store::EventTable);
+/// let (stop, stopped) = tokio::sync::watch::channel(false);
+/// let running = tokio::spawn(consumer.run(async move {
+///     let mut stopped = stopped;
+///     let _ = stopped.wait_for(|stop| *stop).await;
+/// }));
+/// // ... later: stop gracefully (the delivery in hand finishes first).
+/// stop.send(true).ok();
+/// let totals = running.await.expect("consumer task")?;
+/// println!("applied {}", totals.applied);
+/// # Ok(()) }
+/// ```
+pub struct Consumer<P> {
+    config: ConsumerConfig,
+    pool: PgPool,
+    projection: P,
+    progress: Arc<Mutex<Vec<FoldStats>>>,
+    observer: Option<Observer>,
+}
+
+/// Called with a partition's running totals after each of its deliveries.
+type Observer = Arc<dyn Fn(Partition, FoldStats) + Send + Sync>;
+
+impl<P> std::fmt::Debug for Consumer<P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Consumer")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<P> Consumer<P>
+where
+    P: Projection + Clone + Sync + 'static,
+{
+    /// A consumer folding into `projection` on `pool` (migrated with `store::migrate_fold`
+    /// or `store::migrate`).
+    pub fn new(config: ConsumerConfig, pool: PgPool, projection: P) -> Self {
+        let partitions = config.partitions().len();
+        Self {
+            config,
+            pool,
+            projection,
+            progress: Arc::new(Mutex::new(vec![FoldStats::default(); partitions])),
+            observer: None,
+        }
+    }
+
+    /// Calls `observer` with a partition's running totals after each of its deliveries
+    /// (progress reports, tests). It runs on the partition's task: keep it quick.
+    pub fn with_observer(
+        mut self,
+        observer: impl Fn(Partition, FoldStats) + Send + Sync + 'static,
+    ) -> Self {
+        self.observer = Some(Arc::new(observer));
+        self
+    }
+
+    /// The running totals of every partition served, summed.
+    pub fn totals(&self) -> FoldStats {
+        totals(&self.progress)
+    }
+
+    /// A handle on the running totals (readable while `run` runs).
+    pub fn progress(&self) -> ConsumerProgress {
+        ConsumerProgress(self.progress.clone())
+    }
+
+    /// Serves the partitions until `stop` completes; each delivery in hand is finished first.
+    /// Never returns early on a broker or database failure: it reconnects with backoff.
+    pub async fn run(
+        self,
+        stop: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<FoldStats, Error> {
+        let (stop_tx, stop_rx) = watch::channel(false);
+        // Dropping `run` (a killed consumer) aborts every partition task with it: their
+        // connections close and the broker redelivers whatever they had not acked.
+        let mut tasks = tokio::task::JoinSet::new();
+        for (index, partition) in self.config.partitions().into_iter().enumerate() {
+            let serve = Serve {
+                config: self.config.clone(),
+                pool: self.pool.clone(),
+                projection: self.projection.clone(),
+                partition,
+                progress: self.progress.clone(),
+                index,
+                observer: self.observer.clone(),
+            };
+            tasks.spawn(serve.run(stop_rx.clone()));
+        }
+        stop.await;
+        let _ = stop_tx.send(true);
+        while tasks.join_next().await.is_some() {}
+        Ok(totals(&self.progress))
+    }
+}
+
+/// Running totals of a [`Consumer`], readable from elsewhere. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct ConsumerProgress(Arc<Mutex<Vec<FoldStats>>>);
+
+impl ConsumerProgress {
+    /// The totals so far.
+    pub fn totals(&self) -> FoldStats {
+        totals(&self.0)
+    }
+}
+
+fn totals(progress: &Mutex<Vec<FoldStats>>) -> FoldStats {
+    progress
+        .lock()
+        .unwrap_or_else(|poison| poison.into_inner())
+        .iter()
+        .fold(FoldStats::default(), |sum, stats| sum.plus(*stats))
+}
+
+/// What to do with a delivery after trying to fold it.
+enum Verdict {
+    Folded(FoldOutcome),
+    DeadLetter(String),
+    Retry(String),
+}
+
+/// One partition's loop.
+struct Serve<P> {
+    config: ConsumerConfig,
+    pool: PgPool,
+    projection: P,
+    partition: Partition,
+    progress: Arc<Mutex<Vec<FoldStats>>>,
+    index: usize,
+    observer: Option<Observer>,
+}
+
+struct Session {
+    _connection: Connection,
+    channel: Channel,
+    /// A confirming channel for dead letters: a message is acked only once its dead letter is
+    /// confirmed.
+    dead: Channel,
+}
+
+impl<P> Serve<P>
+where
+    P: Projection + Clone + Sync + 'static,
+{
+    async fn run(mut self, mut stop: watch::Receiver<bool>) {
+        let mut backoff = Backoff::new(self.config.retry);
+        let partition = self.partition.0;
+        while !*stop.borrow() {
+            match self.session(&mut stop, &mut backoff).await {
+                Ok(()) => return,
+                Err(err) => {
+                    let delay = backoff.next_delay();
+                    if backoff.failures().is_power_of_two() {
+                        tracing::warn!(partition, error = %err, retry_in_ms = delay.as_millis() as u64, "consumer session failed; reconnecting");
+                    }
+                    tokio::select! {
+                        () = tokio::time::sleep(delay) => {}
+                        _ = stop.wait_for(|stop| *stop) => return,
+                    }
+                }
+            }
+        }
+    }
+
+    async fn open(&self) -> Result<Session, Error> {
+        let rabbit = &self.config.rabbit;
+        let limit = rabbit.connect_timeout;
+        let (connection, channel) = open(rabbit, "outbox-consumer").await?;
+        within(
+            "basic.qos",
+            limit,
+            channel.basic_qos(self.config.prefetch, BasicQosOptions::default()),
+        )
+        .await?;
+        let dead = within("channel.open", limit, connection.create_channel()).await?;
+        within(
+            "confirm.select",
+            limit,
+            dead.confirm_select(ConfirmSelectOptions::default()),
+        )
+        .await?;
+        Ok(Session {
+            _connection: connection,
+            channel,
+            dead,
+        })
+    }
+
+    /// One connection's life: consume until stopped (`Ok`) or a failure (`Err`, reconnect).
+    async fn session(
+        &mut self,
+        stop: &mut watch::Receiver<bool>,
+        backoff: &mut Backoff,
+    ) -> Result<(), Error> {
+        let session = self.open().await?;
+        let rabbit = &self.config.rabbit;
+        let queue = rabbit.topology.queue(self.partition);
+        let mut deliveries = within(
+            "basic.consume",
+            rabbit.connect_timeout,
+            session.channel.basic_consume(
+                queue,
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            ),
+        )
+        .await?;
+        loop {
+            let delivery = tokio::select! {
+                _ = stop.wait_for(|stop| *stop) => return Ok(()),
+                next = deliveries.next() => match next {
+                    Some(delivery) => delivery?,
+                    None => return Err(Error::Unreachable("the broker cancelled the consumer".into())),
+                },
+            };
+            backoff.reset();
+            self.handle(&session, delivery, stop).await?;
+        }
+    }
+
+    /// Folds one delivery, retrying transient failures with backoff; then acks it, or
+    /// dead-letters it and acks it. A broker failure returns (the delivery comes back).
+    async fn handle(
+        &mut self,
+        session: &Session,
+        delivery: Delivery,
+        stop: &watch::Receiver<bool>,
+    ) -> Result<(), Error> {
+        let limit = self.config.rabbit.connect_timeout;
+        let partition = self.partition.0;
+        let mut retry = Backoff::new(self.config.retry);
+        let verdict = match wire::decode(&delivery.properties, &delivery.data) {
+            Err(err) => Verdict::DeadLetter(format!("contract: {err}")),
+            Ok(event) => loop {
+                match self.fold(&event).await {
+                    Verdict::Retry(why) => {
+                        let delay = retry.next_delay();
+                        if retry.failures().is_power_of_two() {
+                            tracing::warn!(partition, event = %event.key, failures = retry.failures(), reason = %why, "fold failed; retrying the delivery");
+                        }
+                        metrics::counter!("relay_consumer_retries_total").increment(1);
+                        if *stop.borrow() {
+                            // Not acked: redelivered to whoever consumes next.
+                            return Ok(());
+                        }
+                        tokio::time::sleep(delay).await;
+                    }
+                    verdict => break verdict,
+                }
+            },
+        };
+        match verdict {
+            Verdict::Folded(outcome) => {
+                self.record(|stats| stats.add(outcome));
+            }
+            Verdict::DeadLetter(reason) => {
+                // Logged without the body: a payload never reaches a log line.
+                tracing::error!(partition, reason = %reason, bytes = delivery.data.len(), "dead-lettering a message");
+                let label = reason.split(':').next().unwrap_or("other").to_owned();
+                self.dead_letter(session, &delivery, &reason).await?;
+                metrics::counter!("relay_consumer_dead_letters_total", "reason" => label)
+                    .increment(1);
+                self.record(|stats| stats.rejected += 1);
+            }
+            Verdict::Retry(_) => unreachable!("retries loop above"),
+        }
+        // Invariant: acked only after the fold committed (or the dead letter was confirmed).
+        within("basic.ack", limit, delivery.ack(BasicAckOptions::default())).await?;
+        Ok(())
+    }
+
+    fn record(&self, change: impl FnOnce(&mut FoldStats)) {
+        let stats = {
+            let mut progress = self
+                .progress
+                .lock()
+                .unwrap_or_else(|poison| poison.into_inner());
+            change(&mut progress[self.index]);
+            progress[self.index]
+        };
+        if let Some(observer) = &self.observer {
+            observer(self.partition, stats);
+        }
+    }
+
+    async fn fold(&mut self, event: &OutboxEvent) -> Verdict {
+        let mut tx = match self.pool.begin().await {
+            Ok(tx) => tx,
+            Err(err) => return Verdict::Retry(format!("database: {err}")),
+        };
+        let folded = store::fold(&mut tx, event, &mut self.projection).await;
+        match folded {
+            Ok(outcome) => match tx.commit().await {
+                Ok(()) => Verdict::Folded(outcome),
+                Err(err) => Verdict::Retry(format!("commit: {err}")),
+            },
+            Err(FoldError::Store(store::Error::BrokenChain { .. })) => {
+                let reason = format!("broken_chain: {}", folded_error(&folded));
+                Verdict::DeadLetter(reason)
+            }
+            Err(FoldError::Store(err)) if err.is_transient() => {
+                Verdict::Retry(format!("database: {err}"))
+            }
+            Err(FoldError::Store(err)) => Verdict::DeadLetter(format!("contract: {err}")),
+            Err(FoldError::Projection(err)) if P::is_permanent(&err) => {
+                Verdict::DeadLetter(format!("handler: {err}"))
+            }
+            Err(FoldError::Projection(err)) => Verdict::Retry(format!("handler: {err}")),
+        }
+    }
+
+    async fn dead_letter(
+        &self,
+        session: &Session,
+        delivery: &Delivery,
+        reason: &str,
+    ) -> Result<(), Error> {
+        let rabbit = &self.config.rabbit;
+        let mut headers = delivery.properties.headers().clone().unwrap_or_default();
+        headers.insert(
+            DEAD_LETTER_REASON.into(),
+            AMQPValue::LongString(LongString::from(reason)),
+        );
+        let properties = delivery.properties.clone().with_headers(headers);
+        let confirm = within(
+            "basic.publish",
+            rabbit.connect_timeout,
+            session.dead.basic_publish(
+                "".into(),
+                rabbit.topology.dead_letter_queue(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
+                &delivery.data,
+                properties,
+            ),
+        )
+        .await?;
+        match within("dead-letter confirm", rabbit.confirm_timeout, confirm).await? {
+            Confirmation::Ack(None) => Ok(()),
+            other => Err(Error::Unreachable(format!(
+                "the dead-letter queue did not take the message: {other:?}"
+            ))),
+        }
+    }
+}
+
+fn folded_error<T, E: std::fmt::Display>(result: &Result<T, E>) -> String {
+    match result {
+        Ok(_) => String::new(),
+        Err(err) => err.to_string(),
+    }
+}
+
+/// Consumes partitions into a [`FoldStore`] (the project's own [`EventTable`] projection):
+/// the demonstration fold the tests and the demo use. See [`Consumer`] for your own tables.
 #[derive(Clone, Debug)]
 pub struct FoldConsumer {
     config: RabbitConfig,
@@ -43,75 +495,30 @@ impl FoldConsumer {
         }
     }
 
-    /// Consumes `partition` into `fold` until `stop` completes or the broker fails.
+    /// Consumes `partition` into `fold` until `stop` completes, reconnecting with backoff.
     /// `progress` sees the running totals after every delivery (for progress reports and tests).
     pub async fn run(
         &self,
         partition: Partition,
         fold: &FoldStore,
-        stop: impl Future<Output = ()>,
-        mut progress: impl FnMut(FoldStats),
+        stop: impl Future<Output = ()> + Send + 'static,
+        progress: impl FnMut(FoldStats) + Send + 'static,
     ) -> Result<FoldStats, Error> {
-        let (_connection, channel) = open(&self.config, "outbox-fold").await?;
-        let limit = self.config.connect_timeout;
-        within(
-            "basic.qos",
-            limit,
-            channel.basic_qos(self.prefetch, BasicQosOptions::default()),
-        )
-        .await?;
-        let queue = self.config.topology.queue(partition);
-        let mut consumer = within(
-            "basic.consume",
-            limit,
-            channel.basic_consume(
-                queue,
-                "".into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            ),
-        )
-        .await?;
-        let mut stats = FoldStats::default();
-        let mut stop = std::pin::pin!(stop);
-        loop {
-            let delivery = tokio::select! {
-                () = &mut stop => return Ok(stats),
-                next = consumer.next() => match next {
-                    Some(delivery) => delivery?,
-                    None => return Err(Error::Unreachable("the broker cancelled the consumer".into())),
-                },
-            };
-            match wire::decode(&delivery.properties, &delivery.data) {
-                Ok(event) => {
-                    // A store error returns with the delivery unacked: it is redelivered.
-                    match fold.apply(&event).await? {
-                        FoldOutcome::Applied { released } => {
-                            stats.applied += 1 + u64::from(released)
-                        }
-                        FoldOutcome::Rewound { released } => {
-                            stats.rewinds += 1;
-                            stats.applied += u64::from(released);
-                        }
-                        FoldOutcome::Duplicate | FoldOutcome::Abandoned => stats.duplicates += 1,
-                        FoldOutcome::Parked => stats.parked += 1,
-                    }
-                    // Invariant: acked only after the fold's transaction committed.
-                    within("basic.ack", limit, delivery.ack(BasicAckOptions::default())).await?;
-                }
-                Err(err) => {
-                    // Logged without the body: a payload never reaches a log line.
-                    tracing::warn!(error = %err, bytes = delivery.data.len(), "rejecting a message that breaks the wire contract");
-                    stats.rejected += 1;
-                    within(
-                        "basic.reject",
-                        limit,
-                        delivery.reject(BasicRejectOptions { requeue: false }),
-                    )
-                    .await?;
-                }
-            }
-            progress(stats);
-        }
+        let mut config = ConsumerConfig::new(self.config.clone());
+        config.partitions = Some(vec![partition]);
+        config.prefetch = self.prefetch;
+        config.retry = RetryPolicy {
+            min: Duration::from_millis(20),
+            max: Duration::from_millis(500),
+        };
+        let progress = Mutex::new(progress);
+        let consumer = Consumer::new(config, fold.pool().clone(), EventTable).with_observer(
+            move |_, stats| {
+                let mut progress = progress.lock().unwrap_or_else(|poison| poison.into_inner());
+                progress(stats);
+            },
+        );
+        let totals = consumer.run(stop).await;
+        totals
     }
 }

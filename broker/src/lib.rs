@@ -5,10 +5,14 @@
 //! - `port`: the [`Publisher`] port the actors drive, and its [`PublishReport`].
 //! - `rabbit`: the RabbitMQ adapter ([`RabbitPublisher`]): lazy connect, confirms, pipelining.
 //! - `probe`: [`CallProbe`], records which threads call the broker client.
-//! - `consumer`: the fold's consumer ([`FoldConsumer`]): acks a delivery after the fold commits.
+//! - `consumer`: [`Consumer`], folding into the user's `store::Projection` exactly once (every
+//!   partition or a subset, reconnects, dead letters), and [`FoldConsumer`], the same over the
+//!   project's own `FoldStore`.
+//! - `backoff`: [`Backoff`], retry delays that never give up (the relay's actors use it too).
 //! - `error`: the one [`Error`] type.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
+mod backoff;
 mod consumer;
 mod error;
 mod port;
@@ -17,6 +21,12 @@ mod rabbit;
 mod topology;
 mod wire;
 
+pub use backoff::Backoff;
+pub use backoff::RetryPolicy;
+pub use consumer::Consumer;
+pub use consumer::ConsumerConfig;
+pub use consumer::ConsumerProgress;
+pub use consumer::DEAD_LETTER_REASON;
 pub use consumer::FoldConsumer;
 pub use consumer::FoldStats;
 pub use error::Error;

@@ -77,7 +77,14 @@ impl Topology {
         ShortString::from(format!("{}.p{}", self.exchange, partition.0))
     }
 
-    /// Declares the exchange, the partition queues and their bindings. Idempotent.
+    /// The dead-letter queue (`<name>.dead`): messages a consumer could not fold, with the
+    /// reason in header `x-relay-dead-letter-reason`. Published to through the default exchange.
+    pub fn dead_letter_queue(&self) -> ShortString {
+        ShortString::from(format!("{}.dead", self.exchange))
+    }
+
+    /// Declares the exchange, the partition queues, their bindings and the dead-letter queue.
+    /// Idempotent.
     pub async fn declare(&self, channel: &Channel) -> Result<(), Error> {
         let durable = ExchangeDeclareOptions {
             durable: true,
@@ -115,6 +122,13 @@ impl Topology {
                 )
                 .await?;
         }
+        let options = QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        };
+        channel
+            .queue_declare(self.dead_letter_queue(), options, FieldTable::default())
+            .await?;
         Ok(())
     }
 }

@@ -78,6 +78,14 @@ pub trait Projection: Send {
         tx: &mut PgConnection,
         rewind: &RewindNotice,
     ) -> impl Future<Output = Result<(), Self::Error>> + Send;
+
+    /// Whether `error` will fail again however often the delivery is retried. A consumer
+    /// dead-letters such a delivery (the branch waits behind it) and retries any other error
+    /// with backoff. Default: every error is transient.
+    fn is_permanent(error: &Self::Error) -> bool {
+        let _ = error;
+        false
+    }
 }
 
 /// Why folding a delivery failed. Either way nothing of it was committed.
@@ -391,6 +399,10 @@ pub struct EventTable;
 impl Projection for EventTable {
     type Error = Error;
 
+    fn is_permanent(error: &Error) -> bool {
+        !error.is_transient()
+    }
+
     async fn apply(&mut self, tx: &mut PgConnection, event: &OutboxEvent) -> Result<(), Error> {
         let key = &event.key.branch;
         sqlx::query(
@@ -449,6 +461,11 @@ impl FoldStore {
     /// The fold on `pool` (migrated with [`crate::migrate`]).
     pub fn new(pool: PgPool) -> Self {
         Self { pool }
+    }
+
+    /// The pool it folds on.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
     }
 
     /// Applies one delivered event in its own transaction; see the module docs for the rules.

@@ -71,3 +71,18 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 pub async fn migrate(pool: &sqlx::PgPool) -> Result<(), Error> {
     MIGRATOR.run(pool).await.map_err(Error::Migrate)
 }
+
+/// The fold's tables alone (`store/fold_migrations`), for a consumer's own database; tracked in
+/// `relay_fold_migrations`, so they never clash with the host's or the outbox's migrations.
+pub static FOLD_MIGRATOR: std::sync::LazyLock<sqlx::migrate::Migrator> =
+    std::sync::LazyLock::new(|| {
+        let mut migrator = sqlx::migrate!("./fold_migrations");
+        migrator.dangerous_set_table_name("relay_fold_migrations");
+        migrator
+    });
+
+/// Creates or updates the fold's tables only: what a consumer's database needs (the outbox's
+/// tables are not created). A database migrated with [`migrate`] has them already.
+pub async fn migrate_fold(pool: &sqlx::PgPool) -> Result<(), Error> {
+    FOLD_MIGRATOR.run(pool).await.map_err(Error::Migrate)
+}

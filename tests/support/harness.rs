@@ -71,6 +71,20 @@ async fn sweep_stale_databases(admin: &mut PgConnection) {
     }
 }
 
+/// A fresh database with nothing in it (a consumer's own database, say).
+pub async fn bare_database(label: &str) -> PgPool {
+    let url = std::env::var("DATABASE_URL").expect("DATABASE_URL (set in .cargo/config.toml)");
+    let name = unique(&format!("relay_it_{label}"));
+    let mut admin = PgConnection::connect(&url).await.unwrap();
+    sweep_stale_databases(&mut admin).await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    let server = url.rsplit_once('/').unwrap().0;
+    PgPool::connect(&format!("{server}/{name}")).await.unwrap()
+}
+
 /// A fresh, migrated database with a host state table; returns its pool and URL.
 pub async fn fresh_database(label: &str) -> (PgPool, String) {
     let url = std::env::var("DATABASE_URL").expect("DATABASE_URL (set in .cargo/config.toml)");
@@ -343,7 +357,8 @@ impl Folding {
                     let stopped = async move {
                         let _ = stop.wait_for(|stop| *stop).await;
                     };
-                    let report = |stats| progress.lock().unwrap()[usize::from(partition)] = stats;
+                    let report =
+                        move |stats| progress.lock().unwrap()[usize::from(partition)] = stats;
                     consumer
                         .run(Partition(partition), &fold, stopped, report)
                         .await
@@ -395,6 +410,9 @@ pub async fn drop_topology(topology: &Topology) {
             )
             .await;
     }
+    let _ = channel
+        .queue_delete(topology.dead_letter_queue(), QueueDeleteOptions::default())
+        .await;
     let _ = channel
         .exchange_delete(
             topology.exchange().clone(),

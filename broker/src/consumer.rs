@@ -518,7 +518,6 @@ impl FoldConsumer {
                 progress(stats);
             },
         );
-        let totals = consumer.run(stop).await;
-        totals
+        consumer.run(stop).await
     }
 }

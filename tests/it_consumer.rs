@@ -113,7 +113,7 @@ mod consumer {
             refresh(tx, key.tenant.as_str(), key.run.as_str(), order).await?;
             self.calls.fetch_add(1, Ordering::SeqCst);
             if self.fail_every > 0
-                && event.key.lsn.get() % self.fail_every == 0
+                && event.key.lsn.get().is_multiple_of(self.fail_every)
                 && self.failed.lock().unwrap().insert(event.key.clone())
             {
                 return Err(OrdersError::Injected);
@@ -248,7 +248,7 @@ mod consumer {
                         run.head = at;
                     }
                     run.head += 1;
-                    let order = format!("o{}", (run.head + 1) / 2);
+                    let order = format!("o{}", run.head.div_ceil(2));
                     let action = if run.head % 2 == 1 { "placed" } else { "paid" };
                     let payload = format!("{action}:{order}");
                     let mut tx = pool.begin().await.unwrap();
@@ -280,14 +280,17 @@ mod consumer {
                     .unwrap();
                 if std::env::var("DEBUG_CONSUMER").is_ok() {
                     eprintln!("events {n}/{expected_events} parked {parked}");
-                    let rows: Vec<(String, String, String, i64, i64, i64, Option<String>)> = sqlx::query_as(
-                        "SELECT tenant_id, run_id, branch_id, lsn, prev_lsn, base_lsn, parent_branch_id FROM relay_fold_parked ORDER BY 1,2,3,4")
-                        .fetch_all(&consumer_pool).await.unwrap();
-                    for row in rows { eprintln!("  parked {row:?}"); }
-                    let rows: Vec<(String, String, String, i64, Option<i64>, Option<String>, bool)> = sqlx::query_as(
-                        "SELECT tenant_id, run_id, branch_id, applied_lsn, abandoned_at_lsn, rewound_to, started FROM relay_fold_cursor ORDER BY 1,2,3")
-                        .fetch_all(&consumer_pool).await.unwrap();
-                    for row in rows { eprintln!("  cursor {row:?}"); }
+                    // The fold's state, to see what waits on what.
+                    let state: Vec<String> = sqlx::query_scalar(
+                        "SELECT 'parked ' || p::text FROM relay_fold_parked p
+                         UNION ALL SELECT 'cursor ' || c::text FROM relay_fold_cursor c ORDER BY 1",
+                    )
+                    .fetch_all(&consumer_pool)
+                    .await
+                    .unwrap();
+                    for line in state {
+                        eprintln!("  {line}");
+                    }
                 }
                 n as usize == expected_events && parked == 0
             })

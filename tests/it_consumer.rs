@@ -11,7 +11,6 @@ mod consumer {
     use std::sync::atomic::{AtomicU64, Ordering};
     use std::time::Duration;
 
-    use distribution::Relay;
     use distribution::broker::{
         Consumer, ConsumerConfig, DEAD_LETTER_REASON, FoldStats, Partition, RetryPolicy,
     };
@@ -19,6 +18,7 @@ mod consumer {
         BranchId, BranchKey, IntentWriter, Lsn, Outbox, OutboxEvent, Projection, RewindNotice,
         RunId, TenantId,
     };
+    use distribution::{BrokerProxy, Relay};
     use futures_util::StreamExt;
     use lapin::options::{BasicConsumeOptions, BasicPublishOptions};
     use lapin::types::{AMQPValue, FieldTable, LongString};
@@ -200,9 +200,10 @@ mod consumer {
         forks: usize,
     }
 
-    /// A host writes orders on 3 tenants x 2 runs, rewinding now and then while the relay is
-    /// draining (batches in flight), while the relay is crashed and restarted, the consumer is
-    /// killed and restarted, and every 5th handler call fails after writing. The user's tables
+    /// A host writes orders on 3 tenants x 2 runs, rewinding now and then while two relays
+    /// drain (batches of 7, three in flight), while one relay crashes and restarts, the
+    /// consumer loses the broker for a while, then its database connections, then is killed and
+    /// restarted, and the first application of every fifth Lsn fails after writing. The user's tables
     /// end up holding exactly the live history: each live event once, no abandoned one, and
     /// every order's status as the live history says.
     #[test]
@@ -213,11 +214,18 @@ mod consumer {
             let mut config = relay_config(&url, &amqp_url(), &unique("relay-orders"));
             config.supervisor.drainer.batch_size = 7;
             config.supervisor.drainer.max_batches_in_flight = 3;
-            let mut consumer_config = ConsumerConfig::new(direct_rabbit(&config));
+            // The consumer reaches the broker through a proxy the test cuts and restores.
+            let proxy = BrokerProxy::start(&amqp_url()).unwrap();
+            let mut through_proxy = config.clone();
+            through_proxy.amqp_url = proxy.amqp_url();
+            let mut consumer_config = ConsumerConfig::new(through_proxy.rabbit_config().unwrap());
+            consumer_config.rabbit.connect_timeout = Duration::from_secs(1);
             consumer_config.retry = RetryPolicy { min: Duration::from_millis(10), max: Duration::from_millis(200) };
             let orders = Orders::new(5);
             let (mut stop_consumer, mut consumer) = start_consumer(consumer_config.clone(), &consumer_pool, &orders);
+            // Two relays share the tenants; one of them crashes mid-run.
             let mut relay = Relay::start(config.clone()).await.unwrap();
+            let other_relay = Relay::start(config.clone()).await.unwrap();
 
             let writer = IntentWriter::default();
             let mut runs: Vec<HostRun> = Vec::new();
@@ -260,7 +268,21 @@ mod consumer {
                     relay.abort().await; // a relay crash with batches in flight
                     relay = Relay::start(config.clone()).await.unwrap();
                 }
-                if step == 35 {
+                if step == 40 {
+                    proxy.cut(); // the broker goes away from the consumer
+                }
+                if step == 44 {
+                    proxy.restore();
+                    // ... and its database connections are killed.
+                    sqlx::query(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+                          WHERE datname = current_database() AND pid <> pg_backend_pid()",
+                    )
+                    .execute(&consumer_pool)
+                    .await
+                    .unwrap();
+                }
+                if step == 25 {
                     consumer.abort(); // a consumer killed mid-stream: its transaction rolls back
                     let _ = consumer.await;
                     (stop_consumer, consumer) = start_consumer(consumer_config.clone(), &consumer_pool, &orders);
@@ -338,7 +360,9 @@ mod consumer {
             stop_consumer.send(true).unwrap();
             let totals = consumer.await.unwrap();
             assert_eq!(totals.rejected, 0);
+            assert!(totals.reconnects >= 1, "the consumer never lost the broker: {totals:?}");
             relay.shutdown().await;
+            other_relay.shutdown().await;
             drop_topology(&config.rabbit_config().unwrap().topology).await;
         });
     }

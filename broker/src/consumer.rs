@@ -51,6 +51,8 @@ pub struct FoldStats {
     pub rejected: u64,
     /// Rewind markers folded.
     pub rewinds: u64,
+    /// Sessions lost (broker gone, channel failed) and opened again.
+    pub reconnects: u64,
 }
 
 impl FoldStats {
@@ -74,6 +76,7 @@ impl FoldStats {
             parked: self.parked + other.parked,
             rejected: self.rejected + other.rejected,
             rewinds: self.rewinds + other.rewinds,
+            reconnects: self.reconnects + other.reconnects,
         }
     }
 }
@@ -272,6 +275,7 @@ where
             match self.session(&mut stop, &mut backoff).await {
                 Ok(()) => return,
                 Err(err) => {
+                    self.record(|stats| stats.reconnects += 1);
                     let delay = backoff.next_delay();
                     if backoff.failures().is_power_of_two() {
                         tracing::warn!(partition, error = %err, retry_in_ms = delay.as_millis() as u64, "consumer session failed; reconnecting");

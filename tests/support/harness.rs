@@ -383,6 +383,7 @@ impl Folding {
                 parked: sum.parked + stats.parked,
                 rejected: sum.rejected + stats.rejected,
                 rewinds: sum.rewinds + stats.rewinds,
+                reconnects: sum.reconnects + stats.reconnects,
             })
     }
 

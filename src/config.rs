@@ -121,6 +121,14 @@ impl RelayConfig {
             config.supervisor.lease.heartbeat.as_millis() as u64,
         )?;
         config.supervisor.lease.heartbeat = Duration::from_millis(heartbeat_ms);
+        config.supervisor.drainer.batch_max_bytes = parsed(
+            "RELAY_BATCH_MAX_BYTES",
+            config.supervisor.drainer.batch_max_bytes,
+        )?;
+        config.supervisor.max_in_flight_bytes = parsed(
+            "RELAY_MAX_IN_FLIGHT_BYTES",
+            config.supervisor.max_in_flight_bytes,
+        )?;
         config.worker_threads = parsed("RELAY_THREADS", config.worker_threads)?;
         config.db_connections = parsed("RELAY_DB_CONNECTIONS", config.db_connections)?;
         config.metrics_addr = parsed("RELAY_METRICS_ADDR", config.metrics_addr)?;
@@ -164,6 +172,21 @@ impl RelayConfig {
                 "RELAY_POLL_MS",
                 self.supervisor.poll_interval.as_millis().to_string(),
                 "must be at least 10",
+            ));
+        }
+        let batch_bytes = self.supervisor.drainer.batch_max_bytes;
+        if !(1024..=(256 << 20)).contains(&batch_bytes) {
+            return Err(invalid(
+                "RELAY_BATCH_MAX_BYTES",
+                batch_bytes.to_string(),
+                "must be 1024 to 268435456",
+            ));
+        }
+        if self.supervisor.max_in_flight_bytes < batch_bytes as usize {
+            return Err(invalid(
+                "RELAY_MAX_IN_FLIGHT_BYTES",
+                self.supervisor.max_in_flight_bytes.to_string(),
+                "must be at least RELAY_BATCH_MAX_BYTES",
             ));
         }
         let lease = self.supervisor.lease;

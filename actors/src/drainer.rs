@@ -41,6 +41,9 @@ pub struct DrainerConfig {
     /// A drainer with nothing to do for this long stops and frees what it holds; the next
     /// wake-up or poll starts a new one. Default 30 s.
     pub idle_retire: Duration,
+    /// Most payload bytes drained into one batch (the first event always comes, however
+    /// large). Default 4 MiB.
+    pub batch_max_bytes: u32,
 }
 
 impl Default for DrainerConfig {
@@ -51,6 +54,7 @@ impl Default for DrainerConfig {
             retry: RetryPolicy::default(),
             max_batches_in_flight: 1,
             idle_retire: Duration::from_secs(30),
+            batch_max_bytes: 4 << 20,
         }
     }
 }
@@ -81,6 +85,9 @@ pub struct DrainerArgs {
     pub publishers: PublisherDirectory,
     /// Events in flight across the whole relay, shared by every drainer: one permit per event.
     pub budget: Arc<Semaphore>,
+    /// Payload bytes in flight across the whole relay (drained, in a publisher's mailbox, or
+    /// awaiting confirms), shared by every drainer: one permit per byte.
+    pub byte_budget: Arc<Semaphore>,
     /// The tenant's lease: every publish and ack is fenced by it.
     pub fence: Fence,
     /// Batch size, timeouts, retry delays.
@@ -121,7 +128,14 @@ struct Batch {
     written: Vec<chrono::DateTime<chrono::Utc>>,
     outcomes: Vec<Option<Outcome>>,
     pending: HashMap<ShardId, (ActorId, Vec<usize>)>,
-    _permits: OwnedSemaphorePermit,
+    _permits: Permits,
+}
+
+/// A batch's share of the relay-wide budgets, given back when the batch settles.
+#[derive(Debug)]
+struct Permits {
+    events: OwnedSemaphorePermit,
+    bytes: OwnedSemaphorePermit,
 }
 
 /// State of a drainer.
@@ -155,20 +169,35 @@ impl std::fmt::Debug for DrainerState {
 pub struct Drainer;
 
 impl Drainer {
-    /// Budget for a full batch. Waits only when nothing of this drainer is in flight: a drainer
-    /// blocked here cannot settle its own batches, which hold the permits it would wait for.
-    async fn permits(
-        state: &DrainerState,
-    ) -> Result<Option<OwnedSemaphorePermit>, ActorProcessingErr> {
-        let wanted = state.args.config.batch_size.max(1);
-        let budget = state.args.budget.clone();
+    /// Budget for a full batch, in events and bytes. Waits only when nothing of this drainer
+    /// is in flight: a drainer blocked here cannot settle its own batches, which hold the
+    /// permits it would wait for.
+    async fn permits(state: &DrainerState) -> Result<Option<Permits>, ActorProcessingErr> {
+        let events = state.args.config.batch_size.max(1);
+        let bytes = state.args.config.batch_max_bytes.max(1);
+        let (event_budget, byte_budget) =
+            (state.args.budget.clone(), state.args.byte_budget.clone());
         if state.batches.is_empty() {
-            return Ok(Some(budget.acquire_many_owned(wanted).await?));
+            let events = event_budget.acquire_many_owned(events).await?;
+            let bytes = byte_budget.acquire_many_owned(bytes).await?;
+            return Ok(Some(Permits { events, bytes }));
         }
-        match budget.try_acquire_many_owned(wanted) {
-            Ok(permits) => Ok(Some(permits)),
+        let events = match event_budget.try_acquire_many_owned(events) {
+            Ok(permits) => permits,
+            Err(TryAcquireError::NoPermits) => return Ok(None),
+            Err(closed) => return Err(closed.into()),
+        };
+        match byte_budget.try_acquire_many_owned(bytes) {
+            Ok(bytes) => Ok(Some(Permits { events, bytes })),
             Err(TryAcquireError::NoPermits) => Ok(None),
             Err(closed) => Err(closed.into()),
+        }
+    }
+
+    fn limit(state: &DrainerState) -> store::DrainLimit {
+        store::DrainLimit {
+            events: state.args.config.batch_size,
+            bytes: u64::from(state.args.config.batch_max_bytes),
         }
     }
 
@@ -210,7 +239,7 @@ impl Drainer {
             .drain_after(
                 &state.args.fence,
                 &state.args.tenant,
-                state.args.config.batch_size,
+                Self::limit(state),
                 &in_flight,
             )
             .await;
@@ -248,7 +277,7 @@ impl Drainer {
         myself: &ActorRef<DrainerMessage>,
         state: &mut DrainerState,
         events: Vec<OutboxEvent>,
-        mut permits: OwnedSemaphorePermit,
+        mut permits: Permits,
     ) -> Result<(), ActorProcessingErr> {
         if events.is_empty() {
             if state.batches.is_empty() && !state.retry_scheduled {
@@ -257,8 +286,13 @@ impl Drainer {
             return Ok(());
         }
         state.activity += 1;
-        // Keep only as many permits as events; the rest go back to other drainers now.
-        drop(permits.split(permits.num_permits().saturating_sub(events.len())));
+        // Keep only as many permits as events and bytes; the rest go back to other drainers now.
+        // (A single event larger than the batch cap keeps the whole cap: the one overshoot.)
+        let unused = permits.events.num_permits().saturating_sub(events.len());
+        drop(permits.events.split(unused));
+        let bytes: usize = events.iter().map(|event| event.payload.len()).sum();
+        let unused = permits.bytes.num_permits().saturating_sub(bytes);
+        drop(permits.bytes.split(unused));
         let id = state.next_batch;
         state.next_batch += 1;
         let shards = state.args.publishers.shards();
@@ -397,7 +431,7 @@ impl Drainer {
         match permits {
             Some(permits) => {
                 let in_flight = Self::newest_in_flight(state);
-                let limit = state.args.config.batch_size;
+                let limit = Self::limit(state);
                 let fence = &state.args.fence;
                 match state
                     .args

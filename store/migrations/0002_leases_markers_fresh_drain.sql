@@ -74,7 +74,7 @@ CREATE FUNCTION relay_ack_and_drain(
     p_bucket integer, p_owner text, p_epoch bigint,
     p_tenant text,
     p_ack_runs text[], p_ack_branches text[], p_ack_lsns bigint[],
-    p_limit bigint,
+    p_limit bigint, p_max_bytes bigint,
     p_fly_runs text[], p_fly_branches text[], p_fly_lsns bigint[])
 RETURNS TABLE (run_id text, branch_id text, lsn bigint, prev_lsn bigint, base_lsn bigint,
                payload bytea, created_at timestamptz, kind smallint, parent_branch_id text,
@@ -100,16 +100,22 @@ BEGIN
            AND o.branch_id = k.branch_id AND o.lsn = k.lsn;
     END IF;
     IF p_limit > 0 THEN
+        -- At most p_limit rows holding at most p_max_bytes of payload in all; the first row
+        -- always comes, however large.
         RETURN QUERY
-        SELECT o.run_id, o.branch_id, o.lsn, o.prev_lsn, o.base_lsn, o.payload, o.created_at,
-               o.kind, o.parent_branch_id, o.rewound_to
-          FROM relay_outbox o
-         WHERE o.tenant_id = p_tenant
-           AND NOT EXISTS (
-               SELECT 1 FROM unnest(p_fly_runs, p_fly_branches, p_fly_lsns) AS f(run_id, branch_id, lsn)
-                WHERE f.run_id = o.run_id AND f.branch_id = o.branch_id AND o.lsn <= f.lsn)
-         ORDER BY o.seq
-         LIMIT p_limit;
+        SELECT d.run_id, d.branch_id, d.lsn, d.prev_lsn, d.base_lsn, d.payload, d.created_at,
+               d.kind, d.parent_branch_id, d.rewound_to
+          FROM (SELECT o.*, sum(octet_length(o.payload)) OVER (ORDER BY o.seq) AS upto
+                  FROM relay_outbox o
+                 WHERE o.tenant_id = p_tenant
+                   AND NOT EXISTS (
+                       SELECT 1 FROM unnest(p_fly_runs, p_fly_branches, p_fly_lsns)
+                                  AS f(run_id, branch_id, lsn)
+                        WHERE f.run_id = o.run_id AND f.branch_id = o.branch_id AND o.lsn <= f.lsn)
+                 ORDER BY o.seq
+                 LIMIT p_limit) d
+         WHERE d.upto <= p_max_bytes OR d.upto = octet_length(d.payload)
+         ORDER BY d.seq;
     END IF;
 END
 $$;

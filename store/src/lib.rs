@@ -53,6 +53,7 @@ pub use lease::LeaseStore;
 pub use lease::RelayId;
 pub use lease::bucket_of;
 pub use outbox::Backlog;
+pub use outbox::DrainLimit;
 pub use outbox::EventKind;
 pub use outbox::Outbox;
 pub use outbox::OutboxEvent;

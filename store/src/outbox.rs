@@ -69,6 +69,26 @@ pub struct Backlog {
     pub oldest_age: Duration,
 }
 
+/// How much one drain may return: at most `events` rows holding at most `bytes` of payload in
+/// all; the first row always comes, however large (so a drain never stalls on a big payload).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DrainLimit {
+    /// Most rows.
+    pub events: u32,
+    /// Most payload bytes in all (unless the first row alone is larger).
+    pub bytes: u64,
+}
+
+impl From<u32> for DrainLimit {
+    /// At most `events` rows, whatever their size.
+    fn from(events: u32) -> Self {
+        Self {
+            events,
+            bytes: i64::MAX as u64,
+        }
+    }
+}
+
 /// Reads and retires committed intents. Cheap to clone (a pool handle).
 #[derive(Clone, Debug)]
 pub struct Outbox {
@@ -157,7 +177,7 @@ impl Outbox {
         &self,
         fence: &Fence,
         tenant: &TenantId,
-        limit: u32,
+        limit: impl Into<DrainLimit>,
         in_flight: &[EventKey],
     ) -> Result<Vec<OutboxEvent>, Error> {
         self.ack_and_drain(fence, &[], tenant, limit, in_flight)
@@ -178,9 +198,10 @@ impl Outbox {
         fence: &Fence,
         shipped: &[EventKey],
         tenant: &TenantId,
-        limit: u32,
+        limit: impl Into<DrainLimit>,
         in_flight: &[EventKey],
     ) -> Result<Vec<OutboxEvent>, Error> {
+        let limit = limit.into();
         if !fence.is_open() {
             return Err(fenced(fence));
         }
@@ -195,7 +216,7 @@ impl Outbox {
         let rows: Vec<EventRow> = sqlx::query_as(concat!(
             "SELECT ",
             event_columns!(),
-            " FROM relay_ack_and_drain($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"
+            " FROM relay_ack_and_drain($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"
         ))
         .bind(bucket)
         .bind(owner)
@@ -204,7 +225,8 @@ impl Outbox {
         .bind(&keys.runs)
         .bind(&keys.branches)
         .bind(&keys.lsns)
-        .bind(i64::from(limit))
+        .bind(i64::from(limit.events))
+        .bind(i64::try_from(limit.bytes).unwrap_or(i64::MAX))
         .bind(&flying.runs)
         .bind(&flying.branches)
         .bind(&flying.lsns)
@@ -225,7 +247,8 @@ impl Outbox {
         if shipped.is_empty() {
             return Ok(());
         }
-        self.ack_and_drain(fence, shipped, tenant, 0, &[]).await?;
+        self.ack_and_drain(fence, shipped, tenant, 0u32, &[])
+            .await?;
         Ok(())
     }
 

@@ -244,7 +244,7 @@ async fn an_ack_in_progress_holds_off_a_takeover(
     let mut acking = connect(&options).await;
     let mut ack_tx = acking.begin().await.unwrap();
     sqlx::query(
-        "SELECT count(*) FROM relay_ack_and_drain($1, $2, $3, $4, $5, $6, $7, 0, '{}', '{}', '{}')",
+        "SELECT count(*) FROM relay_ack_and_drain($1, $2, $3, $4, $5, $6, $7, 0, 0, '{}', '{}', '{}')",
     )
     .bind(i32::from(bucket.0))
     .bind(first.as_str())

@@ -591,3 +591,62 @@ async fn notify_is_sent_on_commit_only_when_enabled(
         .unwrap();
     assert_eq!(first, loud.tenant);
 }
+
+/// A drain stops at its byte cap (never splitting an event), but always returns the first
+/// event, however large: memory is bounded in bytes and a big payload never stalls a tenant.
+#[sqlx::test(migrator = "store::MIGRATOR")]
+async fn a_drain_stops_at_its_byte_cap_but_always_takes_the_first_event(pool: PgPool) {
+    let writer = IntentWriter::default();
+    let outbox = Outbox::new(pool.clone());
+    let branch = key("t1", "r1", "b1");
+    writer
+        .open_run(&mut pool.acquire().await.unwrap(), &branch)
+        .await
+        .unwrap();
+    for (lsn, size) in [(1u64, 3000usize), (2, 1000), (3, 1000), (4, 1000), (5, 10)] {
+        writer
+            .append(
+                &mut pool.acquire().await.unwrap(),
+                &branch,
+                Lsn::new(lsn),
+                &vec![7u8; size],
+            )
+            .await
+            .unwrap();
+    }
+    let drain = |bytes: u64| {
+        let outbox = outbox.clone();
+        let tenant = branch.tenant.clone();
+        async move {
+            let limit = store::DrainLimit { events: 100, bytes };
+            let drained = outbox
+                .drain_after(&Fence::open(), &tenant, limit, &[])
+                .await
+                .unwrap();
+            drained.iter().map(|e| e.key.lsn.get()).collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(
+        drain(100).await,
+        vec![1],
+        "the first event comes even above the cap"
+    );
+    assert_eq!(drain(4000).await, vec![1, 2]);
+    assert_eq!(drain(4999).await, vec![1, 2]);
+    assert_eq!(drain(5000).await, vec![1, 2, 3]);
+    assert_eq!(drain(1 << 30).await, vec![1, 2, 3, 4, 5]);
+    let after_first = [EventKey {
+        branch: branch.clone(),
+        lsn: Lsn::new(1),
+    }];
+    let limit = store::DrainLimit {
+        events: 100,
+        bytes: 2000,
+    };
+    let rest = outbox
+        .drain_after(&Fence::open(), &branch.tenant, limit, &after_first)
+        .await
+        .unwrap();
+    let lsns: Vec<u64> = rest.iter().map(|e| e.key.lsn.get()).collect();
+    assert_eq!(lsns, vec![2, 3]);
+}

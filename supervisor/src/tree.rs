@@ -44,6 +44,9 @@ pub struct SupervisorConfig {
     /// Most events in flight (drained, not yet acked) across all drainers: bounds the relay's
     /// memory whatever the backlog. At least `drainer.batch_size`. Default 10,000.
     pub max_in_flight: usize,
+    /// Most payload bytes in flight across all drainers (drained, queued at a publisher, or
+    /// awaiting confirms). At least `drainer.batch_max_bytes`. Default 32 MiB.
+    pub max_in_flight_bytes: usize,
 }
 
 impl Default for SupervisorConfig {
@@ -57,6 +60,7 @@ impl Default for SupervisorConfig {
             restart: RetryPolicy::default(),
             finish_grace: Duration::from_secs(10),
             max_in_flight: 10_000,
+            max_in_flight_bytes: 32 << 20,
         }
     }
 }
@@ -141,6 +145,7 @@ pub struct SupervisorState {
     keeper: Option<(watch::Sender<bool>, tokio::task::JoinHandle<()>)>,
     metrics_busy: Arc<AtomicBool>,
     budget: Arc<tokio::sync::Semaphore>,
+    byte_budget: Arc<tokio::sync::Semaphore>,
 }
 
 impl std::fmt::Debug for SupervisorState {
@@ -211,6 +216,7 @@ impl RelaySupervisor {
             outbox: state.args.outbox.clone(),
             publishers: state.directory.clone(),
             budget: state.budget.clone(),
+            byte_budget: state.byte_budget.clone(),
             fence,
             config: state.args.config.drainer,
         };
@@ -417,6 +423,11 @@ impl Actor for RelaySupervisor {
                 args.config
                     .max_in_flight
                     .max(args.config.drainer.batch_size as usize),
+            )),
+            byte_budget: Arc::new(tokio::sync::Semaphore::new(
+                args.config
+                    .max_in_flight_bytes
+                    .max(args.config.drainer.batch_max_bytes as usize),
             )),
             args,
         })

@@ -208,12 +208,13 @@ mod scale_out {
 
     /// Far more tenants than PostgreSQL's shared lock table has slots (about 6,400 here) drain
     /// while a host appends beside them: no host statement is refused, the relay holds no
-    /// advisory lock, and everything ships.
+    /// advisory lock, everything ships, and then every idle drainer retires.
     #[test]
     fn more_tenants_than_the_lock_table_holds_drain_while_a_host_appends() {
         host_runtime().block_on(async {
             let (pool, url) = fresh_database("manytenants").await;
-            let config = relay_config(&url, &amqp_url(), &unique("relay-many"));
+            let mut config = relay_config(&url, &amqp_url(), &unique("relay-many"));
+            config.supervisor.drainer.idle_retire = Duration::from_millis(500);
             let slots: i64 = sqlx::query_scalar(
                 "SELECT current_setting('max_locks_per_transaction')::bigint
                       * (current_setting('max_connections')::bigint
@@ -298,6 +299,15 @@ mod scale_out {
             );
             let tree = relay.snapshot().await.unwrap();
             assert_eq!(tree.buckets_held, usize::from(LEASE_BUCKETS));
+            // Idle costs nothing: every drainer retires; nothing is kept per tenant ever seen.
+            wait_until("idle drainers retired", Duration::from_secs(30), || async {
+                let tree = relay.snapshot().await;
+                if std::env::var("DEBUG_RETIRE").is_ok() {
+                    eprintln!("drainers {:?}", tree.as_ref().map(|t| t.drainers.len()));
+                }
+                tree.is_some_and(|tree| tree.drainers.is_empty())
+            })
+            .await;
             println!("{tenants} tenants drained beside a host (lock table: {slots} slots)");
             relay.shutdown().await;
             drop_topology(&config.rabbit_config().unwrap().topology).await;

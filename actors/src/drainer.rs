@@ -90,6 +90,9 @@ pub struct DrainerArgs {
     pub byte_budget: Arc<Semaphore>,
     /// The tenant's lease: every publish and ack is fenced by it.
     pub fence: Fence,
+    /// Set by whoever queued a `Drain` that this drainer has not handled yet (so wake-ups
+    /// coalesce); cleared when a `Drain` is handled.
+    pub woken: Arc<std::sync::atomic::AtomicBool>,
     /// Batch size, timeouts, retry delays.
     pub config: DrainerConfig,
 }
@@ -483,7 +486,13 @@ impl Drainer {
         state: &mut DrainerState,
     ) -> Result<(), ActorProcessingErr> {
         match message {
-            DrainerMessage::Drain => return self.drain(&myself, state).await,
+            DrainerMessage::Drain => {
+                state
+                    .args
+                    .woken
+                    .store(false, std::sync::atomic::Ordering::Release);
+                return self.drain(&myself, state).await;
+            }
             DrainerMessage::Retry => {
                 state.retry_scheduled = false;
                 return self.drain(&myself, state).await;

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use ractor::ActorRef;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use store::{Bucket, LeaseBook, LeaseChanges, LeasePlan, LeaseStep, LeaseStore, Outbox, RelayId};
 
 use tokio::sync::{Notify, watch};
@@ -84,6 +85,8 @@ pub(crate) struct Keeper {
     pub(crate) me: RelayId,
     pub(crate) config: LeaseConfig,
     pub(crate) poll_interval: Duration,
+    /// Set while the supervisor has not handled the last batch of pending tenants.
+    pub(crate) poll_busy: Arc<AtomicBool>,
 }
 
 /// Polls the tenants with pending intents every `interval` (or at once when `early` fires)
@@ -94,22 +97,29 @@ async fn poll_pending(
     supervisor: ActorRef<SupervisorMessage>,
     interval: Duration,
     early: Arc<Notify>,
+    busy: Arc<AtomicBool>,
 ) {
     let limit = interval.max(Duration::from_secs(5));
     let mut failures = Failures::default();
     loop {
-        match within(limit, outbox.tenants_with_pending()).await {
-            Ok(tenants) => {
-                failures.ok("pending-tenant poll");
-                if !tenants.is_empty()
-                    && supervisor
-                        .cast(SupervisorMessage::Pending(tenants))
-                        .is_err()
-                {
-                    return;
+        // Backpressure: no new batch before the supervisor handled the last one, so a slow
+        // supervisor never finds a queue of stale polls in its mailbox.
+        if !busy.load(Ordering::Acquire) {
+            match within(limit, outbox.tenants_with_pending()).await {
+                Ok(tenants) => {
+                    failures.ok("pending-tenant poll");
+                    if !tenants.is_empty() {
+                        busy.store(true, Ordering::Release);
+                        if supervisor
+                            .cast(SupervisorMessage::Pending(tenants))
+                            .is_err()
+                        {
+                            return;
+                        }
+                    }
                 }
+                Err(err) => failures.failed("pending-tenant poll", &err),
             }
-            Err(err) => failures.failed("pending-tenant poll", &err),
         }
         tokio::select! {
             () = tokio::time::sleep(interval) => {}
@@ -141,6 +151,7 @@ impl Keeper {
             supervisor.clone(),
             self.poll_interval,
             early.clone(),
+            self.poll_busy.clone(),
         ));
         let mut ticker = tokio::time::interval(self.config.heartbeat);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

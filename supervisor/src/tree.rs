@@ -133,6 +133,10 @@ pub struct SupervisorState {
     publisher_ids: HashMap<ActorId, ShardId>,
     publisher_backoff: Vec<Backoff>,
     drainers: HashMap<TenantId, ActorRef<DrainerMessage>>,
+    /// Per drainer: a wake-up is queued in its mailbox (wake-ups coalesce: at most one).
+    woken: HashMap<TenantId, Arc<AtomicBool>>,
+    /// The poller's last batch of pending tenants is not handled yet (the poller waits).
+    poll_busy: Arc<AtomicBool>,
     /// Live drainers by actor id, with when each was spawned.
     drainer_ids: HashMap<ActorId, (TenantId, std::time::Instant)>,
     drainer_backoff: HashMap<TenantId, Backoff>,
@@ -203,6 +207,7 @@ impl RelaySupervisor {
         if state.drainers.contains_key(&tenant) || state.finishing.is_some() {
             return;
         }
+        let woken = Arc::new(AtomicBool::new(false));
         let Some(fence) = state
             .held
             .get(&bucket_of(&tenant))
@@ -217,6 +222,7 @@ impl RelaySupervisor {
             publishers: state.directory.clone(),
             budget: state.budget.clone(),
             byte_budget: state.byte_budget.clone(),
+            woken: woken.clone(),
             fence,
             config: state.args.config.drainer,
         };
@@ -226,6 +232,7 @@ impl RelaySupervisor {
                     drainer.get_id(),
                     (tenant.clone(), std::time::Instant::now()),
                 );
+                state.woken.insert(tenant.clone(), woken);
                 state.drainers.insert(tenant, drainer);
             }
             Err(err) => {
@@ -262,7 +269,14 @@ impl RelaySupervisor {
             }
             match state.drainers.get(&tenant) {
                 Some(drainer) => {
-                    let _ = drainer.cast(DrainerMessage::Drain);
+                    // Coalesced: a drainer busy for a while gets one wake-up, not one per poll.
+                    let queued = state
+                        .woken
+                        .get(&tenant)
+                        .is_some_and(|woken| woken.swap(true, Ordering::AcqRel));
+                    if !queued {
+                        let _ = drainer.cast(DrainerMessage::Drain);
+                    }
                 }
                 None => self.spawn_drainer(myself, state, tenant).await,
             }
@@ -296,6 +310,7 @@ impl RelaySupervisor {
                 state.drainer_ids.remove(&drainer.get_id());
                 drainer.kill();
             }
+            state.woken.remove(&tenant);
             state.drainer_backoff.remove(&tenant);
         }
         metrics::gauge!("relay_tenants_held").set(state.drainers.len() as f64);
@@ -409,6 +424,8 @@ impl Actor for RelaySupervisor {
                 .map(|_| Backoff::new(args.config.restart))
                 .collect(),
             drainers: HashMap::new(),
+            woken: HashMap::new(),
+            poll_busy: Arc::new(AtomicBool::new(false)),
             drainer_ids: HashMap::new(),
             drainer_backoff: HashMap::new(),
             held: HashMap::new(),
@@ -452,6 +469,7 @@ impl Actor for RelaySupervisor {
             me: state.relay_id.clone(),
             config: state.args.config.lease,
             poll_interval: state.args.config.poll_interval,
+            poll_busy: state.poll_busy.clone(),
         };
         let (stop, stopped) = watch::channel(false);
         state.keeper = Some((stop, tokio::spawn(keeper.run(myself.clone(), stopped))));
@@ -487,6 +505,7 @@ impl Actor for RelaySupervisor {
                 if state.finishing.is_none() {
                     self.wake(&myself, state, tenants).await;
                 }
+                state.poll_busy.store(false, Ordering::Release);
             }
             SupervisorMessage::MetricsTick => {
                 self.refresh_metrics(state);
@@ -550,6 +569,7 @@ impl Actor for RelaySupervisor {
                     drainer.kill();
                 }
                 state.drainers.clear();
+                state.woken.clear();
                 self.finish_if_done(&myself, state);
             }
         }
@@ -590,6 +610,7 @@ impl Actor for RelaySupervisor {
             myself.send_after(delay, move || SupervisorMessage::RespawnPublisher(shard));
         } else if let Some((tenant, spawned)) = state.drainer_ids.remove(&id) {
             state.drainers.remove(&tenant);
+            state.woken.remove(&tenant);
             // A drainer that lived longer than the longest delay failed afresh: start its
             // backoff over instead of carrying an old outage's delays forward.
             if spawned.elapsed() > state.args.config.restart.max

@@ -9,9 +9,13 @@
 //!   drops this publisher (the relay restarts the actor, which builds a fresh one).
 //! - No auto-recovery: any channel fault drops the connection; the next publish reconnects
 //!   (and the relay's supervisor restarts the publisher with backoff).
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
+
+use futures_util::FutureExt;
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::ShortString;
@@ -32,6 +36,10 @@ pub struct RabbitConfig {
     pub connect_timeout: Duration,
     /// Longest wait for a batch's confirms after its last publish. Default 10 s.
     pub confirm_timeout: Duration,
+    /// After the broker returned a message (no queue bound for it: a queue or binding was
+    /// deleted), declare the topology again before the next write, so it heals by itself.
+    /// Default true.
+    pub redeclare_on_return: bool,
 }
 
 impl RabbitConfig {
@@ -49,6 +57,7 @@ impl RabbitConfig {
             topology,
             connect_timeout: Duration::from_secs(5),
             confirm_timeout: Duration::from_secs(10),
+            redeclare_on_return: true,
         })
     }
 }
@@ -103,6 +112,12 @@ struct Session {
     _connection: Connection,
     channel: Channel,
     pump: tokio::sync::mpsc::UnboundedSender<PendingBatch>,
+    /// Batches whose writing began, and (watched by the pump) batches handed to the pump.
+    started: u64,
+    handed: tokio::sync::watch::Sender<u64>,
+    /// Set by the pump when the broker returned a message (a queue or binding is missing):
+    /// the topology is declared again before the next write.
+    redeclare: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for Session {
@@ -117,6 +132,8 @@ pub struct RabbitPublisher {
     config: RabbitConfig,
     session: Option<Session>,
     probe: Option<CallProbe>,
+    /// Batches whose writing began on the current session (read by its pump).
+    started: Arc<AtomicU64>,
 }
 
 impl RabbitPublisher {
@@ -126,6 +143,7 @@ impl RabbitPublisher {
             config,
             session: None,
             probe: None,
+            started: Arc::new(AtomicU64::new(0)),
         }
     }
 
@@ -145,13 +163,28 @@ impl RabbitPublisher {
             )
             .await?;
             let (pump, batches) = tokio::sync::mpsc::unbounded_channel();
+            let (handed, handed_rx) = tokio::sync::watch::channel(0);
+            let started = Arc::new(AtomicU64::new(0));
+            let redeclare = Arc::new(AtomicBool::new(false));
             // The pump ends when this session (its sender) is dropped and its queue is empty.
-            tokio::spawn(confirm_pump(batches, self.config.confirm_timeout));
+            tokio::spawn(confirm_pump(
+                batches,
+                Writer {
+                    started: started.clone(),
+                    handed: handed_rx,
+                },
+                redeclare.clone(),
+                self.config.confirm_timeout,
+            ));
             self.session = Some(Session {
                 _connection: connection,
                 channel,
                 pump,
+                started: 0,
+                handed,
+                redeclare,
             });
+            self.started = started;
         }
         // Invariant: the session was set just above if it was missing.
         Ok(self.session.as_ref().expect("session is open"))
@@ -172,12 +205,23 @@ impl RabbitPublisher {
                 fault: None,
             }));
         }
-        let session = match self.session().await {
-            Ok(session) => session,
-            Err(fault) => {
-                return Box::pin(std::future::ready(PublishReport::not_sent(n_events, fault)));
-            }
-        };
+        if let Err(fault) = self.session().await {
+            return Box::pin(std::future::ready(PublishReport::not_sent(n_events, fault)));
+        }
+        let started = self.started.clone();
+        // Invariant: the session was opened just above.
+        let session = self.session.as_mut().expect("session is open");
+        // A returned message means a queue or binding is gone: declare it all again first.
+        if session.redeclare.swap(false, Ordering::AcqRel)
+            && self.config.redeclare_on_return
+            && let Err(fault) = within_topology(&topology, &session.channel, connect_timeout).await
+        {
+            self.session = None;
+            return Box::pin(std::future::ready(PublishReport::not_sent(n_events, fault)));
+        }
+        let session = self.session.as_mut().expect("session is open");
+        session.started += 1;
+        started.store(session.started, Ordering::Release);
         let mut write_fault = None;
         let mut confirms = Vec::with_capacity(n_events);
         let mut ids = Vec::with_capacity(n_events);
@@ -222,6 +266,7 @@ impl RabbitPublisher {
         };
         let broken = batch.write_fault.is_some();
         let _ = session.pump.send(batch);
+        session.handed.send_replace(session.started);
         if broken {
             // Dropping the connection closes it; the next send starts a fresh one.
             self.session = None;
@@ -237,6 +282,20 @@ impl RabbitPublisher {
     }
 }
 
+async fn within_topology(
+    topology: &Topology,
+    channel: &Channel,
+    limit: Duration,
+) -> Result<(), Error> {
+    match tokio::time::timeout(limit, topology.declare(channel)).await {
+        Ok(result) => result,
+        Err(_) => Err(Error::Timeout {
+            operation: "topology declare",
+            timeout_ms: limit.as_millis() as u64,
+        }),
+    }
+}
+
 /// A written batch whose confirms the pump awaits.
 struct PendingBatch {
     confirms: Vec<lapin::PublisherConfirm>,
@@ -247,58 +306,136 @@ struct PendingBatch {
     reply: tokio::sync::oneshot::Sender<PublishReport>,
 }
 
-/// Awaits a channel's confirms strictly in write order and decides each event's outcome.
-///
-/// lapin hands a returned message to whichever pending confirm an ack resolves first, not to
-/// the message that was returned (with multiple-acks that is often another event). RabbitMQ
-/// sends a message's `basic.return` before its `basic.ack`, and an ack resolves only tags up to
-/// its own, so once every confirm of batches up to this one has resolved, every return of this
-/// batch has been seen by this pump. Outcomes are therefore decided by message id against the
-/// channel-wide set of returned ids, never by which confirm carried the return.
-async fn confirm_pump(
-    mut batches: tokio::sync::mpsc::UnboundedReceiver<PendingBatch>,
-    confirm_timeout: Duration,
-) {
-    let mut returned: HashSet<ShortString> = HashSet::new();
-    let note_return = |message: Option<lapin::message::BasicReturnMessage>,
-                       returned: &mut HashSet<ShortString>| {
+/// What the pump knows of the writer: batches begun, and batches handed over.
+struct Writer {
+    started: Arc<AtomicU64>,
+    handed: tokio::sync::watch::Receiver<u64>,
+}
+
+/// A confirm, before and after the pump saw it resolve (returns already noted).
+enum Slot {
+    Waiting(lapin::PublisherConfirm),
+    Seen(Outcome, Option<lapin::Error>),
+}
+
+/// A batch in the pump's hands.
+struct Tracked {
+    slots: Vec<Slot>,
+    batch: PendingBatch,
+}
+
+/// Notes a resolved confirm: its return (if any) by message id; what it says.
+fn seen(
+    confirmation: Result<Confirmation, lapin::Error>,
+    returned: &mut HashSet<ShortString>,
+) -> Slot {
+    let mut note = |message: Option<lapin::message::BasicReturnMessage>| {
         if let Some(id) =
             message.and_then(|message| message.delivery.properties.message_id().clone())
         {
             returned.insert(id);
         }
     };
-    while let Some(batch) = batches.recv().await {
-        let mut outcomes = vec![Outcome::NotSent; batch.n_events];
+    match confirmation {
+        Ok(Confirmation::Ack(message)) => {
+            note(message);
+            Slot::Seen(Outcome::Accepted, None)
+        }
+        Ok(Confirmation::Nack(message)) => {
+            note(message);
+            Slot::Seen(Outcome::Nacked, None)
+        }
+        Ok(Confirmation::NotRequested) => Slot::Seen(Outcome::Unconfirmed, None),
+        Err(err) => Slot::Seen(Outcome::Unconfirmed, Some(err)),
+    }
+}
+
+fn track(batch: PendingBatch) -> Tracked {
+    let mut batch = batch;
+    let slots = std::mem::take(&mut batch.confirms)
+        .into_iter()
+        .map(Slot::Waiting)
+        .collect();
+    Tracked { slots, batch }
+}
+
+/// Awaits a channel's confirms strictly in write order and decides each event's outcome from
+/// everything the broker said, not from which confirm lapin attached a return to.
+///
+/// lapin hands a waiting `basic.return` to whichever confirm it resolves next (for a
+/// multiple-ack, in hash-map order): possibly a confirm of a later batch, even one still being
+/// written. RabbitMQ sends a message's return before its ack, so by the time every confirm of
+/// batch N resolved, each return of N is attached to some confirm already resolved. So, before
+/// deciding N, the pump waits until every batch whose writing began has been handed over, and
+/// notes the returns of every already-resolved confirm of later batches too. Outcomes are then
+/// decided by message id against the channel-wide set of returned ids.
+async fn confirm_pump(
+    mut batches: tokio::sync::mpsc::UnboundedReceiver<PendingBatch>,
+    mut writer: Writer,
+    redeclare: Arc<AtomicBool>,
+    confirm_timeout: Duration,
+) {
+    let mut returned: HashSet<ShortString> = HashSet::new();
+    let mut ahead: VecDeque<Tracked> = VecDeque::new();
+    loop {
+        let mut current = match ahead.pop_front() {
+            Some(tracked) => tracked,
+            None => match batches.recv().await {
+                Some(batch) => track(batch),
+                None => return,
+            },
+        };
+        let deadline = current.batch.deadline;
+        let mut timed_out = false;
+        for slot in &mut current.slots {
+            if let Slot::Waiting(confirm) = slot {
+                *slot = match tokio::time::timeout_at(deadline, confirm).await {
+                    Ok(confirmation) => seen(confirmation, &mut returned),
+                    Err(_) => {
+                        timed_out = true;
+                        Slot::Seen(Outcome::Unconfirmed, None)
+                    }
+                };
+            }
+        }
+        // Every confirm that can carry a return of this batch is resolved now; make sure the
+        // pump holds all of them (none is in a batch still being written), then look.
+        let begun = writer.started.load(Ordering::Acquire);
+        let _ = tokio::time::timeout_at(deadline, writer.handed.wait_for(|h| *h >= begun)).await;
+        while let Ok(batch) = batches.try_recv() {
+            ahead.push_back(track(batch));
+        }
+        for later in &mut ahead {
+            for slot in &mut later.slots {
+                if let Slot::Waiting(confirm) = slot
+                    && let Some(confirmation) = confirm.now_or_never()
+                {
+                    *slot = seen(confirmation, &mut returned);
+                }
+            }
+        }
+        let batch = current.batch;
         let mut fault = batch.write_fault;
-        for (index, confirm) in batch.confirms.into_iter().enumerate() {
-            outcomes[index] = match tokio::time::timeout_at(batch.deadline, confirm).await {
-                Ok(Ok(Confirmation::Ack(message))) => {
-                    note_return(message, &mut returned);
-                    Outcome::Accepted
-                }
-                Ok(Ok(Confirmation::Nack(message))) => {
-                    note_return(message, &mut returned);
-                    Outcome::Nacked
-                }
-                Ok(Ok(Confirmation::NotRequested)) => Outcome::Unconfirmed,
-                Ok(Err(err)) => {
+        let mut outcomes = vec![Outcome::NotSent; batch.n_events];
+        for (index, slot) in current.slots.into_iter().enumerate() {
+            if let Slot::Seen(outcome, err) = slot {
+                outcomes[index] = outcome;
+                if let Some(err) = err {
                     fault.get_or_insert(Error::Channel(err));
-                    Outcome::Unconfirmed
                 }
-                Err(_) => {
-                    fault.get_or_insert(Error::Timeout {
-                        operation: "publisher confirm",
-                        timeout_ms: confirm_timeout.as_millis() as u64,
-                    });
-                    Outcome::Unconfirmed
-                }
-            };
+            }
+        }
+        if timed_out {
+            fault.get_or_insert(Error::Timeout {
+                operation: "publisher confirm",
+                timeout_ms: confirm_timeout.as_millis() as u64,
+            });
         }
         for (outcome, id) in outcomes.iter_mut().zip(&batch.ids) {
             // Acked but returned: nothing routed it, so it was not delivered.
             if returned.remove(id) && *outcome == Outcome::Accepted {
                 *outcome = Outcome::Returned;
+                redeclare.store(true, Ordering::Release);
             }
         }
         let _ = batch.reply.send(PublishReport { outcomes, fault });

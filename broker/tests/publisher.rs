@@ -187,8 +187,9 @@ async fn unreachable_broker_is_an_error_not_a_hang() {
 #[tokio::test]
 async fn unroutable_events_are_not_reported_accepted() {
     let topology = unique_topology("unroutable", 2);
-    let mut publisher =
-        RabbitPublisher::new(RabbitConfig::new(amqp_url(), topology.clone()).unwrap());
+    let mut config = RabbitConfig::new(amqp_url(), topology.clone()).unwrap();
+    config.redeclare_on_return = false; // keep the queue deleted
+    let mut publisher = RabbitPublisher::new(config);
     // First publish declares the topology; then the test removes partition 0's queue.
     let warmup = events("ta", "r1", "main", &[1]);
     assert_eq!(publisher.publish(&warmup).await.accepted(), 1);
@@ -290,5 +291,143 @@ async fn fold_consumer_applies_once_in_order(pool: PgPool) {
     assert_eq!(lsns, vec![1, 2, 3, 4]);
     assert_eq!(stats.applied, 4);
     assert!(stats.parked >= 1, "{stats:?}");
+    cleanup(&topology).await;
+}
+
+/// The loss path of return attribution, aimed at batch boundaries: many small pipelined batches
+/// of several tenants, each ending with an unroutable event and starting with routable ones, so
+/// that a multiple-ack spanning two batches can hand a batch's return to the next batch's
+/// confirm (or to one still being written). Every unroutable event must come back `Returned`
+/// and every routable one `Accepted`, whatever confirm lapin attached the return to.
+#[tokio::test]
+async fn returns_at_batch_boundaries_are_never_lost() {
+    let topology = unique_topology("boundary", 2);
+    let mut config = RabbitConfig::new(amqp_url(), topology.clone()).unwrap();
+    config.redeclare_on_return = false; // keep the queue deleted
+    let mut publisher = RabbitPublisher::new(config);
+    let warmup = events("ta", "r1", "main", &[1]);
+    assert_eq!(publisher.publish(&warmup).await.accepted(), 1);
+    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    channel
+        .queue_delete(topology.queue(Partition(0)), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    // Runs that land on the deleted partition 0, and runs that land on partition 1.
+    let (mut dead, mut live) = (Vec::new(), Vec::new());
+    for run in 0..200 {
+        let run = format!("run{run}");
+        let tenant = TenantId::new(format!("t{}", live.len() % 3)).unwrap();
+        match topology.partition_of(&tenant, &RunId::new(&run).unwrap()) {
+            Partition(0) if dead.len() < 40 => dead.push((tenant, run)),
+            Partition(1) if live.len() < 40 => live.push((tenant, run)),
+            _ => {}
+        }
+    }
+    let mut lsn = 1;
+    let mut wrong = 0;
+    let mut returned = 0;
+    for round in 0..5 {
+        // 150 batches of 1-3 routable events then one unroutable one, written back to back.
+        let mut batches = Vec::new();
+        for index in 0..150usize {
+            let mut batch = Vec::new();
+            for k in 0..(1 + (index + round) % 3) {
+                let (tenant, run) = &live[(index + k) % live.len()];
+                batch.extend(events(tenant.as_str(), run, "main", &[lsn]));
+                lsn += 1;
+            }
+            let (tenant, run) = &dead[index % dead.len()];
+            batch.extend(events(tenant.as_str(), run, "main", &[lsn]));
+            lsn += 1;
+            batches.push(batch);
+        }
+        let fence = Fence::open();
+        let mut confirms = Vec::new();
+        for batch in &batches {
+            confirms.push(publisher.send(batch, &fence).await);
+        }
+        for (batch, confirm) in batches.iter().zip(confirms) {
+            let report = confirm.await;
+            assert!(report.fault.is_none(), "{:?}", report.fault);
+            let want: Vec<Outcome> = (0..batch.len())
+                .map(|i| {
+                    if i + 1 == batch.len() {
+                        Outcome::Returned
+                    } else {
+                        Outcome::Accepted
+                    }
+                })
+                .collect();
+            returned += report
+                .outcomes
+                .iter()
+                .filter(|o| **o == Outcome::Returned)
+                .count();
+            if report.outcomes != want {
+                wrong += 1;
+            }
+        }
+    }
+    assert_eq!(
+        wrong, 0,
+        "batches whose outcomes were misattributed ({returned} returns seen)"
+    );
+    assert_eq!(returned, 750);
+    cleanup(&topology).await;
+}
+
+/// A queue deleted under a running publisher heals by itself: the first events for it come
+/// back returned (never reported accepted), the publisher declares the topology again, and
+/// the same events are accepted and routed when sent again.
+#[tokio::test]
+async fn a_deleted_queue_heals_by_itself() {
+    let topology = unique_topology("heal", 2);
+    let mut publisher =
+        RabbitPublisher::new(RabbitConfig::new(amqp_url(), topology.clone()).unwrap());
+    let warmup = events("ta", "r1", "main", &[1]);
+    assert_eq!(publisher.publish(&warmup).await.accepted(), 1);
+    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    channel
+        .queue_delete(topology.queue(Partition(0)), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    let run = (0..100)
+        .map(|run| format!("run{run}"))
+        .find(|run| {
+            topology.partition_of(&TenantId::new("ta").unwrap(), &RunId::new(run).unwrap())
+                == Partition(0)
+        })
+        .unwrap();
+    let batch = events("ta", &run, "main", &[1, 2, 3]);
+    let first = publisher.publish(&batch).await;
+    assert_eq!(first.outcomes, vec![Outcome::Returned; 3]);
+    let again = publisher.publish(&batch).await;
+    assert_eq!(
+        again.outcomes,
+        vec![Outcome::Accepted; 3],
+        "the topology did not heal"
+    );
+    let queue = channel
+        .queue_declare(
+            topology.queue(Partition(0)),
+            lapin::options::QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            lapin::types::FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        queue.message_count(),
+        3,
+        "the healed queue holds the resent events"
+    );
     cleanup(&topology).await;
 }

@@ -44,6 +44,11 @@ pub struct RelayConfig {
     pub db_connections: u32,
     /// Where `distribution run` serves Prometheus metrics. Env `RELAY_METRICS_ADDR`, default `127.0.0.1:9464`.
     pub metrics_addr: SocketAddr,
+    /// Longest wait for a broker connection (TCP, handshake, channel, topology). Env
+    /// `RELAY_AMQP_CONNECT_TIMEOUT_MS`, default 5000.
+    pub amqp_connect_timeout: Duration,
+    /// Longest wait for a batch's confirms. Env `RELAY_AMQP_CONFIRM_TIMEOUT_MS`, default 10000.
+    pub amqp_confirm_timeout: Duration,
     /// Records which threads call the broker client (instrumentation; default none).
     pub probe: Option<CallProbe>,
 }
@@ -87,6 +92,8 @@ impl RelayConfig {
             worker_threads: 2,
             db_connections: 8,
             metrics_addr: SocketAddr::from(([127, 0, 0, 1], 9464)),
+            amqp_connect_timeout: Duration::from_secs(5),
+            amqp_confirm_timeout: Duration::from_secs(10),
             probe: None,
         }
     }
@@ -132,6 +139,16 @@ impl RelayConfig {
         config.worker_threads = parsed("RELAY_THREADS", config.worker_threads)?;
         config.db_connections = parsed("RELAY_DB_CONNECTIONS", config.db_connections)?;
         config.metrics_addr = parsed("RELAY_METRICS_ADDR", config.metrics_addr)?;
+        let connect_ms: u64 = parsed(
+            "RELAY_AMQP_CONNECT_TIMEOUT_MS",
+            config.amqp_connect_timeout.as_millis() as u64,
+        )?;
+        config.amqp_connect_timeout = Duration::from_millis(connect_ms);
+        let confirm_ms: u64 = parsed(
+            "RELAY_AMQP_CONFIRM_TIMEOUT_MS",
+            config.amqp_confirm_timeout.as_millis() as u64,
+        )?;
+        config.amqp_confirm_timeout = Duration::from_millis(confirm_ms);
         config.validate()?;
         Ok(config)
     }
@@ -189,6 +206,18 @@ impl RelayConfig {
                 "must be at least RELAY_BATCH_MAX_BYTES",
             ));
         }
+        for (var, timeout) in [
+            ("RELAY_AMQP_CONNECT_TIMEOUT_MS", self.amqp_connect_timeout),
+            ("RELAY_AMQP_CONFIRM_TIMEOUT_MS", self.amqp_confirm_timeout),
+        ] {
+            if !(Duration::from_millis(100)..=Duration::from_secs(600)).contains(&timeout) {
+                return Err(invalid(
+                    var,
+                    timeout.as_millis().to_string(),
+                    "must be 100 to 600000",
+                ));
+            }
+        }
         let lease = self.supervisor.lease;
         if lease.heartbeat < Duration::from_millis(50) {
             return Err(invalid(
@@ -232,11 +261,16 @@ impl RelayConfig {
                 value: format!("{}/{}", self.topology, self.partitions),
                 reason: err.to_string(),
             })?;
-        RabbitConfig::new(self.amqp_url.clone(), topology).map_err(|err| ConfigError::Invalid {
-            var: "AMQP_URL",
-            value: redact(&self.amqp_url),
-            reason: err.to_string(),
-        })
+        let mut rabbit = RabbitConfig::new(self.amqp_url.clone(), topology).map_err(|err| {
+            ConfigError::Invalid {
+                var: "AMQP_URL",
+                value: redact(&self.amqp_url),
+                reason: err.to_string(),
+            }
+        })?;
+        rabbit.connect_timeout = self.amqp_connect_timeout;
+        rabbit.confirm_timeout = self.amqp_confirm_timeout;
+        Ok(rabbit)
     }
 }
 

@@ -102,6 +102,16 @@ async fn run() -> Result<()> {
     let config = RelayConfig::from_env()?;
     // The schema is applied first (idempotent, safe with several relays starting at once).
     store::migrate(&connect(&config.database_url).await?).await?;
+    // One connection to the broker: a refusal is fatal here (no retry fixes it); a broker that
+    // is simply down is normal (everything waits in the outbox until it is back).
+    match distribution::broker::preflight(&config.rabbit_config()?).await {
+        Ok(distribution::broker::Preflight::Ready) => {}
+        Ok(distribution::broker::Preflight::Unreachable(why)) => {
+            tracing::warn!(reason = %why, "broker unreachable at start; intents wait in the outbox");
+            eprintln!("warning: broker unreachable at start ({why}); the relay keeps trying");
+        }
+        Err(err) => return Err(anyhow::anyhow!("{err} (AMQP_URL, RELAY_TOPOLOGY)")),
+    }
     metrics_exporter_prometheus::PrometheusBuilder::new()
         .with_http_listener(config.metrics_addr)
         .install()

@@ -16,6 +16,8 @@ pub struct BrokerProxy {
     addr: SocketAddr,
     upstream_url: String,
     up: Arc<AtomicBool>,
+    /// Connections stay open but nothing passes either way (a broker dropping packets).
+    silent: Arc<AtomicBool>,
     links: Arc<Mutex<Vec<JoinHandle<()>>>>,
     runtime: Option<tokio::runtime::Runtime>,
 }
@@ -41,8 +43,9 @@ impl BrokerProxy {
         std_listener.set_nonblocking(true)?;
         let addr = std_listener.local_addr()?;
         let up = Arc::new(AtomicBool::new(true));
+        let silent = Arc::new(AtomicBool::new(false));
         let links: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
-        let (accept_up, accept_links) = (up.clone(), links.clone());
+        let (accept_up, accept_links, accept_silent) = (up.clone(), links.clone(), silent.clone());
         let handle = runtime.handle().clone();
         runtime.spawn(async move {
             let Ok(listener) = TcpListener::from_std(std_listener) else {
@@ -53,9 +56,21 @@ impl BrokerProxy {
                     continue; // dropped: the broker is "down"
                 }
                 let upstream = authority.clone();
+                let silent = accept_silent.clone();
                 let link = handle.spawn(async move {
-                    if let Ok(mut server) = TcpStream::connect(&upstream).await {
-                        let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                    if silent.load(Ordering::SeqCst) {
+                        // Accept, then swallow everything: no handshake ever completes.
+                        let mut sink = tokio::io::sink();
+                        let _ = tokio::io::copy(&mut client, &mut sink).await;
+                        return;
+                    }
+                    if let Ok(server) = TcpStream::connect(&upstream).await {
+                        let (client_read, client_write) = client.into_split();
+                        let (server_read, server_write) = server.into_split();
+                        tokio::join!(
+                            forward(client_read, server_write, silent.clone()),
+                            forward(server_read, client_write, silent),
+                        );
                     }
                 });
                 let mut links = accept_links
@@ -70,9 +85,16 @@ impl BrokerProxy {
             addr,
             upstream_url,
             up,
+            silent,
             links,
             runtime: Some(runtime),
         })
+    }
+
+    /// Makes the broker silent: open connections stay open but nothing passes either way, and
+    /// new ones are accepted and never answered (a broker, or a network, dropping packets).
+    pub fn silence(&self) {
+        self.silent.store(true, Ordering::SeqCst);
     }
 
     /// The proxy's address.
@@ -109,9 +131,32 @@ impl BrokerProxy {
         }
     }
 
-    /// Brings the broker back.
+    /// Brings the broker back (from a cut or from silence).
     pub fn restore(&self) {
+        self.silent.store(false, Ordering::SeqCst);
         self.up.store(true, Ordering::SeqCst);
+    }
+}
+
+/// Copies `from` to `to`, dropping what it reads while `silent`; ends when either side closes.
+async fn forward(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    silent: Arc<AtomicBool>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buffer = vec![0u8; 16 * 1024];
+    loop {
+        let read = match from.read(&mut buffer).await {
+            Ok(0) | Err(_) => return,
+            Ok(read) => read,
+        };
+        if silent.load(Ordering::SeqCst) {
+            continue;
+        }
+        if to.write_all(&buffer[..read]).await.is_err() {
+            return;
+        }
     }
 }
 

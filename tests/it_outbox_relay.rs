@@ -630,6 +630,81 @@ mod outbox {
         });
     }
 
+    /// A broker that swallows every byte (a network dropping packets): a publisher notices
+    /// within its AMQP timeouts instead of trying every queued batch on the dead session,
+    /// nothing is acked that the broker did not confirm, and everything ships, in order and
+    /// once at the fold, when it answers again.
+    #[test]
+    fn outbox_a_silent_broker_is_noticed_within_its_timeouts_and_nothing_is_acked() {
+        host_runtime().block_on(async {
+            let (pool, url) = fresh_database("silent").await;
+            let proxy = BrokerProxy::start(&amqp_url()).unwrap();
+            let mut config = relay_config(&url, &proxy.amqp_url(), &unique("relay-silent"));
+            config.amqp_connect_timeout = Duration::from_millis(500);
+            config.amqp_confirm_timeout = Duration::from_millis(500);
+            let fold = FoldStore::new(pool.clone());
+            let folding = Folding::start(direct_rabbit(&config), &fold);
+            let relay = Relay::start(config.clone()).await.unwrap();
+            let outbox = Outbox::new(pool.clone());
+            let workload = Workload::new("silent", 4, 2, 10);
+            let ran = workload.run(&pool).await;
+            let mut all = ran.expected.clone();
+            wait_until("first events folded", Duration::from_secs(30), || async {
+                folded_count(&fold, &all).await == count(&all)
+            })
+            .await;
+            let before: Vec<_> = relay
+                .snapshot()
+                .await
+                .unwrap()
+                .publishers
+                .iter()
+                .map(|publisher| publisher.as_ref().map(|p| p.get_id()))
+                .collect();
+
+            proxy.silence();
+            let silenced = Instant::now();
+            let more = workload.steps(&pool, ran.live.clone(), 11..=20).await;
+            merge(&mut all, &more.expected);
+            wait_until(
+                "a publisher noticed the silence",
+                Duration::from_secs(20),
+                || async {
+                    relay.snapshot().await.is_some_and(|tree| {
+                        tree.publishers
+                            .iter()
+                            .zip(&before)
+                            .any(|(now, was)| now.as_ref().map(|p| p.get_id()) != *was)
+                    })
+                },
+            )
+            .await;
+            let noticed = silenced.elapsed();
+            println!(
+                "silent broker noticed after {:.2} s (timeouts 0.5 s)",
+                noticed.as_secs_f64()
+            );
+            assert!(
+                noticed < Duration::from_secs(5),
+                "noticed only after {noticed:?}"
+            );
+            // Nothing written while silent was acked: every new event still waits.
+            assert_eq!(pending(&outbox).await as usize, count(&more.expected));
+
+            proxy.restore();
+            wait_until(
+                "everything folded after the broker answers",
+                Duration::from_secs(60),
+                || async { folded_count(&fold, &all).await == count(&all) },
+            )
+            .await;
+            assert_folded_exactly(&fold, &all).await;
+            relay.shutdown().await;
+            folding.stop().await;
+            drop_topology(&config.rabbit_config().unwrap().topology).await;
+        });
+    }
+
     /// An embedded host that turns NOTIFY off (to keep its commits fast) wakes the relay
     /// in-process: events ship long before the next poll would have found them.
     #[test]

@@ -2,6 +2,7 @@
 use std::sync::Arc;
 
 use broker::{Outcome, Publisher};
+use futures_util::FutureExt;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use store::{Fence, OutboxEvent};
 use tracing::Instrument;
@@ -63,6 +64,9 @@ pub struct PublisherState {
     client: Box<dyn Publisher>,
     healthy: bool,
     unconfirmed: Arc<tokio::sync::Semaphore>,
+    /// Set as soon as any batch reports a broker fault: queued batches are not tried on the
+    /// dead session (each could wait out a connect timeout); the actor fails at once instead.
+    faulted: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl std::fmt::Debug for PublisherState {
@@ -105,6 +109,7 @@ impl Actor for PublisherActor {
             client,
             healthy: false,
             unconfirmed,
+            faulted: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         })
     }
 
@@ -131,17 +136,39 @@ impl Actor for PublisherActor {
             }
         };
         let shard = state.args.shard;
+        if state.faulted.load(std::sync::atomic::Ordering::Acquire) {
+            // The mailbox dies with this actor; drainers learn it (`PublisherLost`) and retry.
+            return Err("the broker session faulted; restarting".into());
+        }
         // Backpressure: wait until this batch fits under the unconfirmed bound.
         let wanted = events.len().clamp(1, state.args.max_unconfirmed.max(1)) as u32;
         let permits = state.unconfirmed.clone().acquire_many_owned(wanted).await?;
         let span = tracing::debug_span!("publish", shard = shard.0, events = events.len());
         // Invariant: batches are written in mailbox order on one channel, so each branch's
         // events reach the broker in Lsn order; only the confirms are awaited concurrently.
-        let confirms = state
+        let mut confirms = state
             .client
             .send(&events, &fence)
             .instrument(span.clone())
             .await;
+        // Decided at once (not connected, or nothing written): answer now, fail now on a fault.
+        if let Some(report) = (&mut confirms).now_or_never() {
+            drop(permits);
+            let fault = report.fault.as_ref().map(ToString::to_string);
+            let _ = reply.cast(DrainerMessage::Confirmed {
+                batch,
+                shard,
+                outcomes: report.outcomes,
+            });
+            return match fault {
+                Some(fault) => Err(fault.into()),
+                None => {
+                    myself.cast(PublisherMessage::Healthy)?;
+                    Ok(())
+                }
+            };
+        }
+        let faulted = state.faulted.clone();
         tokio::spawn(
             async move {
                 let report = confirms.await;
@@ -150,7 +177,10 @@ impl Actor for PublisherActor {
                     metrics::counter!("relay_publish_failures_total", "shard" => shard.0.to_string(), "outcome" => outcome_label(*outcome)).increment(1);
                 }
                 let verdict = match &report.fault {
-                    Some(fault) => PublisherMessage::Fault(fault.to_string()),
+                    Some(fault) => {
+                        faulted.store(true, std::sync::atomic::Ordering::Release);
+                        PublisherMessage::Fault(fault.to_string())
+                    }
                     None => PublisherMessage::Healthy,
                 };
                 // The drainer may have died meanwhile; it re-drains from the store, so a lost

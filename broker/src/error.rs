@@ -21,6 +21,10 @@ pub enum Error {
     /// The configuration is unusable.
     #[error("invalid broker configuration: {0}")]
     InvalidConfig(String),
+    /// The broker answered and refused: wrong credentials, an unknown vhost, a reserved or
+    /// conflicting topology. Retrying does not help; an operator must act.
+    #[error("broker refused: {0}")]
+    Refused(String),
     /// The fold's store failed.
     #[error("fold store: {0}")]
     Store(#[from] store::Error),
@@ -31,7 +35,7 @@ impl Error {
     pub fn is_transient(&self) -> bool {
         match self {
             Error::Unreachable(_) | Error::Timeout { .. } | Error::Channel(_) => true,
-            Error::InvalidConfig(_) => false,
+            Error::InvalidConfig(_) | Error::Refused(_) => false,
             Error::Store(err) => err.is_transient(),
         }
     }

@@ -89,7 +89,7 @@ pub(crate) async fn open(
     .await
     {
         Ok(Ok(connection)) => connection,
-        Ok(Err(err)) => return Err(Error::Unreachable(err.to_string())),
+        Ok(Err(err)) => return Err(refused_or(err, Error::Unreachable)),
         Err(_) => {
             return Err(Error::Unreachable(format!(
                 "no connection within {} ms",
@@ -103,8 +103,50 @@ pub(crate) async fn open(
         connection.create_channel(),
     )
     .await?;
-    config.topology.declare(&channel).await?;
+    config
+        .topology
+        .declare(&channel)
+        .await
+        .map_err(|err| match err {
+            Error::Channel(err) => refused_or(err, |text| {
+                Error::Unreachable(format!("declaring the topology: {text}"))
+            }),
+            other => other,
+        })?;
     Ok((connection, channel))
+}
+
+/// A refusal by the broker (an AMQP error it sent: access refused, not allowed, precondition
+/// failed...) is permanent; anything else (I/O, a reset) is `otherwise`.
+fn refused_or(err: lapin::Error, otherwise: impl FnOnce(String) -> Error) -> Error {
+    match err.kind() {
+        lapin::ErrorKind::ProtocolError(amqp) => Error::Refused(amqp.to_string()),
+        lapin::ErrorKind::AuthProviderError(text) => Error::Refused(text.clone()),
+        _ => otherwise(err.to_string()),
+    }
+}
+
+/// What a first connection says about the broker.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Preflight {
+    /// Connected, and the topology is declared.
+    Ready,
+    /// Not reachable now (down, or no answer): not an error, the relay keeps trying.
+    Unreachable(String),
+}
+
+/// Connects once and declares the topology: `Err(Error::Refused)` when the broker refuses
+/// (credentials, vhost, a reserved or conflicting topology), which no retry will fix.
+pub async fn preflight(config: &RabbitConfig) -> Result<Preflight, Error> {
+    match open(config, "outbox-relay-preflight").await {
+        Ok((connection, _channel)) => {
+            let _ = connection.close(200, "preflight done".into()).await;
+            Ok(Preflight::Ready)
+        }
+        Err(Error::Refused(why)) => Err(Error::Refused(why)),
+        Err(Error::InvalidConfig(why)) => Err(Error::InvalidConfig(why)),
+        Err(other) => Ok(Preflight::Unreachable(other.to_string())),
+    }
 }
 
 /// An open connection, its confirming channel, and the pump awaiting that channel's confirms.

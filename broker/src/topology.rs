@@ -36,6 +36,11 @@ impl Topology {
                 "topology name {name:?} must be 1 to 200 printable ASCII characters"
             )));
         }
+        if name.starts_with("amq.") {
+            return Err(Error::InvalidConfig(format!(
+                "topology name {name:?} is reserved by RabbitMQ (amq.*)"
+            )));
+        }
         Ok(Self {
             exchange: ShortString::from(name),
             partitions,
@@ -160,5 +165,6 @@ mod tests {
     fn bad_topology_is_refused() {
         assert!(Topology::new("relay", 0).is_err());
         assert!(Topology::new("has space", 1).is_err());
+        assert!(Topology::new("amq.direct", 1).is_err());
     }
 }

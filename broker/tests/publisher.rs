@@ -431,3 +431,66 @@ async fn a_deleted_queue_heals_by_itself() {
     );
     cleanup(&topology).await;
 }
+
+/// At start a relay connects once: a broker that refuses (wrong credentials, unknown vhost,
+/// queues declared with other arguments) is an error no retry fixes; one that is not there is
+/// not an error (the relay waits for it).
+#[tokio::test]
+async fn preflight_tells_refusals_from_outages() {
+    let topology = unique_topology("preflight", 2);
+    let url = amqp_url();
+    let config = |url: String| RabbitConfig::new(url, topology.clone()).unwrap();
+    assert_eq!(
+        broker::preflight(&config(url.clone())).await.unwrap(),
+        broker::Preflight::Ready
+    );
+    let wrong_password = url.replacen("guest:guest", "guest:wrong", 1);
+    let refused = broker::preflight(&config(wrong_password)).await;
+    assert!(
+        matches!(refused, Err(broker::Error::Refused(_))),
+        "{refused:?}"
+    );
+    let no_vhost = format!("{}/no-such-vhost", url.rsplit_once('/').unwrap().0);
+    let refused = broker::preflight(&config(no_vhost)).await;
+    assert!(
+        matches!(refused, Err(broker::Error::Refused(_))),
+        "{refused:?}"
+    );
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let closed_port = listener.local_addr().unwrap().port();
+    drop(listener);
+    let down = broker::preflight(&config(format!(
+        "amqp://guest:guest@127.0.0.1:{closed_port}/%2f"
+    )))
+    .await
+    .unwrap();
+    assert!(
+        matches!(down, broker::Preflight::Unreachable(_)),
+        "{down:?}"
+    );
+    // Queues someone declared with other arguments: the topology conflicts.
+    let conflicting = unique_topology("conflict", 1);
+    let connection = Connection::connect(&url, ConnectionProperties::default())
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    channel
+        .queue_declare(
+            conflicting.queue(Partition(0)),
+            lapin::options::QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            lapin::types::FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let refused =
+        broker::preflight(&RabbitConfig::new(url.clone(), conflicting.clone()).unwrap()).await;
+    assert!(
+        matches!(refused, Err(broker::Error::Refused(_))),
+        "{refused:?}"
+    );
+    cleanup(&conflicting).await;
+    cleanup(&topology).await;
+}

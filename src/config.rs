@@ -53,13 +53,17 @@ pub struct RelayConfig {
     pub probe: Option<CallProbe>,
 }
 
-fn redact(url: &str) -> String {
-    match url.split_once('@') {
-        Some((scheme_and_user, host)) => {
-            let scheme = scheme_and_user.split("://").next().unwrap_or_default();
-            format!("{scheme}://***@{host}")
+/// The URL with its password replaced by `***` (parsed as a URL: `@`, `:` and `%` in a
+/// password never leak); an unparseable URL is not shown at all.
+pub(crate) fn redact(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(mut parsed) => {
+            if parsed.password().is_some() {
+                let _ = parsed.set_password(Some("***"));
+            }
+            parsed.to_string()
         }
-        None => url.to_owned(),
+        Err(_) => "<not a URL>".into(),
     }
 }
 
@@ -300,5 +304,25 @@ mod tests {
         config.validate().unwrap();
         config.supervisor.shards = 0;
         assert!(config.validate().is_err());
+    }
+
+    #[test]
+    fn passwords_never_leak_from_a_redacted_url() {
+        for (url, secret) in [
+            ("postgres://relay:S3cret@db.example:5432/outbox", "S3cret"),
+            ("postgres://relay:p@ss@db.example/outbox", "p@ss"),
+            ("postgres://relay:a:b:c@db.example/outbox", "a:b:c"),
+            ("amqp://relay:100%25sure@mq.example/%2f", "100%25sure"),
+            ("amqps://relay:x%40y@mq.example:5671/vhost", "x%40y"),
+        ] {
+            let shown = redact(url);
+            assert!(!shown.contains(secret), "{shown}");
+            assert!(shown.contains("relay:***@"), "{shown}");
+        }
+        assert_eq!(redact("no scheme at all"), "<not a URL>");
+        assert_eq!(
+            redact("postgres://relay@db/outbox"),
+            "postgres://relay@db/outbox"
+        );
     }
 }

@@ -140,6 +140,15 @@ impl RelayConfig {
             "RELAY_MAX_IN_FLIGHT_BYTES",
             config.supervisor.max_in_flight_bytes,
         )?;
+        config.supervisor.drainer.park_after_attempts = parsed(
+            "RELAY_PARK_AFTER_ATTEMPTS",
+            config.supervisor.drainer.park_after_attempts,
+        )?;
+        let park_retry_ms: u64 = parsed(
+            "RELAY_PARK_RETRY_MS",
+            config.supervisor.drainer.park_retry.as_millis() as u64,
+        )?;
+        config.supervisor.drainer.park_retry = Duration::from_millis(park_retry_ms);
         config.worker_threads = parsed("RELAY_THREADS", config.worker_threads)?;
         config.db_connections = parsed("RELAY_DB_CONNECTIONS", config.db_connections)?;
         config.metrics_addr = parsed("RELAY_METRICS_ADDR", config.metrics_addr)?;
@@ -221,6 +230,13 @@ impl RelayConfig {
                     "must be 100 to 600000",
                 ));
             }
+        }
+        if self.supervisor.drainer.park_after_attempts == 0 {
+            return Err(invalid(
+                "RELAY_PARK_AFTER_ATTEMPTS",
+                "0".into(),
+                "must be at least 1",
+            ));
         }
         let lease = self.supervisor.lease;
         if lease.heartbeat < Duration::from_millis(50) {

@@ -14,10 +14,11 @@ use sqlx::postgres::PgPoolOptions;
 
 mod demo;
 
-const USAGE: &str = "usage: distribution <migrate|run|status|demo>
+const USAGE: &str = "usage: distribution <migrate|run|status|release|demo>
   migrate  create or update the outbox schema in DATABASE_URL
   run      run the relay (DATABASE_URL, AMQP_URL, RELAY_* variables; see README)
-  status   backlog and lag per tenant
+  status   backlog and lag per tenant, and parked branches
+  release  <tenant> [run [branch]]: drain parked branches again now
   demo     the broker-down walk, end to end, on this machine";
 
 fn main() -> ExitCode {
@@ -51,6 +52,7 @@ fn main() -> ExitCode {
             "migrate" => migrate().await,
             "run" => run().await,
             "status" => status().await,
+            "release" => release(std::env::args().skip(2).collect()).await,
             "demo" => demo::run().await,
             _ => {
                 eprintln!("{USAGE}");
@@ -138,5 +140,47 @@ async fn status() -> Result<()> {
         .await
         .context("cannot read the backlog (has `distribution migrate` run?)")?;
     print!("{}", demo::backlog_table(&backlog));
+    let parked = outbox.parked_branches().await?;
+    if parked.is_empty() {
+        println!("no parked branches");
+    } else {
+        println!("parked branches (the broker kept refusing their events):");
+        println!(
+            "{:<40} {:<22} {:>8} {:>12} {:>10} {:>8}",
+            "branch", "reason", "attempts", "failing for", "retry in", "pending"
+        );
+        for branch in parked {
+            println!(
+                "{:<40} {:<22} {:>8} {:>11.0}s {:>9.0}s {:>8}",
+                branch.branch.to_string(),
+                branch.reason,
+                branch.attempts,
+                branch.failing_for.as_secs_f64(),
+                branch.retry_in.as_secs_f64(),
+                branch.pending
+            );
+        }
+    }
+    Ok(())
+}
+
+async fn release(args: Vec<String>) -> Result<()> {
+    use distribution::store::{BranchId, RunId, TenantId};
+    let url = std::env::var("DATABASE_URL").context("DATABASE_URL is not set")?;
+    let (tenant, run, branch) = match args.as_slice() {
+        [tenant] => (TenantId::new(tenant)?, None, None),
+        [tenant, run] => (TenantId::new(tenant)?, Some(RunId::new(run)?), None),
+        [tenant, run, branch] => (
+            TenantId::new(tenant)?,
+            Some(RunId::new(run)?),
+            Some(BranchId::new(branch)?),
+        ),
+        _ => anyhow::bail!("usage: distribution release <tenant> [run [branch]]"),
+    };
+    let outbox = Outbox::new(connect(&url).await?);
+    let released = outbox
+        .release(&tenant, run.as_ref(), branch.as_ref())
+        .await?;
+    println!("released {released} parked branch(es); relays drain them on their next poll");
     Ok(())
 }

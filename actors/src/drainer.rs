@@ -44,6 +44,11 @@ pub struct DrainerConfig {
     /// Most payload bytes drained into one batch (the first event always comes, however
     /// large). Default 4 MiB.
     pub batch_max_bytes: u32,
+    /// A branch whose events the broker refused (returned, nacked) this many times in a row
+    /// is parked in PostgreSQL. Until then it is retried alone, with backoff. Default 5.
+    pub park_after_attempts: u32,
+    /// How long a parked branch is skipped before it is tried again. Default 60 s.
+    pub park_retry: Duration,
 }
 
 impl Default for DrainerConfig {
@@ -55,6 +60,8 @@ impl Default for DrainerConfig {
             max_batches_in_flight: 1,
             idle_retire: Duration::from_secs(30),
             batch_max_bytes: 4 << 20,
+            park_after_attempts: 5,
+            park_retry: Duration::from_secs(60),
         }
     }
 }
@@ -134,6 +141,14 @@ struct Batch {
     _permits: Permits,
 }
 
+/// A branch whose events the broker refused, retried alone with its own backoff.
+struct Cooling {
+    attempts: u32,
+    first_failed: std::time::Instant,
+    retry_at: std::time::Instant,
+    backoff: Backoff,
+}
+
 /// A batch's share of the relay-wide budgets, given back when the batch settles.
 #[derive(Debug)]
 struct Permits {
@@ -148,6 +163,9 @@ pub struct DrainerState {
     batches: VecDeque<Batch>,
     /// Branches with a failure in the current window: nothing later of theirs is acked.
     blocked: HashSet<BranchKey>,
+    /// Branches the broker refused events of: drains skip each until its retry is due; the
+    /// rest of the tenant flows meanwhile.
+    cooling: HashMap<BranchKey, Cooling>,
     /// A failure was seen: no new batch until the window is empty and the retry is due.
     window_failed: bool,
     next_batch: u64,
@@ -204,13 +222,26 @@ impl Drainer {
         }
     }
 
-    /// The newest in-flight event of each branch: the next drain starts after them.
+    /// The newest in-flight event of each branch: the next drain starts after them. A cooling
+    /// branch (refused, retry not due) is skipped whole.
     fn newest_in_flight(state: &DrainerState) -> Vec<EventKey> {
         let mut newest: HashMap<&BranchKey, &EventKey> = HashMap::new();
         for key in state.batches.iter().flat_map(|batch| &batch.keys) {
             newest.insert(&key.branch, key);
         }
-        newest.into_values().cloned().collect()
+        let now = std::time::Instant::now();
+        let mut skip: Vec<EventKey> = newest.into_values().cloned().collect();
+        skip.extend(
+            state
+                .cooling
+                .iter()
+                .filter(|(_, cooling)| cooling.retry_at > now)
+                .map(|(branch, _)| EventKey {
+                    branch: branch.clone(),
+                    lsn: store::Lsn::new(i64::MAX as u64),
+                }),
+        );
+        skip
     }
 
     fn may_start_batch(state: &DrainerState) -> bool {
@@ -362,6 +393,8 @@ impl Drainer {
         let mut acked_written: Vec<chrono::DateTime<chrono::Utc>> = Vec::new();
         let mut failed = 0;
         let mut settled = 0;
+        let mut session_failed = false;
+        let mut refused: HashMap<BranchKey, &'static str> = HashMap::new();
         while state
             .batches
             .front()
@@ -381,18 +414,31 @@ impl Drainer {
                 if state.blocked.contains(&key.branch) {
                     failed += 1;
                 } else if outcome == Some(Outcome::Accepted) {
+                    state.cooling.remove(&key.branch);
                     acks.push(key);
                     acked_written.push(written);
                 } else {
-                    state.blocked.insert(key.branch);
                     failed += 1;
+                    match outcome {
+                        // The broker answered about this event: its branch alone cools down.
+                        Some(Outcome::Returned) => {
+                            refused.insert(key.branch.clone(), "returned (no route)");
+                        }
+                        Some(Outcome::Nacked) => {
+                            refused.insert(key.branch.clone(), "nacked");
+                        }
+                        // No answer: the session, not the branch, failed; the tenant backs off.
+                        _ => session_failed = true,
+                    }
+                    state.blocked.insert(key.branch);
                 }
             }
         }
         if settled == 0 {
             return Ok(());
         }
-        let tenant = &state.args.tenant;
+        let tenant = state.args.tenant.clone();
+        let tenant = &tenant;
         metrics::counter!("relay_events_shipped_total", "tenant" => tenant.to_string())
             .increment(acks.len() as u64);
         // Lag as a latency: from the host's write (inside its transaction) to the broker's
@@ -404,7 +450,12 @@ impl Drainer {
             lag.record((now - written).to_std().unwrap_or_default().as_secs_f64());
         }
         tracing::debug!(shipped = acks.len(), failed, "batches settled");
-        state.window_failed |= failed > 0;
+        for (branch, reason) in refused {
+            if let Err(err) = self.cool(myself, state, branch, reason).await {
+                return Self::store_failed(myself, err);
+            }
+        }
+        state.window_failed |= session_failed;
         if state.window_failed || state.finishing {
             let fence = &state.args.fence;
             if let Err(err) = state.args.outbox.ack_fenced(fence, tenant, &acks).await {
@@ -425,6 +476,11 @@ impl Drainer {
             return Ok(());
         }
         state.backoff.reset();
+        if state.batches.is_empty() {
+            // The window is empty: a refused branch's later events were not acked and will be
+            // drained again (after its retry), in order.
+            state.blocked.clear();
+        }
         // The steady state: retire what was confirmed and drain the next batch in one round trip.
         let permits = if Self::may_start_batch(state) {
             Self::permits(state).await?
@@ -456,6 +512,56 @@ impl Drainer {
                 Err(err) => Self::store_failed(myself, err),
             },
         }
+    }
+
+    /// The broker refused an event of `branch`: retry the branch alone after its backoff, or
+    /// park it in PostgreSQL after `park_after_attempts` refusals in a row.
+    async fn cool(
+        &self,
+        myself: &ActorRef<DrainerMessage>,
+        state: &mut DrainerState,
+        branch: BranchKey,
+        reason: &'static str,
+    ) -> Result<(), store::Error> {
+        let now = std::time::Instant::now();
+        let retry = state.args.config.retry;
+        let cooling = state
+            .cooling
+            .entry(branch.clone())
+            .or_insert_with(|| Cooling {
+                attempts: 0,
+                first_failed: now,
+                retry_at: now,
+                backoff: Backoff::new(retry),
+            });
+        cooling.attempts += 1;
+        let attempts = cooling.attempts;
+        if attempts >= state.args.config.park_after_attempts.max(1) {
+            let failing_for = now - cooling.first_failed;
+            state.cooling.remove(&branch);
+            state
+                .args
+                .outbox
+                .park_branch(
+                    &branch,
+                    reason,
+                    attempts,
+                    failing_for,
+                    state.args.config.park_retry,
+                )
+                .await?;
+            metrics::counter!("relay_branches_parked_total", "tenant" => branch.tenant.to_string())
+                .increment(1);
+            tracing::warn!(branch = %branch, reason, attempts, retry_in_s = state.args.config.park_retry.as_secs(), "branch parked: the broker keeps refusing its events; the rest of the tenant flows (release with `distribution release`)");
+            return Ok(());
+        }
+        let delay = cooling.backoff.next_delay();
+        cooling.retry_at = now + delay;
+        if attempts == 1 {
+            tracing::warn!(branch = %branch, reason, "the broker refused an event; retrying its branch alone");
+        }
+        myself.send_after(delay, || DrainerMessage::Drain);
+        Ok(())
     }
 
     /// Records outcomes for the shards `settle_shard` answers, in the batch numbered `batch_id`.
@@ -561,6 +667,7 @@ impl Actor for Drainer {
             args,
             batches: VecDeque::new(),
             blocked: HashSet::new(),
+            cooling: HashMap::new(),
             window_failed: false,
             next_batch: 0,
             retry_scheduled: false,

@@ -64,6 +64,26 @@ SELECT parent.tenant_id, parent.run_id, parent.branch_id, parent.head_lsn + 1,
    AND child.parent_branch_id = parent.branch_id
  WHERE parent.abandoned_at_lsn IS NOT NULL AND parent.head_lsn < 9223372036854775807;
 
+-- Branches whose events the broker keeps refusing (returned, nacked): parked alone, so the rest
+-- of their tenant flows; their later events wait behind them, in order.
+CREATE TABLE relay_parked_branch (
+    tenant_id       text        NOT NULL,
+    run_id          text        NOT NULL,
+    branch_id       text        NOT NULL,
+    reason          text        NOT NULL,
+    attempts        integer     NOT NULL,
+    first_failed_at timestamptz NOT NULL,
+    parked_at       timestamptz NOT NULL DEFAULT now(),
+    retry_at        timestamptz NOT NULL,
+    PRIMARY KEY (tenant_id, run_id, branch_id)
+);
+COMMENT ON TABLE relay_parked_branch IS 'Branches the relay stopped sending after repeated broker refusals; drained again from retry_at, removed when one of their events is confirmed or an operator releases them.';
+COMMENT ON COLUMN relay_parked_branch.reason IS 'What the broker said last (returned NO_ROUTE, nacked, ...).';
+COMMENT ON COLUMN relay_parked_branch.attempts IS 'Failed attempts so far.';
+COMMENT ON COLUMN relay_parked_branch.first_failed_at IS 'When the first failure of this streak happened.';
+COMMENT ON COLUMN relay_parked_branch.parked_at IS 'When it was (last) parked.';
+COMMENT ON COLUMN relay_parked_branch.retry_at IS 'The drain skips the branch until then.';
+
 -- The relay's steady-state step: retire confirmed intents and drain the next ones of a tenant.
 -- Each statement of a PL/pgSQL function takes its own snapshot (READ COMMITTED), so the drain
 -- never returns a row that a transaction deleted and committed while the ack waited on its lock
@@ -98,6 +118,10 @@ BEGIN
          USING unnest(p_ack_runs, p_ack_branches, p_ack_lsns) AS k(run_id, branch_id, lsn)
          WHERE o.tenant_id = p_tenant AND o.run_id = k.run_id
            AND o.branch_id = k.branch_id AND o.lsn = k.lsn;
+        -- A confirmed event unparks its branch.
+        DELETE FROM relay_parked_branch p
+         USING unnest(p_ack_runs, p_ack_branches) AS k(run_id, branch_id)
+         WHERE p.tenant_id = p_tenant AND p.run_id = k.run_id AND p.branch_id = k.branch_id;
     END IF;
     IF p_limit > 0 THEN
         -- At most p_limit rows holding at most p_max_bytes of payload in all; the first row
@@ -112,6 +136,10 @@ BEGIN
                        SELECT 1 FROM unnest(p_fly_runs, p_fly_branches, p_fly_lsns)
                                   AS f(run_id, branch_id, lsn)
                         WHERE f.run_id = o.run_id AND f.branch_id = o.branch_id AND o.lsn <= f.lsn)
+                   AND NOT EXISTS (
+                       SELECT 1 FROM relay_parked_branch p
+                        WHERE p.tenant_id = o.tenant_id AND p.run_id = o.run_id
+                          AND p.branch_id = o.branch_id AND p.retry_at > clock_timestamp())
                  ORDER BY o.seq
                  LIMIT p_limit) d
          WHERE d.upto <= p_max_bytes OR d.upto = octet_length(d.payload)

@@ -57,6 +57,7 @@ pub use outbox::DrainLimit;
 pub use outbox::EventKind;
 pub use outbox::Outbox;
 pub use outbox::OutboxEvent;
+pub use outbox::ParkedBranch;
 pub use wakeup::Wakeups;
 pub use writer::DEFAULT_MAX_PAYLOAD_BYTES;
 pub use writer::IntentWriter;

@@ -89,6 +89,23 @@ impl From<u32> for DrainLimit {
     }
 }
 
+/// A branch parked after repeated broker refusals, as `distribution status` shows it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParkedBranch {
+    /// The branch.
+    pub branch: crate::BranchKey,
+    /// What the broker said last.
+    pub reason: String,
+    /// Failed attempts so far.
+    pub attempts: u32,
+    /// Since the first failure of this streak.
+    pub failing_for: Duration,
+    /// Until the next attempt (zero: due).
+    pub retry_in: Duration,
+    /// Its events waiting in the outbox.
+    pub pending: u64,
+}
+
 /// Reads and retires committed intents. Cheap to clone (a pool handle).
 #[derive(Clone, Debug)]
 pub struct Outbox {
@@ -250,6 +267,96 @@ impl Outbox {
         self.ack_and_drain(fence, shipped, tenant, 0u32, &[])
             .await?;
         Ok(())
+    }
+
+    /// Parks `branch`: the drain skips it for `retry_after`, its events wait in order. Called
+    /// after repeated refusals; a confirmed event of the branch (or [`Outbox::release`])
+    /// unparks it.
+    pub async fn park_branch(
+        &self,
+        branch: &crate::BranchKey,
+        reason: &str,
+        attempts: u32,
+        failing_for: Duration,
+        retry_after: Duration,
+    ) -> Result<(), Error> {
+        sqlx::query(
+            "INSERT INTO relay_parked_branch
+                 (tenant_id, run_id, branch_id, reason, attempts, first_failed_at, retry_at)
+             VALUES ($1, $2, $3, $4, $5, now() - $6 * interval '1 millisecond',
+                     now() + $7 * interval '1 millisecond')
+             ON CONFLICT (tenant_id, run_id, branch_id) DO UPDATE
+                SET reason = EXCLUDED.reason,
+                    attempts = relay_parked_branch.attempts + EXCLUDED.attempts,
+                    parked_at = now(), retry_at = EXCLUDED.retry_at",
+        )
+        .bind(branch.tenant.as_str())
+        .bind(branch.run.as_str())
+        .bind(branch.branch.as_str())
+        .bind(reason)
+        .bind(i32::try_from(attempts).unwrap_or(i32::MAX))
+        .bind(failing_for.as_millis().min(i64::MAX as u128) as i64)
+        .bind(retry_after.as_millis().min(i64::MAX as u128) as i64)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Releases parked branches of `tenant` (all, one run's, or one branch): they are drained
+    /// again at once. Returns how many were released.
+    pub async fn release(
+        &self,
+        tenant: &TenantId,
+        run: Option<&crate::RunId>,
+        branch: Option<&BranchId>,
+    ) -> Result<u64, Error> {
+        let released = sqlx::query(
+            "DELETE FROM relay_parked_branch
+              WHERE tenant_id = $1 AND ($2::text IS NULL OR run_id = $2)
+                AND ($3::text IS NULL OR branch_id = $3)",
+        )
+        .bind(tenant.as_str())
+        .bind(run.map(crate::RunId::as_str))
+        .bind(branch.map(BranchId::as_str))
+        .execute(&self.pool)
+        .await?
+        .rows_affected();
+        Ok(released)
+    }
+
+    /// Every parked branch, with its reason, age and pending events.
+    pub async fn parked_branches(&self) -> Result<Vec<ParkedBranch>, Error> {
+        type Row = (String, String, String, String, i32, f64, f64, i64);
+        let rows: Vec<Row> = sqlx::query_as(
+            "SELECT p.tenant_id, p.run_id, p.branch_id, p.reason, p.attempts,
+                    extract(epoch FROM now() - p.first_failed_at)::float8,
+                    greatest(extract(epoch FROM p.retry_at - now())::float8, 0),
+                    (SELECT count(*) FROM relay_outbox o
+                      WHERE o.tenant_id = p.tenant_id AND o.run_id = p.run_id
+                        AND o.branch_id = p.branch_id)
+               FROM relay_parked_branch p
+              ORDER BY p.tenant_id, p.run_id, p.branch_id",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        rows.into_iter()
+            .map(
+                |(tenant, run, branch, reason, attempts, failing, retry, pending)| {
+                    Ok(ParkedBranch {
+                        branch: crate::BranchKey::new(
+                            TenantId::new(tenant)?,
+                            crate::RunId::new(run)?,
+                            BranchId::new(branch)?,
+                        ),
+                        reason,
+                        attempts: attempts.max(0) as u32,
+                        failing_for: Duration::from_secs_f64(failing.max(0.0)),
+                        retry_in: Duration::from_secs_f64(retry.max(0.0)),
+                        pending: pending.max(0) as u64,
+                    })
+                },
+            )
+            .collect()
     }
 
     /// The tenants that have pending intents (a skip scan over the drain index: one index probe

@@ -144,6 +144,7 @@ pub struct SupervisorState {
     held: HashMap<Bucket, Fence>,
     relay_id: RelayId,
     gauged: Arc<Mutex<HashSet<TenantId>>>,
+    parked_gauged: Arc<Mutex<HashSet<TenantId>>>,
     finishing: Option<RpcReplyPort<()>>,
     wakeups: Option<tokio::task::JoinHandle<()>>,
     keeper: Option<(watch::Sender<bool>, tokio::task::JoinHandle<()>)>,
@@ -325,6 +326,7 @@ impl RelaySupervisor {
         let outbox = state.args.outbox.clone();
         let busy = state.metrics_busy.clone();
         let gauged = state.gauged.clone();
+        let parked_gauged = state.parked_gauged.clone();
         let limit = state
             .args
             .config
@@ -365,6 +367,27 @@ impl RelaySupervisor {
                     metrics::gauge!("relay_backlog_oldest_age_seconds", "tenant" => label).set(0.0);
                 }
                 *gauged = seen;
+            }
+            // Parked branches per tenant (a small table: only what the broker kept refusing).
+            if let Ok(Ok(parked)) = tokio::time::timeout(limit, outbox.parked_branches()).await {
+                let mut counts: HashMap<TenantId, usize> = HashMap::new();
+                for branch in parked {
+                    *counts.entry(branch.branch.tenant).or_default() += 1;
+                }
+                let mut parked_gauged = parked_gauged
+                    .lock()
+                    .unwrap_or_else(|poison| poison.into_inner());
+                for tenant in parked_gauged.iter() {
+                    if !counts.contains_key(tenant) {
+                        metrics::gauge!("relay_parked_branches", "tenant" => tenant.to_string())
+                            .set(0.0);
+                    }
+                }
+                for (tenant, count) in &counts {
+                    metrics::gauge!("relay_parked_branches", "tenant" => tenant.to_string())
+                        .set(*count as f64);
+                }
+                *parked_gauged = counts.into_keys().collect();
             }
             busy.store(false, Ordering::Release);
         });
@@ -431,6 +454,7 @@ impl Actor for RelaySupervisor {
             held: HashMap::new(),
             relay_id: RelayId::generate(),
             gauged: Arc::new(Mutex::new(HashSet::new())),
+            parked_gauged: Arc::new(Mutex::new(HashSet::new())),
             finishing: None,
             wakeups: None,
             keeper: None,

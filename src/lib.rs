@@ -3,14 +3,17 @@
 //! - `config`: [`RelayConfig`], read from the environment or built in code; fails fast.
 //! - `relay`: [`Relay`] and [`RelayHandle`]: the actor tree on its own runtime threads.
 //! - `proxy`: [`BrokerProxy`], a TCP proxy you own, to take "the broker" down without stopping it.
+//! - `telemetry`: [`describe_metrics`], [`prometheus_builder`] (lag histogram buckets),
+//!   [`LogFormat`].
 //!
-//! The host writes with [`store::IntentWriter`] inside its own transactions; consumers fold with
-//! [`broker::FoldConsumer`] and [`store::FoldStore`].
+//! The host writes with [`store::IntentWriter`] inside its own transactions; consumers fold into
+//! their own tables with [`broker::Consumer`] over a [`store::Projection`].
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
 mod config;
 mod proxy;
 mod relay;
+mod telemetry;
 
 pub use broker;
 pub use config::ConfigError;
@@ -23,3 +26,7 @@ pub use relay::RelayWaker;
 pub use store;
 pub use supervisor::SupervisorConfig;
 pub use supervisor::TreeSnapshot;
+pub use telemetry::LAG_BUCKETS;
+pub use telemetry::LogFormat;
+pub use telemetry::describe_metrics;
+pub use telemetry::prometheus_builder;

@@ -30,13 +30,27 @@ fn main() -> ExitCode {
     } else {
         "warn,lapin=off,sqlx=warn"
     };
-    tracing_subscriber::fmt()
+    let format = match std::env::var("RELAY_LOG_FORMAT") {
+        Ok(value) => match value.parse::<distribution::LogFormat>() {
+            Ok(format) => format,
+            Err(err) => {
+                eprintln!("error: {err}");
+                return ExitCode::FAILURE;
+            }
+        },
+        Err(_) => distribution::LogFormat::Text,
+    };
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| default_filter.into()),
         )
-        .with_writer(std::io::stderr)
-        .init();
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr);
+    match format {
+        distribution::LogFormat::Text => logs.init(),
+        distribution::LogFormat::Json => logs.json().init(),
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -114,10 +128,11 @@ async fn run() -> Result<()> {
         }
         Err(err) => return Err(anyhow::anyhow!("{err} (AMQP_URL, RELAY_TOPOLOGY)")),
     }
-    metrics_exporter_prometheus::PrometheusBuilder::new()
+    distribution::prometheus_builder()?
         .with_http_listener(config.metrics_addr)
         .install()
         .with_context(|| format!("cannot serve metrics on {}", config.metrics_addr))?;
+    distribution::describe_metrics(config.supervisor.shards);
     let metrics_addr = config.metrics_addr;
     let relay = Relay::start(config).await?;
     tracing::info!(%metrics_addr, "relay running");

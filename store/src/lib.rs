@@ -66,12 +66,76 @@ pub use writer::Rewound;
 /// The channel `append` notifies on commit; the payload is the tenant id.
 pub const NOTIFY_CHANNEL: &str = "relay_outbox";
 
-/// The embedded migrations (`store/migrations`), compiled in: no database is needed to build.
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+/// Where the relay records its migrations: a table of its own, so a host's own sqlx migrations
+/// (in `_sqlx_migrations`) and the relay's never see each other.
+pub const MIGRATIONS_TABLE: &str = "relay_migrations";
 
-/// Brings the database schema up to date. Safe to run concurrently and repeatedly.
+/// The embedded migrations (`store/migrations`), compiled in: no database is needed to build.
+/// Tracked in [`MIGRATIONS_TABLE`]. Hosts with another migration tool can apply the same SQL
+/// (`MIGRATOR.iter()`, or the files in `store/migrations`, in order).
+pub static MIGRATOR: std::sync::LazyLock<sqlx::migrate::Migrator> =
+    std::sync::LazyLock::new(|| {
+        let mut migrator = sqlx::migrate!("./migrations");
+        migrator.dangerous_set_table_name(MIGRATIONS_TABLE);
+        migrator
+    });
+
+/// Brings the database schema up to date. Safe to run concurrently and repeatedly, beside a
+/// host's own sqlx migrations, in either order.
 pub async fn migrate(pool: &sqlx::PgPool) -> Result<(), Error> {
+    adopt_legacy_migrations(pool).await?;
     MIGRATOR.run(pool).await.map_err(Error::Migrate)
+}
+
+/// Versions before 0.2 recorded their migrations in sqlx's default `_sqlx_migrations`, where a
+/// host's sqlx migrator then saw unknown versions. Moves exactly those rows (same version and
+/// checksum as ours) to [`MIGRATIONS_TABLE`]; the host's own rows are never touched.
+async fn adopt_legacy_migrations(pool: &sqlx::PgPool) -> Result<(), Error> {
+    let legacy: Option<String> = sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations')::text")
+        .fetch_one(pool)
+        .await?;
+    if legacy.is_none() {
+        return Ok(());
+    }
+    let (versions, checksums): (Vec<i64>, Vec<Vec<u8>>) = MIGRATOR
+        .iter()
+        .map(|migration| (migration.version, migration.checksum.to_vec()))
+        .unzip();
+    let mut tx = pool.begin().await?;
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS relay_migrations (
+             version BIGINT PRIMARY KEY,
+             description TEXT NOT NULL,
+             installed_on TIMESTAMPTZ NOT NULL DEFAULT now(),
+             success BOOLEAN NOT NULL,
+             checksum BYTEA NOT NULL,
+             execution_time BIGINT NOT NULL)",
+    )
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query(
+        "INSERT INTO relay_migrations
+         SELECT l.version, l.description, l.installed_on, l.success, l.checksum, l.execution_time
+           FROM _sqlx_migrations l
+           JOIN unnest($1::bigint[], $2::bytea[]) AS m(version, checksum)
+             ON l.version = m.version AND l.checksum = m.checksum
+         ON CONFLICT (version) DO NOTHING",
+    )
+    .bind(&versions)
+    .bind(&checksums)
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query(
+        "DELETE FROM _sqlx_migrations l
+          USING unnest($1::bigint[], $2::bytea[]) AS m(version, checksum)
+          WHERE l.version = m.version AND l.checksum = m.checksum",
+    )
+    .bind(&versions)
+    .bind(&checksums)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(())
 }
 
 /// The fold's tables alone (`store/fold_migrations`), for a consumer's own database; tracked in

@@ -1,34 +1,18 @@
 //! The fold on real PostgreSQL: exactly once per (BranchKey, Lsn), in Lsn order per branch,
 //! whatever the delivery sequence (duplicates, reorderings, losses then resends).
+mod common;
+
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use chrono::Utc;
+use common::fresh_database;
 use proptest::prelude::*;
-use sqlx::{Connection, PgConnection, PgPool};
+use sqlx::PgPool;
 use store::{
     BranchId, BranchKey, EventKey, EventKind, FoldOutcome, FoldStore, Lsn, OutboxEvent, RunId,
     TenantId,
 };
-
-/// A fresh database for a test that is not a `#[sqlx::test]` (proptest drives its own runtime).
-async fn fresh_database(label: &str) -> PgPool {
-    let url = std::env::var("DATABASE_URL").expect("DATABASE_URL (set in .cargo/config.toml)");
-    let name = format!(
-        "relay_{label}_{}_{}",
-        std::process::id(),
-        Utc::now().timestamp_micros()
-    );
-    let mut admin = PgConnection::connect(&url).await.unwrap();
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-        .execute(&mut admin)
-        .await
-        .unwrap();
-    let base = url.rsplit_once('/').map(|(base, _)| base).unwrap();
-    let pool = PgPool::connect(&format!("{base}/{name}")).await.unwrap();
-    store::migrate(&pool).await.unwrap();
-    pool
-}
 
 /// One branch's chain: base and ascending Lsns with gaps.
 #[derive(Clone, Debug)]

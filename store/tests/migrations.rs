@@ -1,24 +1,10 @@
 //! The relay's migrations beside a host's own sqlx migrations, on real PostgreSQL: either
 //! order, twice, and a database migrated by an older relay (into `_sqlx_migrations`) adopted.
-use chrono::Utc;
-use sqlx::migrate::Migrator;
-use sqlx::{Connection, PgConnection, PgPool};
+mod common;
 
-async fn empty_database(label: &str) -> PgPool {
-    let url = std::env::var("DATABASE_URL").expect("DATABASE_URL (set in .cargo/config.toml)");
-    let name = format!(
-        "relay_{label}_{}_{}",
-        std::process::id(),
-        Utc::now().timestamp_micros()
-    );
-    let mut admin = PgConnection::connect(&url).await.unwrap();
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-        .execute(&mut admin)
-        .await
-        .unwrap();
-    let base = url.rsplit_once('/').map(|(base, _)| base).unwrap();
-    PgPool::connect(&format!("{base}/{name}")).await.unwrap()
-}
+use common::empty_database;
+use sqlx::Connection;
+use sqlx::migrate::Migrator;
 
 /// A host's own migrations, in sqlx's default table.
 async fn host_migrator() -> Migrator {

@@ -1,31 +1,20 @@
 //! Rewinds at the fold, on real PostgreSQL: once a branch's marker is folded nothing above its
 //! fork point stays applied, and a user's projection sees exactly the host's live history, in
 //! its order, whatever the delivery sequence (abandoned events in flight, duplicates, reorders).
+mod common;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use chrono::Utc;
 use proptest::prelude::*;
-use sqlx::{Connection, PgConnection, PgPool};
+use sqlx::{PgConnection, PgPool};
 use store::{
     BranchId, BranchKey, EventKey, EventKind, EventTable, FoldOutcome, FoldStore, Lsn, OutboxEvent,
     Projection, RewindNotice, RunId, TenantId,
 };
 
 async fn fresh_database(label: &str) -> PgPool {
-    let url = std::env::var("DATABASE_URL").expect("DATABASE_URL (set in .cargo/config.toml)");
-    let name = format!(
-        "relay_{label}_{}_{}",
-        std::process::id(),
-        Utc::now().timestamp_micros()
-    );
-    let mut admin = PgConnection::connect(&url).await.unwrap();
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-        .execute(&mut admin)
-        .await
-        .unwrap();
-    let base = url.rsplit_once('/').map(|(base, _)| base).unwrap();
-    let pool = PgPool::connect(&format!("{base}/{name}")).await.unwrap();
-    store::migrate(&pool).await.unwrap();
+    let pool = common::fresh_database(label).await;
     journal_table(&pool).await;
     pool
 }

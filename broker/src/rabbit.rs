@@ -103,9 +103,9 @@ pub(crate) async fn open(
         connection.create_channel(),
     )
     .await?;
-    config
-        .topology
-        .declare(&channel)
+    // Under the timeout too: a broker that goes silent mid-declare would otherwise hold this
+    // publisher forever (it would never fault, so never restart).
+    within_topology(&config.topology, &channel, config.connect_timeout)
         .await
         .map_err(|err| match err {
             Error::Channel(err) => refused_or(err, |text| {
@@ -140,7 +140,8 @@ pub enum Preflight {
 pub async fn preflight(config: &RabbitConfig) -> Result<Preflight, Error> {
     match open(config, "outbox-relay-preflight").await {
         Ok((connection, _channel)) => {
-            let _ = connection.close(200, "preflight done".into()).await;
+            let closing = connection.close(200, "preflight done".into());
+            let _ = tokio::time::timeout(config.connect_timeout, closing).await;
             Ok(Preflight::Ready)
         }
         Err(Error::Refused(why)) => Err(Error::Refused(why)),

@@ -281,6 +281,14 @@ impl LeaseBook {
         self.held.is_empty()
     }
 
+    /// What is held: (bucket, epoch), the input of [`LeaseStore::renew`].
+    pub fn held(&self) -> Vec<(Bucket, i64)> {
+        self.held
+            .iter()
+            .map(|(bucket, lease)| (*bucket, lease.epoch()))
+            .collect()
+    }
+
     /// The fence of `bucket`, if held.
     pub fn fence(&self, bucket: Bucket) -> Option<Fence> {
         self.held.get(&bucket).map(Lease::fence)
@@ -326,16 +334,17 @@ impl LeaseBook {
         gained
     }
 
-    /// Leases whose fence closed by `now` without a renewal (e.g. PostgreSQL unreachable):
-    /// dropped from the book and reported lost.
-    pub fn expire(&mut self, now: Instant) -> Vec<Bucket> {
+    /// Leases whose fence closed by `now` without a renewal (e.g. PostgreSQL slow or
+    /// unreachable): dropped from the book and returned with their epochs (release them, so
+    /// they are claimable at once; they are never renewed again either way).
+    pub fn expire(&mut self, now: Instant) -> Vec<(Bucket, i64)> {
         let mut lost = Vec::new();
         self.held.retain(|bucket, lease| {
             if lease.fence().is_open_at(now) {
                 true
             } else {
                 lease.revoke();
-                lost.push(*bucket);
+                lost.push((*bucket, lease.epoch()));
                 false
             }
         });
@@ -425,15 +434,28 @@ impl LeaseStore {
         Ok(others.max(0) as u32 + 1)
     }
 
-    /// Renews every unexpired lease of `me` for `ttl`; returns what it still holds.
-    pub async fn renew(&self, me: &RelayId, ttl: Duration) -> Result<Vec<(Bucket, i64)>, Error> {
+    /// Renews, for `ttl`, exactly the leases `held` (bucket, epoch) of `me` that are still
+    /// current; returns those. Only what the caller still holds is renewed: a lease it dropped
+    /// (its fence lapsed) must expire, or nobody could ever claim that bucket again.
+    pub async fn renew(
+        &self,
+        me: &RelayId,
+        ttl: Duration,
+        held: &[(Bucket, i64)],
+    ) -> Result<Vec<(Bucket, i64)>, Error> {
+        let buckets_held: Vec<i32> = held.iter().map(|(b, _)| i32::from(b.0)).collect();
+        let epochs: Vec<i64> = held.iter().map(|(_, e)| *e).collect();
         let rows: Vec<(i32, i64)> = sqlx::query_as(
-            "UPDATE relay_lease SET expires_at = now() + $2 * interval '1 millisecond'
-              WHERE owner = $1 AND expires_at > now()
-             RETURNING bucket, epoch",
+            "UPDATE relay_lease l SET expires_at = now() + $2 * interval '1 millisecond'
+               FROM unnest($3::int[], $4::bigint[]) AS h(bucket, epoch)
+              WHERE l.bucket = h.bucket AND l.epoch = h.epoch
+                AND l.owner = $1 AND l.expires_at > now()
+             RETURNING l.bucket, l.epoch",
         )
         .bind(me.as_str())
         .bind(ms(ttl))
+        .bind(&buckets_held)
+        .bind(&epochs)
         .fetch_all(&self.pool)
         .await?;
         Ok(buckets(rows))
@@ -569,8 +591,16 @@ mod tests {
         assert!(!fences[0].is_open_at(sent + Duration::from_millis(9_001)));
         // Without renewals the book drops it and reports it lost.
         assert!(book.expire(sent + Duration::from_secs(5)).is_empty());
-        assert_eq!(book.expire(sent + Duration::from_secs(10)), vec![Bucket(0)]);
+        assert_eq!(book.held(), vec![(Bucket(0), 1)]);
+        assert_eq!(
+            book.expire(sent + Duration::from_secs(10)),
+            vec![(Bucket(0), 1)]
+        );
         assert!(book.is_empty());
+        assert!(
+            book.held().is_empty(),
+            "a lapsed lease is never renewed again"
+        );
     }
 
     #[test]

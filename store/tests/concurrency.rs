@@ -208,7 +208,7 @@ async fn a_takeover_fences_the_former_owner_in_postgres(pool: PgPool) {
     );
 
     // The first relay's renewal shows the loss and closes its fence.
-    let renewed = leases.renew(&first, ttl).await.unwrap();
+    let renewed = leases.renew(&first, ttl, &first_book.held()).await.unwrap();
     assert_eq!(first_book.renewed(&renewed, Instant::now()), vec![bucket]);
     assert!(!stale.is_open());
 
@@ -294,7 +294,7 @@ async fn relays_share_buckets_evenly(pool: PgPool) {
                 let members = leases.heartbeat(relay, ttl).await.unwrap();
                 assert_eq!(members as usize, joined);
                 let sent = Instant::now();
-                let held = leases.renew(relay, ttl).await.unwrap();
+                let held = leases.renew(relay, ttl, &book.held()).await.unwrap();
                 assert!(book.renewed(&held, sent).is_empty());
                 match plan.step(book.len(), members) {
                     LeaseStep::Claim(n) => {
@@ -336,4 +336,42 @@ async fn relays_share_buckets_evenly(pool: PgPool) {
     };
     let claimed = leases.claim(&relays[0], ttl, n).await.unwrap();
     assert_eq!(claimed.len(), usize::from(n));
+}
+
+/// Only the leases a relay still holds are renewed: one it dropped (its fence lapsed while
+/// renewals were slow) expires and can be claimed again, instead of being kept alive forever
+/// by the next renewal with nobody draining it.
+#[sqlx::test(migrator = "store::MIGRATOR")]
+async fn a_lapsed_lease_is_not_renewed_and_becomes_claimable(pool: PgPool) {
+    let leases = LeaseStore::new(pool.clone());
+    let me = RelayId::generate();
+    let claimed = leases.claim(&me, Duration::from_secs(2), 2).await.unwrap();
+    assert_eq!(claimed.len(), 2);
+    // The relay still holds the first only; renewing must not extend the second.
+    let renewed = leases
+        .renew(&me, Duration::from_secs(60), &claimed[..1])
+        .await
+        .unwrap();
+    assert_eq!(renewed, claimed[..1].to_vec());
+    let left: f64 = sqlx::query_scalar(
+        "SELECT extract(epoch FROM expires_at - now())::float8 FROM relay_lease WHERE bucket = $1",
+    )
+    .bind(i32::from(claimed[1].0.0))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(
+        left < 10.0,
+        "the dropped lease was kept alive ({left:.1} s left)"
+    );
+    // When it runs out (forced here) anyone may claim it, this relay included, at a new epoch.
+    sqlx::query(
+        "UPDATE relay_lease SET expires_at = now() - interval '1 second' WHERE bucket = $1",
+    )
+    .bind(i32::from(claimed[1].0.0))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let again = leases.claim(&me, Duration::from_secs(60), 1).await.unwrap();
+    assert_eq!(again, vec![(claimed[1].0, claimed[1].1 + 1)]);
 }

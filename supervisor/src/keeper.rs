@@ -210,14 +210,23 @@ impl Keeper {
                 Err(err) => failures.membership.failed("relay membership", &err),
             }
             let sent = Instant::now();
-            match within(limit, self.leases.renew(&self.me, self.config.ttl)).await {
+            let holding = book.held();
+            match within(
+                limit,
+                self.leases.renew(&self.me, self.config.ttl, &holding),
+            )
+            .await
+            {
                 Ok(held) => {
                     changes.lost.extend(book.renewed(&held, sent));
                     failures.renewal.ok("lease renewal");
                 }
                 Err(err) => failures.renewal.failed("lease renewal", &err),
             }
-            changes.lost.extend(book.expire(Instant::now()));
+            let lapsed = book.expire(Instant::now());
+            changes
+                .lost
+                .extend(lapsed.iter().map(|(bucket, _)| *bucket));
             if !changes.lost.is_empty() {
                 tracing::warn!(
                     buckets = changes.lost.len(),
@@ -257,6 +266,8 @@ impl Keeper {
             if !changes.is_empty() && supervisor.cast(SupervisorMessage::Leases(changes)).is_err() {
                 return None;
             }
+            // Lapsed leases are released too: claimable at once instead of after the TTL.
+            release.extend(lapsed);
             if !release.is_empty()
                 && let Err(err) = within(limit, self.leases.release(&self.me, &release)).await
             {

@@ -300,20 +300,6 @@ mod consumer {
                     .fetch_one(&consumer_pool)
                     .await
                     .unwrap();
-                if std::env::var("DEBUG_CONSUMER").is_ok() {
-                    eprintln!("events {n}/{expected_events} parked {parked}");
-                    // The fold's state, to see what waits on what.
-                    let state: Vec<String> = sqlx::query_scalar(
-                        "SELECT 'parked ' || p::text FROM relay_fold_parked p
-                         UNION ALL SELECT 'cursor ' || c::text FROM relay_fold_cursor c ORDER BY 1",
-                    )
-                    .fetch_all(&consumer_pool)
-                    .await
-                    .unwrap();
-                    for line in state {
-                        eprintln!("  {line}");
-                    }
-                }
                 n as usize == expected_events && parked == 0
             })
             .await;

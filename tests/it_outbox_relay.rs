@@ -634,13 +634,7 @@ mod outbox {
     /// within its AMQP timeouts instead of trying every queued batch on the dead session,
     /// nothing is acked that the broker did not confirm, and everything ships, in order and
     /// once at the fold, when it answers again.
-    ///
-    /// Ignored in CI: in 2 of 3 CI runs (beside the other acceptance tests) the relay did not
-    /// finish shipping within 60 s after the broker answered again, although detection and
-    /// "nothing acked" held; alone it passed every time here. An open defect (issue 8's closing
-    /// note). Run it with `cargo test -p distribution --test it_outbox_relay -- --ignored`.
     #[test]
-    #[ignore = "recovery after a silent broker sometimes stalls in CI; open defect, see issue 8"]
     fn outbox_a_silent_broker_is_noticed_within_its_timeouts_and_nothing_is_acked() {
         host_runtime().block_on(async {
             let (pool, url) = fresh_database("silent").await;
@@ -698,12 +692,34 @@ mod outbox {
             assert_eq!(pending(&outbox).await as usize, count(&more.expected));
 
             proxy.restore();
-            wait_until(
-                "everything folded after the broker answers",
-                Duration::from_secs(60),
-                || async { folded_count(&fold, &all).await == count(&all) },
-            )
-            .await;
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while folded_count(&fold, &all).await != count(&all) {
+                if Instant::now() > deadline {
+                    // Say why before failing: what the relay holds and what still waits.
+                    let tree = relay.snapshot().await;
+                    let leases: Vec<(Option<String>, i64)> = sqlx::query_as(
+                        "SELECT owner, count(*) FROM relay_lease GROUP BY owner",
+                    )
+                    .fetch_all(&pool)
+                    .await
+                    .unwrap();
+                    panic!(
+                        "not everything folded 60 s after the broker answered: folded {} of {}; \
+                         backlog {:?}; parked {:?}; leases {leases:?}; relay {:?}",
+                        folded_count(&fold, &all).await,
+                        count(&all),
+                        outbox.backlog().await.unwrap(),
+                        outbox.parked_branches().await.unwrap(),
+                        tree.map(|tree| (
+                            tree.relay_id,
+                            tree.buckets_held,
+                            tree.drainers.keys().cloned().collect::<Vec<_>>(),
+                            tree.publishers.iter().filter(|p| p.is_some()).count(),
+                        )),
+                    );
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
             assert_folded_exactly(&fold, &all).await;
             relay.shutdown().await;
             folding.stop().await;

@@ -84,7 +84,12 @@ pub fn describe_metrics(shards: u16) {
         "relay_consumer_retries_total",
         "Deliveries a consumer retried after a transient failure."
     );
+    describe_counter!(
+        "relay_broker_refusals_total",
+        "Broker sessions refused while running (credentials, vhost, conflicting topology): an operator must act."
+    );
     metrics::counter!("relay_drainer_restarts_total").absolute(0);
+    metrics::counter!("relay_broker_refusals_total").absolute(0);
     metrics::counter!("relay_leases_lost_total").absolute(0);
     for shard in 0..shards {
         let shard = shard.to_string();

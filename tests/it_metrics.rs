@@ -81,6 +81,39 @@ mod metrics_surface {
                 "{scraped}"
             );
             relay.shutdown().await;
+            assert!(
+                scraped.contains("relay_broker_refusals_total 0"),
+                "{scraped}"
+            );
+
+            // Credentials that stop working while the relay runs: counted, not silent.
+            let bad_url = amqp_url().replacen("guest:guest", "guest:wrong", 1);
+            assert_ne!(
+                bad_url,
+                amqp_url(),
+                "the test broker URL carries guest:guest"
+            );
+            let refused = relay_config(&url, &bad_url, &config.topology);
+            let relay = Relay::start(refused).await.unwrap();
+            writer
+                .append(
+                    &mut pool.acquire().await.unwrap(),
+                    &branch,
+                    Lsn::new(2),
+                    b"y",
+                )
+                .await
+                .unwrap();
+            wait_until("a refusal counted", Duration::from_secs(30), || async {
+                handle
+                    .render()
+                    .lines()
+                    .filter_map(|line| line.strip_prefix("relay_broker_refusals_total "))
+                    .any(|value| value.trim() != "0")
+            })
+            .await;
+            assert_eq!(pending(&outbox).await, 1, "nothing acked while refused");
+            relay.shutdown().await;
             drop_topology(&config.rabbit_config().unwrap().topology).await;
         });
     }

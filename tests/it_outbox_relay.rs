@@ -697,12 +697,11 @@ mod outbox {
                 if Instant::now() > deadline {
                     // Say why before failing: what the relay holds and what still waits.
                     let tree = relay.snapshot().await;
-                    let leases: Vec<(Option<String>, i64)> = sqlx::query_as(
-                        "SELECT owner, count(*) FROM relay_lease GROUP BY owner",
-                    )
-                    .fetch_all(&pool)
-                    .await
-                    .unwrap();
+                    let leases: Vec<(Option<String>, i64)> =
+                        sqlx::query_as("SELECT owner, count(*) FROM relay_lease GROUP BY owner")
+                            .fetch_all(&pool)
+                            .await
+                            .unwrap();
                     panic!(
                         "not everything folded 60 s after the broker answered: folded {} of {}; \
                          backlog {:?}; parked {:?}; leases {leases:?}; relay {:?}",

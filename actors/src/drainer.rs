@@ -13,17 +13,18 @@
 //!
 //! Memory is bounded by configuration, not by the backlog: a batch takes permits for its events
 //! from a budget shared by every drainer of the relay, and gives them back when it finishes.
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use broker::Outcome;
 use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef};
-use store::{BranchKey, EventKey, Fence, Outbox, OutboxEvent, TenantId};
+use store::{EventKey, Fence, Outbox, OutboxEvent, TenantId};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, TryAcquireError};
 use tracing::Instrument;
 
-use crate::{Backoff, PublisherDirectory, PublisherMessage, RetryPolicy, ShardId, shard_of};
+use crate::window::{Next, Refusal, RefusalAction, Window, WindowConfig};
+use crate::{PublisherDirectory, PublisherMessage, RetryPolicy, ShardId, shard_of};
 
 /// How a drainer works.
 #[derive(Clone, Copy, Debug)]
@@ -130,25 +131,6 @@ pub enum DrainerMessage {
     IdleCheck(u64),
 }
 
-/// A batch in flight. Only keys are kept here: the payloads travel to the publishers.
-struct Batch {
-    id: u64,
-    keys: Vec<EventKey>,
-    /// When the host wrote each event (parallel to `keys`), for the lag histogram.
-    written: Vec<chrono::DateTime<chrono::Utc>>,
-    outcomes: Vec<Option<Outcome>>,
-    pending: HashMap<ShardId, (ActorId, Vec<usize>)>,
-    _permits: Permits,
-}
-
-/// A branch whose events the broker refused, retried alone with its own backoff.
-struct Cooling {
-    attempts: u32,
-    first_failed: std::time::Instant,
-    retry_at: std::time::Instant,
-    backoff: Backoff,
-}
-
 /// A batch's share of the relay-wide budgets, given back when the batch settles.
 #[derive(Debug)]
 struct Permits {
@@ -156,31 +138,17 @@ struct Permits {
     bytes: OwnedSemaphorePermit,
 }
 
-/// State of a drainer.
+/// State of a drainer: its arguments and its window (every decision lives there).
 pub struct DrainerState {
     args: DrainerArgs,
-    /// In flight, in drain order.
-    batches: VecDeque<Batch>,
-    /// Branches with a failure in the current window: nothing later of theirs is acked.
-    blocked: HashSet<BranchKey>,
-    /// Branches the broker refused events of: drains skip each until its retry is due; the
-    /// rest of the tenant flows meanwhile.
-    cooling: HashMap<BranchKey, Cooling>,
-    /// A failure was seen: no new batch until the window is empty and the retry is due.
-    window_failed: bool,
-    next_batch: u64,
-    backoff: Backoff,
-    retry_scheduled: bool,
-    finishing: bool,
-    /// Counts batches started; an idle check compares it.
-    activity: u64,
+    window: Window<Permits>,
 }
 
 impl std::fmt::Debug for DrainerState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DrainerState")
             .field("tenant", &self.args.tenant)
-            .field("batches_in_flight", &self.batches.len())
+            .field("window", &self.window)
             .finish_non_exhaustive()
     }
 }
@@ -198,7 +166,7 @@ impl Drainer {
         let bytes = state.args.config.batch_max_bytes.max(1);
         let (event_budget, byte_budget) =
             (state.args.budget.clone(), state.args.byte_budget.clone());
-        if state.batches.is_empty() {
+        if state.window.is_empty() {
             let events = event_budget.acquire_many_owned(events).await?;
             let bytes = byte_budget.acquire_many_owned(bytes).await?;
             return Ok(Some(Permits { events, bytes }));
@@ -222,51 +190,22 @@ impl Drainer {
         }
     }
 
-    /// The newest in-flight event of each branch: the next drain starts after them. A cooling
-    /// branch (refused, retry not due) is skipped whole.
-    fn newest_in_flight(state: &DrainerState) -> Vec<EventKey> {
-        let mut newest: HashMap<&BranchKey, &EventKey> = HashMap::new();
-        for key in state.batches.iter().flat_map(|batch| &batch.keys) {
-            newest.insert(&key.branch, key);
-        }
-        let now = std::time::Instant::now();
-        let mut skip: Vec<EventKey> = newest.into_values().cloned().collect();
-        skip.extend(
-            state
-                .cooling
-                .iter()
-                .filter(|(_, cooling)| cooling.retry_at > now)
-                .map(|(branch, _)| EventKey {
-                    branch: branch.clone(),
-                    lsn: store::Lsn::new(i64::MAX as u64),
-                }),
-        );
-        skip
-    }
-
-    fn may_start_batch(state: &DrainerState) -> bool {
-        !state.retry_scheduled
-            && !state.window_failed
-            && !state.finishing
-            && state.batches.len() < state.args.config.max_batches_in_flight.max(1)
-    }
-
     async fn drain(
         &self,
         myself: &ActorRef<DrainerMessage>,
         state: &mut DrainerState,
     ) -> Result<(), ActorProcessingErr> {
-        if state.finishing && state.batches.is_empty() {
+        if state.window.finished() {
             myself.stop(Some(stop_reason::FINISHED.into()));
             return Ok(());
         }
-        if !Self::may_start_batch(state) {
+        if !state.window.may_start() {
             return Ok(());
         }
         let Some(permits) = Self::permits(state).await? else {
             return Ok(());
         };
-        let in_flight = Self::newest_in_flight(state);
+        let in_flight = state.window.skip(Instant::now());
         let drained = state
             .args
             .outbox
@@ -300,7 +239,7 @@ impl Drainer {
     /// Nothing is in flight and the last drain was empty: retire after `idle_retire` unless
     /// something happens meanwhile.
     fn schedule_idle_check(myself: &ActorRef<DrainerMessage>, state: &DrainerState) {
-        let activity = state.activity;
+        let activity = state.window.activity();
         myself.send_after(state.args.config.idle_retire, move || {
             DrainerMessage::IdleCheck(activity)
         });
@@ -314,12 +253,11 @@ impl Drainer {
         mut permits: Permits,
     ) -> Result<(), ActorProcessingErr> {
         if events.is_empty() {
-            if state.batches.is_empty() && !state.retry_scheduled {
+            if state.window.idle_since(state.window.activity()) {
                 Self::schedule_idle_check(myself, state);
             }
             return Ok(());
         }
-        state.activity += 1;
         // Keep only as many permits as events and bytes; the rest go back to other drainers now.
         // (A single event larger than the batch cap keeps the whole cap: the one overshoot.)
         let unused = permits.events.num_permits().saturating_sub(events.len());
@@ -327,8 +265,6 @@ impl Drainer {
         let bytes: usize = events.iter().map(|event| event.payload.len()).sum();
         let unused = permits.bytes.num_permits().saturating_sub(bytes);
         drop(permits.bytes.split(unused));
-        let id = state.next_batch;
-        state.next_batch += 1;
         let shards = state.args.publishers.shards();
         let keys: Vec<EventKey> = events.iter().map(|event| event.key.clone()).collect();
         let written = events.iter().map(|event| event.created_at).collect();
@@ -340,15 +276,9 @@ impl Drainer {
             group.0.push(index);
             group.1.push(event);
         }
-        let mut batch = Batch {
-            id,
-            outcomes: vec![None; keys.len()],
-            keys,
-            written,
-            pending: HashMap::new(),
-            _permits: permits,
-        };
+        let id = state.window.open(keys, written, permits);
         for (shard, (indexes, events)) in by_shard {
+            // No live publisher (it is being restarted): not sent, retried after backoff.
             let sent = state.args.publishers.get(shard).and_then(|publisher| {
                 let message = PublisherMessage::Publish {
                     batch: id,
@@ -358,21 +288,9 @@ impl Drainer {
                 };
                 publisher.cast(message).ok().map(|()| publisher.get_id())
             });
-            match sent {
-                Some(publisher_id) => {
-                    batch.pending.insert(shard, (publisher_id, indexes));
-                }
-                // No live publisher (it is being restarted): not sent, retried after backoff.
-                None => {
-                    for index in indexes {
-                        batch.outcomes[index] = Some(Outcome::NotSent);
-                    }
-                }
-            }
+            state.window.dispatched(id, shard, sent, indexes);
         }
-        let nothing_sent = batch.pending.is_empty();
-        state.batches.push_back(batch);
-        if nothing_sent {
+        if state.window.is_answered(id) {
             // Every part failed to send: settle it as the next message (no recursion here).
             myself.cast(DrainerMessage::BatchTimeout(id))?;
         } else {
@@ -383,206 +301,104 @@ impl Drainer {
         Ok(())
     }
 
-    /// Settles the complete batches at the front of the window, in drain order.
+    /// Settles the complete batches at the front of the window and does what the window says:
+    /// park or cool refused branches, ack, then drain on, wait, back off or stop.
     async fn settle(
         &self,
         myself: &ActorRef<DrainerMessage>,
         state: &mut DrainerState,
     ) -> Result<(), ActorProcessingErr> {
-        let mut acks: Vec<EventKey> = Vec::new();
-        let mut acked_written: Vec<chrono::DateTime<chrono::Utc>> = Vec::new();
-        let mut failed = 0;
-        let mut settled = 0;
-        let mut session_failed = false;
-        let mut refused: HashMap<BranchKey, &'static str> = HashMap::new();
-        while state
-            .batches
-            .front()
-            .is_some_and(|batch| batch.pending.is_empty())
-        {
-            let Some(batch) = state.batches.pop_front() else {
-                break;
-            };
-            settled += 1;
-            // Invariant: ack only the confirmed prefix of each branch, across the window.
-            let settled_events = batch
-                .keys
-                .into_iter()
-                .zip(batch.written)
-                .zip(batch.outcomes);
-            for ((key, written), outcome) in settled_events {
-                if state.blocked.contains(&key.branch) {
-                    failed += 1;
-                } else if outcome == Some(Outcome::Accepted) {
-                    state.cooling.remove(&key.branch);
-                    acks.push(key);
-                    acked_written.push(written);
-                } else {
-                    failed += 1;
-                    match outcome {
-                        // The broker answered about this event: its branch alone cools down.
-                        Some(Outcome::Returned) => {
-                            refused.insert(key.branch.clone(), "returned (no route)");
-                        }
-                        Some(Outcome::Nacked) => {
-                            refused.insert(key.branch.clone(), "nacked");
-                        }
-                        // No answer: the session, not the branch, failed; the tenant backs off.
-                        _ => session_failed = true,
-                    }
-                    state.blocked.insert(key.branch);
-                }
-            }
-        }
-        if settled == 0 {
+        let Some(settled) = state.window.settle(Instant::now()) else {
             return Ok(());
-        }
+        };
         let tenant = state.args.tenant.clone();
         let tenant = &tenant;
         metrics::counter!("relay_events_shipped_total", "tenant" => tenant.to_string())
-            .increment(acks.len() as u64);
+            .increment(settled.acks.len() as u64);
         // Lag as a latency: from the host's write (inside its transaction) to the broker's
         // confirm, per shipped event.
         let now = chrono::Utc::now();
         let lag =
             metrics::histogram!("relay_write_to_confirm_seconds", "tenant" => tenant.to_string());
-        for written in acked_written {
-            lag.record((now - written).to_std().unwrap_or_default().as_secs_f64());
+        for written in &settled.acked_written {
+            lag.record((now - *written).to_std().unwrap_or_default().as_secs_f64());
         }
-        tracing::debug!(shipped = acks.len(), failed, "batches settled");
-        for (branch, reason) in refused {
-            if let Err(err) = self.cool(myself, state, branch, reason).await {
+        tracing::debug!(shipped = settled.acks.len(), failed = settled.failed, next = ?settled.next, "batches settled");
+        for refusal in &settled.refusals {
+            if let Err(err) = self.refused(myself, state, refusal).await {
                 return Self::store_failed(myself, err);
             }
         }
-        state.window_failed |= session_failed;
-        if state.window_failed || state.finishing {
-            let fence = &state.args.fence;
-            if let Err(err) = state.args.outbox.ack_fenced(fence, tenant, &acks).await {
-                return Self::store_failed(myself, err);
-            }
-            if !state.batches.is_empty() {
-                return Ok(());
-            }
-            if state.finishing {
-                myself.stop(Some(stop_reason::FINISHED.into()));
-            } else {
-                state.blocked.clear();
-                state.window_failed = false;
-                state.retry_scheduled = true;
-                let delay = state.backoff.next_delay();
-                myself.send_after(delay, || DrainerMessage::Retry);
-            }
-            return Ok(());
-        }
-        state.backoff.reset();
-        if state.batches.is_empty() {
-            // The window is empty: a refused branch's later events were not acked and will be
-            // drained again (after its retry), in order.
-            state.blocked.clear();
-        }
-        // The steady state: retire what was confirmed and drain the next batch in one round trip.
-        let permits = if Self::may_start_batch(state) {
-            Self::permits(state).await?
-        } else {
-            None
-        };
-        match permits {
-            Some(permits) => {
-                let in_flight = Self::newest_in_flight(state);
-                let limit = Self::limit(state);
-                let fence = &state.args.fence;
-                match state
-                    .args
-                    .outbox
-                    .ack_and_drain(fence, &acks, tenant, limit, &in_flight)
-                    .await
-                {
-                    Ok(events) => self.start_batch(myself, state, events, permits),
-                    Err(err) => Self::store_failed(myself, err),
+        let acks = &settled.acks;
+        match settled.next {
+            Next::Flow if state.window.may_start() => {
+                // The steady state: retire what was confirmed and drain the next batch in one
+                // round trip.
+                if let Some(permits) = Self::permits(state).await? {
+                    let in_flight = state.window.skip(Instant::now());
+                    let limit = Self::limit(state);
+                    let fence = &state.args.fence;
+                    return match state
+                        .args
+                        .outbox
+                        .ack_and_drain(fence, acks, tenant, limit, &in_flight)
+                        .await
+                    {
+                        Ok(events) => self.start_batch(myself, state, events, permits),
+                        Err(err) => Self::store_failed(myself, err),
+                    };
                 }
             }
-            None => match state
-                .args
-                .outbox
-                .ack_fenced(&state.args.fence, tenant, &acks)
-                .await
-            {
-                Ok(()) => Ok(()),
-                Err(err) => Self::store_failed(myself, err),
-            },
+            Next::Flow | Next::Wait | Next::Retry(_) | Next::Stop => {}
         }
-    }
-
-    /// The broker refused an event of `branch`: retry the branch alone after its backoff, or
-    /// park it in PostgreSQL after `park_after_attempts` refusals in a row.
-    async fn cool(
-        &self,
-        myself: &ActorRef<DrainerMessage>,
-        state: &mut DrainerState,
-        branch: BranchKey,
-        reason: &'static str,
-    ) -> Result<(), store::Error> {
-        let now = std::time::Instant::now();
-        let retry = state.args.config.retry;
-        let cooling = state
-            .cooling
-            .entry(branch.clone())
-            .or_insert_with(|| Cooling {
-                attempts: 0,
-                first_failed: now,
-                retry_at: now,
-                backoff: Backoff::new(retry),
-            });
-        cooling.attempts += 1;
-        let attempts = cooling.attempts;
-        if attempts >= state.args.config.park_after_attempts.max(1) {
-            let failing_for = now - cooling.first_failed;
-            state.cooling.remove(&branch);
-            state
-                .args
-                .outbox
-                .park_branch(
-                    &branch,
-                    reason,
-                    attempts,
-                    failing_for,
-                    state.args.config.park_retry,
-                )
-                .await?;
-            metrics::counter!("relay_branches_parked_total", "tenant" => branch.tenant.to_string())
-                .increment(1);
-            tracing::warn!(branch = %branch, reason, attempts, retry_in_s = state.args.config.park_retry.as_secs(), "branch parked: the broker keeps refusing its events; the rest of the tenant flows (release with `distribution release`)");
-            return Ok(());
+        let fence = &state.args.fence;
+        if let Err(err) = state.args.outbox.ack_fenced(fence, tenant, acks).await {
+            return Self::store_failed(myself, err);
         }
-        let delay = cooling.backoff.next_delay();
-        cooling.retry_at = now + delay;
-        if attempts == 1 {
-            tracing::warn!(branch = %branch, reason, "the broker refused an event; retrying its branch alone");
+        match settled.next {
+            Next::Retry(delay) => {
+                myself.send_after(delay, || DrainerMessage::Retry);
+            }
+            Next::Stop => myself.stop(Some(stop_reason::FINISHED.into())),
+            Next::Flow | Next::Wait => {}
         }
-        myself.send_after(delay, || DrainerMessage::Drain);
         Ok(())
     }
 
-    /// Records outcomes for the shards `settle_shard` answers, in the batch numbered `batch_id`.
-    fn resolve(
-        batch: &mut Batch,
-        mut settle_shard: impl FnMut(ShardId, ActorId) -> Option<Vec<Outcome>>,
-    ) {
-        let shards: Vec<ShardId> = batch.pending.keys().copied().collect();
-        for shard in shards {
-            let publisher_id = batch.pending[&shard].0;
-            if let Some(outcomes) = settle_shard(shard, publisher_id) {
-                let (_, indexes) = batch.pending.remove(&shard).expect("shard is pending");
-                for (position, index) in indexes.into_iter().enumerate() {
-                    let outcome = outcomes
-                        .get(position)
-                        .copied()
-                        .unwrap_or(Outcome::Unconfirmed);
-                    batch.outcomes[index] = Some(outcome);
+    /// Acts on a refused branch: a WARN on its first refusal and a later drain, or parking it
+    /// in PostgreSQL (with a WARN and a counter).
+    async fn refused(
+        &self,
+        myself: &ActorRef<DrainerMessage>,
+        state: &DrainerState,
+        refusal: &Refusal,
+    ) -> Result<(), store::Error> {
+        let Refusal {
+            branch,
+            reason,
+            attempts,
+            action,
+        } = refusal;
+        match *action {
+            RefusalAction::RetryAfter(delay) => {
+                if *attempts == 1 {
+                    tracing::warn!(branch = %branch, reason, "the broker refused an event; retrying its branch alone");
                 }
+                myself.send_after(delay, || DrainerMessage::Drain);
+            }
+            RefusalAction::Park { failing_for } => {
+                let park_retry = state.args.config.park_retry;
+                state
+                    .args
+                    .outbox
+                    .park_branch(branch, reason, *attempts, failing_for, park_retry)
+                    .await?;
+                metrics::counter!("relay_branches_parked_total", "tenant" => branch.tenant.to_string())
+                    .increment(1);
+                tracing::warn!(branch = %branch, reason, attempts, retry_in_s = park_retry.as_secs(), "branch parked: the broker keeps refusing its events; the rest of the tenant flows (release with `distribution release`)");
             }
         }
+        Ok(())
     }
 
     async fn dispatch(
@@ -600,47 +416,25 @@ impl Drainer {
                 return self.drain(&myself, state).await;
             }
             DrainerMessage::Retry => {
-                state.retry_scheduled = false;
+                state.window.retry_due();
                 return self.drain(&myself, state).await;
             }
             DrainerMessage::Confirmed {
                 batch,
                 shard,
                 outcomes,
-            } => {
-                if let Some(batch) = state.batches.iter_mut().find(|b| b.id == batch) {
-                    let mut outcomes = Some(outcomes);
-                    Self::resolve(batch, |pending_shard, _| {
-                        if pending_shard == shard {
-                            outcomes.take()
-                        } else {
-                            None
-                        }
-                    });
-                }
-            }
-            DrainerMessage::PublisherLost(lost) => {
-                for batch in &mut state.batches {
-                    Self::resolve(batch, |_, publisher_id| {
-                        (publisher_id == lost).then(Vec::new)
-                    });
-                }
-            }
-            DrainerMessage::BatchTimeout(batch_id) => {
-                if let Some(batch) = state.batches.iter_mut().find(|b| b.id == batch_id) {
-                    Self::resolve(batch, |_, _| Some(Vec::new()));
-                }
-            }
+            } => state.window.confirmed(batch, shard, outcomes),
+            DrainerMessage::PublisherLost(lost) => state.window.publisher_lost(lost),
+            DrainerMessage::BatchTimeout(batch) => state.window.timed_out(batch),
             DrainerMessage::Finish => {
-                state.finishing = true;
-                if state.batches.is_empty() {
+                state.window.finish();
+                if state.window.finished() {
                     myself.stop(Some(stop_reason::FINISHED.into()));
                 }
                 return Ok(());
             }
             DrainerMessage::IdleCheck(activity) => {
-                if activity == state.activity && state.batches.is_empty() && !state.retry_scheduled
-                {
+                if state.window.idle_since(activity) {
                     myself.stop(Some(stop_reason::IDLE.into()));
                 }
                 return Ok(());
@@ -662,18 +456,12 @@ impl Actor for Drainer {
     ) -> Result<DrainerState, ActorProcessingErr> {
         // Start draining as soon as the actor runs; a crashed drainer resumes from the store.
         myself.cast(DrainerMessage::Drain)?;
-        Ok(DrainerState {
-            backoff: Backoff::new(args.config.retry),
-            args,
-            batches: VecDeque::new(),
-            blocked: HashSet::new(),
-            cooling: HashMap::new(),
-            window_failed: false,
-            next_batch: 0,
-            retry_scheduled: false,
-            finishing: false,
-            activity: 0,
-        })
+        let window = Window::new(WindowConfig {
+            max_batches: args.config.max_batches_in_flight,
+            park_after_attempts: args.config.park_after_attempts,
+            retry: args.config.retry,
+        });
+        Ok(DrainerState { args, window })
     }
 
     async fn handle(

@@ -4,6 +4,7 @@
 //! - `directory`: [`PublisherDirectory`], the live publisher of each shard, shared with drainers.
 //! - `publisher`: [`PublisherActor`], one per shard: publishes batches, replies with outcomes.
 //! - `drainer`: [`Drainer`], one per tenant: drain -> publish -> ack the confirmed prefix.
+//! - `window`: the drainer's in-flight window as a pure state machine (what to ack, retry, park).
 //! - [`Backoff`] / [`RetryPolicy`] (from `broker`): the never-giving-up retry delays both use.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
@@ -11,6 +12,7 @@ mod directory;
 mod drainer;
 mod publisher;
 mod shard;
+mod window;
 
 pub use broker::Backoff;
 pub use broker::RetryPolicy;

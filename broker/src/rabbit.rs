@@ -126,6 +126,24 @@ fn refused_or(err: lapin::Error, otherwise: impl FnOnce(String) -> Error) -> Err
     }
 }
 
+/// A refusal while running (credentials revoked, vhost or queue changed under the relay): no
+/// retry fixes it, so it is counted every time and logged at ERROR at most every 30 s (every
+/// publisher retries it with backoff).
+fn refused_at_run_time(why: &str) {
+    static LAST: std::sync::Mutex<Option<std::time::Instant>> = std::sync::Mutex::new(None);
+    metrics::counter!("relay_broker_refusals_total").increment(1);
+    let mut last = LAST
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if last.is_none_or(|at| at.elapsed() >= Duration::from_secs(30)) {
+        *last = Some(std::time::Instant::now());
+        tracing::error!(
+            reason = why,
+            "the broker refuses the relay (credentials, vhost or topology); nothing ships until an operator fixes it"
+        );
+    }
+}
+
 /// What a first connection says about the broker.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Preflight {
@@ -198,7 +216,13 @@ impl RabbitPublisher {
 
     async fn session(&mut self) -> Result<&Session, Error> {
         if self.session.is_none() {
-            let (connection, channel) = open(&self.config, "outbox-relay-publisher").await?;
+            let (connection, channel) = open(&self.config, "outbox-relay-publisher")
+                .await
+                .inspect_err(|err| {
+                    if let Error::Refused(why) = err {
+                        refused_at_run_time(why);
+                    }
+                })?;
             within(
                 "confirm.select",
                 self.config.connect_timeout,

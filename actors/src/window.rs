@@ -1,0 +1,712 @@
+//! A drainer's in-flight window as a pure state machine: which batches are out, what the
+//! broker said about each event, what may be acked, which branches cool down or park, and
+//! whether the tenant may start a batch, must back off, or may stop. No I/O and no clock of
+//! its own (callers pass `now`): the drainer actor carries messages to it and does the SQL.
+//!
+//! Invariants (unit- and property-tested below):
+//! - A key is acked only if the broker accepted it and no earlier event of its branch in the
+//!   window failed (the prefix rule, across every batch of the window).
+//! - Batches settle strictly in the order they were opened.
+//! - A branch the broker refused (returned, nacked) cools down alone: the tenant's other
+//!   branches keep flowing. After `park_after_attempts` refusals in a row it is parked.
+//! - An unanswered event (the session failed) stops new batches until the window is empty;
+//!   then the whole tenant backs off.
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::time::{Duration, Instant};
+
+use broker::Outcome;
+use chrono::{DateTime, Utc};
+use ractor::ActorId;
+use store::{BranchKey, EventKey, Lsn};
+
+use crate::{Backoff, RetryPolicy, ShardId};
+
+/// Number of a batch within one drainer's life.
+pub(crate) type BatchId = u64;
+
+/// What a drainer is doing, as far as starting batches goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Phase {
+    /// Batches start whenever the window has room.
+    Flowing,
+    /// An event went unanswered: no new batch; once the window is empty the tenant backs off.
+    Failed,
+    /// The tenant's retry is scheduled: no new batch until [`Window::retry_due`].
+    BackingOff,
+    /// Graceful shutdown: no new batch; stop once the window is empty.
+    Finishing,
+}
+
+/// Bounds of a window.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct WindowConfig {
+    /// Batches in flight at once (at least 1).
+    pub(crate) max_batches: usize,
+    /// Refusals in a row after which a branch is parked (at least 1).
+    pub(crate) park_after_attempts: u32,
+    /// Delays of the tenant's retry and of each cooling branch's.
+    pub(crate) retry: RetryPolicy,
+}
+
+/// A batch in flight. Only keys are kept: payloads travel to the publishers. `H` is what the
+/// batch holds until it settles (the drainer's budget permits).
+struct Batch<H> {
+    id: BatchId,
+    keys: Vec<EventKey>,
+    written: Vec<DateTime<Utc>>,
+    outcomes: Vec<Option<Outcome>>,
+    /// Parts sent to a publisher and not answered yet: shard -> (publisher, indexes in `keys`).
+    pending: HashMap<ShardId, (ActorId, Vec<usize>)>,
+    _held: H,
+}
+
+/// A branch the broker refused events of, retried alone with its own backoff.
+#[derive(Debug)]
+struct Cooling {
+    attempts: u32,
+    first_failed: Instant,
+    retry_at: Instant,
+    backoff: Backoff,
+}
+
+/// What to do about a branch the broker refused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum RefusalAction {
+    /// Drain it again after this delay (it is skipped until then).
+    RetryAfter(Duration),
+    /// Park it in PostgreSQL: it has been refused `attempts` times over `failing_for`.
+    Park {
+        /// Time since its first refusal in this run of refusals.
+        failing_for: Duration,
+    },
+}
+
+/// A branch the broker refused in the batches just settled.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Refusal {
+    pub(crate) branch: BranchKey,
+    pub(crate) reason: &'static str,
+    /// Refusals in a row, this one included.
+    pub(crate) attempts: u32,
+    pub(crate) action: RefusalAction,
+}
+
+/// What the drainer does after acking a settlement.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Next {
+    /// Carry on: drain the next batch (in the same round trip as the ack) if
+    /// [`Window::may_start`] says so, else only ack.
+    Flow,
+    /// Only ack: earlier failures wait for the rest of the window to settle.
+    Wait,
+    /// Ack, then retry the tenant after this delay.
+    Retry(Duration),
+    /// Ack, then stop: graceful shutdown has nothing left in flight.
+    Stop,
+}
+
+/// The outcome of settling the complete batches at the front of the window.
+#[derive(Debug)]
+pub(crate) struct Settlement {
+    /// Keys to delete from the outbox (every one accepted, each a prefix of its branch).
+    pub(crate) acks: Vec<EventKey>,
+    /// When the host wrote each acked event (parallel to `acks`).
+    pub(crate) acked_written: Vec<DateTime<Utc>>,
+    /// Events settled but not acked (to be drained again).
+    pub(crate) failed: usize,
+    /// Branches refused by the broker, each with its next step (at most one per branch).
+    pub(crate) refusals: Vec<Refusal>,
+    pub(crate) next: Next,
+}
+
+/// The in-flight window of one drainer.
+pub(crate) struct Window<H> {
+    config: WindowConfig,
+    batches: VecDeque<Batch<H>>,
+    /// Branches with a failure in the current window: nothing later of theirs is acked.
+    blocked: HashSet<BranchKey>,
+    cooling: HashMap<BranchKey, Cooling>,
+    phase: Phase,
+    next_batch: BatchId,
+    backoff: Backoff,
+    /// Counts batches opened; an idle check compares it.
+    activity: u64,
+}
+
+impl<H> std::fmt::Debug for Window<H> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Window")
+            .field("phase", &self.phase)
+            .field("batches", &self.batches.len())
+            .field("blocked", &self.blocked.len())
+            .field("cooling", &self.cooling.len())
+            .finish()
+    }
+}
+
+impl<H> Window<H> {
+    pub(crate) fn new(config: WindowConfig) -> Self {
+        Self {
+            backoff: Backoff::new(config.retry),
+            config,
+            batches: VecDeque::new(),
+            blocked: HashSet::new(),
+            cooling: HashMap::new(),
+            phase: Phase::Flowing,
+            next_batch: 0,
+            activity: 0,
+        }
+    }
+
+    #[cfg(test)]
+    pub(crate) fn phase(&self) -> Phase {
+        self.phase
+    }
+
+    /// Whether nothing is in flight.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.batches.is_empty()
+    }
+
+    /// Whether a new batch may start now.
+    pub(crate) fn may_start(&self) -> bool {
+        self.phase == Phase::Flowing && self.batches.len() < self.config.max_batches.max(1)
+    }
+
+    /// Whether graceful shutdown may stop the drainer now.
+    pub(crate) fn finished(&self) -> bool {
+        self.phase == Phase::Finishing && self.batches.is_empty()
+    }
+
+    /// Graceful shutdown: no new batch from now on.
+    pub(crate) fn finish(&mut self) {
+        self.phase = Phase::Finishing;
+    }
+
+    /// The tenant's scheduled retry is due.
+    pub(crate) fn retry_due(&mut self) {
+        if self.phase == Phase::BackingOff {
+            self.phase = Phase::Flowing;
+        }
+    }
+
+    /// The current activity count: [`Window::idle_since`] with it is true only if no batch
+    /// opened meanwhile.
+    pub(crate) fn activity(&self) -> u64 {
+        self.activity
+    }
+
+    /// Whether the drainer may retire: nothing opened since `activity`, nothing in flight, no
+    /// retry pending.
+    pub(crate) fn idle_since(&self, activity: u64) -> bool {
+        activity == self.activity && self.batches.is_empty() && self.phase == Phase::Flowing
+    }
+
+    /// Where the next drain starts: after the newest in-flight event of each branch, and past
+    /// every cooling branch whose retry is not due (given as its branch at the largest Lsn).
+    pub(crate) fn skip(&self, now: Instant) -> Vec<EventKey> {
+        let mut newest: HashMap<&BranchKey, &EventKey> = HashMap::new();
+        for key in self.batches.iter().flat_map(|batch| &batch.keys) {
+            newest.insert(&key.branch, key);
+        }
+        let mut skip: Vec<EventKey> = newest.into_values().cloned().collect();
+        skip.extend(
+            self.cooling
+                .iter()
+                .filter(|(_, cooling)| cooling.retry_at > now)
+                .map(|(branch, _)| EventKey {
+                    branch: branch.clone(),
+                    lsn: Lsn::new(i64::MAX as u64),
+                }),
+        );
+        skip
+    }
+
+    /// Opens a batch of `keys` (drain order), holding `held` until it settles. Its parts are
+    /// then given with [`Window::dispatched`]; a part never dispatched is never settled, so
+    /// every index must be dispatched.
+    pub(crate) fn open(
+        &mut self,
+        keys: Vec<EventKey>,
+        written: Vec<DateTime<Utc>>,
+        held: H,
+    ) -> BatchId {
+        debug_assert_eq!(keys.len(), written.len());
+        self.activity += 1;
+        let id = self.next_batch;
+        self.next_batch += 1;
+        self.batches.push_back(Batch {
+            id,
+            outcomes: vec![None; keys.len()],
+            keys,
+            written,
+            pending: HashMap::new(),
+            _held: held,
+        });
+        id
+    }
+
+    /// The events at `indexes` of batch `batch` went to `publisher` (the shard's), or, with
+    /// `None`, could not be sent (no live publisher): they are settled as not sent.
+    pub(crate) fn dispatched(
+        &mut self,
+        batch: BatchId,
+        shard: ShardId,
+        publisher: Option<ActorId>,
+        indexes: Vec<usize>,
+    ) {
+        let Some(batch) = self.batches.iter_mut().find(|b| b.id == batch) else {
+            return;
+        };
+        match publisher {
+            Some(publisher) => {
+                batch.pending.insert(shard, (publisher, indexes));
+            }
+            None => {
+                for index in indexes {
+                    batch.outcomes[index] = Some(Outcome::NotSent);
+                }
+            }
+        }
+    }
+
+    /// Whether batch `batch` waits on no publisher (every part answered or never sent).
+    pub(crate) fn is_answered(&self, batch: BatchId) -> bool {
+        self.batches
+            .iter()
+            .find(|b| b.id == batch)
+            .is_none_or(|b| b.pending.is_empty())
+    }
+
+    /// A publisher's outcomes for the part of `batch` it was given (one per event, in order;
+    /// missing ones count as unconfirmed). Unknown batches and shards are ignored.
+    pub(crate) fn confirmed(&mut self, batch: BatchId, shard: ShardId, outcomes: Vec<Outcome>) {
+        if let Some(batch) = self.batches.iter_mut().find(|b| b.id == batch) {
+            let mut outcomes = Some(outcomes);
+            Self::resolve(batch, |pending, _| {
+                if pending == shard {
+                    outcomes.take()
+                } else {
+                    None
+                }
+            });
+        }
+    }
+
+    /// A publisher died: whatever it had not answered is unconfirmed.
+    pub(crate) fn publisher_lost(&mut self, lost: ActorId) {
+        for batch in &mut self.batches {
+            Self::resolve(batch, |_, publisher| (publisher == lost).then(Vec::new));
+        }
+    }
+
+    /// Batch `batch` took too long: whatever is unanswered is unconfirmed.
+    pub(crate) fn timed_out(&mut self, batch: BatchId) {
+        if let Some(batch) = self.batches.iter_mut().find(|b| b.id == batch) {
+            Self::resolve(batch, |_, _| Some(Vec::new()));
+        }
+    }
+
+    fn resolve(
+        batch: &mut Batch<H>,
+        mut answer: impl FnMut(ShardId, ActorId) -> Option<Vec<Outcome>>,
+    ) {
+        let shards: Vec<ShardId> = batch.pending.keys().copied().collect();
+        for shard in shards {
+            let publisher = batch.pending[&shard].0;
+            if let Some(outcomes) = answer(shard, publisher) {
+                let (_, indexes) = batch.pending.remove(&shard).expect("shard is pending");
+                for (position, index) in indexes.into_iter().enumerate() {
+                    let outcome = outcomes
+                        .get(position)
+                        .copied()
+                        .unwrap_or(Outcome::Unconfirmed);
+                    batch.outcomes[index] = Some(outcome);
+                }
+            }
+        }
+    }
+
+    /// Settles the complete batches at the front of the window, in the order they opened, and
+    /// says what to ack and what comes next. `None` if the front batch is still unanswered.
+    pub(crate) fn settle(&mut self, now: Instant) -> Option<Settlement> {
+        let mut acks = Vec::new();
+        let mut acked_written = Vec::new();
+        let mut failed = 0;
+        let mut settled = 0;
+        let mut session_failed = false;
+        let mut refused: Vec<(BranchKey, &'static str)> = Vec::new();
+        while self
+            .batches
+            .front()
+            .is_some_and(|batch| batch.pending.is_empty())
+        {
+            let batch = self.batches.pop_front().expect("front batch exists");
+            settled += 1;
+            let events = batch
+                .keys
+                .into_iter()
+                .zip(batch.written)
+                .zip(batch.outcomes);
+            for ((key, written), outcome) in events {
+                if self.blocked.contains(&key.branch) {
+                    failed += 1;
+                    continue;
+                }
+                if outcome == Some(Outcome::Accepted) {
+                    self.cooling.remove(&key.branch);
+                    acks.push(key);
+                    acked_written.push(written);
+                    continue;
+                }
+                failed += 1;
+                match outcome {
+                    // The broker answered about this event: its branch alone cools down.
+                    Some(Outcome::Returned) => refused.push((key.branch.clone(), "returned")),
+                    Some(Outcome::Nacked) => refused.push((key.branch.clone(), "nacked")),
+                    // No answer: the session, not the branch, failed; the tenant backs off.
+                    _ => session_failed = true,
+                }
+                self.blocked.insert(key.branch);
+            }
+        }
+        if settled == 0 {
+            return None;
+        }
+        // A branch is blocked at its first failure, so it is refused at most once per settle.
+        let refusals = refused
+            .into_iter()
+            .map(|(branch, reason)| self.refused(branch, reason, now))
+            .collect();
+        if session_failed && self.phase != Phase::Finishing {
+            self.phase = Phase::Failed;
+        }
+        let next = match self.phase {
+            Phase::Finishing if self.batches.is_empty() => Next::Stop,
+            Phase::Finishing => Next::Wait,
+            Phase::Failed if self.batches.is_empty() => {
+                self.blocked.clear();
+                self.phase = Phase::BackingOff;
+                Next::Retry(self.backoff.next_delay())
+            }
+            Phase::Failed => Next::Wait,
+            Phase::Flowing | Phase::BackingOff => {
+                self.backoff.reset();
+                if self.batches.is_empty() {
+                    // The window is empty: a refused branch's later events were not acked and
+                    // are drained again (after its retry), in order.
+                    self.blocked.clear();
+                }
+                Next::Flow
+            }
+        };
+        Some(Settlement {
+            acks,
+            acked_written,
+            failed,
+            refusals,
+            next,
+        })
+    }
+
+    /// The broker refused an event of `branch`: retry it alone after its backoff, or park it
+    /// after `park_after_attempts` refusals in a row.
+    fn refused(&mut self, branch: BranchKey, reason: &'static str, now: Instant) -> Refusal {
+        let retry = self.config.retry;
+        let cooling = self
+            .cooling
+            .entry(branch.clone())
+            .or_insert_with(|| Cooling {
+                attempts: 0,
+                first_failed: now,
+                retry_at: now,
+                backoff: Backoff::new(retry),
+            });
+        cooling.attempts += 1;
+        let attempts = cooling.attempts;
+        let action = if attempts >= self.config.park_after_attempts.max(1) {
+            let failing_for = now.saturating_duration_since(cooling.first_failed);
+            self.cooling.remove(&branch);
+            RefusalAction::Park { failing_for }
+        } else {
+            let delay = cooling.backoff.next_delay();
+            cooling.retry_at = now + delay;
+            RefusalAction::RetryAfter(delay)
+        };
+        Refusal {
+            branch,
+            reason,
+            attempts,
+            action,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use proptest::prelude::*;
+    use store::{BranchId, RunId, TenantId};
+
+    use super::*;
+
+    fn branch(name: &str) -> BranchKey {
+        BranchKey::new(
+            TenantId::new("t").unwrap(),
+            RunId::new("r").unwrap(),
+            BranchId::new(name).unwrap(),
+        )
+    }
+
+    fn key(name: &str, lsn: u64) -> EventKey {
+        EventKey {
+            branch: branch(name),
+            lsn: Lsn::new(lsn),
+        }
+    }
+
+    fn config(max_batches: usize, park_after_attempts: u32) -> WindowConfig {
+        WindowConfig {
+            max_batches,
+            park_after_attempts,
+            retry: RetryPolicy {
+                min: Duration::from_millis(100),
+                max: Duration::from_secs(1),
+            },
+        }
+    }
+
+    const SHARD: ShardId = ShardId(0);
+    const PUBLISHER: ActorId = ActorId::Local(7);
+
+    /// Opens a batch of `keys`, all sent to one publisher, and answers it with `outcomes`.
+    fn answered(window: &mut Window<()>, keys: &[EventKey], outcomes: &[Outcome]) -> BatchId {
+        let id = sent(window, keys);
+        window.confirmed(id, SHARD, outcomes.to_vec());
+        id
+    }
+
+    fn sent(window: &mut Window<()>, keys: &[EventKey]) -> BatchId {
+        let id = window.open(keys.to_vec(), vec![Utc::now(); keys.len()], ());
+        window.dispatched(id, SHARD, Some(PUBLISHER), (0..keys.len()).collect());
+        id
+    }
+
+    use Outcome::{Accepted, Nacked, NotSent, Returned, Unconfirmed};
+
+    #[test]
+    fn the_prefix_rule_holds_across_the_window() {
+        let mut window = Window::new(config(2, 5));
+        answered(
+            &mut window,
+            &[key("a", 1), key("a", 2), key("a", 3), key("b", 1)],
+            &[Accepted, Nacked, Accepted, Accepted],
+        );
+        answered(
+            &mut window,
+            &[key("a", 4), key("b", 2)],
+            &[Accepted, Accepted],
+        );
+        let settled = window.settle(Instant::now()).unwrap();
+        assert_eq!(settled.acks, vec![key("a", 1), key("b", 1), key("b", 2)]);
+        assert_eq!(settled.failed, 3);
+        assert_eq!(settled.refusals.len(), 1);
+        assert_eq!(settled.refusals[0].branch, branch("a"));
+    }
+
+    #[test]
+    fn batches_settle_in_the_order_they_opened() {
+        let mut window = Window::new(config(2, 5));
+        let first = sent(&mut window, &[key("a", 1)]);
+        answered(&mut window, &[key("a", 2)], &[Accepted]);
+        assert!(
+            window.settle(Instant::now()).is_none(),
+            "the first is unanswered"
+        );
+        window.confirmed(first, SHARD, vec![Accepted]);
+        let settled = window.settle(Instant::now()).unwrap();
+        assert_eq!(settled.acks, vec![key("a", 1), key("a", 2)]);
+        assert!(window.is_empty());
+    }
+
+    /// The mutation "a failing branch blocks its tenant" fails here.
+    #[test]
+    fn a_refused_branch_cools_alone_while_its_tenant_flows() {
+        let mut window = Window::new(config(1, 5));
+        let now = Instant::now();
+        answered(
+            &mut window,
+            &[key("bad", 1), key("bad", 2), key("good", 1)],
+            &[Returned, Accepted, Accepted],
+        );
+        let settled = window.settle(now).unwrap();
+        assert_eq!(settled.acks, vec![key("good", 1)]);
+        assert_eq!(settled.next, Next::Flow);
+        assert!(window.may_start(), "the tenant keeps draining");
+        let [refusal] = settled.refusals.as_slice() else {
+            panic!("one refusal: {:?}", settled.refusals)
+        };
+        assert_eq!(refusal.reason, "returned");
+        let RefusalAction::RetryAfter(delay) = refusal.action else {
+            panic!("retried, not parked: {refusal:?}")
+        };
+        // The next drain skips the cooling branch until its retry is due, and only it.
+        let skip = window.skip(now);
+        assert_eq!(skip.len(), 1);
+        assert_eq!(skip[0].branch, branch("bad"));
+        assert!(window.skip(now + delay).is_empty());
+    }
+
+    #[test]
+    fn a_branch_refused_again_and_again_parks_and_an_accepted_event_forgives_it() {
+        let mut window = Window::new(config(1, 3));
+        let now = Instant::now();
+        for attempt in 1..=2 {
+            answered(&mut window, &[key("bad", 1)], &[Nacked]);
+            let settled = window.settle(now).unwrap();
+            assert_eq!(settled.refusals[0].attempts, attempt);
+            assert!(matches!(
+                settled.refusals[0].action,
+                RefusalAction::RetryAfter(_)
+            ));
+        }
+        // One success starts the count over.
+        answered(&mut window, &[key("bad", 1)], &[Accepted]);
+        window.settle(now).unwrap();
+        for _ in 1..=2 {
+            answered(&mut window, &[key("bad", 2)], &[Nacked]);
+            window.settle(now).unwrap();
+        }
+        answered(&mut window, &[key("bad", 2)], &[Nacked]);
+        let later = now + Duration::from_secs(4);
+        let settled = window.settle(later).unwrap();
+        assert_eq!(settled.refusals[0].attempts, 3);
+        assert_eq!(
+            settled.refusals[0].action,
+            RefusalAction::Park {
+                failing_for: Duration::from_secs(4)
+            }
+        );
+        // Parked branches are skipped by the store, not by the window.
+        assert!(window.skip(later).is_empty());
+    }
+
+    #[test]
+    fn an_unanswered_event_backs_the_tenant_off_once_the_window_is_empty() {
+        let mut window = Window::new(config(2, 5));
+        let lost = sent(&mut window, &[key("a", 1), key("b", 1)]);
+        let later = sent(&mut window, &[key("c", 1)]);
+        window.publisher_lost(PUBLISHER);
+        // Both batches were on the lost publisher: both settle, nothing acked.
+        let settled = window.settle(Instant::now()).unwrap();
+        assert!(settled.acks.is_empty());
+        assert!(matches!(settled.next, Next::Retry(_)));
+        assert_eq!(window.phase(), Phase::BackingOff);
+        assert!(!window.may_start());
+        assert!(window.is_answered(lost) && window.is_answered(later));
+        window.retry_due();
+        assert!(window.may_start());
+    }
+
+    #[test]
+    fn a_failed_window_waits_for_its_later_batches_before_backing_off() {
+        let mut window = Window::new(config(2, 5));
+        answered(&mut window, &[key("a", 1)], &[Unconfirmed]);
+        let second = sent(&mut window, &[key("a", 2), key("b", 1)]);
+        let settled = window.settle(Instant::now()).unwrap();
+        assert_eq!(settled.next, Next::Wait);
+        assert!(!window.may_start(), "no new batch after a session failure");
+        window.timed_out(second);
+        let settled = window.settle(Instant::now()).unwrap();
+        assert!(settled.acks.is_empty());
+        assert!(matches!(settled.next, Next::Retry(_)));
+    }
+
+    #[test]
+    fn a_part_that_could_not_be_sent_is_not_sent() {
+        let mut window = Window::new(config(1, 5));
+        let id = window.open(vec![key("a", 1), key("b", 1)], vec![Utc::now(); 2], ());
+        window.dispatched(id, ShardId(0), None, vec![0]);
+        window.dispatched(id, ShardId(1), Some(PUBLISHER), vec![1]);
+        assert!(!window.is_answered(id));
+        window.confirmed(id, ShardId(1), vec![Accepted]);
+        let settled = window.settle(Instant::now()).unwrap();
+        assert_eq!(settled.acks, vec![key("b", 1)]);
+        assert!(matches!(settled.next, Next::Retry(_)));
+        let _ = NotSent;
+    }
+
+    #[test]
+    fn shutdown_stops_once_the_window_is_empty() {
+        let mut window = Window::new(config(2, 5));
+        let first = sent(&mut window, &[key("a", 1)]);
+        window.finish();
+        assert!(!window.may_start() && !window.finished());
+        window.confirmed(first, SHARD, vec![Accepted]);
+        let settled = window.settle(Instant::now()).unwrap();
+        assert_eq!(settled.acks, vec![key("a", 1)]);
+        assert_eq!(settled.next, Next::Stop);
+        assert!(window.finished());
+    }
+
+    #[test]
+    fn an_idle_check_sees_any_batch_opened_since() {
+        let mut window = Window::new(config(1, 5));
+        let activity = window.activity();
+        assert!(window.idle_since(activity));
+        answered(&mut window, &[key("a", 1)], &[Accepted]);
+        window.settle(Instant::now()).unwrap();
+        assert!(!window.idle_since(activity));
+        assert!(window.idle_since(window.activity()));
+    }
+
+    fn any_outcome() -> impl Strategy<Value = Outcome> {
+        prop_oneof![
+            6 => Just(Accepted),
+            1 => Just(Nacked),
+            1 => Just(Returned),
+            1 => Just(Unconfirmed),
+            1 => Just(NotSent),
+        ]
+    }
+
+    proptest! {
+        /// Over any outcomes in any window: per branch, what is acked is a prefix of what was
+        /// sent, made only of accepted events; everything else is left pending.
+        #[test]
+        fn acks_are_accepted_prefixes_of_each_branch(
+            batches in prop::collection::vec(
+                prop::collection::vec((0..3usize, any_outcome()), 1..6), 1..5),
+        ) {
+            let mut window = Window::new(config(batches.len(), 100));
+            let mut next_lsn = [1u64; 3];
+            let mut sent_by_branch: BTreeMap<usize, Vec<(u64, Outcome)>> = BTreeMap::new();
+            for batch in &batches {
+                let keys: Vec<EventKey> = batch.iter().map(|(b, _)| {
+                    let lsn = next_lsn[*b];
+                    next_lsn[*b] += 1;
+                    key(&format!("b{b}"), lsn)
+                }).collect();
+                for ((b, outcome), key) in batch.iter().zip(&keys) {
+                    sent_by_branch.entry(*b).or_default().push((key.lsn.get(), *outcome));
+                }
+                let outcomes: Vec<Outcome> = batch.iter().map(|(_, o)| *o).collect();
+                answered(&mut window, &keys, &outcomes);
+            }
+            let settled = window.settle(Instant::now()).unwrap();
+            prop_assert!(window.is_empty());
+            for (b, sent) in sent_by_branch {
+                let acked: Vec<u64> = settled.acks.iter()
+                    .filter(|k| k.branch == branch(&format!("b{b}")))
+                    .map(|k| k.lsn.get())
+                    .collect();
+                let prefix: Vec<u64> = sent.iter()
+                    .take_while(|(_, outcome)| *outcome == Accepted)
+                    .map(|(lsn, _)| *lsn)
+                    .collect();
+                prop_assert_eq!(acked, prefix);
+            }
+        }
+    }
+}

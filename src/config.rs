@@ -2,15 +2,15 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use broker::{CallProbe, RabbitConfig, Topology};
+use broker::{CallProbe, QueueType, RabbitConfig, Topology};
 use supervisor::SupervisorConfig;
 
 /// A configuration value that cannot be used. One readable line, naming the variable.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    /// A required variable is not set.
-    #[error("{0} is not set")]
-    Missing(&'static str),
+    /// A flag or variable was refused by the parser (missing, out of bounds, not a number).
+    #[error("{0}")]
+    Rejected(String),
     /// A variable is set to something unusable.
     #[error("{var}={value:?} is invalid: {reason}")]
     Invalid {
@@ -21,6 +21,12 @@ pub enum ConfigError {
         /// Why it is refused.
         reason: String,
     },
+}
+
+/// clap's error text without its `error: ` prefix and usage lines.
+fn first_line(text: &str) -> String {
+    let line = text.lines().next().unwrap_or_default();
+    line.strip_prefix("error: ").unwrap_or(line).to_owned()
 }
 
 /// How to run a relay.
@@ -51,6 +57,165 @@ pub struct RelayConfig {
     pub amqp_confirm_timeout: Duration,
     /// Records which threads call the broker client (instrumentation; default none).
     pub probe: Option<CallProbe>,
+    /// Classic or quorum (replicated) queues. Env `RELAY_QUEUE_TYPE`, default classic.
+    pub queue_type: QueueType,
+    /// `/readyz` fails when more branches than this are parked. Env `RELAY_READY_MAX_PARKED`,
+    /// default 100.
+    pub ready_max_parked: u32,
+}
+
+fn defaults() -> RelayConfig {
+    RelayConfig::new("", "")
+}
+
+fn millis(duration: Duration) -> u64 {
+    duration.as_millis() as u64
+}
+
+/// Every setting of a relay as a command-line flag with its environment variable, default and
+/// bounds (`distribution run --help` lists them). [`RelayConfig::from_env`] reads the same
+/// variables through this parser.
+#[derive(Clone, Debug, clap::Args)]
+#[command(next_help_heading = "Relay settings")]
+pub struct Settings {
+    /// PostgreSQL holding the outbox (`?sslmode=require` for TLS).
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: String,
+    /// RabbitMQ (`amqps://` for TLS). The broker may be down at start.
+    #[arg(long, env = "AMQP_URL", hide_env_values = true)]
+    pub amqp_url: String,
+    /// Exchange name; queues are `<topology>.p<N>`.
+    #[arg(long, env = "RELAY_TOPOLOGY", default_value_t = defaults().topology)]
+    pub topology: String,
+    /// Broker partitions (queues), keyed by (tenant, run).
+    #[arg(long, env = "RELAY_PARTITIONS", default_value_t = defaults().partitions,
+          value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub partitions: u16,
+    /// Queue type: classic, or quorum (replicated; production RabbitMQ).
+    #[arg(long, env = "RELAY_QUEUE_TYPE", value_enum, default_value_t = QueueType::Classic)]
+    pub queue_type: QueueType,
+    /// Publisher shards (one AMQP connection each).
+    #[arg(long, env = "RELAY_SHARDS", default_value_t = defaults().supervisor.shards,
+          value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub shards: u16,
+    /// Most events drained and published at once per tenant.
+    #[arg(long, env = "RELAY_BATCH_SIZE", default_value_t = defaults().supervisor.drainer.batch_size,
+          value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub batch_size: u32,
+    /// Batches of one tenant in flight at once.
+    #[arg(long, env = "RELAY_BATCHES_IN_FLIGHT",
+          default_value_t = defaults().supervisor.drainer.max_batches_in_flight as u32,
+          value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub batches_in_flight: u32,
+    /// Most payload bytes in one batch (the first event always comes).
+    #[arg(long, env = "RELAY_BATCH_MAX_BYTES", default_value_t = defaults().supervisor.drainer.batch_max_bytes,
+          value_parser = clap::value_parser!(u32).range(1024..=(256 << 20)))]
+    pub batch_max_bytes: u32,
+    /// Events in flight across the relay (the memory bound, in events).
+    #[arg(long, env = "RELAY_MAX_IN_FLIGHT", default_value_t = defaults().supervisor.max_in_flight as u64,
+          value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
+    pub max_in_flight: u64,
+    /// Payload bytes in flight across the relay (the memory bound, in bytes).
+    #[arg(long, env = "RELAY_MAX_IN_FLIGHT_BYTES", default_value_t = defaults().supervisor.max_in_flight_bytes as u64,
+          value_parser = clap::value_parser!(u64).range(1024..=(16 << 30)))]
+    pub max_in_flight_bytes: u64,
+    /// How often pending tenants are polled, in ms (the path behind NOTIFY).
+    #[arg(long, env = "RELAY_POLL_MS", default_value_t = millis(defaults().supervisor.poll_interval),
+          value_parser = clap::value_parser!(u64).range(10..=3_600_000))]
+    pub poll_ms: u64,
+    /// Lease lifetime in ms: a dead relay's tenants move after about this long.
+    #[arg(long, env = "RELAY_LEASE_TTL_MS", default_value_t = millis(defaults().supervisor.lease.ttl),
+          value_parser = clap::value_parser!(u64).range(150..=600_000))]
+    pub lease_ttl_ms: u64,
+    /// Lease renewal period in ms (at most a third of the TTL).
+    #[arg(long, env = "RELAY_LEASE_HEARTBEAT_MS", default_value_t = millis(defaults().supervisor.lease.heartbeat),
+          value_parser = clap::value_parser!(u64).range(50..=200_000))]
+    pub lease_heartbeat_ms: u64,
+    /// Refusals in a row after which a branch is parked.
+    #[arg(long, env = "RELAY_PARK_AFTER_ATTEMPTS", default_value_t = defaults().supervisor.drainer.park_after_attempts,
+          value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub park_after_attempts: u32,
+    /// How long a parked branch waits before it is tried again, in ms.
+    #[arg(long, env = "RELAY_PARK_RETRY_MS", default_value_t = millis(defaults().supervisor.drainer.park_retry),
+          value_parser = clap::value_parser!(u64).range(100..=86_400_000))]
+    pub park_retry_ms: u64,
+    /// Runtime threads of the relay.
+    #[arg(long, env = "RELAY_THREADS", default_value_t = defaults().worker_threads as u16,
+          value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub threads: u16,
+    /// Database connections for drains and acks.
+    #[arg(long, env = "RELAY_DB_CONNECTIONS", default_value_t = defaults().db_connections,
+          value_parser = clap::value_parser!(u32).range(2..=1000))]
+    pub db_connections: u32,
+    /// Where `/metrics`, `/healthz` and `/readyz` are served.
+    #[arg(long, env = "RELAY_METRICS_ADDR", default_value_t = defaults().metrics_addr)]
+    pub metrics_addr: SocketAddr,
+    /// Longest wait for a broker connection, in ms.
+    #[arg(long, env = "RELAY_AMQP_CONNECT_TIMEOUT_MS", default_value_t = millis(defaults().amqp_connect_timeout),
+          value_parser = clap::value_parser!(u64).range(100..=600_000))]
+    pub amqp_connect_timeout_ms: u64,
+    /// Longest wait for a batch's confirms, in ms.
+    #[arg(long, env = "RELAY_AMQP_CONFIRM_TIMEOUT_MS", default_value_t = millis(defaults().amqp_confirm_timeout),
+          value_parser = clap::value_parser!(u64).range(100..=600_000))]
+    pub amqp_confirm_timeout_ms: u64,
+    /// `/readyz` fails when more branches than this are parked.
+    #[arg(long, env = "RELAY_READY_MAX_PARKED", default_value_t = defaults().ready_max_parked,
+          value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
+    pub ready_max_parked: u32,
+}
+
+impl Settings {
+    /// The configuration these settings describe, validated (cross-field rules included).
+    pub fn into_config(self) -> Result<RelayConfig, ConfigError> {
+        let mut config = RelayConfig::new(self.database_url, self.amqp_url);
+        config.topology = self.topology;
+        config.partitions = self.partitions;
+        config.queue_type = self.queue_type;
+        let supervisor = &mut config.supervisor;
+        supervisor.shards = self.shards;
+        supervisor.drainer.batch_size = self.batch_size;
+        supervisor.drainer.max_batches_in_flight = self.batches_in_flight as usize;
+        supervisor.drainer.batch_max_bytes = self.batch_max_bytes;
+        supervisor.max_in_flight = self.max_in_flight as usize;
+        supervisor.max_in_flight_bytes = self.max_in_flight_bytes as usize;
+        supervisor.poll_interval = Duration::from_millis(self.poll_ms);
+        supervisor.lease.ttl = Duration::from_millis(self.lease_ttl_ms);
+        supervisor.lease.heartbeat = Duration::from_millis(self.lease_heartbeat_ms);
+        supervisor.drainer.park_after_attempts = self.park_after_attempts;
+        supervisor.drainer.park_retry = Duration::from_millis(self.park_retry_ms);
+        config.worker_threads = usize::from(self.threads);
+        config.db_connections = self.db_connections;
+        config.metrics_addr = self.metrics_addr;
+        config.amqp_connect_timeout = Duration::from_millis(self.amqp_connect_timeout_ms);
+        config.amqp_confirm_timeout = Duration::from_millis(self.amqp_confirm_timeout_ms);
+        config.ready_max_parked = self.ready_max_parked;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// The environment variables these settings read.
+    pub fn variables() -> Vec<String> {
+        use clap::Args as _;
+        Self::augment_args(clap::Command::new("relay"))
+            .get_arguments()
+            .filter_map(|arg| arg.get_env())
+            .map(|name| name.to_string_lossy().into_owned())
+            .collect()
+    }
+}
+
+/// `RELAY_*` variables set in the environment that no setting reads (a typo such as
+/// `RELAY_PARTITONS` would otherwise be ignored silently). `also_known` adds variables read
+/// elsewhere (the binary's `RELAY_LOG_FORMAT`).
+pub fn unknown_relay_variables(also_known: &[&str]) -> Vec<String> {
+    let known = Settings::variables();
+    let mut unknown: Vec<String> = std::env::vars_os()
+        .filter_map(|(name, _)| name.into_string().ok())
+        .filter(|name| name.starts_with("RELAY_"))
+        .filter(|name| !known.contains(name) && !also_known.contains(&name.as_str()))
+        .collect();
+    unknown.sort();
+    unknown
 }
 
 /// The URL with its password replaced by `***` (parsed as a URL: `@`, `:` and `%` in a
@@ -64,23 +229,6 @@ pub(crate) fn redact(url: &str) -> String {
             parsed.to_string()
         }
         Err(_) => "<not a URL>".into(),
-    }
-}
-
-fn parsed<T: std::str::FromStr>(var: &'static str, default: T) -> Result<T, ConfigError>
-where
-    T::Err: std::fmt::Display,
-{
-    match std::env::var(var) {
-        Err(_) => Ok(default),
-        Ok(value) => value
-            .trim()
-            .parse()
-            .map_err(|err: T::Err| ConfigError::Invalid {
-                var,
-                value,
-                reason: err.to_string(),
-            }),
     }
 }
 
@@ -99,71 +247,24 @@ impl RelayConfig {
             amqp_connect_timeout: Duration::from_secs(5),
             amqp_confirm_timeout: Duration::from_secs(10),
             probe: None,
+            queue_type: QueueType::Classic,
+            ready_max_parked: 100,
         }
     }
 
-    /// Reads the environment (see each field) and validates it.
+    /// Reads the environment (see [`Settings`]: each setting's variable, default and bounds)
+    /// and validates it. The same parser as the binary's flags: one source of truth.
     pub fn from_env() -> Result<Self, ConfigError> {
-        let database_url =
-            std::env::var("DATABASE_URL").map_err(|_| ConfigError::Missing("DATABASE_URL"))?;
-        let amqp_url = std::env::var("AMQP_URL").map_err(|_| ConfigError::Missing("AMQP_URL"))?;
-        let mut config = Self::new(database_url, amqp_url);
-        config.topology = parsed("RELAY_TOPOLOGY", config.topology)?;
-        config.partitions = parsed("RELAY_PARTITIONS", config.partitions)?;
-        config.supervisor.shards = parsed("RELAY_SHARDS", config.supervisor.shards)?;
-        config.supervisor.drainer.batch_size =
-            parsed("RELAY_BATCH_SIZE", config.supervisor.drainer.batch_size)?;
-        config.supervisor.drainer.max_batches_in_flight = parsed(
-            "RELAY_BATCHES_IN_FLIGHT",
-            config.supervisor.drainer.max_batches_in_flight,
-        )?;
-        let poll_ms: u64 = parsed(
-            "RELAY_POLL_MS",
-            config.supervisor.poll_interval.as_millis() as u64,
-        )?;
-        config.supervisor.poll_interval = Duration::from_millis(poll_ms);
-        let ttl_ms: u64 = parsed(
-            "RELAY_LEASE_TTL_MS",
-            config.supervisor.lease.ttl.as_millis() as u64,
-        )?;
-        config.supervisor.lease.ttl = Duration::from_millis(ttl_ms);
-        let heartbeat_ms: u64 = parsed(
-            "RELAY_LEASE_HEARTBEAT_MS",
-            config.supervisor.lease.heartbeat.as_millis() as u64,
-        )?;
-        config.supervisor.lease.heartbeat = Duration::from_millis(heartbeat_ms);
-        config.supervisor.drainer.batch_max_bytes = parsed(
-            "RELAY_BATCH_MAX_BYTES",
-            config.supervisor.drainer.batch_max_bytes,
-        )?;
-        config.supervisor.max_in_flight_bytes = parsed(
-            "RELAY_MAX_IN_FLIGHT_BYTES",
-            config.supervisor.max_in_flight_bytes,
-        )?;
-        config.supervisor.drainer.park_after_attempts = parsed(
-            "RELAY_PARK_AFTER_ATTEMPTS",
-            config.supervisor.drainer.park_after_attempts,
-        )?;
-        let park_retry_ms: u64 = parsed(
-            "RELAY_PARK_RETRY_MS",
-            config.supervisor.drainer.park_retry.as_millis() as u64,
-        )?;
-        config.supervisor.drainer.park_retry = Duration::from_millis(park_retry_ms);
-        config.worker_threads = parsed("RELAY_THREADS", config.worker_threads)?;
-        config.db_connections = parsed("RELAY_DB_CONNECTIONS", config.db_connections)?;
-        config.metrics_addr = parsed("RELAY_METRICS_ADDR", config.metrics_addr)?;
-        let connect_ms: u64 = parsed(
-            "RELAY_AMQP_CONNECT_TIMEOUT_MS",
-            config.amqp_connect_timeout.as_millis() as u64,
-        )?;
-        config.amqp_connect_timeout = Duration::from_millis(connect_ms);
-        let confirm_ms: u64 = parsed(
-            "RELAY_AMQP_CONFIRM_TIMEOUT_MS",
-            config.amqp_confirm_timeout.as_millis() as u64,
-        )?;
-        config.amqp_confirm_timeout = Duration::from_millis(confirm_ms);
-        config.validate()?;
-        Ok(config)
+        #[derive(clap::Parser)]
+        #[command(no_binary_name = true)]
+        struct FromEnv {
+            #[command(flatten)]
+            settings: Settings,
+        }
+        use clap::Parser as _;
+        let parsed = FromEnv::try_parse_from(std::iter::empty::<String>())
+            .map_err(|err| ConfigError::Rejected(first_line(&err.render().to_string())))?;
+        parsed.settings.into_config()
     }
 
     /// Checks every value; the first problem comes back as one readable line.
@@ -288,6 +389,7 @@ impl RelayConfig {
                 reason: err.to_string(),
             }
         })?;
+        rabbit.topology = rabbit.topology.with_queue_type(self.queue_type);
         rabbit.connect_timeout = self.amqp_connect_timeout;
         rabbit.confirm_timeout = self.amqp_confirm_timeout;
         Ok(rabbit)

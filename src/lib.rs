@@ -11,6 +11,7 @@
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
 mod config;
+mod database;
 mod proxy;
 mod relay;
 mod telemetry;
@@ -18,6 +19,9 @@ mod telemetry;
 pub use broker;
 pub use config::ConfigError;
 pub use config::RelayConfig;
+pub use config::Settings;
+pub use config::unknown_relay_variables;
+pub use database::connect_database;
 pub use proxy::BrokerProxy;
 pub use relay::Relay;
 pub use relay::RelayError;

@@ -1,44 +1,93 @@
-//! `distribution`: the outbox relay's command line.
+//! `distribution`: the outbox relay's command line (`distribution --help`).
 //!
 //! - `migrate`: create or update the outbox schema.
-//! - `run`: the standalone relay, with Prometheus metrics (until Ctrl-C / SIGTERM).
-//! - `status`: backlog and lag per tenant.
+//! - `run`: the standalone relay, with `/metrics`, `/healthz` and `/readyz` (until Ctrl-C or
+//!   SIGTERM).
+//! - `status`: backlog and lag per tenant, and parked branches.
+//! - `release`: drain parked branches again now.
 //! - `demo`: the whole walk on this machine (broker down during a run, then everything ships).
+//!
+//! Exit codes: 0 success (help and version included), 1 a failure while running (database or
+//! broker refused, unreachable database), 2 a usage or configuration error.
 use std::process::ExitCode;
-use std::time::Duration;
 
 use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+
 use distribution::store::{self, Outbox};
-use distribution::{Relay, RelayConfig};
-use sqlx::postgres::PgPoolOptions;
+use distribution::{LogFormat, Relay, RelayConfig, Settings};
 
 mod demo;
+mod serve;
 
-const USAGE: &str = "usage: distribution <migrate|run|status|release|demo>
-  migrate  create or update the outbox schema in DATABASE_URL
-  run      run the relay (DATABASE_URL, AMQP_URL, RELAY_* variables; see README)
-  status   backlog and lag per tenant, and parked branches
-  release  <tenant> [run [branch]]: drain parked branches again now
-  demo     the broker-down walk, end to end, on this machine";
+/// Ships committed export intents from PostgreSQL to RabbitMQ, in order per branch,
+/// at least once. Every flag can be set by its environment variable instead.
+#[derive(Debug, Parser)]
+#[command(name = "distribution", version, propagate_version = true)]
+struct Cli {
+    /// Log format on standard error (colours only on a terminal).
+    #[arg(long, env = "RELAY_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// The database to talk to.
+#[derive(Debug, clap::Args)]
+struct Database {
+    /// PostgreSQL holding the outbox.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    database_url: String,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Create or update the outbox schema in the database.
+    Migrate(Database),
+    /// Run the relay until Ctrl-C or SIGTERM.
+    Run(Box<Settings>),
+    /// Backlog and lag per tenant, and parked branches.
+    Status(Database),
+    /// Drain parked branches again now (all of a tenant, of a run, or one branch).
+    Release {
+        #[command(flatten)]
+        database: Database,
+        /// Tenant whose parked branches are released.
+        tenant: String,
+        /// Only this run's.
+        run: Option<String>,
+        /// Only this branch of the run.
+        branch: Option<String>,
+    },
+    /// The broker-down walk, end to end, on this machine's PostgreSQL and RabbitMQ.
+    Demo,
+}
+
+/// Exit code of a usage or configuration error (as clap's own).
+const USAGE: u8 = 2;
 
 fn main() -> ExitCode {
-    let command = std::env::args().nth(1).unwrap_or_default();
+    // Before parsing: a typo'd variable is often why parsing fails.
+    let unknown = distribution::unknown_relay_variables(&["RELAY_LOG_FORMAT"]);
+    for variable in &unknown {
+        eprintln!("warning: {variable} is not a setting of this relay and is ignored (a typo?)");
+    }
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(err) => {
+            if let Some(variable) = blamed_variable(&err) {
+                eprintln!("note: that value comes from the environment variable {variable}");
+            }
+            // Help and version exit 0 on standard output; usage errors exit 2.
+            err.exit()
+        }
+    };
     // lapin logs every broken socket at ERROR on its own thread; the relay reports broker
     // faults itself (rate-limited), so lapin is silenced unless RUST_LOG asks for it.
-    let default_filter = if command == "demo" {
+    let default_filter = if matches!(cli.command, Command::Demo) {
         "error,lapin=off,sqlx=off"
     } else {
         "warn,lapin=off,sqlx=warn"
-    };
-    let format = match std::env::var("RELAY_LOG_FORMAT") {
-        Ok(value) => match value.parse::<distribution::LogFormat>() {
-            Ok(format) => format,
-            Err(err) => {
-                eprintln!("error: {err}");
-                return ExitCode::FAILURE;
-            }
-        },
-        Err(_) => distribution::LogFormat::Text,
     };
     let logs = tracing_subscriber::fmt()
         .with_env_filter(
@@ -47,10 +96,23 @@ fn main() -> ExitCode {
         )
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
-    match format {
-        distribution::LogFormat::Text => logs.init(),
-        distribution::LogFormat::Json => logs.json().init(),
+    match cli.log_format {
+        LogFormat::Text => logs.init(),
+        LogFormat::Json => logs.json().init(),
     }
+    for variable in unknown {
+        tracing::warn!(%variable, "unknown RELAY_* variable ignored (a typo?); see `distribution run --help`");
+    }
+    let config = match &cli.command {
+        Command::Run(settings) => match settings.as_ref().clone().into_config() {
+            Ok(config) => Some(config),
+            Err(err) => {
+                eprintln!("error: {err}");
+                return ExitCode::from(USAGE);
+            }
+        },
+        _ => None,
+    };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -62,16 +124,17 @@ fn main() -> ExitCode {
         }
     };
     let result = runtime.block_on(async {
-        match command.as_str() {
-            "migrate" => migrate().await,
-            "run" => run().await,
-            "status" => status().await,
-            "release" => release(std::env::args().skip(2).collect()).await,
-            "demo" => demo::run().await,
-            _ => {
-                eprintln!("{USAGE}");
-                Err(anyhow::anyhow!("unknown command {command:?}"))
-            }
+        match cli.command {
+            Command::Migrate(database) => migrate(&database.database_url).await,
+            Command::Run(_) => run(config.expect("parsed above")).await,
+            Command::Status(database) => status(&database.database_url).await,
+            Command::Release {
+                database,
+                tenant,
+                run,
+                branch,
+            } => release(&database.database_url, tenant, run, branch).await,
+            Command::Demo => demo::run().await,
         }
     });
     match result {
@@ -81,6 +144,35 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// The environment variable behind a flag that clap refused, when the flag was not given on
+/// the command line (clap's message names only the flag).
+fn blamed_variable(err: &clap::Error) -> Option<String> {
+    use clap::CommandFactory;
+    use clap::error::{ContextKind, ContextValue};
+    let Some(ContextValue::String(flag)) = err.get(ContextKind::InvalidArg) else {
+        return None;
+    };
+    let given: Vec<String> = std::env::args().collect();
+    let command = Cli::command();
+    let args = command.get_arguments().chain(
+        command
+            .get_subcommands()
+            .flat_map(|sub| sub.get_arguments()),
+    );
+    for arg in args {
+        let (Some(long), Some(env)) = (arg.get_long(), arg.get_env()) else {
+            continue;
+        };
+        let long = format!("--{long}");
+        let named = flag.split_whitespace().next() == Some(long.as_str());
+        let on_command_line = given.iter().any(|word| word.starts_with(&long));
+        if named && !on_command_line && std::env::var_os(env).is_some() {
+            return Some(env.to_string_lossy().into_owned());
+        }
+    }
+    None
 }
 
 /// The error and its causes on one line, without a backtrace, skipping causes whose text the
@@ -98,24 +190,19 @@ fn one_line(err: &anyhow::Error) -> String {
 }
 
 async fn connect(url: &str) -> Result<sqlx::PgPool> {
-    PgPoolOptions::new()
-        .max_connections(4)
-        .acquire_timeout(Duration::from_secs(5))
-        .connect(url)
+    distribution::connect_database(url, 4)
         .await
-        .context("cannot reach the outbox database (DATABASE_URL)")
+        .map_err(|err| anyhow::anyhow!("{err} (DATABASE_URL)"))
 }
 
-async fn migrate() -> Result<()> {
-    let url = std::env::var("DATABASE_URL").context("DATABASE_URL is not set")?;
-    let pool = connect(&url).await?;
+async fn migrate(url: &str) -> Result<()> {
+    let pool = connect(url).await?;
     store::migrate(&pool).await?;
     println!("outbox schema is up to date");
     Ok(())
 }
 
-async fn run() -> Result<()> {
-    let config = RelayConfig::from_env()?;
+async fn run(config: RelayConfig) -> Result<()> {
     // The schema is applied first (idempotent, safe with several relays starting at once).
     store::migrate(&connect(&config.database_url).await?).await?;
     // One connection to the broker: a refusal is fatal here (no retry fixes it); a broker that
@@ -126,17 +213,38 @@ async fn run() -> Result<()> {
             tracing::warn!(reason = %why, "broker unreachable at start; intents wait in the outbox");
             eprintln!("warning: broker unreachable at start ({why}); the relay keeps trying");
         }
-        Err(err) => return Err(anyhow::anyhow!("{err} (AMQP_URL, RELAY_TOPOLOGY)")),
+        Err(err) => {
+            return Err(anyhow::anyhow!(
+                "{err} (AMQP_URL, RELAY_TOPOLOGY, RELAY_QUEUE_TYPE)"
+            ));
+        }
     }
-    distribution::prometheus_builder()?
-        .with_http_listener(config.metrics_addr)
-        .install()
-        .with_context(|| format!("cannot serve metrics on {}", config.metrics_addr))?;
-    distribution::describe_metrics(config.supervisor.shards);
     let metrics_addr = config.metrics_addr;
+    let listener = tokio::net::TcpListener::bind(metrics_addr)
+        .await
+        .with_context(|| format!("cannot serve metrics on {metrics_addr} (RELAY_METRICS_ADDR)"))?;
+    let metrics = distribution::prometheus_builder()?
+        .install_recorder()
+        .context("cannot install the metrics recorder")?;
+    distribution::describe_metrics(config.supervisor.shards);
+    let max_parked = u64::from(config.ready_max_parked);
+    // The readiness probe's own connection, so a busy relay pool cannot make it time out.
+    let probe_pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(std::time::Duration::from_secs(1))
+        .connect_lazy(&config.database_url)?;
     let relay = Relay::start(config).await?;
+    serve::spawn(
+        listener,
+        serve::Probes {
+            metrics,
+            outbox: Outbox::new(probe_pool),
+            broker: relay.broker_health(),
+            max_parked,
+        },
+    );
     tracing::info!(%metrics_addr, "relay running");
-    println!("relay running; metrics on http://{metrics_addr}/metrics; Ctrl-C to stop");
+    println!("relay running; http://{metrics_addr}/metrics, /healthz and /readyz; Ctrl-C to stop");
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}
@@ -147,9 +255,8 @@ async fn run() -> Result<()> {
     Ok(())
 }
 
-async fn status() -> Result<()> {
-    let url = std::env::var("DATABASE_URL").context("DATABASE_URL is not set")?;
-    let outbox = Outbox::new(connect(&url).await?);
+async fn status(url: &str) -> Result<()> {
+    let outbox = Outbox::new(connect(url).await?);
     let backlog = outbox
         .backlog()
         .await
@@ -179,20 +286,17 @@ async fn status() -> Result<()> {
     Ok(())
 }
 
-async fn release(args: Vec<String>) -> Result<()> {
+async fn release(
+    url: &str,
+    tenant: String,
+    run: Option<String>,
+    branch: Option<String>,
+) -> Result<()> {
     use distribution::store::{BranchId, RunId, TenantId};
-    let url = std::env::var("DATABASE_URL").context("DATABASE_URL is not set")?;
-    let (tenant, run, branch) = match args.as_slice() {
-        [tenant] => (TenantId::new(tenant)?, None, None),
-        [tenant, run] => (TenantId::new(tenant)?, Some(RunId::new(run)?), None),
-        [tenant, run, branch] => (
-            TenantId::new(tenant)?,
-            Some(RunId::new(run)?),
-            Some(BranchId::new(branch)?),
-        ),
-        _ => anyhow::bail!("usage: distribution release <tenant> [run [branch]]"),
-    };
-    let outbox = Outbox::new(connect(&url).await?);
+    let tenant = TenantId::new(tenant)?;
+    let run = run.map(RunId::new).transpose()?;
+    let branch = branch.map(BranchId::new).transpose()?;
+    let outbox = Outbox::new(connect(url).await?);
     let released = outbox
         .release(&tenant, run.as_ref(), branch.as_ref())
         .await?;

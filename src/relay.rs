@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actors::{Backoff, PublisherFactory, ShardId};
-use broker::{Publisher, RabbitPublisher};
+use broker::{BrokerHealth, Publisher, RabbitPublisher};
 use ractor::rpc::CallResult;
 use ractor::{Actor, ActorRef};
 use sqlx::postgres::PgPoolOptions;
@@ -49,6 +49,7 @@ pub struct RelayHandle {
     stop: Option<oneshot::Sender<StopMode>>,
     done: Option<oneshot::Receiver<()>>,
     tree: watch::Receiver<Option<ActorRef<SupervisorMessage>>>,
+    broker: BrokerHealth,
 }
 
 impl Relay {
@@ -56,15 +57,19 @@ impl Relay {
     pub async fn start(config: RelayConfig) -> Result<RelayHandle, RelayError> {
         let rabbit = config.rabbit_config()?;
         let probe = config.probe.clone();
+        let health = BrokerHealth::new();
+        let reported = health.clone();
         let factory: PublisherFactory = Arc::new(move |_shard: ShardId| {
-            let publisher = RabbitPublisher::new(rabbit.clone());
+            let publisher = RabbitPublisher::new(rabbit.clone()).with_health(reported.clone());
             let publisher = match &probe {
                 Some(probe) => publisher.with_probe(probe.clone()),
                 None => publisher,
             };
             Box::new(publisher) as Box<dyn Publisher>
         });
-        Self::start_with(config, factory).await
+        let mut handle = Self::start_with(config, factory).await?;
+        handle.broker = health;
+        Ok(handle)
     }
 
     /// Starts a relay whose shards publish through `factory` (e.g. a fault-injecting broker).
@@ -98,6 +103,7 @@ impl Relay {
                 stop: Some(stop_tx),
                 done: Some(done_rx),
                 tree: tree_rx,
+                broker: BrokerHealth::new(),
             }),
             Ok(Err(err)) => Err(err),
             Err(_) => Err(RelayError::DatabaseUnreachable(
@@ -114,19 +120,13 @@ async fn run_tree(
     mut stop: oneshot::Receiver<StopMode>,
     tree: watch::Sender<Option<ActorRef<SupervisorMessage>>>,
 ) -> StopMode {
-    let pool = PgPoolOptions::new()
-        .max_connections(config.db_connections)
-        .acquire_timeout(Duration::from_secs(5))
-        .connect(&config.database_url)
-        .await;
-    let pool = match pool {
+    let pool = match crate::database::pool(&config.database_url, config.db_connections).await {
         Ok(pool) => pool,
-        Err(err) => {
-            let _ = ready.send(Err(RelayError::DatabaseUnreachable(err.to_string())));
+        Err(why) => {
+            let _ = ready.send(Err(RelayError::DatabaseUnreachable(why)));
             return StopMode::Abort;
         }
     };
-    // Leases heartbeat on a pool of their own: a drain storm never delays a renewal.
     let lease_pool = PgPoolOptions::new()
         .max_connections(2)
         .acquire_timeout(config.supervisor.lease.heartbeat)
@@ -203,6 +203,13 @@ impl RelayHandle {
         RelayWaker {
             tree: self.tree.clone(),
         }
+    }
+
+    /// What the relay's publishers last learned about the broker (for readiness probes).
+    /// Stays [`broker::BrokerState::Unknown`] for a relay started with its own publishers
+    /// ([`Relay::start_with`]).
+    pub fn broker_health(&self) -> BrokerHealth {
+        self.broker.clone()
     }
 
     /// The live actors (for status, and for tests that kill them). `None` while restarting.

@@ -103,7 +103,7 @@ pub fn describe_metrics(shards: u16) {
 
 /// How the binary writes logs: `RELAY_LOG_FORMAT=text` (default) or `json`; colours only on a
 /// terminal.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum LogFormat {
     /// Human-readable lines.
     Text,

@@ -23,7 +23,7 @@ use lapin::{Channel, Confirmation, Connection, ConnectionProperties};
 use store::{Fence, OutboxEvent};
 
 use crate::port::{BoxFuture, Confirms, Outcome, PublishReport, Publisher};
-use crate::{CallProbe, Error, Topology, wire};
+use crate::{BrokerHealth, CallProbe, Error, Topology, wire};
 
 /// How to reach RabbitMQ.
 #[derive(Clone, Debug)]
@@ -193,6 +193,7 @@ pub struct RabbitPublisher {
     config: RabbitConfig,
     session: Option<Session>,
     probe: Option<CallProbe>,
+    health: BrokerHealth,
     /// Batches whose writing began on the current session (read by its pump).
     started: Arc<AtomicU64>,
 }
@@ -204,8 +205,16 @@ impl RabbitPublisher {
             config,
             session: None,
             probe: None,
+            health: BrokerHealth::default(),
             started: Arc::new(AtomicU64::new(0)),
         }
+    }
+
+    /// Reports every session opened and every batch's fate to `health` (shared by the
+    /// publishers of one relay, read by its readiness probe).
+    pub fn with_health(mut self, health: BrokerHealth) -> Self {
+        self.health = health;
+        self
     }
 
     /// Records every broker call's thread in `probe`.
@@ -219,10 +228,12 @@ impl RabbitPublisher {
             let (connection, channel) = open(&self.config, "outbox-relay-publisher")
                 .await
                 .inspect_err(|err| {
+                    self.health.report(false);
                     if let Error::Refused(why) = err {
                         refused_at_run_time(why);
                     }
                 })?;
+            self.health.report(true);
             within(
                 "confirm.select",
                 self.config.connect_timeout,
@@ -338,13 +349,16 @@ impl RabbitPublisher {
             // Dropping the connection closes it; the next send starts a fresh one.
             self.session = None;
         }
+        let health = self.health.clone();
         Box::pin(async move {
-            report.await.unwrap_or_else(|_| {
+            let report = report.await.unwrap_or_else(|_| {
                 PublishReport::not_sent(
                     n_events,
                     Error::Unreachable("the confirm pump stopped".into()),
                 )
-            })
+            });
+            health.report(report.fault.is_none());
+            report
         })
     }
 }

@@ -15,11 +15,23 @@ use crate::Error;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Partition(pub u16);
 
+/// The kind of RabbitMQ queue the topology declares.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+pub enum QueueType {
+    /// A classic queue (declared without `x-queue-type`, as earlier versions did).
+    #[default]
+    Classic,
+    /// A quorum queue (`x-queue-type: quorum`): replicated across a RabbitMQ cluster.
+    Quorum,
+}
+
 /// Names and shape of the broker topology.
 #[derive(Clone, Debug)]
 pub struct Topology {
     exchange: ShortString,
     partitions: u16,
+    queue_type: QueueType,
 }
 
 const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
@@ -44,7 +56,32 @@ impl Topology {
         Ok(Self {
             exchange: ShortString::from(name),
             partitions,
+            queue_type: QueueType::Classic,
         })
+    }
+
+    /// The same topology with queues of `queue_type`. Queues that exist with another type
+    /// make the declare fail (`PRECONDITION_FAILED`): RabbitMQ cannot convert a queue.
+    pub fn with_queue_type(mut self, queue_type: QueueType) -> Self {
+        self.queue_type = queue_type;
+        self
+    }
+
+    /// The type of queue declared.
+    pub fn queue_type(&self) -> QueueType {
+        self.queue_type
+    }
+
+    /// Arguments every queue of the topology is declared with.
+    fn queue_arguments(&self) -> FieldTable {
+        let mut arguments = FieldTable::default();
+        if self.queue_type == QueueType::Quorum {
+            arguments.insert(
+                "x-queue-type".into(),
+                AMQPValue::LongString("quorum".into()),
+            );
+        }
+        arguments
     }
 
     /// The exchange every event is published to.
@@ -105,7 +142,7 @@ impl Topology {
             .await?;
         // One active consumer per partition: a second fold instance waits as a hot standby
         // instead of interleaving a partition's deliveries.
-        let mut arguments = FieldTable::default();
+        let mut arguments = self.queue_arguments();
         arguments.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
         for index in 0..self.partitions {
             let partition = Partition(index);
@@ -132,7 +169,7 @@ impl Topology {
             ..QueueDeclareOptions::default()
         };
         channel
-            .queue_declare(self.dead_letter_queue(), options, FieldTable::default())
+            .queue_declare(self.dead_letter_queue(), options, self.queue_arguments())
             .await?;
         Ok(())
     }

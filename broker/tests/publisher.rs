@@ -2,9 +2,10 @@
 use std::time::Duration;
 
 use broker::{
-    FoldConsumer, Outcome, Partition, Publisher, RabbitConfig, RabbitPublisher, Topology,
+    FoldConsumer, Outcome, Partition, Publisher, QueueType, RabbitConfig, RabbitPublisher, Topology,
 };
 use chrono::Utc;
+use futures_util::StreamExt;
 use lapin::options::{BasicGetOptions, ExchangeDeleteOptions, QueueDeleteOptions};
 use lapin::{Connection, ConnectionProperties};
 use sqlx::PgPool;
@@ -66,6 +67,9 @@ async fn cleanup(topology: &Topology) {
             )
             .await;
     }
+    let _ = channel
+        .queue_delete(topology.dead_letter_queue(), QueueDeleteOptions::default())
+        .await;
     let _ = channel
         .exchange_delete(
             topology.exchange().clone(),
@@ -493,4 +497,81 @@ async fn preflight_tells_refusals_from_outages() {
     );
     cleanup(&conflicting).await;
     cleanup(&topology).await;
+}
+
+/// `RELAY_QUEUE_TYPE=quorum` declares replicated queues that publish and deliver like
+/// classic ones (single active consumer included); a relay of the other type against
+/// existing queues is refused with RabbitMQ's reason, never retried silently.
+#[tokio::test]
+async fn quorum_queues_work_and_a_type_mismatch_is_refused() {
+    let quorum = unique_topology("quorum", 2).with_queue_type(QueueType::Quorum);
+    let config = RabbitConfig::new(amqp_url(), quorum.clone()).unwrap();
+    assert_eq!(
+        broker::preflight(&config).await.unwrap(),
+        broker::Preflight::Ready
+    );
+    let mut publisher = RabbitPublisher::new(config);
+    let batch = events("tq", "r1", "main", &[1, 2, 3]);
+    let report = publisher.publish(&batch).await;
+    assert_eq!(
+        report.outcomes,
+        vec![Outcome::Accepted; 3],
+        "{:?}",
+        report.fault
+    );
+    let partition = quorum.partition_of(&TenantId::new("tq").unwrap(), &RunId::new("r1").unwrap());
+    // A consumer, as a fold would (quorum queues with a single active consumer refuse
+    // basic.get).
+    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    let mut deliveries = channel
+        .basic_consume(
+            quorum.queue(partition),
+            "quorum-test".into(),
+            lapin::options::BasicConsumeOptions {
+                no_ack: true,
+                ..Default::default()
+            },
+            lapin::types::FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut lsns = Vec::new();
+    while lsns.len() < 3 {
+        let delivery = tokio::time::timeout(Duration::from_secs(10), deliveries.next())
+            .await
+            .expect("delivered within 10 s")
+            .expect("the consumer is open")
+            .unwrap();
+        let event = broker::decode(&delivery.properties, &delivery.data).unwrap();
+        lsns.push(event.key.lsn.get());
+    }
+    assert_eq!(lsns, vec![1, 2, 3]);
+    drop(connection);
+    drop(publisher);
+
+    // The same names as classic queues: RabbitMQ cannot convert them.
+    let classic = Topology::new(quorum.exchange().as_str(), 2).unwrap();
+    let refused = broker::preflight(&RabbitConfig::new(amqp_url(), classic.clone()).unwrap()).await;
+    match refused {
+        Err(broker::Error::Refused(why)) => assert!(why.contains("x-queue-type"), "{why}"),
+        other => panic!("expected a refusal naming x-queue-type, got {other:?}"),
+    }
+    cleanup(&quorum).await;
+
+    // And the other way round.
+    let config = RabbitConfig::new(amqp_url(), classic.clone()).unwrap();
+    assert_eq!(
+        broker::preflight(&config).await.unwrap(),
+        broker::Preflight::Ready
+    );
+    let as_quorum = classic.clone().with_queue_type(QueueType::Quorum);
+    let refused = broker::preflight(&RabbitConfig::new(amqp_url(), as_quorum).unwrap()).await;
+    assert!(
+        matches!(refused, Err(broker::Error::Refused(_))),
+        "{refused:?}"
+    );
+    cleanup(&classic).await;
 }

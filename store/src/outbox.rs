@@ -359,6 +359,17 @@ impl Outbox {
             .collect()
     }
 
+    /// Whether any intent waits, and how many branches are parked: two index probes, for a
+    /// readiness check that must stay cheap however large the backlog.
+    pub async fn pending_and_parked(&self) -> Result<(bool, u64), Error> {
+        let (pending, parked): (bool, i64) = sqlx::query_as(
+            "SELECT EXISTS (SELECT 1 FROM relay_outbox), (SELECT count(*) FROM relay_parked_branch)",
+        )
+        .fetch_one(&self.pool)
+        .await?;
+        Ok((pending, parked.max(0) as u64))
+    }
+
     /// The tenants that have pending intents (a skip scan over the drain index: one index probe
     /// per tenant, however large the backlog).
     pub async fn tenants_with_pending(&self) -> Result<Vec<TenantId>, Error> {

@@ -1,0 +1,155 @@
+//! The binary's HTTP surface on `RELAY_METRICS_ADDR`: `/metrics` (Prometheus), `/healthz`
+//! (the process answers) and `/readyz` (it can do its job). Anything else is 404.
+//!
+//! For Kubernetes: point the liveness probe at `/healthz` (a failure means restart the pod)
+//! and the readiness probe at `/readyz` (a failure means look at it: the database is
+//! unreachable, the broker is down while intents wait, or too many branches are parked;
+//! restarting does not fix those, so do not use `/readyz` for liveness).
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use distribution::broker::{BrokerHealth, BrokerState};
+use distribution::store::Outbox;
+use http_body_util::Full;
+use hyper::body::{Bytes, Incoming};
+use hyper::{Request, Response, StatusCode};
+use metrics_exporter_prometheus::PrometheusHandle;
+
+/// Longest a readiness check waits for the database.
+const READY_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// What the endpoints read.
+pub(crate) struct Probes {
+    pub(crate) metrics: PrometheusHandle,
+    /// On its own small pool, so a busy relay pool does not make the probe time out.
+    pub(crate) outbox: Outbox,
+    pub(crate) broker: BrokerHealth,
+    pub(crate) max_parked: u64,
+}
+
+/// What the database said for a readiness check: whether intents wait, and parked branches.
+pub(crate) type DatabaseFacts = Result<(bool, u64), String>;
+
+/// Ready, or not with the reasons (pure: the rules of `/readyz`).
+pub(crate) fn readiness(
+    database: DatabaseFacts,
+    broker: BrokerState,
+    max_parked: u64,
+) -> Result<(), Vec<String>> {
+    let mut problems = Vec::new();
+    match database {
+        Err(why) => problems.push(format!("database unreachable: {why}")),
+        Ok((pending, parked)) => {
+            if pending && broker == BrokerState::Down {
+                problems.push("broker down while intents wait".into());
+            }
+            if parked > max_parked {
+                problems.push(format!(
+                    "{parked} branches parked (more than RELAY_READY_MAX_PARKED={max_parked})"
+                ));
+            }
+        }
+    }
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(problems)
+    }
+}
+
+fn text(status: StatusCode, body: String) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    response
+}
+
+async fn answer(probes: &Probes, request: Request<Incoming>) -> Response<Full<Bytes>> {
+    match request.uri().path() {
+        "/metrics" => text(StatusCode::OK, probes.metrics.render()),
+        "/healthz" => text(StatusCode::OK, "ok\n".into()),
+        "/readyz" => {
+            let facts =
+                match tokio::time::timeout(READY_TIMEOUT, probes.outbox.pending_and_parked()).await
+                {
+                    Ok(Ok(facts)) => Ok(facts),
+                    Ok(Err(err)) => Err(err.to_string()),
+                    Err(_) => Err(format!("no answer within {} ms", READY_TIMEOUT.as_millis())),
+                };
+            match readiness(facts, probes.broker.state(), probes.max_parked) {
+                Ok(()) => text(StatusCode::OK, "ready\n".into()),
+                Err(problems) => text(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("not ready: {}\n", problems.join("; ")),
+                ),
+            }
+        }
+        _ => text(
+            StatusCode::NOT_FOUND,
+            "not found: try /metrics, /healthz or /readyz\n".into(),
+        ),
+    }
+}
+
+/// Serves the endpoints on `listener` until the process ends; keeps the histograms' upkeep.
+pub(crate) fn spawn(listener: tokio::net::TcpListener, probes: Probes) {
+    let probes = Arc::new(probes);
+    let upkeep = probes.metrics.clone();
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            every.tick().await;
+            upkeep.run_upkeep();
+        }
+    });
+    tokio::spawn(async move {
+        loop {
+            let stream = match listener.accept().await {
+                Ok((stream, _)) => stream,
+                Err(err) => {
+                    // Out of file descriptors and the like: back off instead of spinning.
+                    tracing::warn!(error = %err, "metrics listener cannot accept");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            let probes = probes.clone();
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |request| {
+                    let probes = probes.clone();
+                    async move { Ok::<_, Infallible>(answer(&probes, request).await) }
+                });
+                let io = hyper_util::rt::TokioIo::new(stream);
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(io, service)
+                    .await;
+            });
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn readiness_names_each_problem() {
+        assert!(
+            readiness(Ok((false, 0)), BrokerState::Down, 0).is_ok(),
+            "nothing waits"
+        );
+        assert!(readiness(Ok((true, 0)), BrokerState::Unknown, 0).is_ok());
+        assert!(readiness(Ok((true, 0)), BrokerState::Up, 0).is_ok());
+        let down = readiness(Ok((true, 0)), BrokerState::Down, 0).unwrap_err();
+        assert_eq!(down, vec!["broker down while intents wait".to_owned()]);
+        let parked = readiness(Ok((false, 3)), BrokerState::Up, 2).unwrap_err();
+        assert!(parked[0].starts_with("3 branches parked"), "{parked:?}");
+        assert!(readiness(Ok((false, 2)), BrokerState::Up, 2).is_ok());
+        let database = readiness(Err("refused".into()), BrokerState::Up, 0).unwrap_err();
+        assert_eq!(database, vec!["database unreachable: refused".to_owned()]);
+    }
+}

@@ -1,0 +1,265 @@
+//! The binary as an operator meets it: help and version exit 0, usage and configuration errors
+//! exit 2 naming the flag or variable, database problems are named within seconds, and a
+//! running relay answers `/healthz`, `/readyz` (with the reason when not ready) and `/metrics`.
+#[path = "support/harness.rs"]
+mod harness;
+
+mod cli {
+    use std::process::{Command, Output, Stdio};
+    use std::time::{Duration, Instant};
+
+    use distribution::BrokerProxy;
+    use distribution::store::{BranchId, BranchKey, IntentWriter, Lsn, Outbox, RunId, TenantId};
+    use http_body_util::BodyExt;
+
+    use crate::harness::*;
+
+    fn relay() -> Command {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_distribution"));
+        // Only what each test sets: the suite's own environment must not leak in.
+        for (name, _) in std::env::vars_os() {
+            let name = name.to_string_lossy();
+            if name.starts_with("RELAY_") || name == "DATABASE_URL" || name == "AMQP_URL" {
+                command.env_remove(name.as_ref());
+            }
+        }
+        command.stdin(Stdio::null());
+        command
+    }
+
+    fn output(command: &mut Command) -> (i32, String, String) {
+        let Output {
+            status,
+            stdout,
+            stderr,
+        } = command.output().expect("run the binary");
+        (
+            status.code().expect("exited"),
+            String::from_utf8_lossy(&stdout).into_owned(),
+            String::from_utf8_lossy(&stderr).into_owned(),
+        )
+    }
+
+    #[test]
+    fn help_and_version_exit_0_usage_errors_exit_2() {
+        for args in [
+            &["--help"][..],
+            &["-h"],
+            &["help"],
+            &["run", "--help"],
+            &["--version"],
+        ] {
+            let (code, stdout, _) = output(relay().args(args));
+            assert_eq!(code, 0, "{args:?}");
+            assert!(!stdout.is_empty(), "{args:?} printed nothing");
+        }
+        let (_, help, _) = output(relay().args(["run", "--help"]));
+        for variable in [
+            "DATABASE_URL",
+            "RELAY_THREADS",
+            "RELAY_QUEUE_TYPE",
+            "RELAY_POLL_MS",
+        ] {
+            assert!(help.contains(variable), "run --help lacks {variable}");
+        }
+        let (_, version, _) = output(relay().arg("--version"));
+        assert!(version.contains(env!("CARGO_PKG_VERSION")), "{version}");
+        for args in [
+            &[][..],
+            &["bogus"],
+            &["status", "extra", "words"],
+            &["release"],
+        ] {
+            let (code, _, stderr) = output(
+                relay()
+                    .args(args)
+                    .env("DATABASE_URL", "postgres://x@127.0.0.1/x"),
+            );
+            assert_eq!(code, 2, "{args:?}: {stderr}");
+        }
+    }
+
+    #[test]
+    fn bad_settings_exit_2_naming_the_variable() {
+        let base = |command: &mut Command| {
+            command
+                .arg("run")
+                .env("DATABASE_URL", "postgres://postgres@127.0.0.1:1/x")
+                .env("AMQP_URL", "amqp://127.0.0.1:1/%2f");
+        };
+        let mut command = relay();
+        base(&mut command);
+        let (code, _, stderr) = output(command.env("RELAY_THREADS", "100000"));
+        assert_eq!(code, 2, "{stderr}");
+        assert!(
+            stderr.contains("RELAY_THREADS") && stderr.contains("1..=256"),
+            "{stderr}"
+        );
+
+        let mut command = relay();
+        base(&mut command);
+        let (code, _, stderr) = output(command.args(["--partitions", "abc"]));
+        assert_eq!(code, 2, "{stderr}");
+        assert!(stderr.contains("--partitions"), "{stderr}");
+
+        let mut command = relay();
+        base(&mut command);
+        let (code, _, stderr) = output(
+            command
+                .env("RELAY_LEASE_TTL_MS", "200")
+                .env("RELAY_PARTITONS", "3"),
+        );
+        assert_eq!(code, 2, "{stderr}");
+        assert!(stderr.contains("RELAY_LEASE_TTL_MS"), "{stderr}");
+        assert!(
+            stderr.contains("warning: RELAY_PARTITONS is not a setting"),
+            "{stderr}"
+        );
+        let mut command = relay();
+        base(&mut command);
+        let (code, _, stderr) = output(command.env("RELAY_QUEUE_TYPE", "stream"));
+        assert_eq!(code, 2, "{stderr}");
+        assert!(stderr.contains("classic, quorum"), "{stderr}");
+    }
+
+    #[test]
+    fn database_problems_are_named_within_seconds() {
+        let database = std::env::var("DATABASE_URL").expect("DATABASE_URL");
+        let server = database.rsplit_once('/').unwrap().0.to_owned();
+        let cases = [
+            (
+                "postgres://postgres@127.0.0.1:1/test".to_owned(),
+                "Connection refused",
+            ),
+            (format!("{server}/no_such_database_here"), "does not exist"),
+            (
+                database.replacen("postgres@", "no_such_role@", 1),
+                "role \"no_such_role\" does not exist",
+            ),
+        ];
+        for (url, cause) in cases {
+            let started = Instant::now();
+            let (code, _, stderr) = output(relay().arg("status").env("DATABASE_URL", &url));
+            assert_eq!(code, 1, "{stderr}");
+            assert!(stderr.contains(cause), "{url}: {stderr}");
+            assert!(!stderr.contains("pool timed out"), "{stderr}");
+            assert!(
+                started.elapsed() < Duration::from_secs(4),
+                "{:?}",
+                started.elapsed()
+            );
+        }
+    }
+
+    async fn get(addr: &str, path: &str) -> Option<(u16, String)> {
+        let stream = tokio::net::TcpStream::connect(addr).await.ok()?;
+        let io = hyper_util::rt::TokioIo::new(stream);
+        let (mut sender, connection) = hyper::client::conn::http1::handshake(io).await.ok()?;
+        tokio::spawn(connection);
+        let request = hyper::Request::get(path)
+            .header("host", addr)
+            .body(http_body_util::Empty::<hyper::body::Bytes>::new())
+            .ok()?;
+        let response = sender.send_request(request).await.ok()?;
+        let status = response.status().as_u16();
+        let body = response.into_body().collect().await.ok()?.to_bytes();
+        Some((status, String::from_utf8_lossy(&body).into_owned()))
+    }
+
+    /// Asks `path` until it answers with a status `wanted` accepts (30 s at most).
+    async fn answer_until(addr: &str, path: &str, wanted: impl Fn(u16) -> bool) -> (u16, String) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            match get(addr, path).await {
+                Some(answer) if wanted(answer.0) => return answer,
+                answer => assert!(Instant::now() < deadline, "{path} answered {answer:?}"),
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// `/healthz` answers while the process lives; `/readyz` fails, saying why, while the
+    /// broker is down and intents wait, and recovers when they ship.
+    #[test]
+    fn a_running_relay_answers_health_and_readiness() {
+        host_runtime().block_on(async {
+            let (pool, url) = fresh_database("cli_ready").await;
+            let proxy = BrokerProxy::start(&amqp_url()).unwrap();
+            let topology = unique("relay-ready");
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port();
+            let addr = format!("127.0.0.1:{port}");
+            let mut child = relay()
+                .arg("run")
+                .env("DATABASE_URL", &url)
+                .env("AMQP_URL", proxy.amqp_url())
+                .env("RELAY_TOPOLOGY", &topology)
+                .env("RELAY_POLL_MS", "100")
+                .env("RELAY_AMQP_CONNECT_TIMEOUT_MS", "1000")
+                .env("RELAY_METRICS_ADDR", &addr)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap();
+            let (status, _) = answer_until(&addr, "/healthz", |_| true).await;
+            assert_eq!(status, 200);
+            let (status, body) = get(&addr, "/readyz").await.unwrap();
+            assert_eq!(status, 200, "{body}");
+            let (status, body) = get(&addr, "/metrics").await.unwrap();
+            assert_eq!(status, 200);
+            assert!(
+                body.contains("# HELP relay_drainer_restarts_total"),
+                "{body}"
+            );
+            assert_eq!(get(&addr, "/elsewhere").await.unwrap().0, 404);
+
+            proxy.cut();
+            let branch = BranchKey::new(
+                TenantId::new("ready").unwrap(),
+                RunId::new("r").unwrap(),
+                BranchId::new("b").unwrap(),
+            );
+            let writer = IntentWriter::default();
+            let mut tx = pool.begin().await.unwrap();
+            writer.open_run(&mut tx, &branch).await.unwrap();
+            writer
+                .append(&mut tx, &branch, Lsn::new(1), b"x")
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+            let (_, body) = answer_until(&addr, "/readyz", |status| status == 503).await;
+            assert!(body.contains("broker down while intents wait"), "{body}");
+            // Healthy all the same: restarting would not bring the broker back.
+            assert_eq!(get(&addr, "/healthz").await.unwrap().0, 200);
+
+            proxy.restore();
+            let outbox = Outbox::new(pool.clone());
+            wait_until(
+                "shipped once the broker is back",
+                Duration::from_secs(30),
+                || async { pending(&outbox).await == 0 },
+            )
+            .await;
+            wait_until("ready again", Duration::from_secs(10), || async {
+                get(&addr, "/readyz")
+                    .await
+                    .is_some_and(|(status, _)| status == 200)
+            })
+            .await;
+            let terminated = Command::new("kill")
+                .args(["-TERM", &child.id().to_string()])
+                .status()
+                .unwrap();
+            assert!(terminated.success());
+            let status = child.wait().unwrap();
+            assert_eq!(status.code(), Some(0), "graceful stop on SIGTERM");
+            let rabbit = relay_config(&url, &amqp_url(), &topology)
+                .rabbit_config()
+                .unwrap();
+            drop_topology(&rabbit.topology).await;
+        });
+    }
+}

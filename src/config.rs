@@ -62,6 +62,28 @@ pub struct RelayConfig {
     /// `/readyz` fails when more branches than this are parked. Env `RELAY_READY_MAX_PARKED`,
     /// default 100.
     pub ready_max_parked: u32,
+    /// Extra TLS trust (a private CA) and a client certificate for `amqps://`. Env
+    /// `RELAY_AMQP_CA_FILE`, `RELAY_AMQP_CLIENT_CERT_FILE` and `RELAY_AMQP_CLIENT_KEY_FILE`
+    /// (PEM files, read at start); default none.
+    pub amqp_tls: broker::AmqpTls,
+}
+
+/// Reads a PEM file that must hold a `-----BEGIN ...{kind}-----` block.
+fn pem_file(var: &'static str, path: &std::path::Path, kind: &str) -> Result<Vec<u8>, ConfigError> {
+    let invalid = |reason: String| ConfigError::Invalid {
+        var,
+        value: path.display().to_string(),
+        reason,
+    };
+    let bytes = std::fs::read(path).map_err(|err| invalid(format!("cannot read it: {err}")))?;
+    let text = String::from_utf8_lossy(&bytes);
+    let holds_kind = text
+        .lines()
+        .any(|line| line.starts_with("-----BEGIN ") && line.contains(kind));
+    if !holds_kind {
+        return Err(invalid(format!("no PEM {kind} in it")));
+    }
+    Ok(bytes)
 }
 
 fn defaults() -> RelayConfig {
@@ -158,6 +180,23 @@ pub struct Settings {
     #[arg(long, env = "RELAY_AMQP_CONFIRM_TIMEOUT_MS", default_value_t = millis(defaults().amqp_confirm_timeout),
           value_parser = clap::value_parser!(u64).range(100..=600_000))]
     pub amqp_confirm_timeout_ms: u64,
+    /// PEM file of certificates trusted for `amqps://` besides the system's roots.
+    #[arg(long, env = "RELAY_AMQP_CA_FILE")]
+    pub amqp_ca_file: Option<std::path::PathBuf>,
+    /// PEM certificate chain presented to the broker (with --amqp-client-key-file).
+    #[arg(
+        long,
+        env = "RELAY_AMQP_CLIENT_CERT_FILE",
+        requires = "amqp_client_key_file"
+    )]
+    pub amqp_client_cert_file: Option<std::path::PathBuf>,
+    /// PEM private key of the client certificate.
+    #[arg(
+        long,
+        env = "RELAY_AMQP_CLIENT_KEY_FILE",
+        requires = "amqp_client_cert_file"
+    )]
+    pub amqp_client_key_file: Option<std::path::PathBuf>,
     /// `/readyz` fails when more branches than this are parked.
     #[arg(long, env = "RELAY_READY_MAX_PARKED", default_value_t = defaults().ready_max_parked,
           value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
@@ -189,6 +228,16 @@ impl Settings {
         config.amqp_connect_timeout = Duration::from_millis(self.amqp_connect_timeout_ms);
         config.amqp_confirm_timeout = Duration::from_millis(self.amqp_confirm_timeout_ms);
         config.ready_max_parked = self.ready_max_parked;
+        if let Some(path) = &self.amqp_ca_file {
+            let pem = pem_file("RELAY_AMQP_CA_FILE", path, "CERTIFICATE")?;
+            config.amqp_tls.ca_pem = Some(String::from_utf8_lossy(&pem).into_owned());
+        }
+        if let (Some(cert), Some(key)) = (&self.amqp_client_cert_file, &self.amqp_client_key_file) {
+            config.amqp_tls.client_identity = Some((
+                pem_file("RELAY_AMQP_CLIENT_CERT_FILE", cert, "CERTIFICATE")?,
+                pem_file("RELAY_AMQP_CLIENT_KEY_FILE", key, "PRIVATE KEY")?,
+            ));
+        }
         config.validate()?;
         Ok(config)
     }
@@ -249,6 +298,7 @@ impl RelayConfig {
             probe: None,
             queue_type: QueueType::Classic,
             ready_max_parked: 100,
+            amqp_tls: broker::AmqpTls::default(),
         }
     }
 
@@ -390,6 +440,7 @@ impl RelayConfig {
             }
         })?;
         rabbit.topology = rabbit.topology.with_queue_type(self.queue_type);
+        rabbit.tls = self.amqp_tls.clone();
         rabbit.connect_timeout = self.amqp_connect_timeout;
         rabbit.confirm_timeout = self.amqp_confirm_timeout;
         Ok(rabbit)
@@ -422,6 +473,28 @@ mod tests {
         config.validate().unwrap();
         config.supervisor.shards = 0;
         assert!(config.validate().is_err());
+    }
+
+    #[test]
+    fn tls_files_are_read_at_start_and_named_when_wrong() {
+        let dir = std::env::temp_dir().join(format!("relay-pem-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let not_pem = dir.join("ca.txt");
+        std::fs::write(&not_pem, "hello").unwrap();
+        let err = pem_file("RELAY_AMQP_CA_FILE", &not_pem, "CERTIFICATE").unwrap_err();
+        assert!(err.to_string().starts_with("RELAY_AMQP_CA_FILE="), "{err}");
+        assert!(err.to_string().contains("no PEM CERTIFICATE"), "{err}");
+        let missing = dir.join("missing.pem");
+        let err = pem_file("RELAY_AMQP_CA_FILE", &missing, "CERTIFICATE").unwrap_err();
+        assert!(err.to_string().contains("cannot read it"), "{err}");
+        let key = dir.join("key.pem");
+        std::fs::write(
+            &key,
+            "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n",
+        )
+        .unwrap();
+        assert!(pem_file("RELAY_AMQP_CLIENT_KEY_FILE", &key, "PRIVATE KEY").is_ok());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

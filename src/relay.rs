@@ -85,6 +85,9 @@ impl Relay {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(config.worker_threads)
             .thread_name("outbox-relay")
+            // lapin logs frames (payloads) at TRACE on the threads that publish; keep them
+            // from the host's subscriber on the relay's threads too.
+            .on_thread_start(broker::quiet_lapin_payload_logs_on_this_thread)
             .enable_all()
             .build()?;
         std::thread::Builder::new()

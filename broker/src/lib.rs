@@ -13,6 +13,7 @@
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
 mod backoff;
+mod connect;
 mod consumer;
 mod error;
 mod health;
@@ -24,6 +25,8 @@ mod wire;
 
 pub use backoff::Backoff;
 pub use backoff::RetryPolicy;
+pub use connect::AmqpTls;
+pub use connect::quiet_lapin_payload_logs_on_this_thread;
 pub use consumer::Consumer;
 pub use consumer::ConsumerConfig;
 pub use consumer::ConsumerProgress;

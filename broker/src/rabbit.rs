@@ -23,7 +23,7 @@ use lapin::{Channel, Confirmation, Connection, ConnectionProperties};
 use store::{Fence, OutboxEvent};
 
 use crate::port::{BoxFuture, Confirms, Outcome, PublishReport, Publisher};
-use crate::{BrokerHealth, CallProbe, Error, Topology, wire};
+use crate::{AmqpTls, BrokerHealth, CallProbe, Error, Topology, wire};
 
 /// How to reach RabbitMQ.
 #[derive(Clone, Debug)]
@@ -40,6 +40,8 @@ pub struct RabbitConfig {
     /// deleted), declare the topology again before the next write, so it heals by itself.
     /// Default true.
     pub redeclare_on_return: bool,
+    /// Extra TLS trust and a client certificate for `amqps://`. Default none.
+    pub tls: AmqpTls,
 }
 
 impl RabbitConfig {
@@ -58,6 +60,7 @@ impl RabbitConfig {
             connect_timeout: Duration::from_secs(5),
             confirm_timeout: Duration::from_secs(10),
             redeclare_on_return: true,
+            tls: AmqpTls::default(),
         })
     }
 }
@@ -84,7 +87,7 @@ pub(crate) async fn open(
     let properties = ConnectionProperties::default().with_connection_name(name.into());
     let connection = match tokio::time::timeout(
         config.connect_timeout,
-        Connection::connect(&config.uri, properties),
+        crate::connect::connect(&config.uri, &config.tls, properties),
     )
     .await
     {

@@ -1,0 +1,179 @@
+//! Opening AMQP connections: extra TLS trust and client certificates for `amqps://`, and
+//! lapin's returned-message log kept from every subscriber.
+//!
+//! lapin 4.12 logs each message the broker returns at WARN with its whole `Debug`, payload
+//! included (`returned_messages.rs`), and every incoming frame at TRACE (`channels.rs`, field
+//! `frame`: a delivery's or a return's body bytes), on its own I/O thread (`lapin-io-loop`);
+//! frames discarded after a connection failure are logged at TRACE too (`frames.rs`, fields
+//! `frame`/`frames`). A filter in the host's subscriber would be the host's job and is easily
+//! missed, so the relay connects through [`lapin::Connection::connector`], whose transport
+//! closure runs on that I/O thread, and installs there a thread-local dispatcher that
+//! forwards everything to the process's dispatcher except those events. The relay's own
+//! runtime threads get the same dispatcher ([`quiet_lapin_payload_logs_on_this_thread`]).
+use std::cell::Cell;
+
+use lapin::tcp::{AMQPUriTcpExt, OwnedIdentity, OwnedTLSConfig};
+use lapin::uri::AMQPUri;
+use lapin::{Connection, ConnectionProperties};
+use tracing::level_filters::LevelFilter;
+use tracing::span::{Attributes, Id, Record};
+use tracing::subscriber::{Interest, Subscriber};
+use tracing::{Dispatch, Event, Metadata};
+
+/// The target of lapin's returned-message log line.
+const RETURNED_MESSAGES: &str = "lapin::returned_messages";
+/// Fields in which lapin logs whole frames (their bodies are payloads).
+const FRAME_FIELDS: [&str; 2] = ["frame", "frames"];
+
+/// TLS settings for `amqps://` besides the URL (which alone turns TLS on, verified against the
+/// system's roots; never downgraded to plain text).
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct AmqpTls {
+    /// PEM certificates trusted in addition to the system's roots (a private CA).
+    pub ca_pem: Option<String>,
+    /// PEM certificate chain and PEM private key presented to the broker (mutual TLS).
+    pub client_identity: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl std::fmt::Debug for AmqpTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AmqpTls")
+            .field("ca_pem", &self.ca_pem.as_ref().map(|pem| pem.len()))
+            .field("client_identity", &self.client_identity.is_some())
+            .finish()
+    }
+}
+
+impl AmqpTls {
+    fn owned(&self) -> OwnedTLSConfig {
+        OwnedTLSConfig {
+            identity: self
+                .client_identity
+                .as_ref()
+                .map(|(pem, key)| OwnedIdentity::PKCS8 {
+                    pem: pem.clone(),
+                    key: key.clone(),
+                }),
+            cert_chain: self.ca_pem.clone(),
+        }
+    }
+}
+
+/// Connects to `uri` with `tls`; lapin's I/O thread never logs a returned payload.
+pub(crate) async fn connect(
+    uri: &str,
+    tls: &AmqpTls,
+    properties: ConnectionProperties,
+) -> Result<Connection, lapin::Error> {
+    let uri: AMQPUri = uri
+        .parse()
+        .map_err(|why: String| lapin::Error::from(std::io::Error::other(why)))?;
+    let runtime = lapin::runtime::default_runtime()?;
+    let tls = tls.owned();
+    Connection::connector(
+        uri,
+        runtime,
+        async move |uri, runtime| {
+            // This closure runs on lapin's I/O thread (also when it reconnects).
+            quiet_lapin_payload_logs_on_this_thread();
+            uri.connect_with_config_async(tls.as_ref(), &runtime)
+                .await
+                .map_err(lapin::Error::from)
+        },
+        properties,
+    )
+    .await
+}
+
+thread_local! {
+    static QUIET: Cell<bool> = const { Cell::new(false) };
+}
+
+/// From now on, this thread's events go to the process's dispatcher (as it is now), minus
+/// lapin's events that carry payloads (returned messages, frames). Idempotent. The relay calls
+/// it on lapin's I/O threads and on its own runtime threads.
+pub fn quiet_lapin_payload_logs_on_this_thread() {
+    if QUIET.with(|quiet| quiet.replace(true)) {
+        return;
+    }
+    let process = tracing::dispatcher::get_default(Dispatch::clone);
+    let quiet = Dispatch::new(WithoutReturnedMessages {
+        inner: process,
+        max_level: LevelFilter::current(),
+    });
+    // The guard would restore the previous default when dropped; this thread keeps the quiet
+    // dispatcher for its whole life.
+    std::mem::forget(tracing::dispatcher::set_default(&quiet));
+}
+
+/// Forwards to the wrapped dispatcher, except lapin's events that carry payloads.
+struct WithoutReturnedMessages {
+    inner: Dispatch,
+    /// The process's most verbose level when this was made (the wrapped dispatcher's own
+    /// hint is not public): keeps the process's fast level check as it was.
+    max_level: LevelFilter,
+}
+
+fn carries_payload(metadata: &Metadata<'_>) -> bool {
+    metadata.target() == RETURNED_MESSAGES
+        || (metadata.target().starts_with("lapin")
+            && FRAME_FIELDS
+                .iter()
+                .any(|field| metadata.fields().field(field).is_some()))
+}
+
+impl Subscriber for WithoutReturnedMessages {
+    fn register_callsite(&self, metadata: &'static Metadata<'static>) -> Interest {
+        if carries_payload(metadata) {
+            Interest::never()
+        } else {
+            self.inner.register_callsite(metadata)
+        }
+    }
+
+    fn enabled(&self, metadata: &Metadata<'_>) -> bool {
+        !carries_payload(metadata) && self.inner.enabled(metadata)
+    }
+
+    fn max_level_hint(&self) -> Option<LevelFilter> {
+        Some(self.max_level)
+    }
+
+    fn new_span(&self, span: &Attributes<'_>) -> Id {
+        self.inner.new_span(span)
+    }
+
+    fn record(&self, span: &Id, values: &Record<'_>) {
+        self.inner.record(span, values)
+    }
+
+    fn record_follows_from(&self, span: &Id, follows: &Id) {
+        self.inner.record_follows_from(span, follows)
+    }
+
+    fn event(&self, event: &Event<'_>) {
+        if !carries_payload(event.metadata()) {
+            self.inner.event(event)
+        }
+    }
+
+    fn enter(&self, span: &Id) {
+        self.inner.enter(span)
+    }
+
+    fn exit(&self, span: &Id) {
+        self.inner.exit(span)
+    }
+
+    fn clone_span(&self, id: &Id) -> Id {
+        self.inner.clone_span(id)
+    }
+
+    fn try_close(&self, id: Id) -> bool {
+        self.inner.try_close(id)
+    }
+
+    fn current_span(&self) -> tracing_core::span::Current {
+        self.inner.current_span()
+    }
+}

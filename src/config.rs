@@ -66,6 +66,13 @@ pub struct RelayConfig {
     /// `RELAY_AMQP_CA_FILE`, `RELAY_AMQP_CLIENT_CERT_FILE` and `RELAY_AMQP_CLIENT_KEY_FILE`
     /// (PEM files, read at start); default none.
     pub amqp_tls: broker::AmqpTls,
+    /// PostgreSQL schema of the relay's tables (created on migrate); the host's writer names
+    /// it with `IntentWriter::with_schema`. Env `RELAY_SCHEMA`; default none (the connection's
+    /// `search_path`, normally `public`).
+    pub schema: Option<String>,
+    /// `distribution run` does not apply the schema (the host applies `distribution sql` with
+    /// its own migration tool). Env `RELAY_SKIP_MIGRATE`; default false.
+    pub skip_migrate: bool,
 }
 
 /// Reads a PEM file that must hold a `-----BEGIN ...{kind}-----` block.
@@ -197,6 +204,12 @@ pub struct Settings {
         requires = "amqp_client_cert_file"
     )]
     pub amqp_client_key_file: Option<std::path::PathBuf>,
+    /// PostgreSQL schema of the relay's tables (default: the connection's search_path).
+    #[arg(long, env = "RELAY_SCHEMA")]
+    pub schema: Option<String>,
+    /// Do not apply the schema at start (the host applies `distribution sql` itself).
+    #[arg(long, env = "RELAY_SKIP_MIGRATE")]
+    pub skip_migrate: bool,
     /// `/readyz` fails when more branches than this are parked.
     #[arg(long, env = "RELAY_READY_MAX_PARKED", default_value_t = defaults().ready_max_parked,
           value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
@@ -228,6 +241,8 @@ impl Settings {
         config.amqp_connect_timeout = Duration::from_millis(self.amqp_connect_timeout_ms);
         config.amqp_confirm_timeout = Duration::from_millis(self.amqp_confirm_timeout_ms);
         config.ready_max_parked = self.ready_max_parked;
+        config.schema = self.schema;
+        config.skip_migrate = self.skip_migrate;
         if let Some(path) = &self.amqp_ca_file {
             let pem = pem_file("RELAY_AMQP_CA_FILE", path, "CERTIFICATE")?;
             config.amqp_tls.ca_pem = Some(String::from_utf8_lossy(&pem).into_owned());
@@ -299,6 +314,8 @@ impl RelayConfig {
             queue_type: QueueType::Classic,
             ready_max_parked: 100,
             amqp_tls: broker::AmqpTls::default(),
+            schema: None,
+            skip_migrate: false,
         }
     }
 
@@ -338,6 +355,11 @@ impl RelayConfig {
             ));
         }
         self.rabbit_config()?;
+        if let Some(schema) = &self.schema
+            && let Err(err) = store::Schema::new(schema)
+        {
+            return Err(invalid("RELAY_SCHEMA", schema.clone(), &err.to_string()));
+        }
         if self.supervisor.shards == 0 {
             return Err(invalid("RELAY_SHARDS", "0".into(), "must be at least 1"));
         }
@@ -422,6 +444,13 @@ impl RelayConfig {
             ));
         }
         Ok(())
+    }
+
+    /// The relay's schema, if any (validated by [`RelayConfig::validate`]).
+    pub fn schema(&self) -> Option<store::Schema> {
+        self.schema
+            .as_ref()
+            .and_then(|name| store::Schema::new(name).ok())
     }
 
     /// The broker side of this configuration.

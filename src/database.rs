@@ -8,6 +8,7 @@ use std::time::Duration;
 use sqlx::Connection;
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPoolOptions};
+use store::Schema;
 
 /// How long the first connection may take before the database counts as unreachable.
 pub(crate) const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
@@ -44,21 +45,58 @@ pub(crate) async fn probe(options: &PgConnectOptions) -> Result<(), String> {
 /// A pool of `size` connections to `url`, after one direct connection that names any problem
 /// (refused, authentication, missing role or database, TLS) within about two seconds.
 ///
+/// With `schema`, the pool's connections find the relay's objects in that schema only.
+///
 /// ```no_run
 /// # async fn demo() -> Result<(), distribution::RelayError> {
-/// let pool = distribution::connect_database("postgres://postgres@127.0.0.1/test", 4).await?;
+/// let url = "postgres://postgres@127.0.0.1/test";
+/// let pool = distribution::connect_database(url, 4, None).await?;
 /// distribution::store::migrate(&pool).await.expect("migrated");
 /// # Ok(()) }
 /// ```
-pub async fn connect_database(url: &str, size: u32) -> Result<PgPool, crate::RelayError> {
-    pool(url, size)
+pub async fn connect_database(
+    url: &str,
+    size: u32,
+    schema: Option<&Schema>,
+) -> Result<PgPool, crate::RelayError> {
+    pool(url, size, schema)
         .await
         .map_err(crate::RelayError::DatabaseUnreachable)
 }
 
-/// [`connect_database`] with the cause as a line.
-pub(crate) async fn pool(url: &str, size: u32) -> Result<PgPool, String> {
+/// Connection options for `url`, in `schema` if given (`search_path`).
+pub fn connect_options(
+    url: &str,
+    schema: Option<&Schema>,
+) -> Result<PgConnectOptions, crate::RelayError> {
+    options(url, schema).map_err(crate::RelayError::DatabaseUnreachable)
+}
+
+/// [`connect_options`] with the cause as a line.
+pub(crate) fn options(url: &str, schema: Option<&Schema>) -> Result<PgConnectOptions, String> {
     let options: PgConnectOptions = url.parse().map_err(|err| describe(&err))?;
+    Ok(match schema {
+        Some(schema) => schema.apply(options),
+        None => options,
+    })
+}
+
+/// A pool that connects on first use (no probe).
+pub(crate) fn lazy_pool(
+    url: &str,
+    size: u32,
+    acquire_timeout: Duration,
+    schema: Option<&Schema>,
+) -> Result<PgPool, String> {
+    Ok(PgPoolOptions::new()
+        .max_connections(size)
+        .acquire_timeout(acquire_timeout)
+        .connect_lazy_with(options(url, schema)?))
+}
+
+/// [`connect_database`] with the cause as a line.
+pub(crate) async fn pool(url: &str, size: u32, schema: Option<&Schema>) -> Result<PgPool, String> {
+    let options = options(url, schema)?;
     probe(&options).await?;
     PgPoolOptions::new()
         .max_connections(size)

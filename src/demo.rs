@@ -13,7 +13,9 @@ use distribution::broker::{FoldConsumer, Partition};
 use distribution::store::{
     self, Backlog, BranchId, BranchKey, FoldStore, IntentWriter, Lsn, Outbox, RunId, TenantId,
 };
-use distribution::{BrokerProxy, Relay, RelayConfig};
+use distribution::{Relay, RelayConfig};
+
+use crate::proxy::BrokerProxy;
 use sqlx::{Connection, PgConnection, PgPool};
 
 const TENANTS: [&str; 3] = ["acme", "globex", "initech"];

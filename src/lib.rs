@@ -2,7 +2,8 @@
 //!
 //! - `config`: [`RelayConfig`], read from the environment or built in code; fails fast.
 //! - `relay`: [`Relay`] and [`RelayHandle`]: the actor tree on its own runtime threads.
-//! - `proxy`: [`BrokerProxy`], a TCP proxy you own, to take "the broker" down without stopping it.
+//! - `testing` (feature `test-tools`): `BrokerProxy`, a TCP proxy you own, to take "the broker"
+//!   down in a test without stopping it.
 //! - `telemetry`: [`describe_metrics`], [`prometheus_builder`] (lag histogram buckets),
 //!   [`LogFormat`].
 //!
@@ -12,6 +13,7 @@
 
 mod config;
 mod database;
+#[cfg(feature = "test-tools")]
 mod proxy;
 mod relay;
 mod telemetry;
@@ -22,7 +24,7 @@ pub use config::RelayConfig;
 pub use config::Settings;
 pub use config::unknown_relay_variables;
 pub use database::connect_database;
-pub use proxy::BrokerProxy;
+pub use database::connect_options;
 pub use relay::Relay;
 pub use relay::RelayError;
 pub use relay::RelayHandle;
@@ -34,3 +36,9 @@ pub use telemetry::LAG_BUCKETS;
 pub use telemetry::LogFormat;
 pub use telemetry::describe_metrics;
 pub use telemetry::prometheus_builder;
+
+/// Tools for tests of a host or consumer (feature `test-tools`; not for production).
+#[cfg(feature = "test-tools")]
+pub mod testing {
+    pub use crate::proxy::BrokerProxy;
+}

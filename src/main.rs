@@ -18,6 +18,9 @@ use distribution::store::{self, Outbox};
 use distribution::{LogFormat, Relay, RelayConfig, Settings};
 
 mod demo;
+// The demo takes "the broker" down with the same proxy the tests use, compiled in privately.
+#[allow(dead_code)]
+mod proxy;
 mod serve;
 
 /// Ships committed export intents from PostgreSQL to RabbitMQ, in order per branch,
@@ -38,6 +41,13 @@ struct Database {
     /// PostgreSQL holding the outbox.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     database_url: String,
+    /// PostgreSQL schema of the relay's tables (default: the connection's search_path).
+    #[arg(long, env = "RELAY_SCHEMA", value_parser = parse_schema)]
+    schema: Option<store::Schema>,
+}
+
+fn parse_schema(name: &str) -> Result<store::Schema, String> {
+    store::Schema::new(name).map_err(|err| err.to_string())
 }
 
 #[derive(Debug, Subcommand)]
@@ -61,6 +71,9 @@ enum Command {
     },
     /// The broker-down walk, end to end, on this machine's PostgreSQL and RabbitMQ.
     Demo,
+    /// Print the schema's SQL (every migration, in order) for hosts with another migration
+    /// tool; then run the relay with --skip-migrate.
+    Sql,
 }
 
 /// Exit code of a usage or configuration error (as clap's own).
@@ -125,16 +138,20 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
-            Command::Migrate(database) => migrate(&database.database_url).await,
+            Command::Migrate(database) => migrate(&database).await,
             Command::Run(_) => run(config.expect("parsed above")).await,
-            Command::Status(database) => status(&database.database_url).await,
+            Command::Status(database) => status(&database).await,
             Command::Release {
                 database,
                 tenant,
                 run,
                 branch,
-            } => release(&database.database_url, tenant, run, branch).await,
+            } => release(&database, tenant, run, branch).await,
             Command::Demo => demo::run().await,
+            Command::Sql => {
+                print_sql();
+                Ok(())
+            }
         }
     });
     match result {
@@ -175,6 +192,19 @@ fn blamed_variable(err: &clap::Error) -> Option<String> {
     None
 }
 
+/// Every migration's SQL, in order, each under a comment with its version: what
+/// `distribution migrate` applies (and records in `relay_migrations`).
+fn print_sql() {
+    for migration in store::MIGRATOR.iter() {
+        println!(
+            "-- relay migration {} ({})\n{}\n",
+            migration.version,
+            migration.description,
+            migration.sql.as_str().trim_end()
+        );
+    }
+}
+
 /// The error and its causes on one line, without a backtrace, skipping causes whose text the
 /// line already contains (sqlx repeats its database error at every level).
 fn one_line(err: &anyhow::Error) -> String {
@@ -189,22 +219,39 @@ fn one_line(err: &anyhow::Error) -> String {
     line
 }
 
-async fn connect(url: &str) -> Result<sqlx::PgPool> {
-    distribution::connect_database(url, 4)
+async fn connect(url: &str, schema: Option<&store::Schema>) -> Result<sqlx::PgPool> {
+    distribution::connect_database(url, 4, schema)
         .await
         .map_err(|err| anyhow::anyhow!("{err} (DATABASE_URL)"))
 }
 
-async fn migrate(url: &str) -> Result<()> {
-    let pool = connect(url).await?;
+/// Creates the relay's schema (if one is set) and brings its tables up to date.
+async fn migrate_in(url: &str, schema: Option<&store::Schema>) -> Result<()> {
+    let pool = connect(url, schema).await?;
+    if let Some(schema) = schema {
+        // Two relays starting at once can race on CREATE SCHEMA IF NOT EXISTS: once more.
+        if store::create_schema(&pool, schema).await.is_err() {
+            store::create_schema(&pool, schema)
+                .await
+                .with_context(|| format!("cannot create schema {schema} (RELAY_SCHEMA)"))?;
+        }
+    }
     store::migrate(&pool).await?;
+    Ok(())
+}
+
+async fn migrate(database: &Database) -> Result<()> {
+    migrate_in(&database.database_url, database.schema.as_ref()).await?;
     println!("outbox schema is up to date");
     Ok(())
 }
 
 async fn run(config: RelayConfig) -> Result<()> {
-    // The schema is applied first (idempotent, safe with several relays starting at once).
-    store::migrate(&connect(&config.database_url).await?).await?;
+    // The schema is applied first (idempotent, safe with several relays starting at once),
+    // unless the host applies it with its own tool (`distribution sql`).
+    if !config.skip_migrate {
+        migrate_in(&config.database_url, config.schema().as_ref()).await?;
+    }
     // One connection to the broker: a refusal is fatal here (no retry fixes it); a broker that
     // is simply down is normal (everything waits in the outbox until it is back).
     match distribution::broker::preflight(&config.rabbit_config()?).await {
@@ -232,7 +279,10 @@ async fn run(config: RelayConfig) -> Result<()> {
     let probe_pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(1)
         .acquire_timeout(std::time::Duration::from_secs(1))
-        .connect_lazy(&config.database_url)?;
+        .connect_lazy_with(distribution::connect_options(
+            &config.database_url,
+            config.schema().as_ref(),
+        )?);
     let relay = Relay::start(config).await?;
     serve::spawn(
         listener,
@@ -255,8 +305,8 @@ async fn run(config: RelayConfig) -> Result<()> {
     Ok(())
 }
 
-async fn status(url: &str) -> Result<()> {
-    let outbox = Outbox::new(connect(url).await?);
+async fn status(database: &Database) -> Result<()> {
+    let outbox = Outbox::new(connect(&database.database_url, database.schema.as_ref()).await?);
     let backlog = outbox
         .backlog()
         .await
@@ -287,7 +337,7 @@ async fn status(url: &str) -> Result<()> {
 }
 
 async fn release(
-    url: &str,
+    database: &Database,
     tenant: String,
     run: Option<String>,
     branch: Option<String>,
@@ -296,7 +346,7 @@ async fn release(
     let tenant = TenantId::new(tenant)?;
     let run = run.map(RunId::new).transpose()?;
     let branch = branch.map(BranchId::new).transpose()?;
-    let outbox = Outbox::new(connect(url).await?);
+    let outbox = Outbox::new(connect(&database.database_url, database.schema.as_ref()).await?);
     let released = outbox
         .release(&tenant, run.as_ref(), branch.as_ref())
         .await?;

@@ -12,7 +12,6 @@ use actors::{Backoff, PublisherFactory, ShardId};
 use broker::{BrokerHealth, Publisher, RabbitPublisher};
 use ractor::rpc::CallResult;
 use ractor::{Actor, ActorRef};
-use sqlx::postgres::PgPoolOptions;
 use store::{LeaseStore, Outbox};
 use supervisor::{RelaySupervisor, SupervisorArgs, SupervisorMessage, TreeSnapshot};
 use tokio::sync::{oneshot, watch};
@@ -53,7 +52,23 @@ pub struct RelayHandle {
 }
 
 impl Relay {
-    /// Starts a relay publishing to RabbitMQ. Returns once the database answered.
+    /// Starts a relay publishing to RabbitMQ. Returns once the database answered (an
+    /// unreachable database, a refused role or a missing database is an error within about two
+    /// seconds, naming the cause); the broker may be down: intents wait until it is back.
+    ///
+    /// ```no_run
+    /// use distribution::{Relay, RelayConfig};
+    ///
+    /// # async fn host() -> Result<(), Box<dyn std::error::Error>> {
+    /// let config = RelayConfig::new(
+    ///     "postgres://postgres@127.0.0.1:5432/test",
+    ///     "amqp://guest:guest@127.0.0.1:5672/%2f",
+    /// );
+    /// let relay = Relay::start(config).await?; // its own threads, named "outbox-relay"
+    /// // ... the host commits intents with `store::IntentWriter` ...
+    /// relay.shutdown().await; // finishes the batches in flight
+    /// # Ok(()) }
+    /// ```
     pub async fn start(config: RelayConfig) -> Result<RelayHandle, RelayError> {
         let rabbit = config.rabbit_config()?;
         let probe = config.probe.clone();
@@ -123,21 +138,27 @@ async fn run_tree(
     mut stop: oneshot::Receiver<StopMode>,
     tree: watch::Sender<Option<ActorRef<SupervisorMessage>>>,
 ) -> StopMode {
-    let pool = match crate::database::pool(&config.database_url, config.db_connections).await {
-        Ok(pool) => pool,
-        Err(why) => {
-            let _ = ready.send(Err(RelayError::DatabaseUnreachable(why)));
-            return StopMode::Abort;
-        }
-    };
-    let lease_pool = PgPoolOptions::new()
-        .max_connections(2)
-        .acquire_timeout(config.supervisor.lease.heartbeat)
-        .connect_lazy(&config.database_url);
+    let schema = config.schema();
+    let pool =
+        match crate::database::pool(&config.database_url, config.db_connections, schema.as_ref())
+            .await
+        {
+            Ok(pool) => pool,
+            Err(why) => {
+                let _ = ready.send(Err(RelayError::DatabaseUnreachable(why)));
+                return StopMode::Abort;
+            }
+        };
+    let lease_pool = crate::database::lazy_pool(
+        &config.database_url,
+        2,
+        config.supervisor.lease.heartbeat,
+        schema.as_ref(),
+    );
     let lease_pool = match lease_pool {
         Ok(lease_pool) => lease_pool,
-        Err(err) => {
-            let _ = ready.send(Err(RelayError::DatabaseUnreachable(err.to_string())));
+        Err(why) => {
+            let _ = ready.send(Err(RelayError::DatabaseUnreachable(why)));
             return StopMode::Abort;
         }
     };

@@ -8,8 +8,8 @@ mod cli {
     use std::process::{Command, Output, Stdio};
     use std::time::{Duration, Instant};
 
-    use distribution::BrokerProxy;
     use distribution::store::{BranchId, BranchKey, IntentWriter, Lsn, Outbox, RunId, TenantId};
+    use distribution::testing::BrokerProxy;
     use http_body_util::BodyExt;
 
     use crate::harness::*;
@@ -149,6 +149,40 @@ mod cli {
                 started.elapsed()
             );
         }
+    }
+
+    /// `distribution sql` is the whole schema for a host's own migration tool: applied as is,
+    /// the host writes and the relay's drain reads.
+    #[test]
+    fn the_printed_sql_builds_a_working_outbox() {
+        let (code, sql, stderr) = output(relay().arg("sql"));
+        assert_eq!(code, 0, "{stderr}");
+        assert!(sql.contains("-- relay migration 1 "), "{sql}");
+        host_runtime().block_on(async {
+            let (pool, _) = empty_database("cli_sql").await;
+            sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                .execute(&pool)
+                .await
+                .unwrap();
+            let branch = BranchKey::new(
+                TenantId::new("sql").unwrap(),
+                RunId::new("r").unwrap(),
+                BranchId::new("b").unwrap(),
+            );
+            let writer = IntentWriter::default();
+            let mut tx = pool.begin().await.unwrap();
+            writer.open_run(&mut tx, &branch).await.unwrap();
+            writer
+                .append(&mut tx, &branch, Lsn::new(1), b"x")
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+            let drained = Outbox::new(pool.clone())
+                .drain_outbox(&branch.tenant, 10)
+                .await
+                .unwrap();
+            assert_eq!(drained.len(), 1);
+        });
     }
 
     async fn get(addr: &str, path: &str) -> Option<(u16, String)> {

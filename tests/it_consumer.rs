@@ -11,6 +11,7 @@ mod consumer {
     use std::sync::atomic::{AtomicU64, Ordering};
     use std::time::Duration;
 
+    use distribution::Relay;
     use distribution::broker::{
         Consumer, ConsumerConfig, DEAD_LETTER_REASON, FoldStats, Partition, RetryPolicy,
     };
@@ -18,7 +19,7 @@ mod consumer {
         BranchId, BranchKey, IntentWriter, Lsn, Outbox, OutboxEvent, Projection, RewindNotice,
         RunId, TenantId,
     };
-    use distribution::{BrokerProxy, Relay};
+    use distribution::testing::BrokerProxy;
     use futures_util::StreamExt;
     use lapin::options::{BasicConsumeOptions, BasicPublishOptions};
     use lapin::types::{AMQPValue, FieldTable, LongString};

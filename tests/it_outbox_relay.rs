@@ -8,11 +8,12 @@ mod harness;
 mod outbox {
     use std::time::{Duration, Instant};
 
+    use distribution::Relay;
     use distribution::broker::{CallProbe, Partition};
     use distribution::store::{
         BranchId, BranchKey, FoldStore, IntentWriter, LEASE_BUCKETS, Lsn, Outbox, RunId, TenantId,
     };
-    use distribution::{BrokerProxy, Relay};
+    use distribution::testing::BrokerProxy;
     use futures_util::StreamExt;
     use lapin::options::{BasicConsumeOptions, BasicQosOptions};
     use lapin::types::FieldTable;

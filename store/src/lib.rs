@@ -21,6 +21,7 @@ mod fold;
 mod key;
 mod lease;
 mod outbox;
+mod schema;
 mod wakeup;
 mod writer;
 
@@ -58,6 +59,8 @@ pub use outbox::EventKind;
 pub use outbox::Outbox;
 pub use outbox::OutboxEvent;
 pub use outbox::ParkedBranch;
+pub use schema::Schema;
+pub use schema::create_schema;
 pub use wakeup::Wakeups;
 pub use writer::DEFAULT_MAX_PAYLOAD_BYTES;
 pub use writer::IntentWriter;

@@ -4,9 +4,11 @@
 //! commits or rolls back with the host's state. A plain pooled connection runs each call in its
 //! own implicit transaction. Bad input is refused before any SQL runs, and a
 //! refused append leaves the host's transaction usable (no statement failed).
+use std::borrow::Cow;
+
 use sqlx::PgConnection;
 
-use crate::{BranchId, BranchKey, Error, Lsn};
+use crate::{BranchId, BranchKey, Error, Lsn, Schema};
 
 /// Default largest payload, 256 KiB: far below RabbitMQ's 128 MiB `max_message_size` and small
 /// enough that a relay batch of 1,000 intents stays bounded in memory.
@@ -31,6 +33,9 @@ pub struct IntentWriter {
     /// concurrent writers on the reference machine (see ARCHITECTURE.md). An embedded relay can
     /// be woken in-process instead (`RelayHandle::waker`); polling catches everything regardless.
     notify: bool,
+    /// The schema of the relay's tables (`relay_branch`, `relay_outbox`), named in every
+    /// statement; `None`: the host connection's `search_path` finds them (normally `public`).
+    schema: Option<Schema>,
 }
 
 impl Default for IntentWriter {
@@ -47,6 +52,7 @@ struct BranchRow {
 }
 
 async fn branch_row(
+    writer: &IntentWriter,
     conn: &mut PgConnection,
     key: &BranchKey,
     lock: bool,
@@ -58,7 +64,7 @@ async fn branch_row(
         "SELECT base_lsn, head_lsn, abandoned_at_lsn, parent_branch_id FROM relay_branch
           WHERE tenant_id = $1 AND run_id = $2 AND branch_id = $3"
     };
-    let row: Option<(i64, i64, Option<i64>, Option<String>)> = sqlx::query_as(sql)
+    let row: Option<(i64, i64, Option<i64>, Option<String>)> = sqlx::query_as(writer.sql(sql))
         .bind(key.tenant.as_str())
         .bind(key.run.as_str())
         .bind(key.branch.as_str())
@@ -80,7 +86,24 @@ impl IntentWriter {
         Self {
             max_payload_bytes,
             notify: true,
+            schema: None,
         }
+    }
+
+    /// Names the relay's tables in `schema` (created by [`crate::create_schema`] and
+    /// [`crate::migrate`] on connections with [`Schema::apply`]) instead of
+    /// relying on the host's `search_path`; the host's own statements are not affected.
+    pub fn with_schema(mut self, schema: Schema) -> Self {
+        self.schema = Some(schema);
+        self
+    }
+
+    /// `statement` with the relay's tables qualified by the schema, if any.
+    fn sql(&self, statement: &'static str) -> sqlx::AssertSqlSafe<Cow<'static, str>> {
+        sqlx::AssertSqlSafe(match &self.schema {
+            None => Cow::Borrowed(statement),
+            Some(schema) => Cow::Owned(schema.qualify(statement)),
+        })
     }
 
     /// Whether appends NOTIFY relays on commit (default on; see the field's documentation).
@@ -98,11 +121,11 @@ impl IntentWriter {
     pub async fn open_run(&self, conn: &mut PgConnection, key: &BranchKey) -> Result<(), Error> {
         // A run that already has a branch (live or abandoned) is refused. Two concurrent opens of
         // one run are stopped by the one-live-branch-per-run unique index.
-        let inserted = sqlx::query(
+        let inserted = sqlx::query(self.sql(
             "INSERT INTO relay_branch (tenant_id, run_id, branch_id, base_lsn, head_lsn)
              SELECT $1, $2, $3, 0, 0
               WHERE NOT EXISTS (SELECT 1 FROM relay_branch WHERE tenant_id = $1 AND run_id = $2)",
-        )
+        ))
         .bind(key.tenant.as_str())
         .bind(key.run.as_str())
         .bind(key.branch.as_str())
@@ -115,7 +138,22 @@ impl IntentWriter {
         Ok(())
     }
 
-    /// Appends the export intent `(key, lsn)` with `payload`.
+    /// Appends the export intent `(key, lsn)` with `payload`, in the host's transaction: it
+    /// commits or rolls back with the host's own writes.
+    ///
+    /// ```no_run
+    /// use store::{BranchId, BranchKey, IntentWriter, Lsn, RunId, TenantId};
+    ///
+    /// # async fn host(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+    /// let branch = BranchKey::new(TenantId::new("acme")?, RunId::new("run-1")?, BranchId::new("main")?);
+    /// let writer = IntentWriter::default();
+    /// let mut tx = pool.begin().await?;
+    /// writer.open_run(&mut tx, &branch).await?; // once, when the run starts
+    /// // ... the host's own state writes in `tx` ...
+    /// writer.append(&mut tx, &branch, Lsn::new(1), br#"{"step":1}"#).await?;
+    /// tx.commit().await?; // the intent is visible to relays from here on
+    /// # Ok(()) }
+    /// ```
     ///
     /// Invariant: appends to one branch are serialised on the branch row's lock, held until the
     /// host commits, so a branch's intents commit in Lsn order and a reader only ever sees a
@@ -139,7 +177,7 @@ impl IntentWriter {
         } else {
             APPEND
         };
-        let inserted = sqlx::query(sql)
+        let inserted = sqlx::query(self.sql(sql))
             .bind(key.tenant.as_str())
             .bind(key.run.as_str())
             .bind(key.branch.as_str())
@@ -151,7 +189,7 @@ impl IntentWriter {
             return Ok(());
         }
         // Refused: say why. Nothing was written.
-        Err(match branch_row(conn, key, false).await? {
+        Err(match branch_row(self, conn, key, false).await? {
             None => Error::UnknownBranch {
                 branch: key.clone(),
             },
@@ -186,11 +224,12 @@ impl IntentWriter {
     ) -> Result<Rewound, Error> {
         let at_db = at.to_db()?;
         let live = BranchKey::new(from.tenant.clone(), from.run.clone(), new_branch);
-        let row = branch_row(conn, from, true)
-            .await?
-            .ok_or_else(|| Error::UnknownBranch {
-                branch: from.clone(),
-            })?;
+        let row =
+            branch_row(self, conn, from, true)
+                .await?
+                .ok_or_else(|| Error::UnknownBranch {
+                    branch: from.clone(),
+                })?;
         if let Some(abandoned_at) = row.abandoned_at_lsn {
             return Err(Error::BranchAbandoned {
                 branch: from.clone(),
@@ -205,7 +244,7 @@ impl IntentWriter {
                 head: Lsn::from_db(row.head_lsn),
             });
         }
-        if branch_row(conn, &live, false).await?.is_some() {
+        if branch_row(self, conn, &live, false).await?.is_some() {
             return Err(Error::BranchExists { branch: live });
         }
         let marker_lsn = row
@@ -214,20 +253,20 @@ impl IntentWriter {
             .ok_or_else(|| Error::NoRoomForMarker {
                 branch: from.clone(),
             })?;
-        sqlx::query(
+        sqlx::query(self.sql(
             "UPDATE relay_branch SET abandoned_at_lsn = $4
               WHERE tenant_id = $1 AND run_id = $2 AND branch_id = $3",
-        )
+        ))
         .bind(from.tenant.as_str())
         .bind(from.run.as_str())
         .bind(from.branch.as_str())
         .bind(at_db)
         .execute(&mut *conn)
         .await?;
-        let abandoned = sqlx::query(
+        let abandoned = sqlx::query(self.sql(
             "DELETE FROM relay_outbox
               WHERE tenant_id = $1 AND run_id = $2 AND branch_id = $3 AND lsn > $4",
-        )
+        ))
         .bind(from.tenant.as_str())
         .bind(from.run.as_str())
         .bind(from.branch.as_str())
@@ -237,12 +276,12 @@ impl IntentWriter {
         .rows_affected();
         // The marker: after every intent of the old branch (highest Lsn and seq), so it reaches
         // the broker after each of them that still can, on the same shard and partition.
-        sqlx::query(
+        sqlx::query(self.sql(
             "INSERT INTO relay_outbox
                  (tenant_id, run_id, branch_id, lsn, prev_lsn, base_lsn, payload, kind, rewound_to,
                   parent_branch_id)
              VALUES ($1, $2, $3, $4, $5, $6, '', 1, $7, $8)",
-        )
+        ))
         .bind(from.tenant.as_str())
         .bind(from.run.as_str())
         .bind(from.branch.as_str())
@@ -253,11 +292,11 @@ impl IntentWriter {
         .bind(row.parent_branch_id.as_deref())
         .execute(&mut *conn)
         .await?;
-        sqlx::query(
+        sqlx::query(self.sql(
             "INSERT INTO relay_branch
                  (tenant_id, run_id, branch_id, base_lsn, head_lsn, parent_branch_id)
              VALUES ($1, $2, $3, $4, $4, $5)",
-        )
+        ))
         .bind(live.tenant.as_str())
         .bind(live.run.as_str())
         .bind(live.branch.as_str())

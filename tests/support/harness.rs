@@ -73,6 +73,11 @@ async fn sweep_stale_databases(admin: &mut PgConnection) {
 
 /// A fresh database with nothing in it (a consumer's own database, say).
 pub async fn bare_database(label: &str) -> PgPool {
+    empty_database(label).await.0
+}
+
+/// A fresh database with nothing in it; its pool and URL.
+pub async fn empty_database(label: &str) -> (PgPool, String) {
     let url = std::env::var("DATABASE_URL").expect("DATABASE_URL (set in .cargo/config.toml)");
     let name = unique(&format!("relay_it_{label}"));
     let mut admin = PgConnection::connect(&url).await.unwrap();
@@ -82,7 +87,8 @@ pub async fn bare_database(label: &str) -> PgPool {
         .await
         .unwrap();
     let server = url.rsplit_once('/').unwrap().0;
-    PgPool::connect(&format!("{server}/{name}")).await.unwrap()
+    let url = format!("{server}/{name}");
+    (PgPool::connect(&url).await.unwrap(), url)
 }
 
 /// A fresh, migrated database with a host state table; returns its pool and URL.

@@ -138,6 +138,9 @@ async fn drop_topology(amqp: &str, topology: &Topology) -> Result<()> {
             .await?;
     }
     channel
+        .queue_delete(topology.dead_letter_queue(), QueueDeleteOptions::default())
+        .await?;
+    channel
         .exchange_delete(
             topology.exchange().clone(),
             ExchangeDeleteOptions::default(),
@@ -322,14 +325,62 @@ enum Wake {
     Waker,
 }
 
-/// 4. 8 writers at `latency_rate() / 8` events/s each; latency from each host commit to its broker confirm.
-async fn latency(env: &mut Env, mode: &Mode, wake: Wake) -> Result<Latency> {
+/// Who writes during a latency measurement, and beside what.
+struct Load {
+    /// Writers (each its own run), spread over `tenants` tenants named `<prefix><n>`.
+    writers: u32,
+    tenants: u32,
+    prefix: &'static str,
+    /// Events per second over all writers.
+    rate: u32,
+    /// Intents already waiting for one hot tenant (20 runs) when the writers start.
+    hot_backlog: u32,
+    /// Batches this small take the express lane (0: no lane).
+    express_max_events: u32,
+}
+
+impl Load {
+    /// Section 4: 8 writers over 4 tenants at `latency_rate()`.
+    fn busy() -> Self {
+        Self {
+            writers: 8,
+            tenants: 4,
+            prefix: "lat",
+            rate: latency_rate(),
+            hot_backlog: 0,
+            express_max_events: 32,
+        }
+    }
+
+    /// Section 7: 20 quiet tenants at 10 events/s each, beside a hot backlog or not.
+    fn quiet(hot_backlog: u32, express_max_events: u32) -> Self {
+        Self {
+            writers: 20,
+            tenants: 20,
+            prefix: "quiet",
+            rate: 200,
+            hot_backlog,
+            express_max_events,
+        }
+    }
+}
+
+/// Latency from each host commit to its broker confirm, for the writers of `load`, and the
+/// floor (one outbox read + one confirmed publish) timed under the same load. Also returns the
+/// hot tenant's intents still waiting when the writers finished (it must still be draining).
+async fn latency(env: &mut Env, mode: &Mode, wake: Wake, load: &Load) -> Result<(Latency, i64)> {
     let (pool, url) = env.database("latency").await?;
     let rabbit = env.rabbit("latency", 8)?;
+    if load.hot_backlog > 0 {
+        store::fixtures::fill_backlog(&pool, "hot", 1, 20, load.hot_backlog / 20, PAYLOAD_BYTES)
+            .await?;
+    }
     let confirmed: Arc<Mutex<HashMap<EventKey, Instant>>> = Arc::default();
     let (factory_rabbit, factory_confirmed) = (rabbit.clone(), confirmed.clone());
+    let mut config = env.relay_config(&url, &rabbit);
+    config.supervisor.drainer.express_max_events = load.express_max_events;
     let relay = Relay::start_with(
-        env.relay_config(&url, &rabbit),
+        config,
         Arc::new(move |_| {
             Box::new(TimedPublisher {
                 inner: RabbitPublisher::new(factory_rabbit.clone()),
@@ -338,6 +389,7 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake) -> Result<Latency> {
         }),
     )
     .await?;
+    let outbox = Outbox::new(pool.clone());
     // Warm the publishers' connections so the first events do not pay for the handshake.
     let warm = IntentWriter::default();
     let warm_key = BranchKey::new(
@@ -349,19 +401,24 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake) -> Result<Latency> {
         .await?;
     warm.append(&mut *pool.acquire().await?, &warm_key, Lsn::new(1), b"warm")
         .await?;
-    wait_drained(&Outbox::new(pool.clone()), Duration::from_secs(30)).await?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while outbox.tenant_backlog(&warm_key.tenant).await?.pending > 0 {
+        anyhow::ensure!(Instant::now() < deadline, "warm-up did not ship in 30 s");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 
     let started = Instant::now();
     let mut writers = Vec::new();
-    for writer_index in 0..8 {
+    let (writer_count, rate) = (load.writers, load.rate.max(load.writers));
+    for writer_index in 0..writer_count {
         let pool = pool.clone();
         let seconds = mode.latency_secs;
-        let rate = latency_rate();
         let waker = relay.waker();
+        let tenant = format!("{}{}", load.prefix, writer_index % load.tenants.max(1));
         writers.push(tokio::spawn(async move {
             let writer = IntentWriter::default().with_notify(wake == Wake::Notify);
             let key = BranchKey::new(
-                TenantId::new(format!("lat{}", writer_index % 4)).expect("valid id"),
+                TenantId::new(tenant).expect("valid id"),
                 RunId::new(format!("w{writer_index}")).expect("valid id"),
                 BranchId::new("main").expect("valid id"),
             );
@@ -369,11 +426,11 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake) -> Result<Latency> {
                 .open_run(&mut pool.acquire().await.expect("conn"), &key)
                 .await
                 .expect("open");
-            let mut ticker = tokio::time::interval(Duration::from_secs(8) / rate);
-            // Burst: a writer that fell behind catches up, so the offered load stays 2,000/s.
+            let mut ticker = tokio::time::interval(Duration::from_secs(writer_count.into()) / rate);
+            // Burst: a writer that fell behind catches up, so the offered load stays as set.
             ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
             let mut commits = Vec::new();
-            for lsn in 1..=(u64::from(rate) / 8 * seconds) {
+            for lsn in 1..=(u64::from(rate) / u64::from(writer_count) * seconds) {
                 ticker.tick().await;
                 let mut tx = pool.begin().await.expect("begin");
                 let payload = [b'x'; PAYLOAD_BYTES as usize];
@@ -423,10 +480,31 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake) -> Result<Latency> {
         commits.extend(writer.await?);
     }
     let rate = commits.len() as f64 / started.elapsed().as_secs_f64();
+    let hot_left = if load.hot_backlog > 0 {
+        outbox
+            .tenant_backlog(&TenantId::new("hot0")?)
+            .await?
+            .pending as i64
+    } else {
+        0
+    };
     let mut floor = probe.await?;
     floor.sort_by(f64::total_cmp);
-    wait_drained(&Outbox::new(pool.clone()), Duration::from_secs(60)).await?;
-    relay.shutdown().await;
+    // Every measured event confirmed (the hot backlog may still be draining: not waited for).
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let done = {
+            let confirmed = confirmed
+                .lock()
+                .unwrap_or_else(|poison| poison.into_inner());
+            commits.iter().all(|(key, _)| confirmed.contains_key(key))
+        };
+        if done || Instant::now() > deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    relay.abort().await;
     let mut millis: Vec<f64> = {
         let confirmed = confirmed
             .lock()
@@ -443,14 +521,54 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake) -> Result<Latency> {
     millis.sort_by(f64::total_cmp);
     drop_topology(&env.amqp, &rabbit.topology).await?;
     pool.close().await;
-    Ok(Latency {
-        p50: percentile(&millis, 0.5),
-        p99: percentile(&millis, 0.99),
-        max: millis.last().copied().unwrap_or_default(),
-        events: commits.len(),
-        rate,
-        floor: (percentile(&floor, 0.5), percentile(&floor, 0.99)),
-    })
+    Ok((
+        Latency {
+            p50: percentile(&millis, 0.5),
+            p99: percentile(&millis, 0.99),
+            max: millis.last().copied().unwrap_or_default(),
+            events: commits.len(),
+            rate,
+            floor: (percentile(&floor, 0.5), percentile(&floor, 0.99)),
+        },
+        hot_left,
+    ))
+}
+
+/// Section 7: quiet tenants alone, beside one tenant draining a backlog (with and without
+/// the express lane), each next to its floor.
+async fn fairness(
+    env: &mut Env,
+    mode: &Mode,
+    row: &mut impl FnMut(&str, String, &str),
+) -> Result<()> {
+    // Enough backlog for the hot tenant to still be draining when the writers stop.
+    let hot = 20_000 * (mode.latency_secs as u32 + 10);
+    for (label, load) in [
+        ("alone", Load::quiet(0, 32)),
+        ("beside a hot backlog, express lane", Load::quiet(hot, 32)),
+        ("beside a hot backlog, no express lane", Load::quiet(hot, 0)),
+    ] {
+        let (m, hot_left) = latency(env, mode, Wake::Notify, &load).await?;
+        let (floor_p50, floor_p99) = m.floor;
+        let note = if load.hot_backlog > 0 {
+            format!(
+                "hot tenant: {} intents waiting at start, {hot_left} still waiting at the end; p99/floor p99 = {:.1} (target <= 2)",
+                load.hot_backlog,
+                m.p99 / floor_p99
+            )
+        } else {
+            format!("20 tenants x 10 events/s, writers achieved {:.0}/s", m.rate)
+        };
+        row(
+            &format!("7. quiet tenants {label}: p50 / p99 (floor p50 / p99)"),
+            format!(
+                "{:.1} / {:.1} ms ({floor_p50:.1} / {floor_p99:.1} ms)",
+                m.p50, m.p99
+            ),
+            &note,
+        );
+    }
+    Ok(())
 }
 
 fn spawn_relay(url: &str, amqp: &str, rabbit: &RabbitConfig) -> Result<std::process::Child> {
@@ -566,9 +684,14 @@ async fn run(mode: &Mode) -> Result<String> {
     };
     println!("| measure | value | note |\n|---|---|---|");
 
+    if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "fairness") {
+        fairness(&mut env, mode, &mut row).await?;
+        env.cleanup().await;
+        return Ok(table);
+    }
     if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "latency") {
         for (wake, label) in [(Wake::Notify, "NOTIFY"), (Wake::Waker, "in-process waker")] {
-            let m = latency(&mut env, mode, wake).await?;
+            let (m, _) = latency(&mut env, mode, wake, &Load::busy()).await?;
             let (floor_p50, floor_p99) = m.floor;
             row(
                 &format!("4. {label}: p50 / p99 / floor p50 / floor p99"),
@@ -651,7 +774,7 @@ async fn run(mode: &Mode) -> Result<String> {
     pool.close().await;
 
     for (wake, label) in [(Wake::Notify, "NOTIFY"), (Wake::Waker, "in-process waker")] {
-        let measured = latency(&mut env, mode, wake).await?;
+        let (measured, _) = latency(&mut env, mode, wake, &Load::busy()).await?;
         let note = format!(
             "{label}: {} events, writers achieved {:.0}/s of {}/s; target <= 5 ms",
             measured.events,
@@ -680,6 +803,8 @@ async fn run(mode: &Mode) -> Result<String> {
             "one outbox read + one confirmed publish, timed under the same load",
         );
     }
+
+    fairness(&mut env, mode, &mut row).await?;
 
     let (small_rss, small_rate) = peak_rss(&mut env, mode.rss_small_per_run).await?;
     let (large_rss, large_rate) = peak_rss(&mut env, mode.rss_large_per_run).await?;

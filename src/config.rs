@@ -136,6 +136,11 @@ pub struct Settings {
           default_value_t = defaults().supervisor.drainer.max_batches_in_flight as u32,
           value_parser = clap::value_parser!(u32).range(1..=64))]
     pub batches_in_flight: u32,
+    /// Batches of at most this many events take each shard's express publisher (quiet tenants
+    /// never wait behind a backlog); 0: no express lane.
+    #[arg(long, env = "RELAY_EXPRESS_MAX_EVENTS", default_value_t = defaults().supervisor.drainer.express_max_events,
+          value_parser = clap::value_parser!(u32).range(0..=10_000))]
+    pub express_max_events: u32,
     /// Most payload bytes in one batch (the first event always comes).
     #[arg(long, env = "RELAY_BATCH_MAX_BYTES", default_value_t = defaults().supervisor.drainer.batch_max_bytes,
           value_parser = clap::value_parser!(u32).range(1024..=(256 << 20)))]
@@ -228,6 +233,7 @@ impl Settings {
         supervisor.drainer.batch_size = self.batch_size;
         supervisor.drainer.max_batches_in_flight = self.batches_in_flight as usize;
         supervisor.drainer.batch_max_bytes = self.batch_max_bytes;
+        supervisor.drainer.express_max_events = self.express_max_events;
         supervisor.max_in_flight = self.max_in_flight as usize;
         supervisor.max_in_flight_bytes = self.max_in_flight_bytes as usize;
         supervisor.poll_interval = Duration::from_millis(self.poll_ms);

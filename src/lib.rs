@@ -18,6 +18,8 @@ mod proxy;
 mod relay;
 mod telemetry;
 
+pub use actors::PublisherFactory;
+pub use actors::ShardId;
 pub use broker;
 pub use config::ConfigError;
 pub use config::RelayConfig;

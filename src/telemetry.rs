@@ -20,7 +20,9 @@ pub fn prometheus_builder() -> Result<PrometheusBuilder, BuildError> {
 /// Describes every metric of the relay (Prometheus `# HELP` lines) and registers the failure
 /// and restart counters at zero, so dashboards and alerts see them before the first failure.
 /// Call once after installing a recorder (the binary does; an embedding host should too).
-pub fn describe_metrics(shards: u16) {
+/// `publishers` is [`supervisor::SupervisorConfig::publishers`] (the `shard` label of the
+/// publisher metrics counts every publisher, express lane included).
+pub fn describe_metrics(publishers: u16) {
     use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
     describe_gauge!(
         "relay_backlog_pending",
@@ -91,7 +93,7 @@ pub fn describe_metrics(shards: u16) {
     metrics::counter!("relay_drainer_restarts_total").absolute(0);
     metrics::counter!("relay_broker_refusals_total").absolute(0);
     metrics::counter!("relay_leases_lost_total").absolute(0);
-    for shard in 0..shards {
+    for shard in 0..publishers {
         let shard = shard.to_string();
         metrics::counter!("relay_publisher_restarts_total", "shard" => shard.clone()).absolute(0);
         for outcome in ["nacked", "returned", "unconfirmed", "not_sent"] {

@@ -19,7 +19,7 @@ mod metrics_surface {
         host_runtime().block_on(async {
             let (pool, url) = fresh_database("metrics").await;
             let config = relay_config(&url, &amqp_url(), &unique("relay-metrics"));
-            distribution::describe_metrics(config.supervisor.shards);
+            distribution::describe_metrics(config.supervisor.publishers());
             let before = handle.render();
             assert!(
                 before.contains("relay_drainer_restarts_total 0"),

@@ -154,7 +154,7 @@ mod outbox {
                             if let Some(actor) = tree.drainers.values().nth(index % tree.drainers.len().max(1)) {
                                 actor.kill();
                             }
-                        } else if let Some(actor) = tree.publishers.iter().flatten().nth(index % 3) {
+                        } else if let Some(actor) = tree.publishers.iter().flatten().nth(index % tree.publishers.len().max(1)) {
                             actor.kill();
                         }
                     }

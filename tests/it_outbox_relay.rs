@@ -240,7 +240,12 @@ mod outbox {
                         drainer.kill();
                         kills += 1;
                     }
-                } else if let Some(publisher) = tree.publishers.iter().flatten().nth(kills % 3) {
+                } else if let Some(publisher) = tree
+                    .publishers
+                    .iter()
+                    .flatten()
+                    .nth(kills % tree.publishers.len().max(1))
+                {
                     publisher.kill();
                     kills += 1;
                 }

@@ -50,6 +50,10 @@ pub struct DrainerConfig {
     pub park_after_attempts: u32,
     /// How long a parked branch is skipped before it is tried again. Default 60 s.
     pub park_retry: Duration,
+    /// Batches of at most this many events (and 256 KiB) go through each shard's express
+    /// publisher when nothing else of their tenant is in flight, so quiet tenants never queue
+    /// behind another tenant's backlog. Default 32; 0: one publisher per shard, no lanes.
+    pub express_max_events: u32,
 }
 
 impl Default for DrainerConfig {
@@ -63,6 +67,7 @@ impl Default for DrainerConfig {
             batch_max_bytes: 4 << 20,
             park_after_attempts: 5,
             park_retry: Duration::from_secs(60),
+            express_max_events: 32,
         }
     }
 }
@@ -266,6 +271,7 @@ impl Drainer {
         let unused = permits.bytes.num_permits().saturating_sub(bytes);
         drop(permits.bytes.split(unused));
         let shards = state.args.publishers.shards();
+        let lane = state.window.lane_for(events.len(), bytes);
         let keys: Vec<EventKey> = events.iter().map(|event| event.key.clone()).collect();
         let written = events.iter().map(|event| event.created_at).collect();
         let mut by_shard: HashMap<ShardId, (Vec<usize>, Vec<OutboxEvent>)> = HashMap::new();
@@ -276,8 +282,9 @@ impl Drainer {
             group.0.push(index);
             group.1.push(event);
         }
-        let id = state.window.open(keys, written, permits);
+        let id = state.window.open(keys, written, lane, permits);
         for (shard, (indexes, events)) in by_shard {
+            let shard = state.args.publishers.slot(shard, lane);
             // No live publisher (it is being restarted): not sent, retried after backoff.
             let sent = state.args.publishers.get(shard).and_then(|publisher| {
                 let message = PublisherMessage::Publish {
@@ -460,6 +467,7 @@ impl Actor for Drainer {
             max_batches: args.config.max_batches_in_flight,
             park_after_attempts: args.config.park_after_attempts,
             retry: args.config.retry,
+            express_max_events: args.config.express_max_events,
         });
         Ok(DrainerState { args, window })
     }

@@ -27,5 +27,6 @@ pub use publisher::PublisherActor;
 pub use publisher::PublisherArgs;
 pub use publisher::PublisherFactory;
 pub use publisher::PublisherMessage;
+pub use shard::Lane;
 pub use shard::ShardId;
 pub use shard::shard_of;

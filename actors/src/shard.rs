@@ -12,6 +12,17 @@ impl std::fmt::Display for ShardId {
     }
 }
 
+/// Which of a shard's two publishers carries a batch. A tenant's batches in flight are always
+/// on one lane (see the drainer's window), so a branch's order holds across lanes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Lane {
+    /// Large batches (a backlog being drained).
+    Bulk,
+    /// Small batches, so that a quiet tenant never waits behind another tenant's backlog in a
+    /// publisher's mailbox or AMQP channel.
+    Express,
+}
+
 /// The shard of a branch: FNV-1a 64 over `tenant 0x00 run 0x00 branch`, modulo `shards`.
 pub fn shard_of(key: &BranchKey, shards: u16) -> ShardId {
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;

@@ -19,7 +19,7 @@ use chrono::{DateTime, Utc};
 use ractor::ActorId;
 use store::{BranchKey, EventKey, Lsn};
 
-use crate::{Backoff, RetryPolicy, ShardId};
+use crate::{Backoff, Lane, RetryPolicy, ShardId};
 
 /// Number of a batch within one drainer's life.
 pub(crate) type BatchId = u64;
@@ -46,7 +46,13 @@ pub(crate) struct WindowConfig {
     pub(crate) park_after_attempts: u32,
     /// Delays of the tenant's retry and of each cooling branch's.
     pub(crate) retry: RetryPolicy,
+    /// Batches of at most this many events (and [`EXPRESS_MAX_BYTES`]) take the express lane
+    /// when nothing of the tenant is in flight; 0: no express lane.
+    pub(crate) express_max_events: u32,
 }
+
+/// Most payload bytes of a batch on the express lane.
+pub(crate) const EXPRESS_MAX_BYTES: usize = 256 * 1024;
 
 /// A batch in flight. Only keys are kept: payloads travel to the publishers. `H` is what the
 /// batch holds until it settles (the drainer's budget permits).
@@ -57,6 +63,7 @@ struct Batch<H> {
     outcomes: Vec<Option<Outcome>>,
     /// Parts sent to a publisher and not answered yet: shard -> (publisher, indexes in `keys`).
     pending: HashMap<ShardId, (ActorId, Vec<usize>)>,
+    lane: Lane,
     _held: H,
 }
 
@@ -222,6 +229,17 @@ impl<H> Window<H> {
         skip
     }
 
+    /// The lane of the next batch: the lane of the batches in flight, if any (so a branch
+    /// never has batches on two channels at once, whose writes could overtake each other);
+    /// else express for a small batch, bulk otherwise.
+    pub(crate) fn lane_for(&self, events: usize, bytes: usize) -> Lane {
+        if let Some(in_flight) = self.batches.front() {
+            return in_flight.lane;
+        }
+        let small = events <= self.config.express_max_events as usize && bytes <= EXPRESS_MAX_BYTES;
+        if small { Lane::Express } else { Lane::Bulk }
+    }
+
     /// Opens a batch of `keys` (drain order), holding `held` until it settles. Its parts are
     /// then given with [`Window::dispatched`]; a part never dispatched is never settled, so
     /// every index must be dispatched.
@@ -229,6 +247,7 @@ impl<H> Window<H> {
         &mut self,
         keys: Vec<EventKey>,
         written: Vec<DateTime<Utc>>,
+        lane: Lane,
         held: H,
     ) -> BatchId {
         debug_assert_eq!(keys.len(), written.len());
@@ -241,6 +260,7 @@ impl<H> Window<H> {
             keys,
             written,
             pending: HashMap::new(),
+            lane,
             _held: held,
         });
         id
@@ -474,6 +494,7 @@ mod tests {
                 min: Duration::from_millis(100),
                 max: Duration::from_secs(1),
             },
+            express_max_events: 2,
         }
     }
 
@@ -488,7 +509,8 @@ mod tests {
     }
 
     fn sent(window: &mut Window<()>, keys: &[EventKey]) -> BatchId {
-        let id = window.open(keys.to_vec(), vec![Utc::now(); keys.len()], ());
+        let lane = window.lane_for(keys.len(), 0);
+        let id = window.open(keys.to_vec(), vec![Utc::now(); keys.len()], lane, ());
         window.dispatched(id, SHARD, Some(PUBLISHER), (0..keys.len()).collect());
         id
     }
@@ -626,7 +648,12 @@ mod tests {
     #[test]
     fn a_part_that_could_not_be_sent_is_not_sent() {
         let mut window = Window::new(config(1, 5));
-        let id = window.open(vec![key("a", 1), key("b", 1)], vec![Utc::now(); 2], ());
+        let id = window.open(
+            vec![key("a", 1), key("b", 1)],
+            vec![Utc::now(); 2],
+            Lane::Bulk,
+            (),
+        );
         window.dispatched(id, ShardId(0), None, vec![0]);
         window.dispatched(id, ShardId(1), Some(PUBLISHER), vec![1]);
         assert!(!window.is_answered(id));
@@ -659,6 +686,42 @@ mod tests {
         window.settle(Instant::now()).unwrap();
         assert!(!window.idle_since(activity));
         assert!(window.idle_since(window.activity()));
+    }
+
+    /// A quiet tenant's small batch takes the express lane; a large one, or any batch while
+    /// another of the tenant is in flight on the other lane, does not switch lanes.
+    #[test]
+    fn small_batches_take_the_express_lane_but_never_beside_a_bulk_batch() {
+        let mut window = Window::new(config(3, 5));
+        assert_eq!(window.lane_for(1, 100), Lane::Express);
+        assert_eq!(
+            window.lane_for(3, 100),
+            Lane::Bulk,
+            "over express_max_events"
+        );
+        assert_eq!(window.lane_for(1, EXPRESS_MAX_BYTES + 1), Lane::Bulk);
+        let big = sent(&mut window, &[key("a", 1), key("a", 2), key("a", 3)]);
+        assert_eq!(
+            window.lane_for(1, 1),
+            Lane::Bulk,
+            "sticks to the lane in flight"
+        );
+        window.confirmed(big, SHARD, vec![Accepted; 3]);
+        window.settle(Instant::now()).unwrap();
+        let small = sent(&mut window, &[key("a", 4)]);
+        assert_eq!(
+            window.lane_for(3, 1),
+            Lane::Express,
+            "sticks to the lane in flight"
+        );
+        window.confirmed(small, SHARD, vec![Accepted]);
+        window.settle(Instant::now()).unwrap();
+        let mut no_lane = Window::<()>::new(WindowConfig {
+            express_max_events: 0,
+            ..config(1, 5)
+        });
+        assert_eq!(no_lane.lane_for(1, 1), Lane::Bulk);
+        let _ = &mut no_lane;
     }
 
     fn any_outcome() -> impl Strategy<Value = Outcome> {

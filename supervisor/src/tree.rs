@@ -27,7 +27,9 @@ use crate::keeper::{Keeper, LeaseConfig};
 /// How the tree runs.
 #[derive(Clone, Copy, Debug)]
 pub struct SupervisorConfig {
-    /// Number of publisher shards (actors, each with its own AMQP connection). Default 4.
+    /// Number of publisher shards. Each has a bulk publisher and, unless
+    /// `drainer.express_max_events` is 0, an express one: an actor and an AMQP connection
+    /// each ([`SupervisorConfig::publishers`]). Default 4.
     pub shards: u16,
     /// How often pending tenants are polled: the correctness path behind NOTIFY. Default 1 s.
     pub poll_interval: Duration,
@@ -65,6 +67,18 @@ impl Default for SupervisorConfig {
     }
 }
 
+impl SupervisorConfig {
+    /// Number of publishers (actors, AMQP connections): the shards, twice with an express lane.
+    pub fn publishers(&self) -> u16 {
+        let lanes = if self.drainer.express_max_events > 0 {
+            2
+        } else {
+            1
+        };
+        self.shards.max(1) * lanes
+    }
+}
+
 /// Arguments of the supervisor.
 #[derive(Clone)]
 pub struct SupervisorArgs {
@@ -91,7 +105,8 @@ impl std::fmt::Debug for SupervisorArgs {
 /// The live actors, for status and for tests that kill them.
 #[derive(Clone, Debug)]
 pub struct TreeSnapshot {
-    /// Publisher of each shard (none while restarting).
+    /// Publisher of each slot (none while restarting): the bulk lane's shards, then the
+    /// express lane's.
     pub publishers: Vec<Option<ActorRef<PublisherMessage>>>,
     /// Drainer of each tenant this relay is draining now.
     pub drainers: BTreeMap<TenantId, ActorRef<DrainerMessage>>,
@@ -439,13 +454,16 @@ impl Actor for RelaySupervisor {
         _myself: ActorRef<Self::Msg>,
         args: SupervisorArgs,
     ) -> Result<SupervisorState, ActorProcessingErr> {
-        let shards = args.config.shards.max(1);
+        let directory = PublisherDirectory::new(
+            args.config.shards,
+            args.config.drainer.express_max_events > 0,
+        );
         Ok(SupervisorState {
-            directory: PublisherDirectory::new(shards),
-            publisher_ids: HashMap::new(),
-            publisher_backoff: (0..shards)
+            publisher_backoff: (0..directory.slots())
                 .map(|_| Backoff::new(args.config.restart))
                 .collect(),
+            directory,
+            publisher_ids: HashMap::new(),
             drainers: HashMap::new(),
             woken: HashMap::new(),
             poll_busy: Arc::new(AtomicBool::new(false)),
@@ -479,8 +497,8 @@ impl Actor for RelaySupervisor {
         myself: ActorRef<Self::Msg>,
         state: &mut SupervisorState,
     ) -> Result<(), ActorProcessingErr> {
-        for shard in 0..state.directory.shards() {
-            self.spawn_publisher(&myself, state, ShardId(shard)).await;
+        for slot in 0..state.directory.slots() {
+            self.spawn_publisher(&myself, state, ShardId(slot)).await;
         }
         state.wakeups = Some(tokio::spawn(forward_wakeups(
             state.args.database_url.clone(),
@@ -563,8 +581,8 @@ impl Actor for RelaySupervisor {
             }
             SupervisorMessage::Snapshot(reply) => {
                 let snapshot = TreeSnapshot {
-                    publishers: (0..state.directory.shards())
-                        .map(|shard| state.directory.get(ShardId(shard)))
+                    publishers: (0..state.directory.slots())
+                        .map(|slot| state.directory.get(ShardId(slot)))
                         .collect(),
                     drainers: state
                         .drainers

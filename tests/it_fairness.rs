@@ -1,0 +1,152 @@
+//! A tenant draining a backlog cannot queue quiet tenants behind it: their small batches take
+//! each shard's express publisher, so they ship even while every bulk publisher is busy.
+#[path = "support/harness.rs"]
+mod harness;
+
+mod fairness {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use distribution::broker::{BoxFuture, Confirms, Publisher, RabbitPublisher};
+    use distribution::store::{
+        self, BranchId, BranchKey, Fence, FoldStore, IntentWriter, Lsn, Outbox, OutboxEvent, RunId,
+        TenantId,
+    };
+    use distribution::{PublisherFactory, Relay};
+    use tokio::sync::watch;
+
+    use crate::harness::*;
+
+    /// The real broker, but a bulk-lane publisher writes nothing until `gate` opens: a channel
+    /// busy with someone else's backlog, for as long as the test likes.
+    struct Gated {
+        inner: RabbitPublisher,
+        gate: Option<watch::Receiver<bool>>,
+    }
+
+    impl Publisher for Gated {
+        #[allow(clippy::async_yields_async)]
+        fn send<'a>(
+            &'a mut self,
+            events: &'a [OutboxEvent],
+            fence: &'a Fence,
+        ) -> BoxFuture<'a, Confirms> {
+            Box::pin(async move {
+                if let Some(gate) = &mut self.gate {
+                    let _ = gate.wait_for(|open| *open).await;
+                }
+                self.inner.send(events, fence).await
+            })
+        }
+    }
+
+    fn run(express_max_events: u32) -> bool {
+        host_runtime().block_on(async {
+            let (pool, url) = fresh_database("fair").await;
+            let mut config = relay_config(&url, &amqp_url(), &unique("relay-fair"));
+            config.supervisor.drainer.express_max_events = express_max_events;
+            config.supervisor.drainer.batch_size = 500;
+            let shards = config.supervisor.shards;
+            let rabbit = config.rabbit_config().unwrap();
+            let (open, gate) = watch::channel(false);
+            let factory: PublisherFactory = Arc::new(move |slot| {
+                Box::new(Gated {
+                    inner: RabbitPublisher::new(rabbit.clone()),
+                    // Slots below `shards` are the bulk lane.
+                    gate: (slot.0 < shards).then(|| gate.clone()),
+                }) as Box<dyn Publisher>
+            });
+            let fold = FoldStore::new(pool.clone());
+            let folding = Folding::start(direct_rabbit(&config), &fold);
+
+            // The hot tenant: a backlog of 2,000 intents (batches of 500: the bulk lane).
+            let per_run = 2_000;
+            store::fixtures::fill_backlog(&pool, "hot", 1, 1, per_run, 64)
+                .await
+                .unwrap();
+            let hot = BranchKey::new(
+                TenantId::new("hot0").unwrap(),
+                RunId::new("r0").unwrap(),
+                BranchId::new("main").unwrap(),
+            );
+            let mut hot_expected = Expected::new();
+            hot_expected.insert(
+                hot.clone(),
+                (1..=u64::from(per_run))
+                    .map(|lsn| (Lsn::new(lsn), vec![b'x'; 64]))
+                    .collect(),
+            );
+            let relay = Relay::start_with(config.clone(), factory).await.unwrap();
+
+            // Quiet tenants: a few intents each, on several runs (so several shards).
+            let writer = IntentWriter::default();
+            let mut quiet = Expected::new();
+            for tenant in 0..3 {
+                for run in 0..3 {
+                    let branch = BranchKey::new(
+                        TenantId::new(format!("quiet{tenant}")).unwrap(),
+                        RunId::new(format!("r{run}")).unwrap(),
+                        BranchId::new("main").unwrap(),
+                    );
+                    let mut tx = pool.begin().await.unwrap();
+                    writer.open_run(&mut tx, &branch).await.unwrap();
+                    for lsn in 1..=3u64 {
+                        let payload = format!("{branch}@{lsn}").into_bytes();
+                        writer
+                            .append(&mut tx, &branch, Lsn::new(lsn), &payload)
+                            .await
+                            .unwrap();
+                        quiet
+                            .entry(branch.clone())
+                            .or_default()
+                            .push((Lsn::new(lsn), payload));
+                    }
+                    tx.commit().await.unwrap();
+                }
+            }
+            // While every bulk publisher is stuck, the quiet tenants' intents fold or not.
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(8);
+            let mut shipped = false;
+            while tokio::time::Instant::now() < deadline {
+                if folded_count(&fold, &quiet).await == count(&quiet) {
+                    shipped = true;
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            let outbox = Outbox::new(pool.clone());
+            let hot_pending = outbox.tenant_backlog(&hot.tenant).await.unwrap().pending;
+            assert_eq!(hot_pending, u64::from(per_run), "the bulk lane was stuck");
+
+            open.send_replace(true);
+            let mut all = hot_expected;
+            merge(&mut all, &quiet);
+            wait_until("everything folded", Duration::from_secs(60), || async {
+                folded_count(&fold, &all).await == count(&all)
+            })
+            .await;
+            assert_folded_exactly(&fold, &all).await;
+            relay.shutdown().await;
+            folding.stop().await;
+            drop_topology(&config.rabbit_config().unwrap().topology).await;
+            shipped
+        })
+    }
+
+    #[test]
+    fn quiet_tenants_ship_while_a_backlog_holds_every_bulk_publisher() {
+        assert!(
+            run(32),
+            "quiet tenants waited behind the hot tenant's backlog"
+        );
+    }
+
+    /// The mutation: without the express lane the quiet tenants wait behind the backlog.
+    #[test]
+    fn without_the_express_lane_quiet_tenants_wait_behind_the_backlog() {
+        assert!(
+            !run(0),
+            "quiet tenants shipped although every publisher was stuck"
+        );
+    }
+}

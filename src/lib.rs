@@ -32,6 +32,7 @@ pub use relay::RelayError;
 pub use relay::RelayHandle;
 pub use relay::RelayWaker;
 pub use store;
+pub use supervisor::PENDING_GAUGE_CAP;
 pub use supervisor::SupervisorConfig;
 pub use supervisor::TreeSnapshot;
 pub use telemetry::LAG_BUCKETS;

@@ -493,6 +493,22 @@ async fn backlog_reports_pending_and_age_per_tenant(pool: PgPool) {
         .await
         .unwrap();
     assert_eq!((idle.pending, idle.oldest_age), (0, Duration::ZERO));
+    // The gauges' bounded read: the same figures up to its cap, and a tenant without intents
+    // reads as zero.
+    let asked: Vec<TenantId> = ["t1", "t2", "t3"]
+        .iter()
+        .map(|t| TenantId::new(t).unwrap())
+        .collect();
+    let bounded = outbox.backlog_of(&asked, 4).await.unwrap();
+    assert_eq!(
+        bounded.iter().map(|b| b.pending).collect::<Vec<_>>(),
+        vec![3, 4, 0],
+        "t2's 5 intents are counted up to the cap of 4"
+    );
+    assert!(
+        bounded[0].oldest_age > Duration::ZERO && bounded[0].oldest_age < Duration::from_secs(60)
+    );
+    assert_eq!(bounded[2].oldest_age, Duration::ZERO);
 }
 
 /// The relay's one-round-trip step retires exactly what it is given and returns what follows,

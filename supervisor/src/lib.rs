@@ -10,6 +10,7 @@ mod keeper;
 mod tree;
 
 pub use keeper::LeaseConfig;
+pub use tree::PENDING_GAUGE_CAP;
 pub use tree::RelaySupervisor;
 pub use tree::SupervisorArgs;
 pub use tree::SupervisorConfig;

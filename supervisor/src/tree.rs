@@ -116,6 +116,11 @@ pub struct TreeSnapshot {
     pub relay_id: RelayId,
 }
 
+/// `relay_backlog_pending` counts up to this many intents per tenant (the read's cost stays
+/// bounded; a tenant this far behind is an incident either way, and its oldest intent's age
+/// still grows).
+pub const PENDING_GAUGE_CAP: u32 = 100_000;
+
 /// Messages to the supervisor.
 #[derive(Debug)]
 pub enum SupervisorMessage {
@@ -332,8 +337,10 @@ impl RelaySupervisor {
         metrics::gauge!("relay_tenants_held").set(state.drainers.len() as f64);
     }
 
-    /// Reads the backlog for the lag gauges on a task of its own (a slow query never holds
-    /// the supervisor's mailbox); at most one read at a time, each under a timeout.
+    /// Reads the backlog of the tenants being drained for the lag gauges, on a task of its
+    /// own (a slow query never holds the supervisor's mailbox); at most one read at a time,
+    /// each under a timeout. Its cost is bounded whatever the backlog: per tenant, one index
+    /// probe for the oldest intent and a count that stops at [`PENDING_GAUGE_CAP`].
     fn refresh_metrics(&self, state: &mut SupervisorState) {
         if state.metrics_busy.swap(true, Ordering::AcqRel) {
             return;
@@ -348,9 +355,10 @@ impl RelaySupervisor {
             .metrics_interval
             .max(Duration::from_secs(1))
             * 5;
-        let held: HashSet<Bucket> = state.held.keys().copied().collect();
+        let draining: Vec<TenantId> = state.drainers.keys().cloned().collect();
         tokio::spawn(async move {
-            let backlog = tokio::time::timeout(limit, outbox.backlog()).await;
+            let backlog =
+                tokio::time::timeout(limit, outbox.backlog_of(&draining, PENDING_GAUGE_CAP)).await;
             let backlog = match backlog {
                 Ok(Ok(backlog)) => Some(backlog),
                 Ok(Err(err)) => {
@@ -364,10 +372,7 @@ impl RelaySupervisor {
             };
             if let Some(backlog) = backlog {
                 let mut seen = HashSet::new();
-                for tenant in backlog
-                    .into_iter()
-                    .filter(|tenant| held.contains(&bucket_of(&tenant.tenant)))
-                {
+                for tenant in backlog.into_iter().filter(|tenant| tenant.pending > 0) {
                     let label = tenant.tenant.to_string();
                     metrics::gauge!("relay_backlog_pending", "tenant" => label.clone())
                         .set(tenant.pending as f64);

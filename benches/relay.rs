@@ -37,6 +37,10 @@ struct Mode {
     rss_large_per_run: u32,
     idle_tenants: u32,
     idle_secs: u64,
+    /// Events per run at 256 KiB (four times as many at 64 KiB).
+    large_payload_events: u32,
+    /// Tenants of section 11.
+    many_tenants: u32,
 }
 
 const QUICK: Mode = Mode {
@@ -50,6 +54,8 @@ const QUICK: Mode = Mode {
     rss_large_per_run: 100,
     idle_tenants: 1_000,
     idle_secs: 6,
+    large_payload_events: 200,
+    many_tenants: 10_000,
 };
 
 const FULL: Mode = Mode {
@@ -64,6 +70,8 @@ const FULL: Mode = Mode {
     rss_large_per_run: 1_000,
     idle_tenants: 1_000,
     idle_secs: 20,
+    large_payload_events: 1_000,
+    many_tenants: 100_000,
 };
 
 fn unique(label: &str) -> String {
@@ -208,6 +216,227 @@ async fn raw_ceiling(
         events.len()
     );
     Ok(events.len() as f64 / started.elapsed().as_secs_f64())
+}
+
+/// The broker's best effort at one payload size, outside the relay's adapter: `connections`
+/// connections, each a confirming channel that writes without waiting, with up to 2,000
+/// confirms outstanding (awaited oldest first), plain lapin.
+async fn raw_pipelined(
+    amqp: &str,
+    topology: &Topology,
+    events: usize,
+    payload: &[u8],
+    connections: usize,
+) -> Result<f64> {
+    use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+    use lapin::types::ShortString;
+    use std::collections::VecDeque;
+    let per_connection = events.div_ceil(connections);
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for index in 0..connections {
+        let (amqp, topology, payload) = (amqp.to_owned(), topology.clone(), payload.to_vec());
+        tasks.push(tokio::spawn(async move {
+            let connection =
+                lapin::Connection::connect(&amqp, lapin::ConnectionProperties::default()).await?;
+            let channel = connection.create_channel().await?;
+            channel
+                .confirm_select(ConfirmSelectOptions::default())
+                .await?;
+            let mut outstanding = VecDeque::new();
+            let mut acked = 0usize;
+            let options = BasicPublishOptions {
+                mandatory: true,
+                ..BasicPublishOptions::default()
+            };
+            for n in 0..per_connection {
+                let partition =
+                    Partition(((index + n) % usize::from(topology.partitions())) as u16);
+                let properties = lapin::BasicProperties::default()
+                    .with_delivery_mode(2)
+                    .with_message_id(ShortString::from(format!("raw-{index}-{n}")));
+                let confirm = channel
+                    .basic_publish(
+                        topology.exchange().clone(),
+                        topology.routing_key(partition),
+                        options,
+                        &payload,
+                        properties,
+                    )
+                    .await?;
+                outstanding.push_back(confirm);
+                if outstanding.len() >= 2_000
+                    && let Some(oldest) = outstanding.pop_front()
+                {
+                    acked += usize::from(oldest.await?.is_ack());
+                }
+            }
+            for confirm in outstanding {
+                acked += usize::from(confirm.await?.is_ack());
+            }
+            anyhow::Ok(acked)
+        }));
+    }
+    let mut acked = 0;
+    for task in tasks {
+        acked += task.await??;
+    }
+    anyhow::ensure!(
+        acked == per_connection * connections,
+        "raw ceiling: {acked} acked"
+    );
+    Ok(acked as f64 / started.elapsed().as_secs_f64())
+}
+
+/// Section 9: at each payload size, the pipelined raw ceiling and the standalone relay
+/// draining the same volume, 3 times in turn; returns (ceilings, relay rates, peak RSS MB).
+async fn payload_size(
+    env: &mut Env,
+    payload_bytes: u32,
+    events: u32,
+) -> Result<(Vec<f64>, Vec<f64>, u64)> {
+    let payload: Vec<u8> = {
+        let mut state: u64 = 0x2545_f491_4f6c_dd1d;
+        (0..payload_bytes)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                state as u8
+            })
+            .collect()
+    };
+    let (mut ceilings, mut relays, mut peak) = (Vec::new(), Vec::new(), 0);
+    for _ in 0..3 {
+        let rabbit = env.rabbit("size-raw", 8)?;
+        let mut declare = RabbitPublisher::new(rabbit.clone());
+        anyhow::ensure!(
+            declare.publish(&synthetic_events(1)).await.fault.is_none(),
+            "broker not reachable"
+        );
+        ceilings
+            .push(raw_pipelined(&env.amqp, &rabbit.topology, events as usize, &payload, 4).await?);
+        drop_topology(&env.amqp, &rabbit.topology).await?;
+
+        let (pool, url) = env.database("size").await?;
+        let rabbit = env.rabbit("size", 8)?;
+        // 50 tenants x 4 runs, like the relay's usual spread.
+        let per_run = (events / 200).max(1);
+        let written =
+            store::fixtures::fill_backlog_random(&pool, "t", 50, 4, per_run, payload_bytes).await?;
+        let mut child = spawn_relay(&url, &env.amqp, &rabbit)?;
+        let started = Instant::now();
+        let drained = wait_drained(&Outbox::new(pool.clone()), Duration::from_secs(900)).await;
+        let elapsed = started.elapsed().as_secs_f64();
+        let rss = proc_status_kb(child.id(), "VmHWM");
+        child.kill()?;
+        child.wait()?;
+        drained?;
+        peak = peak.max(rss? / 1024);
+        relays.push(written as f64 / elapsed);
+        drop_topology(&env.amqp, &rabbit.topology).await?;
+        pool.close().await;
+    }
+    Ok((ceilings, relays, peak))
+}
+
+fn min_median_max(mut values: Vec<f64>) -> (f64, f64, f64) {
+    values.sort_by(f64::total_cmp);
+    (
+        values[0],
+        values[values.len() / 2],
+        values[values.len() - 1],
+    )
+}
+
+/// Rows of section 9.
+async fn payload_sizes(
+    env: &mut Env,
+    mode: &Mode,
+    row: &mut impl FnMut(&str, String, &str),
+) -> Result<()> {
+    for (bytes, events, label) in [
+        (256, mode.raw_events as u32, "256 B"),
+        (64 << 10, mode.large_payload_events * 4, "64 KiB"),
+        (256 << 10, mode.large_payload_events, "256 KiB"),
+    ] {
+        let (ceilings, relays, peak) = payload_size(env, bytes, events).await?;
+        let ratios: Vec<f64> = relays.iter().zip(&ceilings).map(|(r, c)| r / c).collect();
+        let (c_min, c_med, c_max) = min_median_max(ceilings);
+        let (r_min, r_med, r_max) = min_median_max(relays);
+        let (q_min, q_med, q_max) = min_median_max(ratios);
+        let mb = f64::from(bytes) / 1_048_576.0;
+        row(
+            &format!("9. {label}: raw ceiling / relay, ev/s (min / median / max)"),
+            format!("{c_min:.0} / {c_med:.0} / {c_max:.0} -> {r_min:.0} / {r_med:.0} / {r_max:.0}"),
+            &format!(
+                "{events} incompressible events per run, 3 runs; relay median {:.0} MB/s",
+                r_med * mb
+            ),
+        );
+        row(
+            &format!("9. {label}: relay / ceiling ratio (min / median / max)"),
+            format!("{q_min:.2} / {q_med:.2} / {q_max:.2}"),
+            if bytes >= 64 << 10 {
+                "target >= 0.7"
+            } else {
+                ""
+            },
+        );
+        row(
+            &format!("9. {label}: relay peak RSS"),
+            format!("{peak} MB"),
+            "standalone relay, highest of the 3 runs; target < 150 MB",
+        );
+    }
+    Ok(())
+}
+
+/// Rows of sections 10 and 11.
+async fn scale(env: &mut Env, mode: &Mode, row: &mut impl FnMut(&str, String, &str)) -> Result<()> {
+    let mut one = 0.0;
+    for relays in 1..=3 {
+        let (shares, rate) = relay_shares(env, relays, mode.backlog_per_run).await?;
+        if relays == 1 {
+            one = rate;
+        }
+        let even = 1.0 / relays as f64;
+        let worst = shares
+            .iter()
+            .fold(0.0f64, |worst, share| worst.max(share / even));
+        let shares: Vec<String> = shares
+            .iter()
+            .map(|s| format!("{:.0}%", s * 100.0))
+            .collect();
+        row(
+            &format!("10. {relays} relay(s): shares; total"),
+            format!(
+                "{}; {rate:.0} ev/s ({:.2}x one relay)",
+                shares.join(" / "),
+                rate / one
+            ),
+            &format!("largest share {worst:.2}x even (target <= 1.5)"),
+        );
+    }
+    let tenants = mode.many_tenants;
+    let (rate, peak, appended, refused, qps, cpu, idle_rss) =
+        many_tenants(env, tenants, mode.idle_secs).await?;
+    row(
+        &format!("11. {tenants} tenants x 2 intents: drain, peak RSS"),
+        format!("{rate:.0} ev/s, {peak} MB"),
+        "standalone relay",
+    );
+    row(
+        &format!("11. {tenants} tenants: host appends beside, refused"),
+        format!("{appended}, {refused} refused"),
+        "one transaction each, same database; target 0 refused",
+    );
+    row(
+        &format!("11. {tenants} tenants idle: queries, CPU, RSS"),
+        format!("{qps:.1} /s, {cpu:.1} %, {idle_rss} MB"),
+        "after the drain, drainers retired",
+    );
+    Ok(())
 }
 
 /// Waits until the outbox is empty. Polls with the skip scan (a few index probes), not with
@@ -601,6 +830,15 @@ async fn fairness(
 }
 
 fn spawn_relay(url: &str, amqp: &str, rabbit: &RabbitConfig) -> Result<std::process::Child> {
+    spawn_relay_at(url, amqp, rabbit, "127.0.0.1:0")
+}
+
+fn spawn_relay_at(
+    url: &str,
+    amqp: &str,
+    rabbit: &RabbitConfig,
+    metrics: &str,
+) -> Result<std::process::Child> {
     Ok(
         std::process::Command::new(env!("CARGO_BIN_EXE_distribution"))
             .arg("run")
@@ -608,11 +846,183 @@ fn spawn_relay(url: &str, amqp: &str, rabbit: &RabbitConfig) -> Result<std::proc
             .env("AMQP_URL", amqp)
             .env("RELAY_TOPOLOGY", rabbit.topology.exchange().as_str())
             .env("RELAY_PARTITIONS", rabbit.topology.partitions().to_string())
-            .env("RELAY_METRICS_ADDR", "127.0.0.1:0")
+            .env("RELAY_METRICS_ADDR", metrics)
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()?,
     )
+}
+
+/// `/metrics` of a relay, as text (plain hyper).
+async fn scrape(addr: &str) -> Option<String> {
+    use http_body_util::BodyExt;
+    let stream = tokio::net::TcpStream::connect(addr).await.ok()?;
+    let (mut sender, connection) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .ok()?;
+    tokio::spawn(connection);
+    let request = hyper::Request::get("/metrics")
+        .header("host", addr)
+        .body(http_body_util::Empty::<hyper::body::Bytes>::new())
+        .ok()?;
+    let body = sender.send_request(request).await.ok()?.into_body();
+    let bytes = body.collect().await.ok()?.to_bytes();
+    Some(String::from_utf8_lossy(&bytes).into_owned())
+}
+
+/// The sum of every sample of metric `name` in a scrape.
+fn metric_sum(scraped: &str, name: &str) -> f64 {
+    scraped
+        .lines()
+        .filter(|line| {
+            line.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        })
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// Section 10: `relays` standalone relays share a backlog of 50 tenants x 20 runs; each
+/// relay's share of what shipped (from its own `/metrics`), and the total rate.
+async fn relay_shares(env: &mut Env, relays: usize, per_run: u32) -> Result<(Vec<f64>, f64)> {
+    let (pool, url) = env.database("shares").await?;
+    let rabbit = env.rabbit("shares", 8)?;
+    let mut children = Vec::new();
+    let mut addrs = Vec::new();
+    for _ in 0..relays {
+        let addr = format!("127.0.0.1:{}", free_port()?);
+        children.push(spawn_relay_at(&url, &env.amqp, &rabbit, &addr)?);
+        addrs.push(addr);
+    }
+    // Wait until the lease buckets are spread (each relay holds about its share) before the
+    // backlog appears, so the measure is the steady state, not the first relay's head start.
+    let even = 128.0 / relays as f64;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let mut held = Vec::new();
+        for addr in &addrs {
+            held.push(
+                scrape(addr)
+                    .await
+                    .map_or(0.0, |s| metric_sum(&s, "relay_lease_buckets_held")),
+            );
+        }
+        if held.iter().all(|h| (*h - even).abs() <= 1.0) {
+            break;
+        }
+        anyhow::ensure!(Instant::now() < deadline, "leases never spread: {held:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let written = store::fixtures::fill_backlog(&pool, "t", 50, 20, per_run, PAYLOAD_BYTES).await?;
+    let started = Instant::now();
+    let drained = wait_drained(&Outbox::new(pool.clone()), Duration::from_secs(900)).await;
+    let rate = written as f64 / started.elapsed().as_secs_f64();
+    let mut shipped = Vec::new();
+    for addr in &addrs {
+        shipped.push(
+            scrape(addr)
+                .await
+                .map_or(0.0, |s| metric_sum(&s, "relay_events_shipped_total")),
+        );
+    }
+    for mut child in children {
+        child.kill()?;
+        child.wait()?;
+    }
+    drained?;
+    drop_topology(&env.amqp, &rabbit.topology).await?;
+    pool.close().await;
+    let total: f64 = shipped.iter().sum();
+    Ok((shipped.iter().map(|s| s / total.max(1.0)).collect(), rate))
+}
+
+/// Section 11: `tenants` tenants x 2 intents drained by the standalone relay while a host
+/// appends beside it; then the same relay idle with that many tenants seen.
+/// Returns (drain ev/s, peak RSS MB, host appends, host appends refused, idle queries/s,
+/// idle CPU %, idle RSS MB).
+async fn many_tenants(
+    env: &mut Env,
+    tenants: u32,
+    idle_secs: u64,
+) -> Result<(f64, u64, u64, u64, f64, f64, u64)> {
+    let (pool, url) = env.database("many").await?;
+    let rabbit = env.rabbit("many", 8)?;
+    let written = store::fixtures::fill_backlog(&pool, "m", tenants, 1, 2, PAYLOAD_BYTES).await?;
+    let mut child = spawn_relay(&url, &env.amqp, &rabbit)?;
+    let started = Instant::now();
+    // The host, beside the relay: one transaction per append, counting what PostgreSQL refuses.
+    let host = {
+        let pool = pool.clone();
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let task = tokio::spawn(async move {
+            let writer = IntentWriter::default();
+            let key = BranchKey::new(
+                TenantId::new("host-beside").expect("valid id"),
+                RunId::new("r").expect("valid id"),
+                BranchId::new("main").expect("valid id"),
+            );
+            let (mut appended, mut refused) = (0u64, 0u64);
+            if writer
+                .open_run(&mut pool.acquire().await.expect("conn"), &key)
+                .await
+                .is_err()
+            {
+                return (0, 1);
+            }
+            let mut lsn = 0;
+            while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                lsn += 1;
+                let result = async {
+                    let mut tx = pool.begin().await?;
+                    writer.append(&mut tx, &key, Lsn::new(lsn), b"host").await?;
+                    tx.commit().await?;
+                    anyhow::Ok(())
+                }
+                .await;
+                match result {
+                    Ok(()) => appended += 1,
+                    Err(_) => {
+                        refused += 1;
+                        lsn -= 1;
+                    }
+                }
+            }
+            (appended, refused)
+        });
+        (stop, task)
+    };
+    let drained = wait_drained(&Outbox::new(pool.clone()), Duration::from_secs(1800)).await;
+    let rate = written as f64 / started.elapsed().as_secs_f64();
+    host.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (appended, refused) = host.1.await?;
+    drained?;
+    let peak = proc_status_kb(child.id(), "VmHWM")? / 1024;
+    // Idle with every tenant seen: as in section 6, after PostgreSQL's statistics settle.
+    let database = url.rsplit_once('/').context("url")?.1.to_owned();
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let before = transactions(&mut env.admin, &database).await?;
+    let cpu_before = cpu_ticks(child.id())?;
+    let idle_started = Instant::now();
+    tokio::time::sleep(Duration::from_secs(idle_secs)).await;
+    let after = transactions(&mut env.admin, &database).await?;
+    let cpu_after = cpu_ticks(child.id())?;
+    let elapsed = idle_started.elapsed().as_secs_f64();
+    let idle_rss = proc_status_kb(child.id(), "VmRSS")? / 1024;
+    child.kill()?;
+    child.wait()?;
+    drop_topology(&env.amqp, &rabbit.topology).await?;
+    pool.close().await;
+    let qps = (after - before) as f64 / elapsed;
+    let cpu = (cpu_after - cpu_before) as f64 / 100.0 / elapsed * 100.0;
+    Ok((rate, peak, appended, refused, qps, cpu, idle_rss))
 }
 
 fn proc_status_kb(pid: u32, field: &str) -> Result<u64> {
@@ -654,6 +1064,17 @@ async fn peak_rss(env: &mut Env, per_run: u32) -> Result<(u64, f64)> {
     Ok((peak? / 1024, written as f64 / elapsed))
 }
 
+/// Transactions PostgreSQL counted in `database` so far.
+async fn transactions(admin: &mut PgConnection, database: &str) -> Result<i64> {
+    let (commits, rollbacks): (i64, i64) = sqlx::query_as(
+        "SELECT xact_commit, xact_rollback FROM pg_stat_database WHERE datname = $1",
+    )
+    .bind(database)
+    .fetch_one(admin)
+    .await?;
+    Ok(commits + rollbacks)
+}
+
 /// 6. Queries per second and CPU of the standalone relay holding `tenants` idle tenants.
 async fn idle(env: &mut Env, tenants: u32, seconds: u64) -> Result<(f64, f64)> {
     let (pool, url) = env.database("idle").await?;
@@ -663,15 +1084,6 @@ async fn idle(env: &mut Env, tenants: u32, seconds: u64) -> Result<(f64, f64)> {
     wait_drained(&Outbox::new(pool.clone()), Duration::from_secs(120)).await?;
     pool.close().await;
     let database = url.rsplit_once('/').context("url")?.1.to_owned();
-    async fn transactions(admin: &mut PgConnection, database: &str) -> Result<i64> {
-        let (commits, rollbacks): (i64, i64) = sqlx::query_as(
-            "SELECT xact_commit, xact_rollback FROM pg_stat_database WHERE datname = $1",
-        )
-        .bind(database)
-        .fetch_one(admin)
-        .await?;
-        Ok(commits + rollbacks)
-    }
     // A measurement window, not synchronisation: PostgreSQL 15 backends flush their statistics
     // up to 10 s after going idle (PGSTAT_IDLE_INTERVAL), so wait that out or the drain that
     // just finished is counted as idle load.
@@ -713,6 +1125,16 @@ async fn run(mode: &Mode) -> Result<String> {
     };
     println!("| measure | value | note |\n|---|---|---|");
 
+    if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "scale") {
+        scale(&mut env, mode, &mut row).await?;
+        env.cleanup().await;
+        return Ok(table);
+    }
+    if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "sizes") {
+        payload_sizes(&mut env, mode, &mut row).await?;
+        env.cleanup().await;
+        return Ok(table);
+    }
     if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "gauges") {
         let (pending, full, bounded) = gauge_cost(&mut env, mode.rss_large_per_run).await?;
         row(

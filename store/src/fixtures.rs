@@ -43,3 +43,72 @@ pub async fn fill_backlog(
     sqlx::query("ANALYZE relay_outbox").execute(pool).await?;
     Ok(written)
 }
+
+/// Like [`fill_backlog`], but every payload is `payload_bytes` of pseudo-random bytes
+/// (incompressible: PostgreSQL's TOAST compression and the broker see full-size payloads), in
+/// chunks of a few megabytes. Returns the number of intents written.
+pub async fn fill_backlog_random(
+    pool: &PgPool,
+    prefix: &str,
+    tenants: u32,
+    runs: u32,
+    per_run: u32,
+    payload_bytes: u32,
+) -> Result<u64, Error> {
+    sqlx::query(
+        "INSERT INTO relay_branch (tenant_id, run_id, branch_id, base_lsn, head_lsn)
+         SELECT $1 || t, 'r' || r, 'main', 0, $4
+           FROM generate_series(0, $2 - 1) t, generate_series(0, $3 - 1) r",
+    )
+    .bind(prefix)
+    .bind(i64::from(tenants))
+    .bind(i64::from(runs))
+    .bind(i64::from(per_run))
+    .execute(pool)
+    .await?;
+    // xorshift64*: fast, and incompressible enough for pglz and any broker.
+    let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut random = |len: usize| -> Vec<u8> {
+        let mut bytes = Vec::with_capacity(len + 8);
+        while bytes.len() < len {
+            state ^= state >> 12;
+            state ^= state << 25;
+            state ^= state >> 27;
+            bytes.extend_from_slice(&state.wrapping_mul(0x2545_f491_4f6c_dd1d).to_le_bytes());
+        }
+        bytes.truncate(len);
+        bytes
+    };
+    let chunk = (8 << 20) / (payload_bytes as usize).max(1);
+    let rows: Vec<(String, String, i64)> = (1..=i64::from(per_run))
+        .flat_map(|lsn| {
+            (0..tenants).flat_map(move |t| {
+                (0..runs).map(move |r| (format!("{prefix}{t}"), format!("r{r}"), lsn))
+            })
+        })
+        .collect();
+    let mut written = 0;
+    for part in rows.chunks(chunk.max(1)) {
+        let tenant_ids: Vec<&str> = part.iter().map(|(t, _, _)| t.as_str()).collect();
+        let run_ids: Vec<&str> = part.iter().map(|(_, r, _)| r.as_str()).collect();
+        let lsns: Vec<i64> = part.iter().map(|(_, _, l)| *l).collect();
+        let payloads: Vec<Vec<u8>> = part
+            .iter()
+            .map(|_| random(payload_bytes as usize))
+            .collect();
+        written += sqlx::query(
+            "INSERT INTO relay_outbox (tenant_id, run_id, branch_id, lsn, prev_lsn, base_lsn, payload)
+             SELECT t, r, 'main', l, l - 1, 0, p
+               FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bytea[]) AS x(t, r, l, p)",
+        )
+        .bind(&tenant_ids)
+        .bind(&run_ids)
+        .bind(&lsns)
+        .bind(&payloads)
+        .execute(pool)
+        .await?
+        .rows_affected();
+    }
+    sqlx::query("ANALYZE relay_outbox").execute(pool).await?;
+    Ok(written)
+}

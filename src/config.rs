@@ -153,6 +153,11 @@ pub struct Settings {
     #[arg(long, env = "RELAY_MAX_IN_FLIGHT_BYTES", default_value_t = defaults().supervisor.max_in_flight_bytes as u64,
           value_parser = clap::value_parser!(u64).range(1024..=(16 << 30)))]
     pub max_in_flight_bytes: u64,
+    /// Most drainers alive at once; beyond it tenants wait their turn (bounds memory with any
+    /// number of tenants).
+    #[arg(long, env = "RELAY_MAX_DRAINERS", default_value_t = defaults().supervisor.max_drainers as u32,
+          value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub max_drainers: u32,
     /// How often pending tenants are polled, in ms (the path behind NOTIFY).
     #[arg(long, env = "RELAY_POLL_MS", default_value_t = millis(defaults().supervisor.poll_interval),
           value_parser = clap::value_parser!(u64).range(10..=3_600_000))]
@@ -235,6 +240,7 @@ impl Settings {
         supervisor.drainer.batch_max_bytes = self.batch_max_bytes;
         supervisor.drainer.express_max_events = self.express_max_events;
         supervisor.max_in_flight = self.max_in_flight as usize;
+        supervisor.max_drainers = self.max_drainers as usize;
         supervisor.max_in_flight_bytes = self.max_in_flight_bytes as usize;
         supervisor.poll_interval = Duration::from_millis(self.poll_ms);
         supervisor.lease.ttl = Duration::from_millis(self.lease_ttl_ms);

@@ -106,6 +106,9 @@ pub struct DrainerArgs {
     /// Set by whoever queued a `Drain` that this drainer has not handled yet (so wake-ups
     /// coalesce); cleared when a `Drain` is handled.
     pub woken: Arc<std::sync::atomic::AtomicBool>,
+    /// Set by the supervisor while tenants wait for a drainer slot: a drainer with nothing to
+    /// do then retires at once instead of after `idle_retire`.
+    pub crowded: Arc<std::sync::atomic::AtomicBool>,
     /// Batch size, timeouts, retry delays.
     pub config: DrainerConfig,
 }
@@ -167,8 +170,10 @@ impl Drainer {
     /// is in flight: a drainer blocked here cannot settle its own batches, which hold the
     /// permits it would wait for.
     async fn permits(state: &DrainerState) -> Result<Option<Permits>, ActorProcessingErr> {
-        let events = state.args.config.batch_size.max(1);
-        let bytes = state.args.config.batch_max_bytes.max(1);
+        let (events, bytes) = state.window.reservation(
+            state.args.config.batch_size.max(1),
+            state.args.config.batch_max_bytes.max(1),
+        );
         let (event_budget, byte_budget) =
             (state.args.budget.clone(), state.args.byte_budget.clone());
         if state.window.is_empty() {
@@ -188,10 +193,11 @@ impl Drainer {
         }
     }
 
-    fn limit(state: &DrainerState) -> store::DrainLimit {
+    /// A drain takes no more than its reservation.
+    fn limit(permits: &Permits) -> store::DrainLimit {
         store::DrainLimit {
-            events: state.args.config.batch_size,
-            bytes: u64::from(state.args.config.batch_max_bytes),
+            events: permits.events.num_permits() as u32,
+            bytes: permits.bytes.num_permits() as u64,
         }
     }
 
@@ -217,7 +223,7 @@ impl Drainer {
             .drain_after(
                 &state.args.fence,
                 &state.args.tenant,
-                Self::limit(state),
+                Self::limit(&permits),
                 &in_flight,
             )
             .await;
@@ -259,15 +265,30 @@ impl Drainer {
     ) -> Result<(), ActorProcessingErr> {
         if events.is_empty() {
             if state.window.idle_since(state.window.activity()) {
-                Self::schedule_idle_check(myself, state);
+                if state
+                    .args
+                    .crowded
+                    .load(std::sync::atomic::Ordering::Acquire)
+                {
+                    // Others wait for this drainer's slot.
+                    myself.stop(Some(stop_reason::IDLE.into()));
+                } else {
+                    Self::schedule_idle_check(myself, state);
+                }
             }
             return Ok(());
         }
+        let bytes: usize = events.iter().map(|event| event.payload.len()).sum();
+        state.window.drained(
+            events.len(),
+            permits.events.num_permits(),
+            bytes,
+            permits.bytes.num_permits(),
+        );
         // Keep only as many permits as events and bytes; the rest go back to other drainers now.
         // (A single event larger than the batch cap keeps the whole cap: the one overshoot.)
         let unused = permits.events.num_permits().saturating_sub(events.len());
         drop(permits.events.split(unused));
-        let bytes: usize = events.iter().map(|event| event.payload.len()).sum();
         let unused = permits.bytes.num_permits().saturating_sub(bytes);
         drop(permits.bytes.split(unused));
         let shards = state.args.publishers.shards();
@@ -343,7 +364,7 @@ impl Drainer {
                 // round trip.
                 if let Some(permits) = Self::permits(state).await? {
                     let in_flight = state.window.skip(Instant::now());
-                    let limit = Self::limit(state);
+                    let limit = Self::limit(&permits);
                     let fence = &state.args.fence;
                     return match state
                         .args

@@ -54,6 +54,11 @@ pub(crate) struct WindowConfig {
 /// Most payload bytes of a batch on the express lane.
 pub(crate) const EXPRESS_MAX_BYTES: usize = 256 * 1024;
 
+/// A drain after one that did not fill its reservation reserves this many events...
+pub(crate) const SMALL_RESERVATION_EVENTS: u32 = 32;
+/// ...and this many payload bytes (the writer's default largest payload).
+pub(crate) const SMALL_RESERVATION_BYTES: u32 = 256 * 1024;
+
 /// A batch in flight. Only keys are kept: payloads travel to the publishers. `H` is what the
 /// batch holds until it settles (the drainer's budget permits).
 struct Batch<H> {
@@ -138,6 +143,8 @@ pub(crate) struct Window<H> {
     backoff: Backoff,
     /// Counts batches opened; an idle check compares it.
     activity: u64,
+    /// The last drain filled its reservation: the tenant has a backlog.
+    backlogged: bool,
 }
 
 impl<H> std::fmt::Debug for Window<H> {
@@ -162,12 +169,40 @@ impl<H> Window<H> {
             phase: Phase::Flowing,
             next_batch: 0,
             activity: 0,
+            backlogged: false,
         }
     }
 
     #[cfg(test)]
     pub(crate) fn phase(&self) -> Phase {
         self.phase
+    }
+
+    /// How many events and payload bytes of the relay-wide budgets the next drain reserves
+    /// (and so at most takes): a full batch (`batch_events`, `batch_bytes`) while the tenant
+    /// has a backlog, else a small one, so that thousands of tenants with a few intents each
+    /// drain side by side instead of a full batch's reservation each, a few at a time.
+    pub(crate) fn reservation(&self, batch_events: u32, batch_bytes: u32) -> (u32, u32) {
+        if self.backlogged {
+            (batch_events, batch_bytes)
+        } else {
+            (
+                batch_events.min(SMALL_RESERVATION_EVENTS),
+                batch_bytes.min(SMALL_RESERVATION_BYTES),
+            )
+        }
+    }
+
+    /// A drain reserved `reserved_events` and `reserved_bytes` and got `events` events of
+    /// `bytes` bytes: if it filled either, the tenant has a backlog.
+    pub(crate) fn drained(
+        &mut self,
+        events: usize,
+        reserved_events: usize,
+        bytes: usize,
+        reserved_bytes: usize,
+    ) {
+        self.backlogged = events >= reserved_events || bytes >= reserved_bytes;
     }
 
     /// Whether nothing is in flight.
@@ -722,6 +757,29 @@ mod tests {
         });
         assert_eq!(no_lane.lane_for(1, 1), Lane::Bulk);
         let _ = &mut no_lane;
+    }
+
+    /// A tenant with a few intents reserves a small share of the budgets; one whose drain came
+    /// back full reserves a whole batch until a drain comes back short.
+    #[test]
+    fn a_full_drain_reserves_a_whole_batch_next_time() {
+        let mut window = Window::<()>::new(config(1, 5));
+        assert_eq!(window.reservation(1000, 4 << 20), (32, 256 << 10));
+        assert_eq!(
+            window.reservation(10, 1024),
+            (10, 1024),
+            "never above the batch"
+        );
+        window.drained(32, 32, 100, 256 << 10);
+        assert_eq!(window.reservation(1000, 4 << 20), (1000, 4 << 20));
+        window.drained(3, 1000, 100, 4 << 20);
+        assert_eq!(window.reservation(1000, 4 << 20), (32, 256 << 10));
+        window.drained(1, 32, 300 << 10, 256 << 10);
+        assert_eq!(
+            window.reservation(1000, 4 << 20),
+            (1000, 4 << 20),
+            "bytes filled"
+        );
     }
 
     fn any_outcome() -> impl Strategy<Value = Outcome> {

@@ -55,6 +55,8 @@ pub async fn fill_backlog_random(
     per_run: u32,
     payload_bytes: u32,
 ) -> Result<u64, Error> {
+    // One transaction: a relay already running sees the whole backlog at once.
+    let mut tx = pool.begin().await?;
     sqlx::query(
         "INSERT INTO relay_branch (tenant_id, run_id, branch_id, base_lsn, head_lsn)
          SELECT $1 || t, 'r' || r, 'main', 0, $4
@@ -64,7 +66,7 @@ pub async fn fill_backlog_random(
     .bind(i64::from(tenants))
     .bind(i64::from(runs))
     .bind(i64::from(per_run))
-    .execute(pool)
+    .execute(&mut *tx)
     .await?;
     // xorshift64*: fast, and incompressible enough for pglz and any broker.
     let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
@@ -105,10 +107,11 @@ pub async fn fill_backlog_random(
         .bind(&run_ids)
         .bind(&lsns)
         .bind(&payloads)
-        .execute(pool)
+        .execute(&mut *tx)
         .await?
         .rows_affected();
     }
+    tx.commit().await?;
     sqlx::query("ANALYZE relay_outbox").execute(pool).await?;
     Ok(written)
 }

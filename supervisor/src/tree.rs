@@ -5,7 +5,7 @@
 //! up; drainers that fail are respawned after a per-tenant backoff and resume from the store.
 //! When a publisher dies its mailbox dies with it, so every drainer is told (`PublisherLost`)
 //! and treats what it had sent there as unconfirmed.
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -49,6 +49,11 @@ pub struct SupervisorConfig {
     /// Most payload bytes in flight across all drainers (drained, queued at a publisher, or
     /// awaiting confirms). At least `drainer.batch_max_bytes`. Default 32 MiB.
     pub max_in_flight_bytes: usize,
+    /// Most drainers alive at once. Beyond it, tenants with pending intents wait their turn
+    /// (first come, first served) and drainers with nothing left retire at once instead of
+    /// after `drainer.idle_retire`; memory stays bounded with any number of tenants.
+    /// Default 1,000.
+    pub max_drainers: usize,
 }
 
 impl Default for SupervisorConfig {
@@ -63,6 +68,7 @@ impl Default for SupervisorConfig {
             finish_grace: Duration::from_secs(10),
             max_in_flight: 10_000,
             max_in_flight_bytes: 32 << 20,
+            max_drainers: 1_000,
         }
     }
 }
@@ -171,6 +177,11 @@ pub struct SupervisorState {
     metrics_busy: Arc<AtomicBool>,
     budget: Arc<tokio::sync::Semaphore>,
     byte_budget: Arc<tokio::sync::Semaphore>,
+    /// Tenants with pending intents waiting for a drainer slot (`max_drainers`), in order.
+    waiting: VecDeque<TenantId>,
+    waiting_set: HashSet<TenantId>,
+    /// Set while tenants wait: drainers with nothing to do retire at once.
+    crowded: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for SupervisorState {
@@ -228,6 +239,13 @@ impl RelaySupervisor {
         if state.drainers.contains_key(&tenant) || state.finishing.is_some() {
             return;
         }
+        if state.drainers.len() >= state.args.config.max_drainers.max(1) {
+            if state.waiting_set.insert(tenant.clone()) {
+                state.waiting.push_back(tenant);
+            }
+            state.crowded.store(true, Ordering::Release);
+            return;
+        }
         let woken = Arc::new(AtomicBool::new(false));
         let Some(fence) = state
             .held
@@ -244,6 +262,7 @@ impl RelaySupervisor {
             budget: state.budget.clone(),
             byte_budget: state.byte_budget.clone(),
             woken: woken.clone(),
+            crowded: state.crowded.clone(),
             fence,
             config: state.args.config.drainer,
         };
@@ -260,6 +279,23 @@ impl RelaySupervisor {
                 tracing::warn!(tenant = %tenant, error = %err, "drainer failed to start");
                 self.schedule_drainer(myself, state, tenant);
             }
+        }
+    }
+
+    /// Gives free drainer slots to waiting tenants, in order.
+    async fn admit_waiting(
+        &self,
+        myself: &ActorRef<SupervisorMessage>,
+        state: &mut SupervisorState,
+    ) {
+        while state.drainers.len() < state.args.config.max_drainers.max(1)
+            && let Some(tenant) = state.waiting.pop_front()
+        {
+            state.waiting_set.remove(&tenant);
+            self.spawn_drainer(myself, state, tenant).await;
+        }
+        if state.waiting.is_empty() {
+            state.crowded.store(false, Ordering::Release);
         }
     }
 
@@ -284,6 +320,7 @@ impl RelaySupervisor {
         state: &mut SupervisorState,
         tenants: Vec<TenantId>,
     ) {
+        self.admit_waiting(myself, state).await;
         for tenant in tenants {
             if !state.held.contains_key(&bucket_of(&tenant)) {
                 continue;
@@ -493,6 +530,9 @@ impl Actor for RelaySupervisor {
                     .max_in_flight_bytes
                     .max(args.config.drainer.batch_max_bytes as usize),
             )),
+            waiting: VecDeque::new(),
+            waiting_set: HashSet::new(),
+            crowded: Arc::new(AtomicBool::new(false)),
             args,
         })
     }
@@ -675,6 +715,7 @@ impl Actor for RelaySupervisor {
                 // Retired (idle), fenced or finished: nothing to restart, nothing to keep.
                 tracing::debug!(tenant = %tenant, reason = %why, "drainer stopped");
                 state.drainer_backoff.remove(&tenant);
+                self.admit_waiting(&myself, state).await;
                 return Ok(());
             }
             metrics::counter!("relay_drainer_restarts_total").increment(1);

@@ -37,6 +37,7 @@ pub use supervisor::SupervisorConfig;
 pub use supervisor::TreeSnapshot;
 pub use telemetry::LAG_BUCKETS;
 pub use telemetry::LogFormat;
+pub use telemetry::SERIES_IDLE_TIMEOUT;
 pub use telemetry::describe_metrics;
 pub use telemetry::prometheus_builder;
 

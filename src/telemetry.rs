@@ -8,13 +8,22 @@ pub const LAG_BUCKETS: [f64; 14] = [
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 30.0, 60.0,
 ];
 
-/// A Prometheus recorder set up for the relay: the lag histogram's buckets. An embedding host
-/// that already installs its own recorder applies the same with `set_buckets_for_metric`.
+/// How long a series nobody updates is kept: per-tenant series of tenants that went quiet are
+/// dropped after it, so memory and scrapes grow with the tenants active recently, not with
+/// every tenant ever seen. The relay touches its fixed series (counters at zero, gauges) on
+/// every metrics tick, so only per-tenant series ever expire.
+pub const SERIES_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// A Prometheus recorder set up for the relay: the lag histogram's buckets, and idle series
+/// dropped after [`SERIES_IDLE_TIMEOUT`]. An embedding host that already installs its own
+/// recorder applies the same with `set_buckets_for_metric` and `idle_timeout`.
 pub fn prometheus_builder() -> Result<PrometheusBuilder, BuildError> {
-    PrometheusBuilder::new().set_buckets_for_metric(
-        Matcher::Full("relay_write_to_confirm_seconds".into()),
-        &LAG_BUCKETS,
-    )
+    Ok(PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            Matcher::Full("relay_write_to_confirm_seconds".into()),
+            &LAG_BUCKETS,
+        )?
+        .idle_timeout(metrics_util::MetricKindMask::ALL, Some(SERIES_IDLE_TIMEOUT)))
 }
 
 /// Describes every metric of the relay (Prometheus `# HELP` lines) and registers the failure

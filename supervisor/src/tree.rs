@@ -374,6 +374,25 @@ impl RelaySupervisor {
         metrics::gauge!("relay_tenants_held").set(state.drainers.len() as f64);
     }
 
+    /// Touches the relay's fixed series (counters registered at zero, gauges without a tenant)
+    /// so that a recorder dropping idle series (`distribution::prometheus_builder`) never drops
+    /// them; per-tenant series of quiet tenants do expire.
+    fn keep_series_alive(&self, state: &SupervisorState) {
+        metrics::gauge!("relay_tenants_held").set(state.drainers.len() as f64);
+        metrics::counter!("relay_drainer_restarts_total").increment(0);
+        metrics::counter!("relay_leases_lost_total").increment(0);
+        metrics::counter!("relay_broker_refusals_total").increment(0);
+        for slot in 0..state.directory.slots() {
+            let shard = slot.to_string();
+            metrics::counter!("relay_publisher_restarts_total", "shard" => shard.clone())
+                .increment(0);
+            for outcome in ["nacked", "returned", "unconfirmed", "not_sent"] {
+                metrics::counter!("relay_publish_failures_total", "shard" => shard.clone(), "outcome" => outcome)
+                    .increment(0);
+            }
+        }
+    }
+
     /// Reads the backlog of the tenants being drained for the lag gauges, on a task of its
     /// own (a slow query never holds the supervisor's mailbox); at most one read at a time,
     /// each under a timeout. Its cost is bounded whatever the backlog: per tenant, one index
@@ -595,6 +614,7 @@ impl Actor for RelaySupervisor {
                 state.poll_busy.store(false, Ordering::Release);
             }
             SupervisorMessage::MetricsTick => {
+                self.keep_series_alive(state);
                 self.refresh_metrics(state);
                 myself.send_after(state.args.config.metrics_interval, || {
                     SupervisorMessage::MetricsTick

@@ -115,8 +115,13 @@ mod fairness {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
             let outbox = Outbox::new(pool.clone());
+            // The hot tenant's first drain is a small one (an express batch of up to 32
+            // intents); everything after it waits on the stuck bulk lane.
             let hot_pending = outbox.tenant_backlog(&hot.tenant).await.unwrap().pending;
-            assert_eq!(hot_pending, u64::from(per_run), "the bulk lane was stuck");
+            assert!(
+                hot_pending >= u64::from(per_run) - 32,
+                "the bulk lane was not stuck: {hot_pending} of {per_run} pending"
+            );
 
             open.send_replace(true);
             let mut all = hot_expected;

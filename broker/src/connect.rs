@@ -59,15 +59,25 @@ impl AmqpTls {
     }
 }
 
+/// The frame size the relay asks for unless the URL sets `frame_max`. lapin keeps a send and a
+/// receive buffer of 32 frames per connection (`io_loop.rs`, `FRAMES_STORAGE`): at RabbitMQ's
+/// default of 128 KiB that is 8 MiB of memory per connection; at 32 KiB, 2 MiB. Measured: a
+/// standalone relay draining 100,000 intents peaked at 106 MB with 128 KiB frames and 45 MB
+/// with 32 KiB.
+pub const DEFAULT_FRAME_MAX: u32 = 32 * 1024;
+
 /// Connects to `uri` with `tls`; lapin's I/O thread never logs a returned payload.
 pub(crate) async fn connect(
     uri: &str,
     tls: &AmqpTls,
     properties: ConnectionProperties,
 ) -> Result<Connection, lapin::Error> {
-    let uri: AMQPUri = uri
+    let mut uri: AMQPUri = uri
         .parse()
         .map_err(|why: String| lapin::Error::from(std::io::Error::other(why)))?;
+    if uri.query.frame_max.is_none() {
+        uri.query.frame_max = Some(DEFAULT_FRAME_MAX);
+    }
     let runtime = lapin::runtime::default_runtime()?;
     let tls = tls.owned();
     Connection::connector(

@@ -181,8 +181,8 @@ fn synthetic_events(n: usize) -> Vec<OutboxEvent> {
         .collect()
 }
 
-/// 1. Confirmed publishes straight from memory over `channels` connections, through the
-/// relay's own adapter, a batch's confirms awaited before the next (section 9 measures the
+/// Section 1: confirmed publishes straight from memory over `channels` connections, through
+/// the relay's own adapter, a batch's confirms awaited before the next (section 9 measures the
 /// truly pipelined ceiling on plain lapin).
 async fn raw_ceiling(
     rabbit: &RabbitConfig,

@@ -45,7 +45,7 @@ pub fn describe_metrics(publishers: u16) {
     describe_histogram!(
         "relay_write_to_confirm_seconds",
         Unit::Seconds,
-        "From the host's write (in its transaction) to the broker's confirm, per shipped intent."
+        "From the host's write (in its transaction) to the broker's confirm, per shipped intent (all tenants of this relay)."
     );
     describe_counter!(
         "relay_events_shipped_total",

@@ -72,12 +72,16 @@ mod metrics_surface {
                 "{scraped}"
             );
             assert!(
-                scraped
-                    .contains("relay_write_to_confirm_seconds_bucket{tenant=\"m\",le=\"0.001\"}"),
+                scraped.contains("relay_write_to_confirm_seconds_bucket{le=\"0.001\"}"),
                 "{scraped}"
             );
             assert!(
-                scraped.contains("relay_write_to_confirm_seconds_bucket{tenant=\"m\",le=\"60\"}"),
+                scraped.contains("relay_write_to_confirm_seconds_bucket{le=\"60\"}"),
+                "{scraped}"
+            );
+            // One histogram per relay (not per tenant): the one event shipped, one sample.
+            assert!(
+                scraped.contains("relay_write_to_confirm_seconds_count 1\n"),
                 "{scraped}"
             );
             relay.shutdown().await;

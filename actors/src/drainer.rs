@@ -344,10 +344,11 @@ impl Drainer {
         metrics::counter!("relay_events_shipped_total", "tenant" => tenant.to_string())
             .increment(settled.acks.len() as u64);
         // Lag as a latency: from the host's write (inside its transaction) to the broker's
-        // confirm, per shipped event.
+        // confirm, per shipped event. One histogram per relay, not per tenant: 14 buckets per
+        // tenant made memory and scrapes grow with every tenant (8 KB per tenant measured at
+        // 30,000 tenants); per-tenant lag is `relay_backlog_oldest_age_seconds{tenant}`.
         let now = chrono::Utc::now();
-        let lag =
-            metrics::histogram!("relay_write_to_confirm_seconds", "tenant" => tenant.to_string());
+        let lag = metrics::histogram!("relay_write_to_confirm_seconds");
         for written in &settled.acked_written {
             lag.record((now - *written).to_std().unwrap_or_default().as_secs_f64());
         }

@@ -18,8 +18,11 @@ fn amqp_url() -> String {
 }
 
 fn unique_topology(label: &str, partitions: u16) -> Topology {
+    // A per-process counter too: two tests of this binary can start in the same microsecond.
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let name = format!(
-        "relay-test-{label}-{}-{}",
+        "relay-test-{label}-{}-{n}-{}",
         std::process::id(),
         Utc::now().timestamp_micros()
     );

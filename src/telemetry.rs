@@ -105,7 +105,7 @@ pub fn describe_metrics(publishers: u16) {
     for shard in 0..publishers {
         let shard = shard.to_string();
         metrics::counter!("relay_publisher_restarts_total", "shard" => shard.clone()).absolute(0);
-        for outcome in ["nacked", "returned", "unconfirmed", "not_sent"] {
+        for outcome in actors::FAILURE_OUTCOMES {
             metrics::counter!("relay_publish_failures_total", "shard" => shard.clone(), "outcome" => outcome)
                 .absolute(0);
         }
@@ -120,18 +120,4 @@ pub enum LogFormat {
     Text,
     /// One JSON object per line.
     Json,
-}
-
-impl std::str::FromStr for LogFormat {
-    type Err = String;
-
-    fn from_str(value: &str) -> Result<Self, String> {
-        match value.trim() {
-            "text" => Ok(LogFormat::Text),
-            "json" => Ok(LogFormat::Json),
-            other => Err(format!(
-                "RELAY_LOG_FORMAT={other:?} is invalid: expected text or json"
-            )),
-        }
-    }
 }

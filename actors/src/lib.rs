@@ -23,6 +23,7 @@ pub use drainer::DrainerConfig;
 pub use drainer::DrainerMessage;
 pub use drainer::stop_reason;
 pub use publisher::DEFAULT_MAX_UNCONFIRMED;
+pub use publisher::FAILURE_OUTCOMES;
 pub use publisher::PublisherActor;
 pub use publisher::PublisherArgs;
 pub use publisher::PublisherFactory;

@@ -82,6 +82,10 @@ impl std::fmt::Debug for PublisherState {
 #[derive(Debug, Default)]
 pub struct PublisherActor;
 
+/// Every `outcome` label of `relay_publish_failures_total` (what `outcome_label` gives for a
+/// failure), for registering the counters at zero and keeping them alive.
+pub const FAILURE_OUTCOMES: [&str; 4] = ["nacked", "returned", "unconfirmed", "not_sent"];
+
 fn outcome_label(outcome: Outcome) -> &'static str {
     match outcome {
         Outcome::Accepted => "accepted",

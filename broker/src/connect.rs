@@ -11,6 +11,7 @@
 //! forwards everything to the process's dispatcher except those events. The relay's own
 //! runtime threads get the same dispatcher ([`quiet_lapin_payload_logs_on_this_thread`]).
 use std::cell::Cell;
+use std::sync::{LazyLock, OnceLock};
 
 use lapin::tcp::{AMQPUriTcpExt, OwnedIdentity, OwnedTLSConfig};
 use lapin::uri::AMQPUri;
@@ -99,29 +100,43 @@ thread_local! {
     static QUIET: Cell<bool> = const { Cell::new(false) };
 }
 
-/// From now on, this thread's events go to the process's dispatcher (as it is now), minus
-/// lapin's events that carry payloads (returned messages, frames). Idempotent. The relay calls
-/// it on lapin's I/O threads and on its own runtime threads.
+/// From now on, this thread's events go to the process's global dispatcher (also one a host
+/// installs later), minus lapin's events that carry payloads (returned messages, frames).
+/// Idempotent. The relay calls it on lapin's I/O threads and on its own runtime threads.
 pub fn quiet_lapin_payload_logs_on_this_thread() {
     if QUIET.with(|quiet| quiet.replace(true)) {
         return;
     }
-    let process = tracing::dispatcher::get_default(Dispatch::clone);
     let quiet = Dispatch::new(WithoutReturnedMessages {
-        inner: process,
-        max_level: LevelFilter::current(),
+        global: OnceLock::new(),
     });
     // The guard would restore the previous default when dropped; this thread keeps the quiet
     // dispatcher for its whole life.
     std::mem::forget(tracing::dispatcher::set_default(&quiet));
 }
 
-/// Forwards to the wrapped dispatcher, except lapin's events that carry payloads.
+/// Forwards to the process's global dispatcher, except lapin's events that carry payloads.
 struct WithoutReturnedMessages {
-    inner: Dispatch,
-    /// The process's most verbose level when this was made (the wrapped dispatcher's own
-    /// hint is not public): keeps the process's fast level check as it was.
-    max_level: LevelFilter,
+    /// The global dispatcher, once one is set (found on a fresh thread: on this one the
+    /// thread-local default is this very dispatcher).
+    global: OnceLock<Dispatch>,
+}
+
+impl WithoutReturnedMessages {
+    /// The global dispatcher, or none (events dropped) while no global one is set.
+    fn inner(&self) -> &Dispatch {
+        static NONE: LazyLock<Dispatch> = LazyLock::new(Dispatch::none);
+        if let Some(global) = self.global.get() {
+            return global;
+        }
+        if !tracing::dispatcher::has_been_set() {
+            return &NONE;
+        }
+        let found = std::thread::spawn(|| tracing::dispatcher::get_default(Dispatch::clone))
+            .join()
+            .unwrap_or_else(|_| Dispatch::none());
+        self.global.get_or_init(|| found)
+    }
 }
 
 fn carries_payload(metadata: &Metadata<'_>) -> bool {
@@ -136,54 +151,59 @@ impl Subscriber for WithoutReturnedMessages {
     fn register_callsite(&self, metadata: &'static Metadata<'static>) -> Interest {
         if carries_payload(metadata) {
             Interest::never()
+        } else if tracing::dispatcher::has_been_set() {
+            self.inner().register_callsite(metadata)
         } else {
-            self.inner.register_callsite(metadata)
+            // Decided per event until a global dispatcher exists.
+            Interest::sometimes()
         }
     }
 
     fn enabled(&self, metadata: &Metadata<'_>) -> bool {
-        !carries_payload(metadata) && self.inner.enabled(metadata)
+        !carries_payload(metadata) && self.inner().enabled(metadata)
     }
 
     fn max_level_hint(&self) -> Option<LevelFilter> {
-        Some(self.max_level)
+        // The wrapped dispatcher's own hint is not public; the process's current maximum
+        // (from every dispatcher) keeps its fast level check as it is.
+        Some(LevelFilter::current())
     }
 
     fn new_span(&self, span: &Attributes<'_>) -> Id {
-        self.inner.new_span(span)
+        self.inner().new_span(span)
     }
 
     fn record(&self, span: &Id, values: &Record<'_>) {
-        self.inner.record(span, values)
+        self.inner().record(span, values)
     }
 
     fn record_follows_from(&self, span: &Id, follows: &Id) {
-        self.inner.record_follows_from(span, follows)
+        self.inner().record_follows_from(span, follows)
     }
 
     fn event(&self, event: &Event<'_>) {
         if !carries_payload(event.metadata()) {
-            self.inner.event(event)
+            self.inner().event(event)
         }
     }
 
     fn enter(&self, span: &Id) {
-        self.inner.enter(span)
+        self.inner().enter(span)
     }
 
     fn exit(&self, span: &Id) {
-        self.inner.exit(span)
+        self.inner().exit(span)
     }
 
     fn clone_span(&self, id: &Id) -> Id {
-        self.inner.clone_span(id)
+        self.inner().clone_span(id)
     }
 
     fn try_close(&self, id: Id) -> bool {
-        self.inner.try_close(id)
+        self.inner().try_close(id)
     }
 
     fn current_span(&self) -> tracing_core::span::Current {
-        self.inner.current_span()
+        self.inner().current_span()
     }
 }

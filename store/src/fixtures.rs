@@ -15,17 +15,7 @@ pub async fn fill_backlog(
     per_run: u32,
     payload_bytes: u32,
 ) -> Result<u64, Error> {
-    sqlx::query(
-        "INSERT INTO relay_branch (tenant_id, run_id, branch_id, base_lsn, head_lsn)
-         SELECT $1 || t, 'r' || r, 'main', 0, $4
-           FROM generate_series(0, $2 - 1) t, generate_series(0, $3 - 1) r",
-    )
-    .bind(prefix)
-    .bind(i64::from(tenants))
-    .bind(i64::from(runs))
-    .bind(i64::from(per_run))
-    .execute(pool)
-    .await?;
+    open_branches(pool, prefix, tenants, runs, per_run).await?;
     let written = sqlx::query(
         "INSERT INTO relay_outbox (tenant_id, run_id, branch_id, lsn, prev_lsn, base_lsn, payload)
          SELECT $1 || t, 'r' || r, 'main', l, l - 1, 0, convert_to(repeat('x', $5), 'UTF8')
@@ -57,17 +47,7 @@ pub async fn fill_backlog_random(
 ) -> Result<u64, Error> {
     // One transaction: a relay already running sees the whole backlog at once.
     let mut tx = pool.begin().await?;
-    sqlx::query(
-        "INSERT INTO relay_branch (tenant_id, run_id, branch_id, base_lsn, head_lsn)
-         SELECT $1 || t, 'r' || r, 'main', 0, $4
-           FROM generate_series(0, $2 - 1) t, generate_series(0, $3 - 1) r",
-    )
-    .bind(prefix)
-    .bind(i64::from(tenants))
-    .bind(i64::from(runs))
-    .bind(i64::from(per_run))
-    .execute(&mut *tx)
-    .await?;
+    open_branches(&mut *tx, prefix, tenants, runs, per_run).await?;
     // xorshift64*: fast, and incompressible enough for pglz and any broker.
     let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
     let mut random = |len: usize| -> Vec<u8> {
@@ -114,4 +94,26 @@ pub async fn fill_backlog_random(
     tx.commit().await?;
     sqlx::query("ANALYZE relay_outbox").execute(pool).await?;
     Ok(written)
+}
+
+/// The branches `<prefix><t>` / `r<n>` / `main`, their head at `per_run`.
+async fn open_branches<'e>(
+    executor: impl sqlx::PgExecutor<'e>,
+    prefix: &str,
+    tenants: u32,
+    runs: u32,
+    per_run: u32,
+) -> Result<(), Error> {
+    sqlx::query(
+        "INSERT INTO relay_branch (tenant_id, run_id, branch_id, base_lsn, head_lsn)
+         SELECT $1 || t, 'r' || r, 'main', 0, $4
+           FROM generate_series(0, $2 - 1) t, generate_series(0, $3 - 1) r",
+    )
+    .bind(prefix)
+    .bind(i64::from(tenants))
+    .bind(i64::from(runs))
+    .bind(i64::from(per_run))
+    .execute(executor)
+    .await?;
+    Ok(())
 }

@@ -69,6 +69,17 @@ pub struct Backlog {
     pub oldest_age: Duration,
 }
 
+impl Backlog {
+    /// From a row of `(tenant, pending, age of the oldest in seconds)`.
+    fn from_row(tenant: String, pending: i64, age_secs: f64) -> Result<Self, Error> {
+        Ok(Self {
+            tenant: TenantId::new(tenant)?,
+            pending: pending.max(0) as u64,
+            oldest_age: Duration::from_secs_f64(age_secs.max(0.0)),
+        })
+    }
+}
+
 /// How much one drain may return: at most `events` rows holding at most `bytes` of payload in
 /// all; the first row always comes, however large (so a drain never stalls on a big payload).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -410,11 +421,7 @@ impl Outbox {
         .await?;
         rows.into_iter()
             .map(|(tenant, pending, age_secs)| {
-                Ok(Backlog {
-                    tenant: TenantId::new(tenant)?,
-                    pending: pending.max(0) as u64,
-                    oldest_age: Duration::from_secs_f64(age_secs.unwrap_or(0.0).max(0.0)),
-                })
+                Backlog::from_row(tenant, pending, age_secs.unwrap_or(0.0))
             })
             .collect()
     }
@@ -431,13 +438,7 @@ impl Outbox {
         .fetch_all(&self.pool)
         .await?;
         rows.into_iter()
-            .map(|(tenant, pending, age_secs)| {
-                Ok(Backlog {
-                    tenant: TenantId::new(tenant)?,
-                    pending: pending.max(0) as u64,
-                    oldest_age: Duration::from_secs_f64(age_secs.max(0.0)),
-                })
-            })
+            .map(|(tenant, pending, age_secs)| Backlog::from_row(tenant, pending, age_secs))
             .collect()
     }
 

@@ -387,7 +387,7 @@ impl RelaySupervisor {
             let shard = slot.to_string();
             metrics::counter!("relay_publisher_restarts_total", "shard" => shard.clone())
                 .increment(0);
-            for outcome in ["nacked", "returned", "unconfirmed", "not_sent"] {
+            for outcome in actors::FAILURE_OUTCOMES {
                 metrics::counter!("relay_publish_failures_total", "shard" => shard.clone(), "outcome" => outcome)
                     .increment(0);
             }

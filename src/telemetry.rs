@@ -35,12 +35,12 @@ pub fn describe_metrics(publishers: u16) {
     use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
     describe_gauge!(
         "relay_backlog_pending",
-        "Intents waiting in the outbox, per tenant held by this relay."
+        "Intents waiting in the outbox (counted up to 1,000), for the 100 tenants being drained with the oldest intents."
     );
     describe_gauge!(
         "relay_backlog_oldest_age_seconds",
         Unit::Seconds,
-        "Age of the oldest waiting intent, per tenant held by this relay."
+        "Age of the oldest waiting intent, for the 100 tenants being drained with the oldest intents."
     );
     describe_histogram!(
         "relay_write_to_confirm_seconds",
@@ -49,7 +49,7 @@ pub fn describe_metrics(publishers: u16) {
     );
     describe_counter!(
         "relay_events_shipped_total",
-        "Intents confirmed by the broker and retired from the outbox, per tenant."
+        "Intents confirmed by the broker and retired from the outbox (all tenants of this relay)."
     );
     describe_counter!(
         "relay_publish_failures_total",
@@ -66,6 +66,10 @@ pub fn describe_metrics(publishers: u16) {
     describe_gauge!(
         "relay_tenants_held",
         "Drainers running now (tenants being drained by this relay)."
+    );
+    describe_gauge!(
+        "relay_runtime_tasks",
+        "Tasks alive on the relay's runtime (actors, timers, connections): bounded by the drainers alive, not by the tenants seen."
     );
     describe_gauge!(
         "relay_lease_buckets_held",

@@ -84,6 +84,11 @@ mod metrics_surface {
                 scraped.contains("relay_write_to_confirm_seconds_count 1\n"),
                 "{scraped}"
             );
+            // Shipped is counted per relay, not per tenant (a series per tenant ever seen).
+            assert!(
+                scraped.contains("relay_events_shipped_total 1\n"),
+                "{scraped}"
+            );
             relay.shutdown().await;
             assert!(
                 scraped.contains("relay_broker_refusals_total 0"),

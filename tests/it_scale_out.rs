@@ -318,8 +318,16 @@ mod scale_out {
                     .is_some_and(|tree| tree.drainers.is_empty())
             })
             .await;
+            // ... and nothing of a retired drainer lingers: its timers (a 30 s batch timeout
+            // each, holding the actor's mailboxes) went with it. Before, every tenant drained
+            // in the last 30 s left one task alive.
+            let tasks = relay.snapshot().await.unwrap().tasks_alive;
+            assert!(
+                tasks < 500,
+                "{tasks} tasks alive on the relay's runtime after {tenants} tenants drained and every drainer retired"
+            );
             println!(
-                "{tenants} tenants drained beside a host in {:.1} s (lock table: {slots} slots), at most {most} drainers alive",
+                "{tenants} tenants drained beside a host in {:.1} s (lock table: {slots} slots), at most {most} drainers alive, {tasks} tasks alive after",
                 drained_in.as_secs_f64()
             );
             relay.shutdown().await;

@@ -146,10 +146,44 @@ struct Permits {
     bytes: OwnedSemaphorePermit,
 }
 
+/// What a batch holds until it settles: its budget and its timeout (cancelled with it).
+#[derive(Debug)]
+struct Held {
+    _permits: Permits,
+    _timeout: Timer,
+}
+
+/// A message the drainer sends itself later, cancelled when dropped. ractor's `send_after`
+/// task holds the actor's cell (its mailbox channels) until it fires: 30 s timers outliving
+/// retired drainers held about 7 KB each, 200+ MB while 100,000 tenants drained. Every timer
+/// of a drainer is owned by its state, so none outlives the drainer, however it stops.
+#[derive(Debug)]
+struct Timer(tokio::task::JoinHandle<Result<(), ractor::MessagingErr<DrainerMessage>>>);
+
+impl Drop for Timer {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// State of a drainer: its arguments and its window (every decision lives there).
 pub struct DrainerState {
     args: DrainerArgs,
-    window: Window<Permits>,
+    window: Window<Held>,
+    /// Idle checks and retries pending (batch timeouts live with their batch).
+    timers: Vec<Timer>,
+}
+
+impl DrainerState {
+    fn send_after(
+        &mut self,
+        myself: &ActorRef<DrainerMessage>,
+        delay: Duration,
+        message: impl FnOnce() -> DrainerMessage + Send + 'static,
+    ) {
+        self.timers.retain(|timer| !timer.0.is_finished());
+        self.timers.push(Timer(myself.send_after(delay, message)));
+    }
 }
 
 impl std::fmt::Debug for DrainerState {
@@ -249,9 +283,10 @@ impl Drainer {
 
     /// Nothing is in flight and the last drain was empty: retire after `idle_retire` unless
     /// something happens meanwhile.
-    fn schedule_idle_check(myself: &ActorRef<DrainerMessage>, state: &DrainerState) {
+    fn schedule_idle_check(myself: &ActorRef<DrainerMessage>, state: &mut DrainerState) {
         let activity = state.window.activity();
-        myself.send_after(state.args.config.idle_retire, move || {
+        let idle_retire = state.args.config.idle_retire;
+        state.send_after(myself, idle_retire, move || {
             DrainerMessage::IdleCheck(activity)
         });
     }
@@ -303,7 +338,16 @@ impl Drainer {
             group.0.push(index);
             group.1.push(event);
         }
-        let id = state.window.open(keys, written, lane, permits);
+        let id = state.window.next_id();
+        let timeout = Timer(myself.send_after(state.args.config.batch_timeout, move || {
+            DrainerMessage::BatchTimeout(id)
+        }));
+        let held = Held {
+            _permits: permits,
+            _timeout: timeout,
+        };
+        let opened = state.window.open(keys, written, lane, held);
+        debug_assert_eq!(opened, id);
         for (shard, (indexes, events)) in by_shard {
             let shard = state.args.publishers.slot(shard, lane);
             // No live publisher (it is being restarted): not sent, retried after backoff.
@@ -321,10 +365,6 @@ impl Drainer {
         if state.window.is_answered(id) {
             // Every part failed to send: settle it as the next message (no recursion here).
             myself.cast(DrainerMessage::BatchTimeout(id))?;
-        } else {
-            myself.send_after(state.args.config.batch_timeout, move || {
-                DrainerMessage::BatchTimeout(id)
-            });
         }
         Ok(())
     }
@@ -341,8 +381,8 @@ impl Drainer {
         };
         let tenant = state.args.tenant.clone();
         let tenant = &tenant;
-        metrics::counter!("relay_events_shipped_total", "tenant" => tenant.to_string())
-            .increment(settled.acks.len() as u64);
+        // Per relay, not per tenant: a series per tenant grows with every tenant ever seen.
+        metrics::counter!("relay_events_shipped_total").increment(settled.acks.len() as u64);
         // Lag as a latency: from the host's write (inside its transaction) to the broker's
         // confirm, per shipped event. One histogram per relay, not per tenant: 14 buckets per
         // tenant made memory and scrapes grow with every tenant (8 KB per tenant measured at
@@ -385,9 +425,7 @@ impl Drainer {
             return Self::store_failed(myself, err);
         }
         match settled.next {
-            Next::Retry(delay) => {
-                myself.send_after(delay, || DrainerMessage::Retry);
-            }
+            Next::Retry(delay) => state.send_after(myself, delay, || DrainerMessage::Retry),
             Next::Stop => myself.stop(Some(stop_reason::FINISHED.into())),
             Next::Flow | Next::Wait => {}
         }
@@ -399,7 +437,7 @@ impl Drainer {
     async fn refused(
         &self,
         myself: &ActorRef<DrainerMessage>,
-        state: &DrainerState,
+        state: &mut DrainerState,
         refusal: &Refusal,
     ) -> Result<(), store::Error> {
         let Refusal {
@@ -413,7 +451,7 @@ impl Drainer {
                 if *attempts == 1 {
                     tracing::warn!(branch = %branch, reason, "the broker refused an event; retrying its branch alone");
                 }
-                myself.send_after(delay, || DrainerMessage::Drain);
+                state.send_after(myself, delay, || DrainerMessage::Drain);
             }
             RefusalAction::Park { failing_for } => {
                 let park_retry = state.args.config.park_retry;
@@ -491,7 +529,11 @@ impl Actor for Drainer {
             retry: args.config.retry,
             express_max_events: args.config.express_max_events,
         });
-        Ok(DrainerState { args, window })
+        Ok(DrainerState {
+            args,
+            window,
+            timers: Vec::new(),
+        })
     }
 
     async fn handle(

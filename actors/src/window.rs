@@ -275,6 +275,11 @@ impl<H> Window<H> {
         if small { Lane::Express } else { Lane::Bulk }
     }
 
+    /// The id the next [`Window::open`] returns.
+    pub(crate) fn next_id(&self) -> BatchId {
+        self.next_batch
+    }
+
     /// Opens a batch of `keys` (drain order), holding `held` until it settles. Its parts are
     /// then given with [`Window::dispatched`]; a part never dispatched is never settled, so
     /// every index must be dispatched.

@@ -10,9 +10,9 @@ mod keeper;
 mod tree;
 
 pub use keeper::LeaseConfig;
-pub use tree::PENDING_GAUGE_CAP;
 pub use tree::RelaySupervisor;
 pub use tree::SupervisorArgs;
 pub use tree::SupervisorConfig;
 pub use tree::SupervisorMessage;
 pub use tree::TreeSnapshot;
+pub use tree::{PENDING_GAUGE_CAP, TENANT_GAUGES};

@@ -120,6 +120,9 @@ pub struct TreeSnapshot {
     pub buckets_held: usize,
     /// This relay's id in the lease tables.
     pub relay_id: RelayId,
+    /// Tasks alive on the relay's runtime (actors, timers, connections): bounded by the
+    /// drainers alive, never by the tenants seen (`relay_runtime_tasks`).
+    pub tasks_alive: usize,
 }
 
 /// `relay_backlog_pending` counts up to this many intents per tenant, so the gauges' read costs
@@ -127,6 +130,13 @@ pub struct TreeSnapshot {
 /// tenants, a full count took 400 ms every tick). A tenant this far behind shows it in
 /// `relay_backlog_oldest_age_seconds`, which stays exact; `distribution status` counts all.
 pub const PENDING_GAUGE_CAP: u32 = 1_000;
+
+/// The backlog gauges (`relay_backlog_pending`, `relay_backlog_oldest_age_seconds`) carry at
+/// most this many tenants, those with the oldest intents among the ones being drained: a series
+/// per tenant drained made memory and scrapes grow with the tenants seen (3 series per tenant,
+/// about 30 MB at 40,000 tenants). A tenant leaving the set is reported at 0 once, then its
+/// series expires (`distribution::SERIES_IDLE_TIMEOUT`).
+pub const TENANT_GAUGES: usize = 100;
 
 /// Messages to the supervisor.
 #[derive(Debug)]
@@ -380,6 +390,11 @@ impl RelaySupervisor {
     /// them; per-tenant series of quiet tenants do expire.
     fn keep_series_alive(&self, state: &SupervisorState) {
         metrics::gauge!("relay_tenants_held").set(state.drainers.len() as f64);
+        metrics::gauge!("relay_runtime_tasks").set(
+            tokio::runtime::Handle::current()
+                .metrics()
+                .num_alive_tasks() as f64,
+        );
         metrics::counter!("relay_drainer_restarts_total").increment(0);
         metrics::counter!("relay_leases_lost_total").increment(0);
         metrics::counter!("relay_broker_refusals_total").increment(0);
@@ -429,7 +444,15 @@ impl RelaySupervisor {
             };
             if let Some(backlog) = backlog {
                 let mut seen = HashSet::new();
-                for tenant in backlog.into_iter().filter(|tenant| tenant.pending > 0) {
+                // The tenants furthest behind only: series per tenant must not grow with the
+                // tenants drained (1,000 at a time, 100,000 within minutes at scale).
+                let mut backlog: Vec<_> = backlog
+                    .into_iter()
+                    .filter(|tenant| tenant.pending > 0)
+                    .collect();
+                backlog.sort_by_key(|tenant| std::cmp::Reverse(tenant.oldest_age));
+                backlog.truncate(TENANT_GAUGES);
+                for tenant in backlog {
                     let label = tenant.tenant.to_string();
                     metrics::gauge!("relay_backlog_pending", "tenant" => label.clone())
                         .set(tenant.pending as f64);
@@ -657,6 +680,9 @@ impl Actor for RelaySupervisor {
                         .collect(),
                     buckets_held: state.held.len(),
                     relay_id: state.relay_id.clone(),
+                    tasks_alive: tokio::runtime::Handle::current()
+                        .metrics()
+                        .num_alive_tasks(),
                 };
                 let _ = reply.send(snapshot);
             }

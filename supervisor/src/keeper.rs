@@ -108,14 +108,13 @@ async fn poll_pending(
             match within(limit, outbox.tenants_with_pending()).await {
                 Ok(tenants) => {
                     failures.ok("pending-tenant poll");
-                    if !tenants.is_empty() {
-                        busy.store(true, Ordering::Release);
-                        if supervisor
-                            .cast(SupervisorMessage::Pending(tenants))
-                            .is_err()
-                        {
-                            return;
-                        }
+                    // Sent even when empty: the supervisor prunes its waiting queue with it.
+                    busy.store(true, Ordering::Release);
+                    if supervisor
+                        .cast(SupervisorMessage::Pending(tenants))
+                        .is_err()
+                    {
+                        return;
                     }
                 }
                 Err(err) => failures.failed("pending-tenant poll", &err),

@@ -8,6 +8,7 @@
 
 mod keeper;
 mod tree;
+mod waiting;
 
 pub use keeper::LeaseConfig;
 pub use tree::RelaySupervisor;

@@ -5,7 +5,7 @@
 //! up; drainers that fail are respawned after a per-tenant backoff and resume from the store.
 //! When a publisher dies its mailbox dies with it, so every drainer is told (`PublisherLost`)
 //! and treats what it had sent there as unconfirmed.
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -23,6 +23,7 @@ use store::{
 use tokio::sync::watch;
 
 use crate::keeper::{Keeper, LeaseConfig};
+use crate::waiting::Waiting;
 
 /// How the tree runs.
 #[derive(Clone, Copy, Debug)]
@@ -143,7 +144,8 @@ pub const TENANT_GAUGES: usize = 100;
 pub enum SupervisorMessage {
     /// The lease keeper gained or lost buckets.
     Leases(LeaseChanges),
-    /// Tenants with pending intents (from the poller); those in buckets held are drained.
+    /// Every tenant with pending intents, from the poller (sent empty too: waiting tenants
+    /// it no longer lists leave the queue); those in buckets held are drained.
     Pending(Vec<TenantId>),
     /// Refresh backlog gauges.
     MetricsTick,
@@ -189,8 +191,7 @@ pub struct SupervisorState {
     budget: Arc<tokio::sync::Semaphore>,
     byte_budget: Arc<tokio::sync::Semaphore>,
     /// Tenants with pending intents waiting for a drainer slot (`max_drainers`), in order.
-    waiting: VecDeque<TenantId>,
-    waiting_set: HashSet<TenantId>,
+    waiting: Waiting,
     /// Set while tenants wait: drainers with nothing to do retire at once.
     crowded: Arc<AtomicBool>,
 }
@@ -251,9 +252,7 @@ impl RelaySupervisor {
             return;
         }
         if state.drainers.len() >= state.args.config.max_drainers.max(1) {
-            if state.waiting_set.insert(tenant.clone()) {
-                state.waiting.push_back(tenant);
-            }
+            state.waiting.push(tenant);
             state.crowded.store(true, Ordering::Release);
             return;
         }
@@ -300,9 +299,8 @@ impl RelaySupervisor {
         state: &mut SupervisorState,
     ) {
         while state.drainers.len() < state.args.config.max_drainers.max(1)
-            && let Some(tenant) = state.waiting.pop_front()
+            && let Some(tenant) = state.waiting.pop()
         {
-            state.waiting_set.remove(&tenant);
             self.spawn_drainer(myself, state, tenant).await;
         }
         if state.waiting.is_empty() {
@@ -573,8 +571,7 @@ impl Actor for RelaySupervisor {
                     .max_in_flight_bytes
                     .max(args.config.drainer.batch_max_bytes as usize),
             )),
-            waiting: VecDeque::new(),
-            waiting_set: HashSet::new(),
+            waiting: Waiting::default(),
             crowded: Arc::new(AtomicBool::new(false)),
             args,
         })
@@ -633,6 +630,7 @@ impl Actor for RelaySupervisor {
             SupervisorMessage::Leases(changes) => self.leases_changed(state, changes),
             SupervisorMessage::Pending(tenants) => {
                 if state.finishing.is_none() {
+                    state.waiting.keep_only(&tenants);
                     self.wake(&myself, state, tenants).await;
                 }
                 state.poll_busy.store(false, Ordering::Release);

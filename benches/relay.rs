@@ -300,7 +300,7 @@ async fn payload_size(
     payload_bytes: u32,
     events: u32,
     database_tls: bool,
-) -> Result<(Vec<f64>, Vec<f64>, u64)> {
+) -> Result<SizeRuns> {
     let payload: Vec<u8> = {
         let mut state: u64 = 0x2545_f491_4f6c_dd1d;
         (0..payload_bytes)
@@ -312,7 +312,7 @@ async fn payload_size(
             })
             .collect()
     };
-    let (mut ceilings, mut relays, mut peak) = (Vec::new(), Vec::new(), 0);
+    let mut runs = SizeRuns::default();
     for _ in 0..3 {
         let rabbit = env.rabbit("size-raw", 8)?;
         let mut declare = RabbitPublisher::new(rabbit.clone());
@@ -320,8 +320,11 @@ async fn payload_size(
             declare.publish(&synthetic_events(1)).await.fault.is_none(),
             "broker not reachable"
         );
-        ceilings
+        let before = (cpu_ticks_named("beam"), cpu_ticks(std::process::id())?);
+        runs.ceilings
             .push(raw_pipelined(&env.amqp, &rabbit.topology, events as usize, &payload, 4).await?);
+        runs.ceiling_cpu[0] += cpu_ticks_named("beam") - before.0;
+        runs.ceiling_cpu[1] += cpu_ticks(std::process::id())? - before.1;
         drop_topology(&env.amqp, &rabbit.topology).await?;
 
         let (pool, url) = env.database("size").await?;
@@ -346,19 +349,70 @@ async fn payload_size(
         let per_run = (events / 200).max(1);
         let written =
             store::fixtures::fill_backlog_random(&pool, "t", 50, 4, per_run, payload_bytes).await?;
+        let before = [
+            cpu_ticks_named("beam"),
+            cpu_ticks_named("postgres"),
+            cpu_ticks(child.id())?,
+        ];
         let started = Instant::now();
         let drained = wait_drained(&Outbox::new(pool.clone()), Duration::from_secs(900)).await;
         let elapsed = started.elapsed().as_secs_f64();
+        let after = [
+            cpu_ticks_named("beam"),
+            cpu_ticks_named("postgres"),
+            cpu_ticks(child.id())?,
+        ];
         let rss = proc_status_kb(child.id(), "VmHWM");
         child.kill()?;
         child.wait()?;
         drained?;
-        peak = peak.max(rss? / 1024);
-        relays.push(written as f64 / elapsed);
+        runs.peak = runs.peak.max(rss? / 1024);
+        runs.relays.push(written as f64 / elapsed);
+        for (sum, (after, before)) in runs.relay_cpu.iter_mut().zip(after.iter().zip(before)) {
+            *sum += after - before;
+        }
+        runs.events += written;
         drop_topology(&env.amqp, &rabbit.topology).await?;
         pool.close().await;
     }
-    Ok((ceilings, relays, peak))
+    Ok(runs)
+}
+
+/// Three ceiling/relay pairs at one payload size.
+#[derive(Default)]
+struct SizeRuns {
+    ceilings: Vec<f64>,
+    relays: Vec<f64>,
+    /// Peak RSS of the relay, MB.
+    peak: u64,
+    /// CPU ticks over the ceilings' runs: RabbitMQ, the publishing client (this process).
+    ceiling_cpu: [u64; 2],
+    /// CPU ticks over the relay's drains: RabbitMQ, PostgreSQL, the relay.
+    relay_cpu: [u64; 3],
+    /// Events the relay drained in all (the ceilings published as many).
+    events: u64,
+}
+
+/// CPU ticks (user + system, 1/100 s) so far of every process whose name starts with `name`
+/// (`beam` for RabbitMQ, `postgres` for the server and its backends): processes that end
+/// meanwhile are not counted, so this is a lower bound.
+fn cpu_ticks_named(name: &str) -> u64 {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .filter_map(|entry| {
+            let stat = std::fs::read_to_string(entry.path().join("stat")).ok()?;
+            let (head, tail) = stat.rsplit_once(')')?;
+            let comm = head.split_once('(')?.1;
+            if !comm.starts_with(name) {
+                return None;
+            }
+            let fields: Vec<&str> = tail.split_whitespace().collect();
+            Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
+        })
+        .sum()
 }
 
 fn min_median_max(mut values: Vec<f64>) -> (f64, f64, f64) {
@@ -387,8 +441,22 @@ async fn payload_sizes(
             true,
         ),
     ] {
-        let (ceilings, relays, peak) = payload_size(env, bytes, events, database_tls).await?;
+        let runs = payload_size(env, bytes, events, database_tls).await?;
+        let (ceilings, relays, peak) = (runs.ceilings, runs.relays, runs.peak);
         let ratios: Vec<f64> = relays.iter().zip(&ceilings).map(|(r, c)| r / c).collect();
+        // CPU per 1,000 events, in ms (a tick is 10 ms).
+        let per_k = |ticks: u64| ticks as f64 * 10.0 * 1_000.0 / runs.events.max(1) as f64;
+        let [c_rabbit, c_client] = runs.ceiling_cpu.map(per_k);
+        let [r_rabbit, r_postgres, r_relay] = runs.relay_cpu.map(per_k);
+        row(
+            &format!("9. {label}: CPU ms per 1,000 events, ceiling -> relay"),
+            format!(
+                "{:.0} ({c_rabbit:.0} RabbitMQ + {c_client:.0} client) -> {:.0} ({r_rabbit:.0} RabbitMQ + {r_postgres:.0} PostgreSQL + {r_relay:.0} relay)",
+                c_rabbit + c_client,
+                r_rabbit + r_postgres + r_relay
+            ),
+            "summed over the 3 runs from /proc; the machine has 2 cores for all of it",
+        );
         let (c_min, c_med, c_max) = min_median_max(ceilings);
         let (r_min, r_med, r_max) = min_median_max(relays);
         let (q_min, q_med, q_max) = min_median_max(ratios);

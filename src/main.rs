@@ -249,7 +249,13 @@ async fn migrate(database: &Database) -> Result<()> {
 async fn run(config: RelayConfig) -> Result<()> {
     // The schema is applied first (idempotent, safe with several relays starting at once),
     // unless the host applies it with its own tool (`distribution sql`).
-    if !config.skip_migrate {
+    if config.skip_migrate {
+        let pool = connect(&config.database_url, config.schema().as_ref()).await?;
+        store::check_schema(&pool)
+            .await
+            .context("RELAY_SKIP_MIGRATE is set")?;
+        pool.close().await;
+    } else {
         migrate_in(&config.database_url, config.schema().as_ref()).await?;
     }
     // One connection to the broker: a refusal is fatal here (no retry fixes it); a broker that

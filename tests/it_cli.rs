@@ -159,7 +159,7 @@ mod cli {
         assert_eq!(code, 0, "{stderr}");
         assert!(sql.contains("-- relay migration 1 "), "{sql}");
         host_runtime().block_on(async {
-            let (pool, _) = empty_database("cli_sql").await;
+            let (pool, url) = empty_database("cli_sql").await;
             sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
                 .execute(&pool)
                 .await
@@ -182,6 +182,81 @@ mod cli {
                 .await
                 .unwrap();
             assert_eq!(drained.len(), 1);
+
+            // A relay that does not migrate (RELAY_SKIP_MIGRATE) runs on that schema, ships,
+            // and leaves the migrations to the host's tool (no relay_migrations table).
+            let topology = unique("relay-skip");
+            let addr = format!(
+                "127.0.0.1:{}",
+                std::net::TcpListener::bind("127.0.0.1:0")
+                    .unwrap()
+                    .local_addr()
+                    .unwrap()
+                    .port()
+            );
+            let mut child = relay()
+                .arg("run")
+                .env("DATABASE_URL", &url)
+                .env("AMQP_URL", amqp_url())
+                .env("RELAY_TOPOLOGY", &topology)
+                .env("RELAY_POLL_MS", "100")
+                .env("RELAY_METRICS_ADDR", &addr)
+                .env("RELAY_SKIP_MIGRATE", "true")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap();
+            let outbox = Outbox::new(pool.clone());
+            wait_until(
+                "shipped without migrating",
+                Duration::from_secs(30),
+                || async { pending(&outbox).await == 0 },
+            )
+            .await;
+            child.kill().unwrap();
+            child.wait().unwrap();
+            let tracked: Option<String> =
+                sqlx::query_scalar("SELECT to_regclass('relay_migrations')::text")
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+            assert_eq!(tracked, None, "the relay migrated although told not to");
+            drop_topology(&distribution::broker::Topology::new(&topology, 8).unwrap()).await;
+        });
+    }
+
+    /// Told not to migrate, a relay on a database without the schema stops at once, naming
+    /// what is missing and how to apply it, and creates nothing.
+    #[test]
+    fn skip_migrate_without_the_schema_fails_at_start_naming_what_is_missing() {
+        host_runtime().block_on(async {
+            let (pool, url) = empty_database("cli_skip").await;
+            let started = Instant::now();
+            let (code, _, stderr) = output(
+                relay()
+                    .arg("run")
+                    .env("DATABASE_URL", &url)
+                    .env("AMQP_URL", amqp_url())
+                    .env("RELAY_TOPOLOGY", unique("relay-skip-missing"))
+                    .env("RELAY_METRICS_ADDR", "127.0.0.1:0")
+                    .env("RELAY_SKIP_MIGRATE", "true"),
+            );
+            assert_eq!(code, 1, "{stderr}");
+            assert!(started.elapsed() < Duration::from_secs(10));
+            for named in [
+                "RELAY_SKIP_MIGRATE",
+                "relay_outbox",
+                "relay_ack_and_drain",
+                "distribution sql",
+            ] {
+                assert!(stderr.contains(named), "{named} not named: {stderr}");
+            }
+            let created: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM pg_class WHERE relname LIKE 'relay%'")
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+            assert_eq!(created, 0, "the relay created tables although told not to");
         });
     }
 

@@ -111,6 +111,13 @@ pub enum Error {
     /// Applying the migrations failed.
     #[error("migrating the outbox schema failed: {0}")]
     Migrate(#[source] sqlx::migrate::MigrateError),
+    /// The relay's tables or functions are not in the database (or not on its `search_path`):
+    /// the schema was never applied, or only an older version of it.
+    #[error(
+        "the outbox schema is missing or out of date: {} not found; apply `distribution migrate` or the SQL of `distribution sql`",
+        .0.join(", ")
+    )]
+    SchemaMissing(Vec<&'static str>),
     /// The database failed or is unreachable.
     #[error("database error: {0}")]
     Database(#[from] sqlx::Error),

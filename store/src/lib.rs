@@ -90,6 +90,46 @@ pub async fn migrate(pool: &sqlx::PgPool) -> Result<(), Error> {
     MIGRATOR.run(pool).await.map_err(Error::Migrate)
 }
 
+/// What the relay needs from the schema, one object per migration that added something it
+/// uses (extend it with each new migration): `to_regclass`/`to_regproc` names, resolved on the
+/// connection's `search_path`.
+const REQUIRED_OBJECTS: &[(&str, &str)] = &[
+    ("relation", "relay_outbox"),
+    ("relation", "relay_branch"),
+    ("relation", "relay_lease"),
+    ("relation", "relay_member"),
+    ("relation", "relay_parked_branch"),
+    ("function", "relay_ack_and_drain"),
+];
+
+/// Checks that the schema the relay needs is there, without changing anything: for a relay
+/// that does not migrate (`RELAY_SKIP_MIGRATE`), whose host applies `distribution sql` with its
+/// own tool. Names every missing object in [`Error::SchemaMissing`].
+pub async fn check_schema(pool: &sqlx::PgPool) -> Result<(), Error> {
+    let (kinds, names): (Vec<&str>, Vec<&str>) = REQUIRED_OBJECTS.iter().copied().unzip();
+    let found: Vec<bool> = sqlx::query_scalar(
+        "SELECT CASE k.kind WHEN 'relation' THEN to_regclass(k.name) IS NOT NULL
+                            ELSE to_regproc(k.name) IS NOT NULL END
+           FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS k(kind, name, n)
+          ORDER BY k.n",
+    )
+    .bind(&kinds)
+    .bind(&names)
+    .fetch_all(pool)
+    .await?;
+    let missing: Vec<&'static str> = REQUIRED_OBJECTS
+        .iter()
+        .zip(found)
+        .filter(|(_, found)| !found)
+        .map(|((_, name), _)| *name)
+        .collect();
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(Error::SchemaMissing(missing))
+    }
+}
+
 /// Versions before 0.2 recorded their migrations in sqlx's default `_sqlx_migrations`, where a
 /// host's sqlx migrator then saw unknown versions. Moves exactly those rows (same version and
 /// checksum as ours) to [`MIGRATIONS_TABLE`]; the host's own rows are never touched.

@@ -371,4 +371,71 @@ mod cli {
             drop_topology(&rabbit.topology).await;
         });
     }
+
+    /// `/readyz` names a database that stopped answering (a proxy the test owns cuts the
+    /// relay's connections and refuses new ones), `/healthz` stays 200, and the relay is
+    /// ready again once the database is back, shipping what was written meanwhile.
+    #[test]
+    fn readiness_names_an_unreachable_database() {
+        host_runtime().block_on(async {
+            let (pool, url) = fresh_database("cli_ready_db").await;
+            let database = BrokerProxy::start(&url).unwrap();
+            let topology = unique("relay-ready-db");
+            let addr = format!(
+                "127.0.0.1:{}",
+                std::net::TcpListener::bind("127.0.0.1:0")
+                    .unwrap()
+                    .local_addr()
+                    .unwrap()
+                    .port()
+            );
+            let mut child = relay()
+                .arg("run")
+                .env("DATABASE_URL", database.amqp_url())
+                .env("AMQP_URL", amqp_url())
+                .env("RELAY_TOPOLOGY", &topology)
+                .env("RELAY_POLL_MS", "100")
+                .env("RELAY_METRICS_ADDR", &addr)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap();
+            answer_until(&addr, "/readyz", |status| status == 200).await;
+
+            database.cut();
+            let (_, body) = answer_until(&addr, "/readyz", |status| status == 503).await;
+            assert!(body.contains("database unreachable"), "{body}");
+            assert_eq!(get(&addr, "/healthz").await.unwrap().0, 200);
+            // The host writes on its own connection meanwhile (the proxy is the relay's only).
+            let branch = BranchKey::new(
+                TenantId::new("ready-db").unwrap(),
+                RunId::new("r").unwrap(),
+                BranchId::new("b").unwrap(),
+            );
+            let writer = IntentWriter::default();
+            let mut tx = pool.begin().await.unwrap();
+            writer.open_run(&mut tx, &branch).await.unwrap();
+            writer
+                .append(&mut tx, &branch, Lsn::new(1), b"x")
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+
+            database.restore();
+            answer_until(&addr, "/readyz", |status| status == 200).await;
+            let outbox = Outbox::new(pool.clone());
+            wait_until(
+                "shipped once the database is back",
+                Duration::from_secs(30),
+                || async { pending(&outbox).await == 0 },
+            )
+            .await;
+            child.kill().unwrap();
+            child.wait().unwrap();
+            let rabbit = relay_config(&url, &amqp_url(), &topology)
+                .rabbit_config()
+                .unwrap();
+            drop_topology(&rabbit.topology).await;
+        });
+    }
 }

@@ -94,6 +94,38 @@ mod schema {
                 .unwrap();
             assert_eq!(host_rows, 0, "the host's own table was never touched");
             relay.shutdown().await;
+
+            // The operator's commands find the relay's tables through --schema too.
+            let cli = |args: &[&str]| {
+                let output = std::process::Command::new(env!("CARGO_BIN_EXE_distribution"))
+                    .args(args)
+                    .args(["--schema", "relay_ops"])
+                    .env("DATABASE_URL", &url)
+                    .env_remove("RELAY_SCHEMA")
+                    .output()
+                    .expect("run the binary");
+                let text = String::from_utf8_lossy(&output.stdout).into_owned()
+                    + &String::from_utf8_lossy(&output.stderr);
+                assert!(output.status.success(), "{args:?}: {text}");
+                text
+            };
+            assert!(cli(&["status"]).contains("no parked branches"));
+            sqlx::query(
+                "INSERT INTO relay_ops.relay_parked_branch
+                     (tenant_id, run_id, branch_id, reason, attempts, first_failed_at, retry_at)
+                 VALUES ('parked-t', 'r', 'b', 'nacked', 3, now(), now() + interval '1 hour')",
+            )
+            .execute(&pool)
+            .await
+            .unwrap();
+            assert!(cli(&["status"]).contains("parked-t"));
+            assert!(cli(&["release", "parked-t"]).contains("released 1 parked branch"));
+            let left: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM relay_ops.relay_parked_branch")
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+            assert_eq!(left, 0, "release --schema released nothing");
             folding.stop().await;
             drop_topology(&config.rabbit_config().unwrap().topology).await;
         });

@@ -170,8 +170,11 @@ impl Drop for Timer {
 pub struct DrainerState {
     args: DrainerArgs,
     window: Window<Held>,
-    /// Idle checks and retries pending (batch timeouts live with their batch).
+    /// Retries pending (batch timeouts live with their batch).
     timers: Vec<Timer>,
+    /// The one idle check pending, with the activity it checks: a drainer woken often keeps
+    /// one timer, not one per wake-up.
+    idle_check: Option<(u64, Timer)>,
 }
 
 impl DrainerState {
@@ -282,13 +285,22 @@ impl Drainer {
     }
 
     /// Nothing is in flight and the last drain was empty: retire after `idle_retire` unless
-    /// something happens meanwhile.
+    /// something happens meanwhile (measured from the last empty drain).
     fn schedule_idle_check(myself: &ActorRef<DrainerMessage>, state: &mut DrainerState) {
         let activity = state.window.activity();
-        let idle_retire = state.args.config.idle_retire;
-        state.send_after(myself, idle_retire, move || {
+        // The check already pending for this same idle spell keeps its (earlier) deadline;
+        // one for an older spell could not retire the drainer and is replaced.
+        if state
+            .idle_check
+            .as_ref()
+            .is_some_and(|(checks, timer)| *checks == activity && !timer.0.is_finished())
+        {
+            return;
+        }
+        let timer = Timer(myself.send_after(state.args.config.idle_retire, move || {
             DrainerMessage::IdleCheck(activity)
-        });
+        }));
+        state.idle_check = Some((activity, timer));
     }
 
     fn start_batch(
@@ -533,6 +545,7 @@ impl Actor for Drainer {
             args,
             window,
             timers: Vec::new(),
+            idle_check: None,
         })
     }
 

@@ -306,6 +306,8 @@ mod cli {
                 .env("DATABASE_URL", &url)
                 .env("AMQP_URL", proxy.amqp_url())
                 .env("RELAY_TOPOLOGY", &topology)
+                // The harness's partitions, so drop_topology below removes every queue.
+                .env("RELAY_PARTITIONS", "4")
                 .env("RELAY_POLL_MS", "100")
                 .env("RELAY_AMQP_CONNECT_TIMEOUT_MS", "1000")
                 .env("RELAY_METRICS_ADDR", &addr)
@@ -394,6 +396,8 @@ mod cli {
                 .env("DATABASE_URL", database.amqp_url())
                 .env("AMQP_URL", amqp_url())
                 .env("RELAY_TOPOLOGY", &topology)
+                // The harness's partitions, so drop_topology below removes every queue.
+                .env("RELAY_PARTITIONS", "4")
                 .env("RELAY_POLL_MS", "100")
                 .env("RELAY_METRICS_ADDR", &addr)
                 .stdout(Stdio::null())

@@ -334,4 +334,60 @@ mod scale_out {
             drop_topology(&config.rabbit_config().unwrap().topology).await;
         });
     }
+
+    /// An idle drainer woken again and again (a NOTIFY storm, a host calling its waker on
+    /// every commit) keeps one idle check, not one 30 s timer per empty drain.
+    #[test]
+    fn an_idle_drainer_woken_again_and_again_keeps_one_timer() {
+        host_runtime().block_on(async {
+            let (pool, url) = fresh_database("wakestorm").await;
+            let mut config = relay_config(&url, &amqp_url(), &unique("relay-wakestorm"));
+            config.supervisor.drainer.idle_retire = Duration::from_secs(60);
+            let relay = Relay::start(config.clone()).await.unwrap();
+            let branch = BranchKey::new(
+                TenantId::new("storm").unwrap(),
+                RunId::new("r").unwrap(),
+                BranchId::new("b").unwrap(),
+            );
+            let writer = IntentWriter::default();
+            let mut tx = pool.begin().await.unwrap();
+            writer.open_run(&mut tx, &branch).await.unwrap();
+            writer
+                .append(&mut tx, &branch, Lsn::new(1), b"s")
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+            let outbox = Outbox::new(pool.clone());
+            wait_until("shipped", Duration::from_secs(30), || async {
+                pending(&outbox).await == 0
+            })
+            .await;
+            let idle = relay.snapshot().await.unwrap();
+            assert!(
+                idle.drainers.contains_key(&branch.tenant),
+                "its drainer idles"
+            );
+            let before = idle.tasks_alive;
+            // Each wake-up that is not coalesced costs the drainer an empty drain; a snapshot
+            // between wake-ups lets many of them through.
+            let waker = relay.waker();
+            for _ in 0..500 {
+                waker.wake(&branch.tenant);
+                relay.snapshot().await.unwrap();
+            }
+            wait_until(
+                "the storm's timers gone (formerly one per empty drain, for 60 s)",
+                Duration::from_secs(10),
+                || async {
+                    relay
+                        .snapshot()
+                        .await
+                        .is_some_and(|tree| tree.tasks_alive <= before + 5)
+                },
+            )
+            .await;
+            relay.shutdown().await;
+            drop_topology(&config.rabbit_config().unwrap().topology).await;
+        });
+    }
 }

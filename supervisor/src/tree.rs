@@ -139,6 +139,16 @@ pub const PENDING_GAUGE_CAP: u32 = 1_000;
 /// series expires (`distribution::SERIES_IDLE_TIMEOUT`).
 pub const TENANT_GAUGES: usize = 100;
 
+/// The `limit` tenants with the oldest pending intents, oldest first, of those read: the only
+/// ones given backlog gauges, so series per tenant never grow with the tenants drained (1,000
+/// at a time, 100,000 within minutes at scale).
+fn furthest_behind(mut backlog: Vec<store::Backlog>, limit: usize) -> Vec<store::Backlog> {
+    backlog.retain(|tenant| tenant.pending > 0);
+    backlog.sort_by_key(|tenant| std::cmp::Reverse(tenant.oldest_age));
+    backlog.truncate(limit);
+    backlog
+}
+
 /// Messages to the supervisor.
 #[derive(Debug)]
 pub enum SupervisorMessage {
@@ -442,15 +452,7 @@ impl RelaySupervisor {
             };
             if let Some(backlog) = backlog {
                 let mut seen = HashSet::new();
-                // The tenants furthest behind only: series per tenant must not grow with the
-                // tenants drained (1,000 at a time, 100,000 within minutes at scale).
-                let mut backlog: Vec<_> = backlog
-                    .into_iter()
-                    .filter(|tenant| tenant.pending > 0)
-                    .collect();
-                backlog.sort_by_key(|tenant| std::cmp::Reverse(tenant.oldest_age));
-                backlog.truncate(TENANT_GAUGES);
-                for tenant in backlog {
+                for tenant in furthest_behind(backlog, TENANT_GAUGES) {
                     let label = tenant.tenant.to_string();
                     metrics::gauge!("relay_backlog_pending", "tenant" => label.clone())
                         .set(tenant.pending as f64);
@@ -768,5 +770,51 @@ impl Actor for RelaySupervisor {
             self.schedule_drainer(&myself, state, tenant);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn backlog(tenant: usize, pending: u64, age_secs: u64) -> store::Backlog {
+        store::Backlog {
+            tenant: TenantId::new(format!("t{tenant}")).expect("valid id"),
+            pending,
+            oldest_age: Duration::from_secs(age_secs),
+        }
+    }
+
+    #[test]
+    fn only_the_tenants_furthest_behind_get_gauges() {
+        // 1,000 tenants being drained, ages scattered, every tenth already empty.
+        let read: Vec<_> = (0..1_000)
+            .map(|n| {
+                backlog(
+                    n,
+                    if n % 10 == 0 { 0 } else { 5 },
+                    (n * 7919 % 1_000) as u64,
+                )
+            })
+            .collect();
+        let gauged = furthest_behind(read.clone(), TENANT_GAUGES);
+        assert_eq!(gauged.len(), TENANT_GAUGES);
+        assert!(gauged.iter().all(|tenant| tenant.pending > 0));
+        assert!(
+            gauged
+                .windows(2)
+                .all(|pair| pair[0].oldest_age >= pair[1].oldest_age)
+        );
+        // Nobody left out is further behind than the last one kept.
+        let cut = gauged.last().expect("some").oldest_age;
+        let kept: HashSet<&TenantId> = gauged.iter().map(|tenant| &tenant.tenant).collect();
+        assert!(read.iter().all(|tenant| {
+            kept.contains(&tenant.tenant) || tenant.pending == 0 || tenant.oldest_age <= cut
+        }));
+        // Fewer than the limit: every tenant with something pending.
+        assert_eq!(
+            furthest_behind(read[..30].to_vec(), TENANT_GAUGES).len(),
+            27
+        );
     }
 }

@@ -301,17 +301,7 @@ async fn payload_size(
     events: u32,
     database_tls: bool,
 ) -> Result<SizeRuns> {
-    let payload: Vec<u8> = {
-        let mut state: u64 = 0x2545_f491_4f6c_dd1d;
-        (0..payload_bytes)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                state as u8
-            })
-            .collect()
-    };
+    let payload = store::fixtures::Incompressible::default().bytes(payload_bytes as usize);
     let mut runs = SizeRuns::default();
     for _ in 0..3 {
         let rabbit = env.rabbit("size-raw", 8)?;

@@ -8,7 +8,7 @@ mod cli {
     use std::process::{Command, Output, Stdio};
     use std::time::{Duration, Instant};
 
-    use distribution::store::{BranchId, BranchKey, IntentWriter, Lsn, Outbox, RunId, TenantId};
+    use distribution::store::Outbox;
     use distribution::testing::BrokerProxy;
     use http_body_util::BodyExt;
 
@@ -38,6 +38,39 @@ mod cli {
             String::from_utf8_lossy(&stdout).into_owned(),
             String::from_utf8_lossy(&stderr).into_owned(),
         )
+    }
+
+    /// Like [`output`], but a process still running after `limit` is killed and fails the test
+    /// (a relay that should refuse to start must not hang the suite instead).
+    fn output_within(command: &mut Command, limit: Duration) -> (i32, String, String) {
+        let child = command
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run the binary");
+        let pid = child.id().to_string();
+        let (done, finished) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = done.send(child.wait_with_output());
+        });
+        match finished.recv_timeout(limit) {
+            Ok(output) => {
+                let Output {
+                    status,
+                    stdout,
+                    stderr,
+                } = output.expect("wait for the binary");
+                (
+                    status.code().expect("exited"),
+                    String::from_utf8_lossy(&stdout).into_owned(),
+                    String::from_utf8_lossy(&stderr).into_owned(),
+                )
+            }
+            Err(_) => {
+                let _ = Command::new("kill").args(["-KILL", &pid]).status();
+                panic!("still running after {limit:?}");
+            }
+        }
     }
 
     #[test]
@@ -164,19 +197,7 @@ mod cli {
                 .execute(&pool)
                 .await
                 .unwrap();
-            let branch = BranchKey::new(
-                TenantId::new("sql").unwrap(),
-                RunId::new("r").unwrap(),
-                BranchId::new("b").unwrap(),
-            );
-            let writer = IntentWriter::default();
-            let mut tx = pool.begin().await.unwrap();
-            writer.open_run(&mut tx, &branch).await.unwrap();
-            writer
-                .append(&mut tx, &branch, Lsn::new(1), b"x")
-                .await
-                .unwrap();
-            tx.commit().await.unwrap();
+            let branch = write_first_intent(&pool, "sql", b"x").await;
             let drained = Outbox::new(pool.clone())
                 .drain_outbox(&branch.tenant, 10)
                 .await
@@ -231,8 +252,7 @@ mod cli {
     fn skip_migrate_without_the_schema_fails_at_start_naming_what_is_missing() {
         host_runtime().block_on(async {
             let (pool, url) = empty_database("cli_skip").await;
-            let started = Instant::now();
-            let (code, _, stderr) = output(
+            let (code, _, stderr) = output_within(
                 relay()
                     .arg("run")
                     .env("DATABASE_URL", &url)
@@ -240,9 +260,9 @@ mod cli {
                     .env("RELAY_TOPOLOGY", unique("relay-skip-missing"))
                     .env("RELAY_METRICS_ADDR", "127.0.0.1:0")
                     .env("RELAY_SKIP_MIGRATE", "true"),
+                Duration::from_secs(10),
             );
             assert_eq!(code, 1, "{stderr}");
-            assert!(started.elapsed() < Duration::from_secs(10));
             for named in [
                 "RELAY_SKIP_MIGRATE",
                 "relay_outbox",
@@ -328,19 +348,7 @@ mod cli {
             assert_eq!(get(&addr, "/elsewhere").await.unwrap().0, 404);
 
             proxy.cut();
-            let branch = BranchKey::new(
-                TenantId::new("ready").unwrap(),
-                RunId::new("r").unwrap(),
-                BranchId::new("b").unwrap(),
-            );
-            let writer = IntentWriter::default();
-            let mut tx = pool.begin().await.unwrap();
-            writer.open_run(&mut tx, &branch).await.unwrap();
-            writer
-                .append(&mut tx, &branch, Lsn::new(1), b"x")
-                .await
-                .unwrap();
-            tx.commit().await.unwrap();
+            write_first_intent(&pool, "ready", b"x").await;
             let (_, body) = answer_until(&addr, "/readyz", |status| status == 503).await;
             assert!(body.contains("broker down while intents wait"), "{body}");
             // Healthy all the same: restarting would not bring the broker back.
@@ -411,19 +419,7 @@ mod cli {
             assert!(body.contains("database unreachable"), "{body}");
             assert_eq!(get(&addr, "/healthz").await.unwrap().0, 200);
             // The host writes on its own connection meanwhile (the proxy is the relay's only).
-            let branch = BranchKey::new(
-                TenantId::new("ready-db").unwrap(),
-                RunId::new("r").unwrap(),
-                BranchId::new("b").unwrap(),
-            );
-            let writer = IntentWriter::default();
-            let mut tx = pool.begin().await.unwrap();
-            writer.open_run(&mut tx, &branch).await.unwrap();
-            writer
-                .append(&mut tx, &branch, Lsn::new(1), b"x")
-                .await
-                .unwrap();
-            tx.commit().await.unwrap();
+            write_first_intent(&pool, "ready-db", b"x").await;
 
             database.restore();
             answer_until(&addr, "/readyz", |status| status == 200).await;

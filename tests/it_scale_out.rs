@@ -344,19 +344,7 @@ mod scale_out {
             let mut config = relay_config(&url, &amqp_url(), &unique("relay-wakestorm"));
             config.supervisor.drainer.idle_retire = Duration::from_secs(60);
             let relay = Relay::start(config.clone()).await.unwrap();
-            let branch = BranchKey::new(
-                TenantId::new("storm").unwrap(),
-                RunId::new("r").unwrap(),
-                BranchId::new("b").unwrap(),
-            );
-            let writer = IntentWriter::default();
-            let mut tx = pool.begin().await.unwrap();
-            writer.open_run(&mut tx, &branch).await.unwrap();
-            writer
-                .append(&mut tx, &branch, Lsn::new(1), b"s")
-                .await
-                .unwrap();
-            tx.commit().await.unwrap();
+            let branch = write_first_intent(&pool, "storm", b"s").await;
             let outbox = Outbox::new(pool.clone());
             wait_until("shipped", Duration::from_secs(30), || async {
                 pending(&outbox).await == 0

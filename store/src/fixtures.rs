@@ -48,19 +48,7 @@ pub async fn fill_backlog_random(
     // One transaction: a relay already running sees the whole backlog at once.
     let mut tx = pool.begin().await?;
     open_branches(&mut *tx, prefix, tenants, runs, per_run).await?;
-    // xorshift64*: fast, and incompressible enough for pglz and any broker.
-    let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
-    let mut random = |len: usize| -> Vec<u8> {
-        let mut bytes = Vec::with_capacity(len + 8);
-        while bytes.len() < len {
-            state ^= state >> 12;
-            state ^= state << 25;
-            state ^= state >> 27;
-            bytes.extend_from_slice(&state.wrapping_mul(0x2545_f491_4f6c_dd1d).to_le_bytes());
-        }
-        bytes.truncate(len);
-        bytes
-    };
+    let mut random = Incompressible::default();
     let chunk = (8 << 20) / (payload_bytes as usize).max(1);
     let rows: Vec<(String, String, i64)> = (1..=i64::from(per_run))
         .flat_map(|lsn| {
@@ -76,7 +64,7 @@ pub async fn fill_backlog_random(
         let lsns: Vec<i64> = part.iter().map(|(_, _, l)| *l).collect();
         let payloads: Vec<Vec<u8>> = part
             .iter()
-            .map(|_| random(payload_bytes as usize))
+            .map(|_| random.bytes(payload_bytes as usize))
             .collect();
         written += sqlx::query(
             "INSERT INTO relay_outbox (tenant_id, run_id, branch_id, lsn, prev_lsn, base_lsn, payload)
@@ -116,4 +104,30 @@ async fn open_branches<'e>(
     .execute(executor)
     .await?;
     Ok(())
+}
+
+/// Pseudo-random bytes, incompressible enough for pglz and any broker (xorshift64*): payloads
+/// that PostgreSQL's TOAST compression and the broker see at full size.
+#[derive(Debug)]
+pub struct Incompressible(u64);
+
+impl Default for Incompressible {
+    fn default() -> Self {
+        Self(0x9e37_79b9_7f4a_7c15)
+    }
+}
+
+impl Incompressible {
+    /// The next `len` bytes.
+    pub fn bytes(&mut self, len: usize) -> Vec<u8> {
+        let mut bytes = Vec::with_capacity(len + 8);
+        while bytes.len() < len {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            bytes.extend_from_slice(&self.0.wrapping_mul(0x2545_f491_4f6c_dd1d).to_le_bytes());
+        }
+        bytes.truncate(len);
+        bytes
+    }
 }

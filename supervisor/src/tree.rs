@@ -149,6 +149,13 @@ fn furthest_behind(mut backlog: Vec<store::Backlog>, limit: usize) -> Vec<store:
     backlog
 }
 
+/// Tasks alive on the relay's runtime (the supervisor runs on it).
+fn tasks_alive() -> usize {
+    tokio::runtime::Handle::current()
+        .metrics()
+        .num_alive_tasks()
+}
+
 /// Messages to the supervisor.
 #[derive(Debug)]
 pub enum SupervisorMessage {
@@ -398,11 +405,7 @@ impl RelaySupervisor {
     /// them; per-tenant series of quiet tenants do expire.
     fn keep_series_alive(&self, state: &SupervisorState) {
         metrics::gauge!("relay_tenants_held").set(state.drainers.len() as f64);
-        metrics::gauge!("relay_runtime_tasks").set(
-            tokio::runtime::Handle::current()
-                .metrics()
-                .num_alive_tasks() as f64,
-        );
+        metrics::gauge!("relay_runtime_tasks").set(tasks_alive() as f64);
         metrics::counter!("relay_drainer_restarts_total").increment(0);
         metrics::counter!("relay_leases_lost_total").increment(0);
         metrics::counter!("relay_broker_refusals_total").increment(0);
@@ -680,9 +683,7 @@ impl Actor for RelaySupervisor {
                         .collect(),
                     buckets_held: state.held.len(),
                     relay_id: state.relay_id.clone(),
-                    tasks_alive: tokio::runtime::Handle::current()
-                        .metrics()
-                        .num_alive_tasks(),
+                    tasks_alive: tasks_alive(),
                 };
                 let _ = reply.send(snapshot);
             }

@@ -329,6 +329,25 @@ pub async fn assert_folded_exactly(fold: &FoldStore, expected: &Expected) {
     }
 }
 
+/// Opens run `r`, branch `b` of `tenant` and appends its first intent, in one host
+/// transaction; returns the branch.
+pub async fn write_first_intent(pool: &PgPool, tenant: &str, payload: &[u8]) -> BranchKey {
+    let branch = BranchKey::new(
+        TenantId::new(tenant).unwrap(),
+        RunId::new("r").unwrap(),
+        BranchId::new("b").unwrap(),
+    );
+    let writer = IntentWriter::default();
+    let mut tx = pool.begin().await.unwrap();
+    writer.open_run(&mut tx, &branch).await.unwrap();
+    writer
+        .append(&mut tx, &branch, Lsn::new(1), payload)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    branch
+}
+
 pub async fn pending(outbox: &Outbox) -> u64 {
     outbox
         .backlog()

@@ -123,6 +123,13 @@ impl Env {
         config
     }
 
+    /// Writes back every dirty page of earlier work (`CHECKPOINT`), so a checkpoint of an
+    /// earlier run's writes (a fill, a drain) never lands in the next timed run, on either side.
+    async fn checkpoint(&mut self) -> Result<()> {
+        sqlx::raw_sql("CHECKPOINT").execute(&mut self.admin).await?;
+        Ok(())
+    }
+
     async fn cleanup(&mut self) {
         for name in std::mem::take(&mut self.databases) {
             let drop = format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)");
@@ -310,6 +317,7 @@ async fn payload_size(
             declare.publish(&synthetic_events(1)).await.fault.is_none(),
             "broker not reachable"
         );
+        env.checkpoint().await?;
         let before = (cpu_ticks_named("beam"), cpu_ticks(std::process::id())?);
         runs.ceilings
             .push(raw_pipelined(&env.amqp, &rabbit.topology, events as usize, &payload, 4).await?);
@@ -337,6 +345,7 @@ async fn payload_size(
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         let per_run = (events / 200).max(1);
+        env.checkpoint().await?;
         let written =
             store::fixtures::fill_backlog_random(&pool, "t", 50, 4, per_run, payload_bytes).await?;
         let before = [
@@ -431,6 +440,10 @@ async fn payload_sizes(
             true,
         ),
     ] {
+        // `BENCH_SIZE=<label>` runs one row of the section (for example `256 KiB`).
+        if std::env::var("BENCH_SIZE").is_ok_and(|only| only != label) {
+            continue;
+        }
         let runs = payload_size(env, bytes, events, database_tls).await?;
         let (ceilings, relays, peak) = (runs.ceilings, runs.relays, runs.peak);
         let ratios: Vec<f64> = relays.iter().zip(&ceilings).map(|(r, c)| r / c).collect();

@@ -10,6 +10,10 @@ use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPoolOptions};
 use store::Schema;
 
+/// The `application_name` of the relay's connections (what `pg_stat_activity` shows), unless
+/// the URL (`?application_name=...`) or `PGAPPNAME` names another.
+pub const APPLICATION_NAME: &str = "outbox-relay";
+
 /// How long the first connection may take before the database counts as unreachable.
 pub(crate) const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -74,7 +78,10 @@ pub fn connect_options(
 
 /// [`connect_options`] with the cause as a line.
 pub(crate) fn options(url: &str, schema: Option<&Schema>) -> Result<PgConnectOptions, String> {
-    let options: PgConnectOptions = url.parse().map_err(|err| describe(&err))?;
+    let mut options: PgConnectOptions = url.parse().map_err(|err| describe(&err))?;
+    if options.get_application_name().is_none() {
+        options = options.application_name(APPLICATION_NAME);
+    }
     Ok(match schema {
         Some(schema) => schema.apply(options),
         None => options,
@@ -104,4 +111,21 @@ pub(crate) async fn pool(url: &str, size: u32, schema: Option<&Schema>) -> Resul
         .connect_with(options)
         .await
         .map_err(|err| describe(&err))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connections_are_named_unless_the_url_names_them() {
+        let named = options("postgres://postgres@127.0.0.1/test", None).unwrap();
+        assert_eq!(named.get_application_name(), Some(APPLICATION_NAME));
+        let own = options(
+            "postgres://postgres@127.0.0.1/test?application_name=billing-relay",
+            None,
+        )
+        .unwrap();
+        assert_eq!(own.get_application_name(), Some("billing-relay"));
+    }
 }

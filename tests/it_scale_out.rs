@@ -9,7 +9,9 @@ mod scale_out {
     use std::sync::{Arc, Mutex};
     use std::time::{Duration, Instant};
 
-    use distribution::broker::{BoxFuture, Confirms, Publisher, RabbitConfig, RabbitPublisher};
+    use distribution::broker::{
+        BoxFuture, Confirms, Outcome, Publisher, RabbitConfig, RabbitPublisher,
+    };
     use distribution::store::{
         BranchId, BranchKey, Fence, FoldStore, IntentWriter, LEASE_BUCKETS, Lsn, Outbox,
         OutboxEvent, RunId, TenantId,
@@ -18,23 +20,35 @@ mod scale_out {
 
     use crate::harness::*;
 
-    /// One publish call of one relay: its tenants and when it wrote (end `None`: still writing,
-    /// or cut off by a crash).
+    /// One publish call of one relay: its tenants, when it wrote (end `None`: still writing, or
+    /// cut off by a crash), and whether anything reached the broker.
     #[derive(Clone, Debug)]
     struct Write {
         relay: usize,
         tenants: Vec<TenantId>,
         start: Instant,
         end: Option<Instant>,
+        /// `Some(false)` when every event came back `NotSent` (the fence was closed, or no
+        /// connection); `None` until its confirms resolve (never, after a crash).
+        written: Option<bool>,
     }
 
     #[derive(Clone, Default)]
     struct PublishLog(Arc<Mutex<Vec<Write>>>);
 
+    impl PublishLog {
+        fn writes(&self) -> Vec<Write> {
+            self.0.lock().unwrap().clone()
+        }
+    }
+
+    /// The real publisher, recording every call; `delay` holds each call back first (a slow
+    /// path to the broker), so batches queue up in front of it.
     struct Recording {
         relay: usize,
         inner: RabbitPublisher,
         log: PublishLog,
+        delay: Duration,
     }
 
     impl Publisher for Recording {
@@ -45,31 +59,49 @@ mod scale_out {
             fence: &'a Fence,
         ) -> BoxFuture<'a, Confirms> {
             Box::pin(async move {
-                let entry = fence.is_open().then(|| {
-                    let mut tenants: Vec<TenantId> = events
-                        .iter()
-                        .map(|event| event.key.branch.tenant.clone())
-                        .collect();
-                    tenants.dedup();
+                tokio::time::sleep(self.delay).await;
+                let mut tenants: Vec<TenantId> = events
+                    .iter()
+                    .map(|event| event.key.branch.tenant.clone())
+                    .collect();
+                tenants.dedup();
+                let entry = {
                     let mut log = self.log.0.lock().unwrap();
                     log.push(Write {
                         relay: self.relay,
                         tenants,
                         start: Instant::now(),
                         end: None,
+                        written: None,
                     });
                     log.len() - 1
-                });
+                };
                 let confirms = self.inner.send(events, fence).await;
-                if let Some(entry) = entry {
-                    self.log.0.lock().unwrap()[entry].end = Some(Instant::now());
-                }
-                confirms
+                let log = self.log.clone();
+                log.0.lock().unwrap()[entry].end = Some(Instant::now());
+                Box::pin(async move {
+                    let report = confirms.await;
+                    let written = report
+                        .outcomes
+                        .iter()
+                        .any(|outcome| *outcome != Outcome::NotSent);
+                    log.0.lock().unwrap()[entry].written = Some(written);
+                    report
+                }) as Confirms
             })
         }
     }
 
     async fn start_relay(config: &RelayConfig, relay: usize, log: &PublishLog) -> RelayHandle {
+        start_slow_relay(config, relay, log, Duration::ZERO).await
+    }
+
+    async fn start_slow_relay(
+        config: &RelayConfig,
+        relay: usize,
+        log: &PublishLog,
+        delay: Duration,
+    ) -> RelayHandle {
         let rabbit: RabbitConfig = config.rabbit_config().unwrap();
         let log = log.clone();
         let factory = Arc::new(move |_shard| {
@@ -77,9 +109,41 @@ mod scale_out {
                 relay,
                 inner: RabbitPublisher::new(rabbit.clone()),
                 log: log.clone(),
+                delay,
             }) as Box<dyn Publisher>
         });
         Relay::start_with(config.clone(), factory).await.unwrap()
+    }
+
+    /// Asserts that no two relays ever wrote one tenant at the same time (a write that reached
+    /// the broker, or may have: `unfinished` says until when one that never returned lasted);
+    /// returns how many times a tenant passed from one relay to another.
+    fn assert_never_together(writes: &[Write], unfinished: impl Fn(&Write) -> Instant) -> usize {
+        let mut by_tenant: BTreeMap<TenantId, Vec<(usize, Instant, Instant)>> = BTreeMap::new();
+        for write in writes.iter().filter(|write| write.written != Some(false)) {
+            let end = write.end.unwrap_or_else(|| unfinished(write));
+            for tenant in &write.tenants {
+                by_tenant
+                    .entry(tenant.clone())
+                    .or_default()
+                    .push((write.relay, write.start, end));
+            }
+        }
+        let mut handovers = 0;
+        for (tenant, mut spans) in by_tenant {
+            spans.sort_by_key(|(_, start, _)| *start);
+            for pair in spans.windows(2) {
+                let ((relay_a, _, end_a), (relay_b, start_b, _)) = (pair[0], pair[1]);
+                if relay_a != relay_b {
+                    handovers += 1;
+                    assert!(
+                        end_a <= start_b,
+                        "{tenant}: relays {relay_a} and {relay_b} published at once"
+                    );
+                }
+            }
+        }
+        handovers
     }
 
     async fn buckets(relay: &RelayHandle) -> usize {
@@ -161,38 +225,16 @@ mod scale_out {
             .await;
             assert_folded_exactly(&fold, &all).await;
 
-            // No interval in which two relays published the same tenant.
-            let writes = log.0.lock().unwrap().clone();
-            let mut by_tenant: BTreeMap<TenantId, Vec<(usize, Instant, Instant)>> = BTreeMap::new();
-            for write in &writes {
-                // A write cut off by the crash lasted until the crash at most; the others finished.
-                let end = write.end.unwrap_or(if write.relay == 1 {
+            // No interval in which two relays published the same tenant. A write cut off by
+            // the crash lasted until the crash at most; the others finished.
+            let writes = log.writes();
+            let handovers = assert_never_together(&writes, |write| {
+                if write.relay == 1 {
                     crashed_at
                 } else {
                     Instant::now()
-                });
-                for tenant in &write.tenants {
-                    by_tenant.entry(tenant.clone()).or_default().push((
-                        write.relay,
-                        write.start,
-                        end,
-                    ));
                 }
-            }
-            let mut handovers = 0;
-            for (tenant, mut spans) in by_tenant {
-                spans.sort_by_key(|(_, start, _)| *start);
-                for pair in spans.windows(2) {
-                    let ((relay_a, _, end_a), (relay_b, start_b, _)) = (pair[0], pair[1]);
-                    if relay_a != relay_b {
-                        handovers += 1;
-                        assert!(
-                            end_a <= start_b,
-                            "{tenant}: relays {relay_a} and {relay_b} published at once"
-                        );
-                    }
-                }
-            }
+            });
             assert!(handovers > 0, "the scenario moved no tenant between relays");
             let per_relay: Vec<usize> = (1..=3)
                 .map(|relay| writes.iter().filter(|write| write.relay == relay).count())
@@ -201,6 +243,195 @@ mod scale_out {
 
             second.shutdown().await;
             third.shutdown().await;
+            folding.stop().await;
+            drop_topology(&config.rabbit_config().unwrap().topology).await;
+        });
+    }
+
+    /// A relay whose database goes silent (a network dropping its packets) while batches wait
+    /// in front of its publishers: from its fence's deadline (90% of the TTL after the last
+    /// renewal it sent, so at most a TTL after the silence began) until the partition ends it
+    /// writes nothing, though its publishers keep being handed batches; the other relay takes
+    /// every bucket over. When the partition ends (its connections reset, as after a
+    /// middlebox restart) it rejoins and takes its half back. Every event is folded exactly once
+    /// in order, and no two relays ever wrote one tenant at once.
+    #[test]
+    fn a_relay_cut_off_from_its_database_writes_nothing_past_its_fence_and_rejoins() {
+        host_runtime().block_on(async {
+            let (pool, url) = fresh_database("stall").await;
+            let network = distribution::testing::BrokerProxy::start(&url).unwrap();
+            let ttl = Duration::from_millis(1500);
+            let mut direct = relay_config(&url, &amqp_url(), &unique("relay-stall"));
+            direct.supervisor.lease.ttl = ttl;
+            direct.supervisor.lease.heartbeat = Duration::from_millis(250);
+            let mut partitioned = direct.clone();
+            partitioned.database_url = network.amqp_url();
+            let fold = FoldStore::new(pool.clone());
+            let folding = Folding::start(direct_rabbit(&direct), &fold);
+            let log = PublishLog::default();
+
+            // The first relay's path to the broker is slow, so its batches queue in front of
+            // its publishers: some are still waiting when its fence closes.
+            let first = start_slow_relay(&partitioned, 1, &log, Duration::from_millis(700)).await;
+            let second = start_relay(&direct, 2, &log).await;
+            shares(
+                &[&first, &second],
+                &[64, 64],
+                "two relays split the buckets",
+            )
+            .await;
+            let workload = Workload::new("st", 40, 2, 10);
+            let ran = workload.run(&pool).await;
+            let mut all = ran.expected.clone();
+
+            network.silence();
+            let deadline = Instant::now() + ttl;
+            let more = workload.steps(&pool, ran.live.clone(), 11..=20).await;
+            merge(&mut all, &more.expected);
+            wait_until(
+                "the second relay holds every bucket",
+                Duration::from_secs(30),
+                || async { buckets(&second).await == usize::from(LEASE_BUCKETS) },
+            )
+            .await;
+            // The first relay's publishers were handed batches after its deadline (drained
+            // before the silence), and got through all of them before the partition ends.
+            wait_until(
+                "the first relay tries a batch past its deadline, then has none left",
+                Duration::from_secs(30),
+                || async {
+                    let writes = log.writes();
+                    let mine = writes.iter().filter(|write| write.relay == 1);
+                    mine.clone().any(|write| write.start > deadline)
+                        && mine.clone().all(|write| write.end.is_some())
+                },
+            )
+            .await;
+            let healed_at = Instant::now();
+            network.cut();
+            network.restore();
+            shares(
+                &[&first, &second],
+                &[64, 64],
+                "the first relay rejoins after the partition",
+            )
+            .await;
+            let after = workload.steps(&pool, more.live.clone(), 21..=25).await;
+            merge(&mut all, &after.expected);
+            wait_until("every event folded", Duration::from_secs(90), || async {
+                folded_count(&fold, &all).await == count(&all)
+            })
+            .await;
+            assert_folded_exactly(&fold, &all).await;
+
+            let writes = log.writes();
+            let fenced: Vec<&Write> = writes
+                .iter()
+                .filter(|write| {
+                    write.relay == 1 && write.start > deadline && write.start < healed_at
+                })
+                .collect();
+            assert!(
+                !fenced.is_empty(),
+                "no batch reached the first relay's publishers past its deadline"
+            );
+            let leaked: Vec<&&Write> = fenced
+                .iter()
+                .filter(|write| write.written != Some(false))
+                .collect();
+            assert!(
+                leaked.is_empty(),
+                "the first relay wrote {} of {} batches past its fence's deadline: {leaked:?}",
+                leaked.len(),
+                fenced.len()
+            );
+            let handovers = assert_never_together(&writes, |_| Instant::now());
+            assert!(
+                handovers > 0,
+                "the partition moved no tenant between relays"
+            );
+            println!(
+                "{} batches held back by the fence, {handovers} handovers",
+                fenced.len()
+            );
+
+            first.shutdown().await;
+            second.shutdown().await;
+            folding.stop().await;
+            drop_topology(&direct.rabbit_config().unwrap().topology).await;
+        });
+    }
+
+    /// Every database connection of two relays (their lease keepers' too) is killed again and
+    /// again (`pg_terminate_backend`, found by the relay's `application_name`) while a host
+    /// writes: the host never notices, the relays keep their shares or hand them over without
+    /// ever writing one tenant together, and every event is folded exactly once in order.
+    #[test]
+    fn killed_database_connections_lose_duplicate_and_reorder_nothing() {
+        host_runtime().block_on(async {
+            let (pool, url) = fresh_database("killed").await;
+            let mut config = relay_config(&url, &amqp_url(), &unique("relay-killed"));
+            config.supervisor.lease.ttl = Duration::from_millis(1500);
+            config.supervisor.lease.heartbeat = Duration::from_millis(250);
+            let fold = FoldStore::new(pool.clone());
+            let folding = Folding::start(direct_rabbit(&config), &fold);
+            let log = PublishLog::default();
+            let first = start_relay(&config, 1, &log).await;
+            let second = start_relay(&config, 2, &log).await;
+            shares(
+                &[&first, &second],
+                &[64, 64],
+                "two relays split the buckets",
+            )
+            .await;
+
+            let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let killer = {
+                let (pool, stop) = (pool.clone(), stop.clone());
+                tokio::spawn(async move {
+                    let mut killed = 0i64;
+                    while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                        let round: Vec<bool> = sqlx::query_scalar(
+                            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+                              WHERE datname = current_database() AND application_name = $1",
+                        )
+                        .bind(distribution::APPLICATION_NAME)
+                        .fetch_all(&pool)
+                        .await
+                        .unwrap();
+                        killed += round.into_iter().filter(|done| *done).count() as i64;
+                        // Pacing of the fault, not a synchronisation: a kill every 150 ms.
+                        tokio::time::sleep(Duration::from_millis(150)).await;
+                    }
+                    killed
+                })
+            };
+            let workload = Workload::new("k", 30, 2, 25);
+            let ran = workload.run(&pool).await;
+            stop.store(true, std::sync::atomic::Ordering::SeqCst);
+            let killed = killer.await.unwrap();
+            assert!(killed > 0, "no relay connection was ever killed");
+
+            wait_until("every event folded", Duration::from_secs(90), || async {
+                folded_count(&fold, &ran.expected).await == count(&ran.expected)
+            })
+            .await;
+            assert_folded_exactly(&fold, &ran.expected).await;
+            assert_never_together(&log.writes(), |_| Instant::now());
+            shares(
+                &[&first, &second],
+                &[64, 64],
+                "both relays hold their half again",
+            )
+            .await;
+            println!(
+                "{killed} relay connections killed while {} events were written in {:.1} s",
+                count(&ran.expected),
+                ran.elapsed.as_secs_f64()
+            );
+
+            first.shutdown().await;
+            second.shutdown().await;
             folding.stop().await;
             drop_topology(&config.rabbit_config().unwrap().topology).await;
         });

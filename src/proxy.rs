@@ -19,6 +19,8 @@ pub struct BrokerProxy {
     /// Connections stay open but nothing passes either way (a broker dropping packets).
     silent: Arc<AtomicBool>,
     links: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    /// One flag per connection opened so far: set, that connection drops every byte for good.
+    frozen: Arc<Mutex<Vec<Arc<AtomicBool>>>>,
     runtime: Option<tokio::runtime::Runtime>,
 }
 
@@ -45,7 +47,9 @@ impl BrokerProxy {
         let up = Arc::new(AtomicBool::new(true));
         let silent = Arc::new(AtomicBool::new(false));
         let links: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
+        let frozen: Arc<Mutex<Vec<Arc<AtomicBool>>>> = Arc::default();
         let (accept_up, accept_links, accept_silent) = (up.clone(), links.clone(), silent.clone());
+        let accept_frozen = frozen.clone();
         let handle = runtime.handle().clone();
         runtime.spawn(async move {
             let Ok(listener) = TcpListener::from_std(std_listener) else {
@@ -57,6 +61,14 @@ impl BrokerProxy {
                 }
                 let upstream = authority.clone();
                 let silent = accept_silent.clone();
+                let lost = Arc::new(AtomicBool::new(false));
+                {
+                    let mut frozen = accept_frozen
+                        .lock()
+                        .unwrap_or_else(|poison| poison.into_inner());
+                    frozen.retain(|flag| Arc::strong_count(flag) > 1);
+                    frozen.push(lost.clone());
+                }
                 let link = handle.spawn(async move {
                     if silent.load(Ordering::SeqCst) {
                         // Accept, then swallow everything: no handshake ever completes.
@@ -68,8 +80,8 @@ impl BrokerProxy {
                         let (client_read, client_write) = client.into_split();
                         let (server_read, server_write) = server.into_split();
                         tokio::join!(
-                            forward(client_read, server_write, silent.clone()),
-                            forward(server_read, client_write, silent),
+                            forward(client_read, server_write, silent.clone(), lost.clone()),
+                            forward(server_read, client_write, silent, lost),
                         );
                     }
                 });
@@ -87,6 +99,7 @@ impl BrokerProxy {
             up,
             silent,
             links,
+            frozen,
             runtime: Some(runtime),
         })
     }
@@ -95,6 +108,19 @@ impl BrokerProxy {
     /// new ones are accepted and never answered (a broker, or a network, dropping packets).
     pub fn silence(&self) {
         self.silent.store(true, Ordering::SeqCst);
+    }
+
+    /// Every connection open now goes silent for good, both ways, while new ones pass: a
+    /// middlebox (NAT, firewall) that lost their state and drops their packets without a
+    /// reset. `restore` does not bring them back; `cut` closes them.
+    pub fn lose_open_connections(&self) {
+        let frozen = self
+            .frozen
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        for flag in frozen.iter() {
+            flag.store(true, Ordering::SeqCst);
+        }
     }
 
     /// The proxy's address.
@@ -138,11 +164,13 @@ impl BrokerProxy {
     }
 }
 
-/// Copies `from` to `to`, dropping what it reads while `silent`; ends when either side closes.
+/// Copies `from` to `to`, dropping what it reads while `silent` or once `lost`; ends when
+/// either side closes.
 async fn forward(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     silent: Arc<AtomicBool>,
+    lost: Arc<AtomicBool>,
 ) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut buffer = vec![0u8; 16 * 1024];
@@ -151,7 +179,7 @@ async fn forward(
             Ok(0) | Err(_) => return,
             Ok(read) => read,
         };
-        if silent.load(Ordering::SeqCst) {
+        if silent.load(Ordering::SeqCst) || lost.load(Ordering::SeqCst) {
             continue;
         }
         if to.write_all(&buffer[..read]).await.is_err() {

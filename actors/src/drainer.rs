@@ -31,7 +31,8 @@ use crate::{PublisherDirectory, PublisherMessage, RetryPolicy, ShardId, shard_of
 pub struct DrainerConfig {
     /// Largest number of events drained and published at once. Default 1000.
     pub batch_size: u32,
-    /// Longest wait for a batch's outcomes before treating the rest as unconfirmed. Default 30 s.
+    /// Longest wait for a batch's outcomes before treating the rest as unconfirmed, and for
+    /// any one database call of the drainer before failing it (see `answered`). Default 30 s.
     pub batch_timeout: Duration,
     /// Delays between retries after a batch had failures.
     pub retry: RetryPolicy,
@@ -146,6 +147,20 @@ struct Permits {
     bytes: OwnedSemaphorePermit,
 }
 
+/// A store call under `limit`. A connection that goes silent mid-call (a network or a
+/// middlebox that lost it without a reset) would otherwise hold the drainer, and its tenant,
+/// until the kernel gives up on the socket; this fails the call instead, and the drainer is
+/// restarted on a fresh connection. The call may have taken effect: an ack applied twice is a
+/// no-op, and what was drained but not published is drained again.
+async fn answered<T>(
+    limit: Duration,
+    call: impl std::future::Future<Output = Result<T, store::Error>>,
+) -> Result<T, store::Error> {
+    tokio::time::timeout(limit, call)
+        .await
+        .unwrap_or(Err(store::Error::NoAnswer { after: limit }))
+}
+
 /// What a batch holds until it settles: its budget and its timeout (cancelled with it).
 #[derive(Debug)]
 struct Held {
@@ -254,16 +269,16 @@ impl Drainer {
             return Ok(());
         };
         let in_flight = state.window.skip(Instant::now());
-        let drained = state
-            .args
-            .outbox
-            .drain_after(
+        let drained = answered(
+            state.args.config.batch_timeout,
+            state.args.outbox.drain_after(
                 &state.args.fence,
                 &state.args.tenant,
                 Self::limit(&permits),
                 &in_flight,
-            )
-            .await;
+            ),
+        )
+        .await;
         match drained {
             Ok(events) => self.start_batch(myself, state, events, permits),
             Err(err) => Self::store_failed(myself, err),
@@ -419,12 +434,11 @@ impl Drainer {
                     let in_flight = state.window.skip(Instant::now());
                     let limit = Self::limit(&permits);
                     let fence = &state.args.fence;
-                    return match state
+                    let call = state
                         .args
                         .outbox
-                        .ack_and_drain(fence, acks, tenant, limit, &in_flight)
-                        .await
-                    {
+                        .ack_and_drain(fence, acks, tenant, limit, &in_flight);
+                    return match answered(state.args.config.batch_timeout, call).await {
                         Ok(events) => self.start_batch(myself, state, events, permits),
                         Err(err) => Self::store_failed(myself, err),
                     };
@@ -433,7 +447,8 @@ impl Drainer {
             Next::Flow | Next::Wait | Next::Retry(_) | Next::Stop => {}
         }
         let fence = &state.args.fence;
-        if let Err(err) = state.args.outbox.ack_fenced(fence, tenant, acks).await {
+        let call = state.args.outbox.ack_fenced(fence, tenant, acks);
+        if let Err(err) = answered(state.args.config.batch_timeout, call).await {
             return Self::store_failed(myself, err);
         }
         match settled.next {
@@ -467,11 +482,14 @@ impl Drainer {
             }
             RefusalAction::Park { failing_for } => {
                 let park_retry = state.args.config.park_retry;
-                state
-                    .args
-                    .outbox
-                    .park_branch(branch, reason, *attempts, failing_for, park_retry)
-                    .await?;
+                let call = state.args.outbox.park_branch(
+                    branch,
+                    reason,
+                    *attempts,
+                    failing_for,
+                    park_retry,
+                );
+                answered(state.args.config.batch_timeout, call).await?;
                 metrics::counter!("relay_branches_parked_total", "tenant" => branch.tenant.to_string())
                     .increment(1);
                 tracing::warn!(branch = %branch, reason, attempts, retry_in_s = park_retry.as_secs(), "branch parked: the broker keeps refusing its events; the rest of the tenant flows (release with `distribution release`)");

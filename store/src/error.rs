@@ -121,6 +121,13 @@ pub enum Error {
     /// The database failed or is unreachable.
     #[error("database error: {0}")]
     Database(#[from] sqlx::Error),
+    /// No answer within `after` (a connection lost without a reset stays silent until the
+    /// kernel gives up on it, about 15 minutes): whether the call took effect is unknown.
+    #[error("no answer from PostgreSQL within {after:?}")]
+    NoAnswer {
+        /// How long the caller waited.
+        after: std::time::Duration,
+    },
 }
 
 impl Error {
@@ -134,7 +141,7 @@ impl Error {
                     | sqlx::Error::TypeNotFound { .. }
                     | sqlx::Error::ColumnNotFound(_)
             ),
-            Error::Migrate(_) => true,
+            Error::Migrate(_) | Error::NoAnswer { .. } => true,
             _ => false,
         }
     }

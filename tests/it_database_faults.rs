@@ -1,0 +1,94 @@
+//! The relay's database connections failing the way real networks fail them.
+#[path = "support/harness.rs"]
+mod harness;
+
+mod database_faults {
+    use std::time::Duration;
+
+    use distribution::store::{FoldStore, IntentWriter, Lsn};
+    use distribution::testing::BrokerProxy;
+    use distribution::{APPLICATION_NAME, Relay};
+
+    use crate::harness::*;
+
+    /// A connection lost in the middle of a call, without a reset (a middlebox dropped its
+    /// state: packets vanish and nothing tells either side), fails that call after the batch
+    /// timeout; the tenant's drainer starts again on a fresh connection and the tenant ships.
+    /// Before, the drainer, and with it its tenant, waited for the kernel to give up on the
+    /// socket (about 15 minutes).
+    #[test]
+    fn a_connection_lost_mid_call_fails_the_call_instead_of_holding_its_tenant() {
+        host_runtime().block_on(async {
+            let (pool, url) = fresh_database("lostconn").await;
+            let network = BrokerProxy::start(&url).unwrap();
+            let mut config = relay_config(&network.amqp_url(), &amqp_url(), &unique("relay-lost"));
+            config.supervisor.drainer.batch_timeout = Duration::from_secs(2);
+            // Leases that outlive the whole test: the drainer must be freed by its own
+            // timeout, not by a lost bucket.
+            config.supervisor.lease.ttl = Duration::from_secs(600);
+            config.supervisor.lease.heartbeat = Duration::from_secs(60);
+            let fold = FoldStore::new(pool.clone());
+            let folding = Folding::start(direct_rabbit(&config), &fold);
+
+            // The first intent's row is locked by the test: the relay publishes it, and its
+            // ack (the DELETE) waits on the lock.
+            let branch = write_first_intent(&pool, "lost", b"first").await;
+            let mut holder = pool.begin().await.unwrap();
+            sqlx::query("SELECT 1 FROM relay_outbox WHERE tenant_id = $1 FOR UPDATE")
+                .bind(branch.tenant.as_str())
+                .execute(&mut *holder)
+                .await
+                .unwrap();
+            let relay = Relay::start(config.clone()).await.unwrap();
+            wait_until(
+                "the relay's ack waits on the row lock",
+                Duration::from_secs(30),
+                || async {
+                    sqlx::query_scalar::<_, i64>(
+                        "SELECT count(*) FROM pg_stat_activity
+                          WHERE datname = current_database() AND application_name = $1
+                            AND wait_event_type = 'Lock'",
+                    )
+                    .bind(APPLICATION_NAME)
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap()
+                        > 0
+                },
+            )
+            .await;
+            // The network loses every open connection of the relay, the waiting one among
+            // them; then the lock goes, and PostgreSQL's answer to the ack goes nowhere.
+            network.lose_open_connections();
+            holder.commit().await.unwrap();
+
+            // The host writes the tenant's next intent: it ships once the drainer gave up.
+            let writer = IntentWriter::default();
+            let mut tx = pool.begin().await.unwrap();
+            writer
+                .append(&mut tx, &branch, Lsn::new(2), b"second")
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+            let mut expected = Expected::new();
+            expected.insert(
+                branch.clone(),
+                vec![
+                    (Lsn::new(1), b"first".to_vec()),
+                    (Lsn::new(2), b"second".to_vec()),
+                ],
+            );
+            wait_until(
+                "the tenant's next intent folded",
+                Duration::from_secs(30),
+                || async { folded_count(&fold, &expected).await == 2 },
+            )
+            .await;
+            assert_folded_exactly(&fold, &expected).await;
+
+            relay.shutdown().await;
+            folding.stop().await;
+            drop_topology(&config.rabbit_config().unwrap().topology).await;
+        });
+    }
+}

@@ -112,7 +112,8 @@ impl BrokerProxy {
 
     /// Every connection open now goes silent for good, both ways, while new ones pass: a
     /// middlebox (NAT, firewall) that lost their state and drops their packets without a
-    /// reset. `restore` does not bring them back; `cut` closes them.
+    /// reset. Neither side learns when the other closes. `restore` does not bring them back;
+    /// `cut` closes them.
     pub fn lose_open_connections(&self) {
         let frozen = self
             .frozen
@@ -176,6 +177,8 @@ async fn forward(
     let mut buffer = vec![0u8; 16 * 1024];
     loop {
         let read = match from.read(&mut buffer).await {
+            // A lost connection hides its end too: the other side never learns of it.
+            Ok(0) | Err(_) if lost.load(Ordering::SeqCst) => std::future::pending().await,
             Ok(0) | Err(_) => return,
             Ok(read) => read,
         };

@@ -5,7 +5,8 @@ mod harness;
 mod database_faults {
     use std::time::Duration;
 
-    use distribution::store::{FoldStore, IntentWriter, Lsn};
+    use distribution::broker::{Consumer, ConsumerConfig, RetryPolicy};
+    use distribution::store::{EventTable, FoldStore, IntentWriter, Lsn};
     use distribution::testing::BrokerProxy;
     use distribution::{APPLICATION_NAME, Relay};
 
@@ -88,6 +89,117 @@ mod database_faults {
 
             relay.shutdown().await;
             folding.stop().await;
+            drop_topology(&config.rabbit_config().unwrap().topology).await;
+        });
+    }
+
+    /// The consumer's side: a fold whose connection is lost mid-call (waiting on its branch's
+    /// fold cursor when the network loses the connection) is abandoned after `fold_timeout`
+    /// and retried on a fresh connection; the partition goes on folding, exactly once. Before,
+    /// the partition waited for the kernel to give up on the socket.
+    #[test]
+    fn a_fold_whose_connection_is_lost_mid_call_is_retried_and_its_partition_flows() {
+        host_runtime().block_on(async {
+            let (pool, url) = fresh_database("lostfold").await;
+            let network = BrokerProxy::start(&url).unwrap();
+            let config = relay_config(&url, &amqp_url(), &unique("relay-lostfold"));
+            let relay = Relay::start(config.clone()).await.unwrap();
+            // The consumer reaches its database through the network that will lose connections.
+            let consumer_pool = sqlx::postgres::PgPoolOptions::new()
+                .max_connections(4)
+                .connect(&format!(
+                    "{}?application_name=lost-fold",
+                    network.amqp_url()
+                ))
+                .await
+                .unwrap();
+            let mut consumer_config = ConsumerConfig::new(direct_rabbit(&config));
+            consumer_config.fold_timeout = Duration::from_secs(2);
+            consumer_config.retry = RetryPolicy {
+                min: Duration::from_millis(20),
+                max: Duration::from_millis(500),
+            };
+            let (stop, mut stopped) = tokio::sync::watch::channel(false);
+            let consumer = Consumer::new(consumer_config, consumer_pool, EventTable);
+            let running = tokio::spawn(consumer.run(async move {
+                let _ = stopped.wait_for(|stop| *stop).await;
+            }));
+            let fold = FoldStore::new(pool.clone());
+            let writer = IntentWriter::default();
+            let append = |lsn: u64, payload: &'static [u8]| {
+                let (pool, writer) = (pool.clone(), writer.clone());
+                async move {
+                    let branch = distribution::store::BranchKey::new(
+                        distribution::store::TenantId::new("lostfold").unwrap(),
+                        distribution::store::RunId::new("r").unwrap(),
+                        distribution::store::BranchId::new("b").unwrap(),
+                    );
+                    let mut tx = pool.begin().await.unwrap();
+                    writer
+                        .append(&mut tx, &branch, Lsn::new(lsn), payload)
+                        .await
+                        .unwrap();
+                    tx.commit().await.unwrap();
+                }
+            };
+            let branch = write_first_intent(&pool, "lostfold", b"first").await;
+            let mut expected = Expected::new();
+            expected.insert(branch.clone(), vec![(Lsn::new(1), b"first".to_vec())]);
+            wait_until(
+                "the first intent folded",
+                Duration::from_secs(30),
+                || async { folded_count(&fold, &expected).await == 1 },
+            )
+            .await;
+
+            // The branch's fold cursor is locked by the test: the next fold waits on it.
+            let mut holder = pool.begin().await.unwrap();
+            sqlx::query("SELECT 1 FROM relay_fold_cursor WHERE tenant_id = $1 FOR UPDATE")
+                .bind(branch.tenant.as_str())
+                .execute(&mut *holder)
+                .await
+                .unwrap();
+            append(2, b"second").await;
+            wait_until(
+                "the consumer's fold waits on the cursor's lock",
+                Duration::from_secs(30),
+                || async {
+                    sqlx::query_scalar::<_, i64>(
+                        "SELECT count(*) FROM pg_stat_activity
+                          WHERE datname = current_database() AND application_name = 'lost-fold'
+                            AND wait_event_type = 'Lock'",
+                    )
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap()
+                        > 0
+                },
+            )
+            .await;
+            // The network loses the consumer's open connections, the waiting one among them;
+            // then the lock goes, and PostgreSQL's answer goes nowhere.
+            network.lose_open_connections();
+            holder.commit().await.unwrap();
+            append(3, b"third").await;
+            expected.insert(
+                branch.clone(),
+                vec![
+                    (Lsn::new(1), b"first".to_vec()),
+                    (Lsn::new(2), b"second".to_vec()),
+                    (Lsn::new(3), b"third".to_vec()),
+                ],
+            );
+            wait_until(
+                "the partition folds on past the lost connection",
+                Duration::from_secs(30),
+                || async { folded_count(&fold, &expected).await == 3 },
+            )
+            .await;
+            assert_folded_exactly(&fold, &expected).await;
+
+            let _ = stop.send(true);
+            running.await.unwrap().unwrap();
+            relay.shutdown().await;
             drop_topology(&config.rabbit_config().unwrap().topology).await;
         });
     }

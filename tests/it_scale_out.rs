@@ -520,8 +520,15 @@ mod scale_out {
                 if let Some(tree) = relay.snapshot().await {
                     max_drainers.fetch_max(tree.drainers.len(), std::sync::atomic::Ordering::SeqCst);
                 }
+                // This database's only: tests beside it migrate their own databases, and
+                // sqlx's migrator holds an advisory lock while it does.
                 let advisory: i64 =
-                    sqlx::query_scalar("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'")
+                    sqlx::query_scalar(
+                        "SELECT count(*) FROM pg_locks
+                          WHERE locktype = 'advisory'
+                            AND database = (SELECT oid FROM pg_database
+                                             WHERE datname = current_database())",
+                    )
                         .fetch_one(&pool)
                         .await
                         .unwrap();

@@ -93,6 +93,14 @@ pub struct ConsumerConfig {
     pub prefetch: u16,
     /// Delays between reconnects and between retries of a failing delivery.
     pub retry: RetryPolicy,
+    /// Longest one fold (begin, your projection, commit) may take before it is abandoned
+    /// (rolled back, or committed unknown to us: the retry is then a no-op) and retried. A
+    /// database connection lost mid-call without a reset would otherwise hold its partition
+    /// until the kernel gives up on the socket (about 15 minutes). The fold's transaction also
+    /// sets `idle_in_transaction_session_timeout` to it, so PostgreSQL ends a transaction whose
+    /// client vanished and releases its locks. Default 60 s. Keep your projection's state in
+    /// its transaction: a cancelled fold leaves nothing else behind.
+    pub fold_timeout: Duration,
 }
 
 impl ConsumerConfig {
@@ -103,6 +111,7 @@ impl ConsumerConfig {
             partitions: None,
             prefetch: 256,
             retry: RetryPolicy::default(),
+            fold_timeout: Duration::from_secs(60),
         }
     }
 
@@ -412,7 +421,20 @@ where
     }
 
     async fn fold(&mut self, event: &OutboxEvent) -> Verdict {
-        let mut tx = match self.pool.begin().await {
+        let limit = self.config.fold_timeout;
+        tokio::time::timeout(limit, self.fold_once(event))
+            .await
+            .unwrap_or_else(|_| Verdict::Retry(format!("database: no answer within {limit:?}")))
+    }
+
+    async fn fold_once(&mut self, event: &OutboxEvent) -> Verdict {
+        // Should this connection vanish mid-fold (a network losing it without a reset),
+        // PostgreSQL ends the orphaned transaction after the same limit and releases the
+        // branch's cursor lock; else every retry would wait on that lock until the server
+        // noticed the dead client (hours, with default TCP keepalives).
+        let idle_ms = self.config.fold_timeout.as_millis().max(1);
+        let begin = format!("BEGIN; SET LOCAL idle_in_transaction_session_timeout = {idle_ms}");
+        let mut tx = match self.pool.begin_with(sqlx::AssertSqlSafe(begin)).await {
             Ok(tx) => tx,
             Err(err) => return Verdict::Retry(format!("database: {err}")),
         };

@@ -2,7 +2,8 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use sqlx::PgPool;
+use sqlx::pool::PoolConnection;
+use sqlx::{PgPool, Postgres};
 
 use crate::{BranchId, Error, EventKey, Fence, Lsn, TenantId};
 
@@ -115,6 +116,37 @@ pub struct ParkedBranch {
     pub retry_in: Duration,
     /// Its events waiting in the outbox.
     pub pending: u64,
+}
+
+/// A pooled connection for one call, closed rather than returned to the pool if the call is
+/// abandoned (its future dropped, by a timeout say). sqlx tests a returned connection with a
+/// ping that has no bound: on a connection lost without a reset that ping waits until the
+/// kernel gives up on the socket (about 15 minutes), holding its pool slot all along.
+struct CallConnection {
+    conn: PoolConnection<Postgres>,
+    finished: bool,
+}
+
+impl CallConnection {
+    async fn acquire(pool: &PgPool) -> Result<Self, Error> {
+        Ok(Self {
+            conn: pool.acquire().await?,
+            finished: false,
+        })
+    }
+
+    /// The call returned (with or without an error): the connection goes back to the pool.
+    fn finish(mut self) {
+        self.finished = true;
+    }
+}
+
+impl Drop for CallConnection {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.conn.close_on_drop();
+        }
+    }
 }
 
 /// Reads and retires committed intents. Cheap to clone (a pool handle).
@@ -241,7 +273,8 @@ impl Outbox {
             }
             None => (None, None, None),
         };
-        let rows: Vec<EventRow> = sqlx::query_as(concat!(
+        let mut call = CallConnection::acquire(&self.pool).await?;
+        let rows: Result<Vec<EventRow>, sqlx::Error> = sqlx::query_as(concat!(
             "SELECT ",
             event_columns!(),
             " FROM relay_ack_and_drain($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"
@@ -258,10 +291,10 @@ impl Outbox {
         .bind(&flying.runs)
         .bind(&flying.branches)
         .bind(&flying.lsns)
-        .fetch_all(&self.pool)
-        .await
-        .map_err(|err| fenced_or(err, fence))?;
-        events_of(tenant, rows)
+        .fetch_all(&mut *call.conn)
+        .await;
+        call.finish();
+        events_of(tenant, rows.map_err(|err| fenced_or(err, fence))?)
     }
 
     /// Retires `shipped` (confirmed keys of `tenant`) under a lease `fence`: like
@@ -291,7 +324,8 @@ impl Outbox {
         failing_for: Duration,
         retry_after: Duration,
     ) -> Result<(), Error> {
-        sqlx::query(
+        let mut call = CallConnection::acquire(&self.pool).await?;
+        let parked = sqlx::query(
             "INSERT INTO relay_parked_branch
                  (tenant_id, run_id, branch_id, reason, attempts, first_failed_at, retry_at)
              VALUES ($1, $2, $3, $4, $5, now() - $6 * interval '1 millisecond',
@@ -308,8 +342,10 @@ impl Outbox {
         .bind(i32::try_from(attempts).unwrap_or(i32::MAX))
         .bind(failing_for.as_millis().min(i64::MAX as u128) as i64)
         .bind(retry_after.as_millis().min(i64::MAX as u128) as i64)
-        .execute(&self.pool)
-        .await?;
+        .execute(&mut *call.conn)
+        .await;
+        call.finish();
+        parked?;
         Ok(())
     }
 

@@ -105,8 +105,9 @@ mod database_faults {
 
     /// The consumer's side: a fold whose connection is lost mid-call (waiting on its branch's
     /// fold cursor when the network loses the connection) is abandoned after `fold_timeout`
-    /// and retried on a fresh connection; the partition goes on folding, exactly once. Before,
-    /// the partition waited for the kernel to give up on the socket.
+    /// and retried on a fresh connection, the lost one closed rather than pooled (the pool has
+    /// one); the partition goes on folding, exactly once. Before, the partition waited for the
+    /// kernel to give up on the socket.
     #[test]
     fn a_fold_whose_connection_is_lost_mid_call_is_retried_and_its_partition_flows() {
         host_runtime().block_on(async {
@@ -114,9 +115,10 @@ mod database_faults {
             let network = BrokerProxy::start(&url).unwrap();
             let config = relay_config(&url, &amqp_url(), &unique("relay-lostfold"));
             let relay = Relay::start(config.clone()).await.unwrap();
-            // The consumer reaches its database through the network that will lose connections.
+            // The consumer reaches its database through the network that will lose connections,
+            // with a pool of one: a lost connection handed back to the pool would hold it.
             let consumer_pool = sqlx::postgres::PgPoolOptions::new()
-                .max_connections(4)
+                .max_connections(1)
                 .connect(&format!(
                     "{}?application_name=lost-fold",
                     network.amqp_url()

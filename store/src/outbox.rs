@@ -2,10 +2,9 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use sqlx::pool::PoolConnection;
-use sqlx::{PgPool, Postgres};
+use sqlx::PgPool;
 
-use crate::{BranchId, Error, EventKey, Fence, Lsn, TenantId};
+use crate::{BranchId, CallConnection, Error, EventKey, Fence, Lsn, TenantId};
 
 /// What an outbox row carries.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -116,37 +115,6 @@ pub struct ParkedBranch {
     pub retry_in: Duration,
     /// Its events waiting in the outbox.
     pub pending: u64,
-}
-
-/// A pooled connection for one call, closed rather than returned to the pool if the call is
-/// abandoned (its future dropped, by a timeout say). sqlx tests a returned connection with a
-/// ping that has no bound: on a connection lost without a reset that ping waits until the
-/// kernel gives up on the socket (about 15 minutes), holding its pool slot all along.
-struct CallConnection {
-    conn: PoolConnection<Postgres>,
-    finished: bool,
-}
-
-impl CallConnection {
-    async fn acquire(pool: &PgPool) -> Result<Self, Error> {
-        Ok(Self {
-            conn: pool.acquire().await?,
-            finished: false,
-        })
-    }
-
-    /// The call returned (with or without an error): the connection goes back to the pool.
-    fn finish(mut self) {
-        self.finished = true;
-    }
-}
-
-impl Drop for CallConnection {
-    fn drop(&mut self) {
-        if !self.finished {
-            self.conn.close_on_drop();
-        }
-    }
 }
 
 /// Reads and retires committed intents. Cheap to clone (a pool handle).
@@ -291,7 +259,7 @@ impl Outbox {
         .bind(&flying.runs)
         .bind(&flying.branches)
         .bind(&flying.lsns)
-        .fetch_all(&mut *call.conn)
+        .fetch_all(&mut *call)
         .await;
         call.finish();
         events_of(tenant, rows.map_err(|err| fenced_or(err, fence))?)
@@ -342,7 +310,7 @@ impl Outbox {
         .bind(i32::try_from(attempts).unwrap_or(i32::MAX))
         .bind(failing_for.as_millis().min(i64::MAX as u128) as i64)
         .bind(retry_after.as_millis().min(i64::MAX as u128) as i64)
-        .execute(&mut *call.conn)
+        .execute(&mut *call)
         .await;
         call.finish();
         parked?;

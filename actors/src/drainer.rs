@@ -150,9 +150,8 @@ struct Permits {
 /// A store call under `limit`. A connection that goes silent mid-call (a network or a
 /// middlebox that lost it without a reset) would otherwise hold the drainer, and its tenant,
 /// until the kernel gives up on the socket; this fails the call instead, and the drainer is
-/// restarted on a fresh connection (the abandoned one is closed by the store, not pooled).
-/// The call may have taken effect: an ack applied twice is a no-op, and what was drained but
-/// not published is drained again.
+/// restarted on a fresh connection. The call may have taken effect: an ack applied twice is a
+/// no-op, and what was drained but not published is drained again.
 async fn answered<T>(
     limit: Duration,
     call: impl std::future::Future<Output = Result<T, store::Error>>,

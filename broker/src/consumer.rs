@@ -428,35 +428,17 @@ where
     }
 
     async fn fold_once(&mut self, event: &OutboxEvent) -> Verdict {
-        // A fold abandoned by `fold_timeout` closes its connection rather than handing it back
-        // to the pool, where a lost one would hold its slot (`CallConnection`).
-        let mut conn = match store::CallConnection::acquire(&self.pool).await {
-            Ok(conn) => conn,
-            Err(err) => return Verdict::Retry(format!("database: {err}")),
-        };
-        let idle = self.config.fold_timeout;
-        let verdict = Self::fold_on(&mut conn, idle, event, &mut self.projection).await;
-        conn.finish();
-        verdict
-    }
-
-    async fn fold_on(
-        conn: &mut sqlx::PgConnection,
-        idle: Duration,
-        event: &OutboxEvent,
-        projection: &mut P,
-    ) -> Verdict {
         // Should this connection vanish mid-fold (a network losing it without a reset),
         // PostgreSQL ends the orphaned transaction after the same limit and releases the
         // branch's cursor lock; else every retry would wait on that lock until the server
         // noticed the dead client (hours, with default TCP keepalives).
-        let idle_ms = idle.as_millis().max(1);
+        let idle_ms = self.config.fold_timeout.as_millis().max(1);
         let begin = format!("BEGIN; SET LOCAL idle_in_transaction_session_timeout = {idle_ms}");
-        let mut tx = match sqlx::Connection::begin_with(conn, sqlx::AssertSqlSafe(begin)).await {
+        let mut tx = match self.pool.begin_with(sqlx::AssertSqlSafe(begin)).await {
             Ok(tx) => tx,
             Err(err) => return Verdict::Retry(format!("database: {err}")),
         };
-        let folded = store::fold(&mut tx, event, projection).await;
+        let folded = store::fold(&mut tx, event, &mut self.projection).await;
         match folded {
             Ok(outcome) => match tx.commit().await {
                 Ok(()) => Verdict::Folded(outcome),

@@ -14,7 +14,6 @@
 //! - `fixtures` (feature `fixtures`): bulk backlogs for benchmarks.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
-mod call;
 mod error;
 #[cfg(feature = "fixtures")]
 pub mod fixtures;
@@ -26,7 +25,6 @@ mod schema;
 mod wakeup;
 mod writer;
 
-pub use call::CallConnection;
 pub use error::Error;
 pub use fold::EventTable;
 pub use fold::FoldError;

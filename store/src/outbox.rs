@@ -4,7 +4,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 
-use crate::{BranchId, CallConnection, Error, EventKey, Fence, Lsn, TenantId};
+use crate::{BranchId, Error, EventKey, Fence, Lsn, TenantId};
 
 /// What an outbox row carries.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -241,8 +241,7 @@ impl Outbox {
             }
             None => (None, None, None),
         };
-        let mut call = CallConnection::acquire(&self.pool).await?;
-        let rows: Result<Vec<EventRow>, sqlx::Error> = sqlx::query_as(concat!(
+        let rows: Vec<EventRow> = sqlx::query_as(concat!(
             "SELECT ",
             event_columns!(),
             " FROM relay_ack_and_drain($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"
@@ -259,10 +258,10 @@ impl Outbox {
         .bind(&flying.runs)
         .bind(&flying.branches)
         .bind(&flying.lsns)
-        .fetch_all(&mut *call)
-        .await;
-        call.finish();
-        events_of(tenant, rows.map_err(|err| fenced_or(err, fence))?)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(|err| fenced_or(err, fence))?;
+        events_of(tenant, rows)
     }
 
     /// Retires `shipped` (confirmed keys of `tenant`) under a lease `fence`: like
@@ -292,8 +291,7 @@ impl Outbox {
         failing_for: Duration,
         retry_after: Duration,
     ) -> Result<(), Error> {
-        let mut call = CallConnection::acquire(&self.pool).await?;
-        let parked = sqlx::query(
+        sqlx::query(
             "INSERT INTO relay_parked_branch
                  (tenant_id, run_id, branch_id, reason, attempts, first_failed_at, retry_at)
              VALUES ($1, $2, $3, $4, $5, now() - $6 * interval '1 millisecond',
@@ -310,10 +308,8 @@ impl Outbox {
         .bind(i32::try_from(attempts).unwrap_or(i32::MAX))
         .bind(failing_for.as_millis().min(i64::MAX as u128) as i64)
         .bind(retry_after.as_millis().min(i64::MAX as u128) as i64)
-        .execute(&mut *call)
-        .await;
-        call.finish();
-        parked?;
+        .execute(&self.pool)
+        .await?;
         Ok(())
     }
 

@@ -14,6 +14,12 @@ mod cli {
 
     use crate::harness::*;
 
+    /// A loopback address with a port free right now, for a relay's `/metrics` listener.
+    fn free_addr() -> String {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("127.0.0.1:{}", listener.local_addr().unwrap().port())
+    }
+
     fn relay() -> Command {
         let mut command = Command::new(env!("CARGO_BIN_EXE_distribution"));
         // Only what each test sets: the suite's own environment must not leak in.
@@ -207,14 +213,7 @@ mod cli {
             // A relay that does not migrate (RELAY_SKIP_MIGRATE) runs on that schema, ships,
             // and leaves the migrations to the host's tool (no relay_migrations table).
             let topology = unique("relay-skip");
-            let addr = format!(
-                "127.0.0.1:{}",
-                std::net::TcpListener::bind("127.0.0.1:0")
-                    .unwrap()
-                    .local_addr()
-                    .unwrap()
-                    .port()
-            );
+            let addr = free_addr();
             let mut child = relay()
                 .arg("run")
                 .env("DATABASE_URL", &url)
@@ -315,12 +314,7 @@ mod cli {
             let (pool, url) = fresh_database("cli_ready").await;
             let proxy = BrokerProxy::start(&amqp_url()).unwrap();
             let topology = unique("relay-ready");
-            let port = std::net::TcpListener::bind("127.0.0.1:0")
-                .unwrap()
-                .local_addr()
-                .unwrap()
-                .port();
-            let addr = format!("127.0.0.1:{port}");
+            let addr = free_addr();
             let mut child = relay()
                 .arg("run")
                 .env("DATABASE_URL", &url)
@@ -391,14 +385,7 @@ mod cli {
             let (pool, url) = fresh_database("cli_ready_db").await;
             let database = BrokerProxy::start(&url).unwrap();
             let topology = unique("relay-ready-db");
-            let addr = format!(
-                "127.0.0.1:{}",
-                std::net::TcpListener::bind("127.0.0.1:0")
-                    .unwrap()
-                    .local_addr()
-                    .unwrap()
-                    .port()
-            );
+            let addr = free_addr();
             let mut child = relay()
                 .arg("run")
                 .env("DATABASE_URL", database.amqp_url())

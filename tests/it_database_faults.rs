@@ -6,11 +6,24 @@ mod database_faults {
     use std::time::Duration;
 
     use distribution::broker::{Consumer, ConsumerConfig, RetryPolicy};
-    use distribution::store::{EventTable, FoldStore, IntentWriter, Lsn};
+    use distribution::store::{EventTable, FoldStore, Lsn};
     use distribution::testing::BrokerProxy;
     use distribution::{APPLICATION_NAME, Relay};
 
     use crate::harness::*;
+
+    /// Backends of this database with `application_name` that wait on a lock.
+    async fn waiting_on_locks(pool: &sqlx::PgPool, application_name: &str) -> i64 {
+        sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+              WHERE datname = current_database() AND application_name = $1
+                AND wait_event_type = 'Lock'",
+        )
+        .bind(application_name)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+    }
 
     /// A connection lost in the middle of a call, without a reset (a middlebox dropped its
     /// state: packets vanish and nothing tells either side), fails that call after the batch
@@ -44,18 +57,7 @@ mod database_faults {
             wait_until(
                 "the relay's ack waits on the row lock",
                 Duration::from_secs(30),
-                || async {
-                    sqlx::query_scalar::<_, i64>(
-                        "SELECT count(*) FROM pg_stat_activity
-                          WHERE datname = current_database() AND application_name = $1
-                            AND wait_event_type = 'Lock'",
-                    )
-                    .bind(APPLICATION_NAME)
-                    .fetch_one(&pool)
-                    .await
-                    .unwrap()
-                        > 0
-                },
+                || async { waiting_on_locks(&pool, APPLICATION_NAME).await > 0 },
             )
             .await;
             // The network loses every open connection of the relay, the waiting one among
@@ -64,13 +66,7 @@ mod database_faults {
             holder.commit().await.unwrap();
 
             // The host writes the tenant's next intent: it ships once the drainer gave up.
-            let writer = IntentWriter::default();
-            let mut tx = pool.begin().await.unwrap();
-            writer
-                .append(&mut tx, &branch, Lsn::new(2), b"second")
-                .await
-                .unwrap();
-            tx.commit().await.unwrap();
+            append_intent(&pool, &branch, 2, b"second").await;
             let mut expected = Expected::new();
             expected.insert(
                 branch.clone(),
@@ -125,23 +121,6 @@ mod database_faults {
                 let _ = stopped.wait_for(|stop| *stop).await;
             }));
             let fold = FoldStore::new(pool.clone());
-            let writer = IntentWriter::default();
-            let append = |lsn: u64, payload: &'static [u8]| {
-                let (pool, writer) = (pool.clone(), writer.clone());
-                async move {
-                    let branch = distribution::store::BranchKey::new(
-                        distribution::store::TenantId::new("lostfold").unwrap(),
-                        distribution::store::RunId::new("r").unwrap(),
-                        distribution::store::BranchId::new("b").unwrap(),
-                    );
-                    let mut tx = pool.begin().await.unwrap();
-                    writer
-                        .append(&mut tx, &branch, Lsn::new(lsn), payload)
-                        .await
-                        .unwrap();
-                    tx.commit().await.unwrap();
-                }
-            };
             let branch = write_first_intent(&pool, "lostfold", b"first").await;
             let mut expected = Expected::new();
             expected.insert(branch.clone(), vec![(Lsn::new(1), b"first".to_vec())]);
@@ -159,28 +138,18 @@ mod database_faults {
                 .execute(&mut *holder)
                 .await
                 .unwrap();
-            append(2, b"second").await;
+            append_intent(&pool, &branch, 2, b"second").await;
             wait_until(
                 "the consumer's fold waits on the cursor's lock",
                 Duration::from_secs(30),
-                || async {
-                    sqlx::query_scalar::<_, i64>(
-                        "SELECT count(*) FROM pg_stat_activity
-                          WHERE datname = current_database() AND application_name = 'lost-fold'
-                            AND wait_event_type = 'Lock'",
-                    )
-                    .fetch_one(&pool)
-                    .await
-                    .unwrap()
-                        > 0
-                },
+                || async { waiting_on_locks(&pool, "lost-fold").await > 0 },
             )
             .await;
             // The network loses the consumer's open connections, the waiting one among them;
             // then the lock goes, and PostgreSQL's answer goes nowhere.
             network.lose_open_connections();
             holder.commit().await.unwrap();
-            append(3, b"third").await;
+            append_intent(&pool, &branch, 3, b"third").await;
             expected.insert(
                 branch.clone(),
                 vec![

@@ -146,6 +146,16 @@ mod scale_out {
         handovers
     }
 
+    /// The lease TTL of [`quick_leases`].
+    const QUICK_TTL: Duration = Duration::from_millis(1500);
+
+    /// `config` with leases that move within seconds: a TTL of 1.5 s, renewed every 250 ms.
+    fn quick_leases(mut config: RelayConfig) -> RelayConfig {
+        config.supervisor.lease.ttl = QUICK_TTL;
+        config.supervisor.lease.heartbeat = Duration::from_millis(250);
+        config
+    }
+
     async fn buckets(relay: &RelayHandle) -> usize {
         relay
             .snapshot()
@@ -178,9 +188,7 @@ mod scale_out {
     fn relays_share_evenly_hand_over_on_crash_and_join_and_never_publish_a_tenant_together() {
         host_runtime().block_on(async {
             let (pool, url) = fresh_database("scale3").await;
-            let mut config = relay_config(&url, &amqp_url(), &unique("relay-scale3"));
-            config.supervisor.lease.ttl = Duration::from_millis(1500);
-            config.supervisor.lease.heartbeat = Duration::from_millis(250);
+            let config = quick_leases(relay_config(&url, &amqp_url(), &unique("relay-scale3")));
             let fold = FoldStore::new(pool.clone());
             let folding = Folding::start(direct_rabbit(&config), &fold);
             let log = PublishLog::default();
@@ -260,10 +268,7 @@ mod scale_out {
         host_runtime().block_on(async {
             let (pool, url) = fresh_database("stall").await;
             let network = distribution::testing::BrokerProxy::start(&url).unwrap();
-            let ttl = Duration::from_millis(1500);
-            let mut direct = relay_config(&url, &amqp_url(), &unique("relay-stall"));
-            direct.supervisor.lease.ttl = ttl;
-            direct.supervisor.lease.heartbeat = Duration::from_millis(250);
+            let direct = quick_leases(relay_config(&url, &amqp_url(), &unique("relay-stall")));
             let mut partitioned = direct.clone();
             partitioned.database_url = network.amqp_url();
             let fold = FoldStore::new(pool.clone());
@@ -285,7 +290,7 @@ mod scale_out {
             let mut all = ran.expected.clone();
 
             network.silence();
-            let deadline = Instant::now() + ttl;
+            let deadline = Instant::now() + QUICK_TTL;
             let more = workload.steps(&pool, ran.live.clone(), 11..=20).await;
             merge(&mut all, &more.expected);
             wait_until(
@@ -370,9 +375,7 @@ mod scale_out {
     fn killed_database_connections_lose_duplicate_and_reorder_nothing() {
         host_runtime().block_on(async {
             let (pool, url) = fresh_database("killed").await;
-            let mut config = relay_config(&url, &amqp_url(), &unique("relay-killed"));
-            config.supervisor.lease.ttl = Duration::from_millis(1500);
-            config.supervisor.lease.heartbeat = Duration::from_millis(250);
+            let config = quick_leases(relay_config(&url, &amqp_url(), &unique("relay-killed")));
             let fold = FoldStore::new(pool.clone());
             let folding = Folding::start(direct_rabbit(&config), &fold);
             let log = PublishLog::default();

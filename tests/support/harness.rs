@@ -348,6 +348,16 @@ pub async fn write_first_intent(pool: &PgPool, tenant: &str, payload: &[u8]) -> 
     branch
 }
 
+/// Appends `payload` at `lsn` to `branch`, in one host transaction.
+pub async fn append_intent(pool: &PgPool, branch: &BranchKey, lsn: u64, payload: &[u8]) {
+    let mut tx = pool.begin().await.unwrap();
+    IntentWriter::default()
+        .append(&mut tx, branch, Lsn::new(lsn), payload)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+}
+
 pub async fn pending(outbox: &Outbox) -> u64 {
     outbox
         .backlog()

@@ -10,6 +10,7 @@
 //! - `wakeup`: [`Wakeups`], LISTEN for tenants whose intents just committed.
 //! - `fold`: the consumer's exactly-once fold ([`FoldStore`]): idempotent on `(BranchKey, Lsn)`
 //!   and proving Lsn order per branch.
+//! - `fold_model`: [`FoldModel`], WIRE.md's consumer rules in memory (the fold's oracle).
 //! - `error`: the one [`Error`] type.
 //! - `fixtures` (feature `fixtures`): bulk backlogs for benchmarks.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
@@ -18,6 +19,7 @@ mod error;
 #[cfg(feature = "fixtures")]
 pub mod fixtures;
 mod fold;
+mod fold_model;
 mod key;
 mod lease;
 mod outbox;
@@ -34,6 +36,7 @@ pub use fold::FoldedEvent;
 pub use fold::Projection;
 pub use fold::RewindNotice;
 pub use fold::fold;
+pub use fold_model::FoldModel;
 pub use key::BranchId;
 pub use key::BranchKey;
 pub use key::EventKey;

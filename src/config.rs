@@ -507,6 +507,11 @@ mod tests {
                 .to_string()
                 .starts_with("AMQP_URL=")
         );
+        // Issue 16: a URI lapin cannot parse ran as "broker unreachable" for ever.
+        let config = RelayConfig::new("postgres://postgres@127.0.0.1/test", "amqp://%%%:@@@");
+        let err = config.validate().unwrap_err().to_string();
+        assert!(err.starts_with("AMQP_URL="), "{err}");
+        assert!(err.contains("not a valid AMQP URI"), "{err}");
         let mut config = RelayConfig::new(
             "postgres://postgres@127.0.0.1/test",
             "amqp://127.0.0.1:5672/%2f",

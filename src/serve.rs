@@ -35,6 +35,7 @@ pub(crate) type DatabaseFacts = Result<(bool, u64), String>;
 pub(crate) fn readiness(
     database: DatabaseFacts,
     broker: BrokerState,
+    blocked: bool,
     max_parked: u64,
 ) -> Result<(), Vec<String>> {
     let mut problems = Vec::new();
@@ -43,6 +44,12 @@ pub(crate) fn readiness(
         Ok((pending, parked)) => {
             if pending && broker == BrokerState::Down {
                 problems.push("broker down while intents wait".into());
+            }
+            if pending && blocked {
+                problems.push(
+                    "broker blocks the relay (connection.blocked: a memory or disk alarm) while intents wait"
+                        .into(),
+                );
             }
             if parked > max_parked {
                 problems.push(format!(
@@ -80,7 +87,8 @@ async fn answer(probes: &Probes, request: Request<Incoming>) -> Response<Full<By
                     Ok(Err(err)) => Err(err.to_string()),
                     Err(_) => Err(format!("no answer within {} ms", READY_TIMEOUT.as_millis())),
                 };
-            match readiness(facts, probes.broker.state(), probes.max_parked) {
+            let (state, blocked) = (probes.broker.state(), probes.broker.blocked());
+            match readiness(facts, state, blocked, probes.max_parked) {
                 Ok(()) => text(StatusCode::OK, "ready\n".into()),
                 Err(problems) => text(
                     StatusCode::SERVICE_UNAVAILABLE,
@@ -139,17 +147,28 @@ mod tests {
     #[test]
     fn readiness_names_each_problem() {
         assert!(
-            readiness(Ok((false, 0)), BrokerState::Down, 0).is_ok(),
+            readiness(Ok((false, 0)), BrokerState::Down, false, 0).is_ok(),
             "nothing waits"
         );
-        assert!(readiness(Ok((true, 0)), BrokerState::Unknown, 0).is_ok());
-        assert!(readiness(Ok((true, 0)), BrokerState::Up, 0).is_ok());
-        let down = readiness(Ok((true, 0)), BrokerState::Down, 0).unwrap_err();
+        assert!(readiness(Ok((true, 0)), BrokerState::Unknown, false, 0).is_ok());
+        assert!(readiness(Ok((true, 0)), BrokerState::Up, false, 0).is_ok());
+        let down = readiness(Ok((true, 0)), BrokerState::Down, false, 0).unwrap_err();
         assert_eq!(down, vec!["broker down while intents wait".to_owned()]);
-        let parked = readiness(Ok((false, 3)), BrokerState::Up, 2).unwrap_err();
+        let parked = readiness(Ok((false, 3)), BrokerState::Up, false, 2).unwrap_err();
         assert!(parked[0].starts_with("3 branches parked"), "{parked:?}");
-        assert!(readiness(Ok((false, 2)), BrokerState::Up, 2).is_ok());
-        let database = readiness(Err("refused".into()), BrokerState::Up, 0).unwrap_err();
+        assert!(readiness(Ok((false, 2)), BrokerState::Up, false, 2).is_ok());
+        let database = readiness(Err("refused".into()), BrokerState::Up, false, 0).unwrap_err();
         assert_eq!(database, vec!["database unreachable: refused".to_owned()]);
+        // Issue 16: a broker alarm blocks every publishing connection while the last state
+        // reported stays Up (nothing faults): blocked with intents waiting is not ready.
+        let blocked = readiness(Ok((true, 0)), BrokerState::Up, true, 0).unwrap_err();
+        assert!(
+            blocked[0].starts_with("broker blocks the relay"),
+            "{blocked:?}"
+        );
+        assert!(
+            readiness(Ok((false, 0)), BrokerState::Up, true, 0).is_ok(),
+            "blocked with nothing waiting"
+        );
     }
 }

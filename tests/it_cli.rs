@@ -135,6 +135,16 @@ mod cli {
             "{stderr}"
         );
 
+        // A URI lapin cannot parse is a configuration error, not an unreachable broker.
+        let mut command = relay();
+        base(&mut command);
+        let (code, _, stderr) = output(command.env("AMQP_URL", "amqp://%%%:@@@"));
+        assert_eq!(code, 2, "{stderr}");
+        assert!(
+            stderr.contains("AMQP_URL=") && stderr.contains("not a valid AMQP URI"),
+            "{stderr}"
+        );
+
         let mut command = relay();
         base(&mut command);
         let (code, _, stderr) = output(command.args(["--partitions", "abc"]));

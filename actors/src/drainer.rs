@@ -18,21 +18,24 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use broker::Outcome;
-use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef};
+use ractor::{Actor, ActorProcessingErr, ActorRef};
 use store::{EventKey, Fence, Outbox, OutboxEvent, TenantId};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, TryAcquireError};
 use tracing::Instrument;
 
 use crate::window::{Next, Refusal, RefusalAction, Window, WindowConfig};
-use crate::{PublisherDirectory, PublisherMessage, RetryPolicy, ShardId, shard_of};
+use crate::{PublisherDirectory, PublisherMessage, Reply, RetryPolicy, ShardId, shard_of};
 
 /// How a drainer works.
 #[derive(Clone, Copy, Debug)]
 pub struct DrainerConfig {
     /// Largest number of events drained and published at once. Default 1000.
     pub batch_size: u32,
-    /// Longest wait for a batch's outcomes before treating the rest as unconfirmed, and for
-    /// any one database call of the drainer before failing it (see `answered`). Default 30 s.
+    /// Longest wait for any one database call of the drainer before failing it (see
+    /// `answered`). Default 30 s. (A batch's outcomes need no timeout here: the publisher
+    /// answers every part it was given, bounded by the broker's confirm timeout, and at once if
+    /// it dies; only a broker that blocked the connection makes it wait, for as long as the
+    /// broker holds what was written.)
     pub batch_timeout: Duration,
     /// Delays between retries after a batch had failures.
     pub retry: RetryPolicy,
@@ -130,10 +133,8 @@ pub enum DrainerMessage {
         /// One outcome per event sent to that shard, in order.
         outcomes: Vec<Outcome>,
     },
-    /// A publisher died: whatever it had not answered is unconfirmed.
-    PublisherLost(ActorId),
-    /// Batch `0` took too long.
-    BatchTimeout(u64),
+    /// A batch none of whose parts could be sent (no live publisher): settle it.
+    Unsent,
     /// Graceful shutdown: finish the batch in flight (or abandon it to a timeout), then stop.
     Finish,
     /// Retire if nothing happened since activity number `0`.
@@ -161,11 +162,10 @@ async fn answered<T>(
         .unwrap_or(Err(store::Error::NoAnswer { after: limit }))
 }
 
-/// What a batch holds until it settles: its budget and its timeout (cancelled with it).
+/// What a batch holds until it settles: its share of the budgets.
 #[derive(Debug)]
 struct Held {
     _permits: Permits,
-    _timeout: Timer,
 }
 
 /// A message the drainer sends itself later, cancelled when dropped. ractor's `send_after`
@@ -185,7 +185,7 @@ impl Drop for Timer {
 pub struct DrainerState {
     args: DrainerArgs,
     window: Window<Held>,
-    /// Retries pending (batch timeouts live with their batch).
+    /// Retries pending.
     timers: Vec<Timer>,
     /// The one idle check pending, with the activity it checks: a drainer woken often keeps
     /// one timer, not one per wake-up.
@@ -366,32 +366,27 @@ impl Drainer {
             group.1.push(event);
         }
         let id = state.window.next_id();
-        let timeout = Timer(myself.send_after(state.args.config.batch_timeout, move || {
-            DrainerMessage::BatchTimeout(id)
-        }));
-        let held = Held {
-            _permits: permits,
-            _timeout: timeout,
-        };
+        let held = Held { _permits: permits };
         let opened = state.window.open(keys, written, lane, held);
         debug_assert_eq!(opened, id);
         for (shard, (indexes, events)) in by_shard {
             let shard = state.args.publishers.slot(shard, lane);
             // No live publisher (it is being restarted): not sent, retried after backoff.
-            let sent = state.args.publishers.get(shard).and_then(|publisher| {
+            // A cast that fails drops the message, whose reply then answers too: the window
+            // ignores that second answer for a part it already settled as not sent.
+            let sent = state.args.publishers.get(shard).is_some_and(|publisher| {
                 let message = PublisherMessage::Publish {
-                    batch: id,
                     events,
-                    reply: myself.clone(),
+                    reply: Reply::new(myself.clone(), id, shard),
                     fence: state.args.fence.clone(),
                 };
-                publisher.cast(message).ok().map(|()| publisher.get_id())
+                publisher.cast(message).is_ok()
             });
             state.window.dispatched(id, shard, sent, indexes);
         }
         if state.window.is_answered(id) {
             // Every part failed to send: settle it as the next message (no recursion here).
-            myself.cast(DrainerMessage::BatchTimeout(id))?;
+            myself.cast(DrainerMessage::Unsent)?;
         }
         Ok(())
     }
@@ -521,8 +516,7 @@ impl Drainer {
                 shard,
                 outcomes,
             } => state.window.confirmed(batch, shard, outcomes),
-            DrainerMessage::PublisherLost(lost) => state.window.publisher_lost(lost),
-            DrainerMessage::BatchTimeout(batch) => state.window.timed_out(batch),
+            DrainerMessage::Unsent => {}
             DrainerMessage::Finish => {
                 state.window.finish();
                 if state.window.finished() {

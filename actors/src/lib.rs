@@ -28,6 +28,7 @@ pub use publisher::PublisherActor;
 pub use publisher::PublisherArgs;
 pub use publisher::PublisherFactory;
 pub use publisher::PublisherMessage;
+pub use publisher::Reply;
 pub use shard::Lane;
 pub use shard::ShardId;
 pub use shard::shard_of;

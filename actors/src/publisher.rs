@@ -16,17 +16,64 @@ pub type PublisherFactory = Arc<dyn Fn(ShardId) -> Box<dyn Publisher> + Send + S
 /// Default bound on events written but not yet confirmed, per publisher.
 pub const DEFAULT_MAX_UNCONFIRMED: usize = 20_000;
 
+/// Where the outcomes of one part of a drainer's batch go: answered exactly once, by
+/// [`Reply::answer`], or, if it is dropped unanswered (the publisher died with the part in its
+/// mailbox or in flight, or gave up on it), at once with every event unconfirmed. So a drainer
+/// never waits on a timer for a publisher that is gone, and only the drainers with parts on a
+/// dead publisher hear of it.
+#[derive(Debug)]
+pub struct Reply {
+    drainer: ActorRef<DrainerMessage>,
+    batch: u64,
+    shard: ShardId,
+    answered: bool,
+}
+
+impl Reply {
+    /// The answer for part `shard` of `drainer`'s batch `batch`.
+    pub fn new(drainer: ActorRef<DrainerMessage>, batch: u64, shard: ShardId) -> Self {
+        Self {
+            drainer,
+            batch,
+            shard,
+            answered: false,
+        }
+    }
+
+    /// Sends `outcomes` (one per event of the part, in order). The drainer may have died
+    /// meanwhile; it re-drains from the store, so a lost answer is safe.
+    pub fn answer(mut self, outcomes: Vec<Outcome>) {
+        self.answered = true;
+        let _ = self.drainer.cast(DrainerMessage::Confirmed {
+            batch: self.batch,
+            shard: self.shard,
+            outcomes,
+        });
+    }
+}
+
+impl Drop for Reply {
+    fn drop(&mut self) {
+        if !self.answered {
+            // No outcomes: every event of the part counts as unconfirmed.
+            let _ = self.drainer.cast(DrainerMessage::Confirmed {
+                batch: self.batch,
+                shard: self.shard,
+                outcomes: Vec::new(),
+            });
+        }
+    }
+}
+
 /// Messages to a publisher.
 #[derive(Debug)]
 pub enum PublisherMessage {
-    /// Publish `events` (each branch's events in Lsn order) and reply `Confirmed` to `reply`.
+    /// Publish `events` (each branch's events in Lsn order) and answer `reply`.
     Publish {
-        /// The drainer's batch number, echoed back.
-        batch: u64,
         /// Events in the order to publish.
         events: Vec<OutboxEvent>,
-        /// Who gets the outcomes.
-        reply: ActorRef<DrainerMessage>,
+        /// Who gets the outcomes (answered even if this publisher dies first).
+        reply: Reply,
         /// The tenant's lease: nothing is written once it is closed.
         fence: Fence,
     },
@@ -78,19 +125,22 @@ impl std::fmt::Debug for PublisherState {
 }
 
 /// The publisher actor. Any broker fault fails it; the supervisor restarts it with backoff and
-/// the drainers resend whatever it had not confirmed (its mailbox dies with it).
+/// the drainers resend whatever it had not confirmed (its mailbox dies with it, and each
+/// batch's [`Reply`] answers as it is dropped).
 #[derive(Debug, Default)]
 pub struct PublisherActor;
 
 /// Every `outcome` label of `relay_publish_failures_total` (what `outcome_label` gives for a
 /// failure), for registering the counters at zero and keeping them alive.
-pub const FAILURE_OUTCOMES: [&str; 4] = ["nacked", "returned", "unconfirmed", "not_sent"];
+pub const FAILURE_OUTCOMES: [&str; 5] =
+    ["nacked", "returned", "too_large", "unconfirmed", "not_sent"];
 
 fn outcome_label(outcome: Outcome) -> &'static str {
     match outcome {
         Outcome::Accepted => "accepted",
         Outcome::Nacked => "nacked",
         Outcome::Returned => "returned",
+        Outcome::TooLarge => "too_large",
         Outcome::Unconfirmed => "unconfirmed",
         Outcome::NotSent => "not_sent",
     }
@@ -123,13 +173,12 @@ impl Actor for PublisherActor {
         message: PublisherMessage,
         state: &mut PublisherState,
     ) -> Result<(), ActorProcessingErr> {
-        let (batch, events, reply, fence) = match message {
+        let (events, reply, fence) = match message {
             PublisherMessage::Publish {
-                batch,
                 events,
                 reply,
                 fence,
-            } => (batch, events, reply, fence),
+            } => (events, reply, fence),
             PublisherMessage::Fault(reason) => return Err(reason.into()),
             PublisherMessage::Healthy => {
                 if !state.healthy {
@@ -141,7 +190,8 @@ impl Actor for PublisherActor {
         };
         let shard = state.args.shard;
         if state.faulted.load(std::sync::atomic::Ordering::Acquire) {
-            // The mailbox dies with this actor; drainers learn it (`PublisherLost`) and retry.
+            // This batch's reply, and those of the batches in the mailbox (which dies with the
+            // actor), answer as they are dropped: their drainers retry at once.
             return Err("the broker session faulted; restarting".into());
         }
         // Backpressure: wait until this batch fits under the unconfirmed bound.
@@ -159,11 +209,7 @@ impl Actor for PublisherActor {
         if let Some(report) = (&mut confirms).now_or_never() {
             drop(permits);
             let fault = report.fault.as_ref().map(ToString::to_string);
-            let _ = reply.cast(DrainerMessage::Confirmed {
-                batch,
-                shard,
-                outcomes: report.outcomes,
-            });
+            reply.answer(report.outcomes);
             return match fault {
                 Some(fault) => Err(fault.into()),
                 None => {
@@ -187,13 +233,8 @@ impl Actor for PublisherActor {
                     }
                     None => PublisherMessage::Healthy,
                 };
-                // The drainer may have died meanwhile; it re-drains from the store, so a lost
-                // reply is safe. Likewise a verdict for a publisher already restarted.
-                let _ = reply.cast(DrainerMessage::Confirmed {
-                    batch,
-                    shard,
-                    outcomes: report.outcomes,
-                });
+                reply.answer(report.outcomes);
+                // A verdict for a publisher already restarted is lost, harmlessly.
                 let _ = myself.cast(verdict);
             }
             .instrument(span),

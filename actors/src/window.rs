@@ -16,7 +16,6 @@ use std::time::{Duration, Instant};
 
 use broker::Outcome;
 use chrono::{DateTime, Utc};
-use ractor::ActorId;
 use store::{BranchKey, EventKey, Lsn};
 
 use crate::{Backoff, Lane, RetryPolicy, ShardId};
@@ -66,8 +65,10 @@ struct Batch<H> {
     keys: Vec<EventKey>,
     written: Vec<DateTime<Utc>>,
     outcomes: Vec<Option<Outcome>>,
-    /// Parts sent to a publisher and not answered yet: shard -> (publisher, indexes in `keys`).
-    pending: HashMap<ShardId, (ActorId, Vec<usize>)>,
+    /// Parts sent to a publisher and not answered yet: shard -> indexes in `keys`. Every part
+    /// sent is answered (a publisher that dies drops the batch's reply, which answers it with
+    /// every event unconfirmed), so nothing here waits on a timer.
+    pending: HashMap<ShardId, Vec<usize>>,
     lane: Lane,
     _held: H,
 }
@@ -306,26 +307,23 @@ impl<H> Window<H> {
         id
     }
 
-    /// The events at `indexes` of batch `batch` went to `publisher` (the shard's), or, with
-    /// `None`, could not be sent (no live publisher): they are settled as not sent.
+    /// The events at `indexes` of batch `batch` went to the shard's publisher (`sent`), or
+    /// could not be sent (no live publisher): they are settled as not sent.
     pub(crate) fn dispatched(
         &mut self,
         batch: BatchId,
         shard: ShardId,
-        publisher: Option<ActorId>,
+        sent: bool,
         indexes: Vec<usize>,
     ) {
         let Some(batch) = self.batches.iter_mut().find(|b| b.id == batch) else {
             return;
         };
-        match publisher {
-            Some(publisher) => {
-                batch.pending.insert(shard, (publisher, indexes));
-            }
-            None => {
-                for index in indexes {
-                    batch.outcomes[index] = Some(Outcome::NotSent);
-                }
+        if sent {
+            batch.pending.insert(shard, indexes);
+        } else {
+            for index in indexes {
+                batch.outcomes[index] = Some(Outcome::NotSent);
             }
         }
     }
@@ -339,51 +337,21 @@ impl<H> Window<H> {
     }
 
     /// A publisher's outcomes for the part of `batch` it was given (one per event, in order;
-    /// missing ones count as unconfirmed). Unknown batches and shards are ignored.
+    /// missing ones count as unconfirmed: an empty answer is a publisher that died with the
+    /// part). Unknown batches and shards, and a second answer for a part, are ignored.
     pub(crate) fn confirmed(&mut self, batch: BatchId, shard: ShardId, outcomes: Vec<Outcome>) {
-        if let Some(batch) = self.batches.iter_mut().find(|b| b.id == batch) {
-            let mut outcomes = Some(outcomes);
-            Self::resolve(batch, |pending, _| {
-                if pending == shard {
-                    outcomes.take()
-                } else {
-                    None
-                }
-            });
-        }
-    }
-
-    /// A publisher died: whatever it had not answered is unconfirmed.
-    pub(crate) fn publisher_lost(&mut self, lost: ActorId) {
-        for batch in &mut self.batches {
-            Self::resolve(batch, |_, publisher| (publisher == lost).then(Vec::new));
-        }
-    }
-
-    /// Batch `batch` took too long: whatever is unanswered is unconfirmed.
-    pub(crate) fn timed_out(&mut self, batch: BatchId) {
-        if let Some(batch) = self.batches.iter_mut().find(|b| b.id == batch) {
-            Self::resolve(batch, |_, _| Some(Vec::new()));
-        }
-    }
-
-    fn resolve(
-        batch: &mut Batch<H>,
-        mut answer: impl FnMut(ShardId, ActorId) -> Option<Vec<Outcome>>,
-    ) {
-        let shards: Vec<ShardId> = batch.pending.keys().copied().collect();
-        for shard in shards {
-            let publisher = batch.pending[&shard].0;
-            if let Some(outcomes) = answer(shard, publisher) {
-                let (_, indexes) = batch.pending.remove(&shard).expect("shard is pending");
-                for (position, index) in indexes.into_iter().enumerate() {
-                    let outcome = outcomes
-                        .get(position)
-                        .copied()
-                        .unwrap_or(Outcome::Unconfirmed);
-                    batch.outcomes[index] = Some(outcome);
-                }
-            }
+        let Some(batch) = self.batches.iter_mut().find(|b| b.id == batch) else {
+            return;
+        };
+        let Some(indexes) = batch.pending.remove(&shard) else {
+            return;
+        };
+        for (position, index) in indexes.into_iter().enumerate() {
+            let outcome = outcomes
+                .get(position)
+                .copied()
+                .unwrap_or(Outcome::Unconfirmed);
+            batch.outcomes[index] = Some(outcome);
         }
     }
 
@@ -409,23 +377,32 @@ impl<H> Window<H> {
                 .zip(batch.written)
                 .zip(batch.outcomes);
             for ((key, written), outcome) in events {
-                if self.blocked.contains(&key.branch) {
-                    failed += 1;
-                    continue;
-                }
-                if outcome == Some(Outcome::Accepted) {
+                let blocked = self.blocked.contains(&key.branch);
+                if outcome == Some(Outcome::Accepted) && !blocked {
                     self.cooling.remove(&key.branch);
                     acks.push(key);
                     acked_written.push(written);
                     continue;
                 }
                 failed += 1;
-                match outcome {
-                    // The broker answered about this event: its branch alone cools down.
-                    Some(Outcome::Returned) => refused.push((key.branch.clone(), "returned")),
-                    Some(Outcome::Nacked) => refused.push((key.branch.clone(), "nacked")),
+                let reason = match outcome {
+                    Some(Outcome::Accepted) => None,
+                    // The broker answered about this event: its branch alone cools down, even
+                    // behind an unanswered event of its own (a refusal that closes the channel
+                    // leaves the events before it unconfirmed).
+                    Some(Outcome::Returned) => Some("returned"),
+                    Some(Outcome::Nacked) => Some("nacked"),
+                    Some(Outcome::TooLarge) => Some("too_large"),
                     // No answer: the session, not the branch, failed; the tenant backs off.
-                    _ => session_failed = true,
+                    Some(Outcome::Unconfirmed | Outcome::NotSent) | None => {
+                        session_failed = true;
+                        None
+                    }
+                };
+                if let Some(reason) = reason
+                    && !refused.iter().any(|(branch, _)| *branch == key.branch)
+                {
+                    refused.push((key.branch.clone(), reason));
                 }
                 self.blocked.insert(key.branch);
             }
@@ -433,7 +410,7 @@ impl<H> Window<H> {
         if settled == 0 {
             return None;
         }
-        // A branch is blocked at its first failure, so it is refused at most once per settle.
+        // A branch is refused at most once per settle (its first refusal).
         let refusals = refused
             .into_iter()
             .map(|(branch, reason)| self.refused(branch, reason, now))
@@ -539,7 +516,6 @@ mod tests {
     }
 
     const SHARD: ShardId = ShardId(0);
-    const PUBLISHER: ActorId = ActorId::Local(7);
 
     /// Opens a batch of `keys`, all sent to one publisher, and answers it with `outcomes`.
     fn answered(window: &mut Window<()>, keys: &[EventKey], outcomes: &[Outcome]) -> BatchId {
@@ -551,11 +527,11 @@ mod tests {
     fn sent(window: &mut Window<()>, keys: &[EventKey]) -> BatchId {
         let lane = window.lane_for(keys.len(), 0);
         let id = window.open(keys.to_vec(), vec![Utc::now(); keys.len()], lane, ());
-        window.dispatched(id, SHARD, Some(PUBLISHER), (0..keys.len()).collect());
+        window.dispatched(id, SHARD, true, (0..keys.len()).collect());
         id
     }
 
-    use Outcome::{Accepted, Nacked, NotSent, Returned, Unconfirmed};
+    use Outcome::{Accepted, Nacked, NotSent, Returned, TooLarge, Unconfirmed};
 
     #[test]
     fn the_prefix_rule_holds_across_the_window() {
@@ -654,13 +630,56 @@ mod tests {
         assert!(window.skip(later).is_empty());
     }
 
+    /// A message the broker refused for its size is a refusal of its branch (reason
+    /// `too_large`): the branch cools alone, its tenant's other branches are acked and flow.
+    #[test]
+    fn a_message_too_large_for_the_broker_cools_its_branch_alone() {
+        let mut window = Window::new(config(1, 5));
+        answered(
+            &mut window,
+            &[key("big", 1), key("ok", 1)],
+            &[TooLarge, Accepted],
+        );
+        let settled = window.settle(Instant::now()).unwrap();
+        assert_eq!(settled.acks, [key("ok", 1)]);
+        assert_eq!(settled.refusals.len(), 1);
+        assert_eq!(settled.refusals[0].branch, branch("big"));
+        assert_eq!(settled.refusals[0].reason, "too_large");
+        assert_eq!(settled.next, Next::Flow);
+        assert_eq!(window.phase(), Phase::Flowing);
+    }
+
+    /// The broker closes the channel at a message too large for it: the events before it are
+    /// left unconfirmed, yet the refusal still counts against its branch (else it would never
+    /// cool or park, and its tenant would back off on it for ever).
+    #[test]
+    fn a_refusal_behind_an_unconfirmed_event_of_its_branch_still_counts() {
+        let mut window = Window::new(config(1, 5));
+        answered(
+            &mut window,
+            &[key("big", 1), key("big", 2), key("ok", 1)],
+            &[Unconfirmed, TooLarge, Unconfirmed],
+        );
+        let settled = window.settle(Instant::now()).unwrap();
+        assert!(settled.acks.is_empty());
+        assert_eq!(settled.refusals.len(), 1);
+        assert_eq!(settled.refusals[0].branch, branch("big"));
+        assert_eq!(settled.refusals[0].reason, "too_large");
+        assert!(
+            matches!(settled.next, Next::Retry(_)),
+            "the session failed too"
+        );
+    }
+
     #[test]
     fn an_unanswered_event_backs_the_tenant_off_once_the_window_is_empty() {
         let mut window = Window::new(config(2, 5));
         let lost = sent(&mut window, &[key("a", 1), key("b", 1)]);
         let later = sent(&mut window, &[key("c", 1)]);
-        window.publisher_lost(PUBLISHER);
-        // Both batches were on the lost publisher: both settle, nothing acked.
+        // The publisher died with both: each batch's dropped reply answers it, empty.
+        window.confirmed(lost, SHARD, Vec::new());
+        window.confirmed(later, SHARD, Vec::new());
+        // Both settle, nothing acked.
         let settled = window.settle(Instant::now()).unwrap();
         assert!(settled.acks.is_empty());
         assert!(matches!(settled.next, Next::Retry(_)));
@@ -679,7 +698,7 @@ mod tests {
         let settled = window.settle(Instant::now()).unwrap();
         assert_eq!(settled.next, Next::Wait);
         assert!(!window.may_start(), "no new batch after a session failure");
-        window.timed_out(second);
+        window.confirmed(second, SHARD, Vec::new());
         let settled = window.settle(Instant::now()).unwrap();
         assert!(settled.acks.is_empty());
         assert!(matches!(settled.next, Next::Retry(_)));
@@ -694,8 +713,8 @@ mod tests {
             Lane::Bulk,
             (),
         );
-        window.dispatched(id, ShardId(0), None, vec![0]);
-        window.dispatched(id, ShardId(1), Some(PUBLISHER), vec![1]);
+        window.dispatched(id, ShardId(0), false, vec![0]);
+        window.dispatched(id, ShardId(1), true, vec![1]);
         assert!(!window.is_answered(id));
         window.confirmed(id, ShardId(1), vec![Accepted]);
         let settled = window.settle(Instant::now()).unwrap();
@@ -792,6 +811,7 @@ mod tests {
             6 => Just(Accepted),
             1 => Just(Nacked),
             1 => Just(Returned),
+            1 => Just(TooLarge),
             1 => Just(Unconfirmed),
             1 => Just(NotSent),
         ]

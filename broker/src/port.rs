@@ -18,6 +18,10 @@ pub enum Outcome {
     Nacked,
     /// Confirmed but returned unroutable (`mandatory`, reply 312): not a delivery.
     Returned,
+    /// Refused for its size: larger than the broker's `max_message_size` (the broker closed the
+    /// channel with PRECONDITION_FAILED). Not a delivery; sending it again fails the same way
+    /// until the limit is raised.
+    TooLarge,
     /// Published, but no confirm arrived in time or the channel died first.
     Unconfirmed,
     /// Never written to the broker (unreachable, or an earlier failure in the batch).

@@ -9,13 +9,25 @@
 //!   drops this publisher (the relay restarts the actor, which builds a fresh one).
 //! - No auto-recovery: any channel fault drops the connection; the next publish reconnects
 //!   (and the relay's supervisor restarts the publisher with backoff).
+//! - Flow control: while the broker holds the connection blocked (`connection.blocked`, a
+//!   memory or disk alarm), nothing new is written to it (those events are `NotSent`), and
+//!   what was written waits for its verdict: the write and confirm timeouts count only time
+//!   the connection was not blocked. The broker stopped reading the socket, so what is in it
+//!   is routed once the alarm clears, however long that takes; giving up on it and sending it
+//!   again elsewhere would put the first copy after whatever followed (a rewind marker, the
+//!   next owner's publishes). Closing the channel or the connection does not retract it.
+//! - A message larger than the broker's `max_message_size` closes the channel
+//!   (PRECONDITION_FAILED naming the limit): that event is reported `TooLarge`, not merely
+//!   unconfirmed, so the relay treats it as a refusal of its branch.
 use std::collections::{HashSet, VecDeque};
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use futures_util::FutureExt;
+use futures_util::{FutureExt, StreamExt};
+use tokio::sync::watch;
+use tokio::time::Instant;
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::ShortString;
@@ -54,6 +66,12 @@ impl RabbitConfig {
                 uri.split('@').next_back().unwrap_or_default()
             )));
         }
+        // Parsed once here, as lapin will parse it at every connect: a URI it cannot read is
+        // a configuration error at start (exit 2), not an unreachable broker retried for ever.
+        // lapin's message quotes no part of the URI, so no password can leak through it.
+        if let Err(why) = uri.parse::<lapin::uri::AMQPUri>() {
+            return Err(Error::InvalidConfig(format!("not a valid AMQP URI: {why}")));
+        }
         Ok(Self {
             uri,
             topology,
@@ -77,6 +95,97 @@ pub(crate) async fn within<T>(
             timeout_ms: limit.as_millis() as u64,
         }),
     }
+}
+
+/// A connection's flow control, as the broker last said: blocked or not, and since when.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Flow {
+    blocked: bool,
+    since: Instant,
+}
+
+impl Flow {
+    fn open() -> Self {
+        Self {
+            blocked: false,
+            since: Instant::now(),
+        }
+    }
+}
+
+/// A wait of `limit` that ran out at `deadline`: whether, and until when, it goes on. A wait
+/// counts only time the connection was not blocked: while blocked it goes on for another
+/// `limit`; after an unblock it has `limit` from the unblock. Pure, so it is unit-tested.
+fn extended(deadline: Instant, limit: Duration, flow: Flow, now: Instant) -> Option<Instant> {
+    if flow.blocked {
+        Some(now + limit)
+    } else if flow.since + limit > deadline {
+        Some(flow.since + limit)
+    } else {
+        None
+    }
+}
+
+/// Awaits `future` until `deadline`, extended while (and after) the connection is blocked;
+/// `None` once it ran out.
+async fn until_unless_blocked<F: Future + Unpin>(
+    future: F,
+    deadline: Instant,
+    limit: Duration,
+    flow: &watch::Receiver<Flow>,
+) -> Option<F::Output> {
+    let mut future = future;
+    let mut deadline = deadline;
+    loop {
+        match tokio::time::timeout_at(deadline, &mut future).await {
+            Ok(output) => return Some(output),
+            Err(_) => deadline = extended(deadline, limit, *flow.borrow(), Instant::now())?,
+        }
+    }
+}
+
+/// Follows the broker's `connection.blocked` / `connection.unblocked` for one connection:
+/// updates `flow`, the relay's [`BrokerHealth`], and says so in the log. Ends with the
+/// connection's events (or when aborted with its session); the mark uncounts itself then.
+async fn follow_flow(
+    events: impl futures_util::Stream<Item = lapin::Event> + Send + 'static,
+    flow: watch::Sender<Flow>,
+    mark: crate::health::BlockedMark,
+) {
+    let mut events = std::pin::pin!(events);
+    while let Some(event) = events.next().await {
+        let blocked = match event {
+            lapin::Event::ConnectionBlocked(reason) => {
+                tracing::warn!(
+                    reason,
+                    "the broker blocked a relay connection (resource alarm): nothing new is written to it; what was written waits for its confirms"
+                );
+                true
+            }
+            lapin::Event::ConnectionUnblocked => {
+                tracing::info!("the broker unblocked a relay connection");
+                false
+            }
+            _ => continue,
+        };
+        mark.set(blocked);
+        flow.send_replace(Flow {
+            blocked,
+            since: Instant::now(),
+        });
+    }
+}
+
+/// The broker's limit from a size refusal ("message size S is larger than configured max size
+/// M", PRECONDITION_FAILED), if `err` is one.
+fn size_limit(err: &lapin::Error) -> Option<usize> {
+    let text = err.to_string();
+    if !text.contains("PRECONDITION_FAILED") || !text.contains("larger than") {
+        return None;
+    }
+    let after = &text[text.rfind("max size ")? + "max size ".len()..];
+    let digits: String = after.chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().ok()
 }
 
 /// Opens a connection and a channel, and declares the topology. Every step under `limit`.
@@ -182,6 +291,15 @@ struct Session {
     /// Set by the pump when the broker returned a message (a queue or binding is missing):
     /// the topology is declared again before the next write.
     redeclare: Arc<AtomicBool>,
+    /// The connection's flow control, followed by `flow_task` (aborted with the session).
+    flow: watch::Receiver<Flow>,
+    flow_task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        self.flow_task.abort();
+    }
 }
 
 impl std::fmt::Debug for Session {
@@ -247,6 +365,12 @@ impl RabbitPublisher {
             let (handed, handed_rx) = tokio::sync::watch::channel(0);
             let started = Arc::new(AtomicU64::new(0));
             let redeclare = Arc::new(AtomicBool::new(false));
+            let (flow_tx, flow) = watch::channel(Flow::open());
+            let flow_task = tokio::spawn(follow_flow(
+                connection.events_listener(),
+                flow_tx,
+                self.health.flow_mark(),
+            ));
             // The pump ends when this session (its sender) is dropped and its queue is empty.
             tokio::spawn(confirm_pump(
                 batches,
@@ -256,6 +380,7 @@ impl RabbitPublisher {
                 },
                 redeclare.clone(),
                 self.config.confirm_timeout,
+                flow.clone(),
             ));
             self.session = Some(Session {
                 _connection: connection,
@@ -264,6 +389,8 @@ impl RabbitPublisher {
                 started: 0,
                 handed,
                 redeclare,
+                flow,
+                flow_task,
             });
             self.started = started;
         }
@@ -306,11 +433,14 @@ impl RabbitPublisher {
         let mut write_fault = None;
         let mut confirms = Vec::with_capacity(n_events);
         let mut ids = Vec::with_capacity(n_events);
+        let mut sizes = Vec::with_capacity(n_events);
+        let flow = session.flow.clone();
         // Write the whole batch (ordered on one channel); its confirms are awaited by the pump.
         for event in events {
-            // Fenced: the lease is gone, another relay may own the tenant now. The rest is
-            // reported NotSent (no fault: the session is fine).
-            if !fence.is_open() {
+            // Fenced: the lease is gone, another relay may own the tenant now. Blocked: the
+            // broker reads nothing of this connection until its alarm clears. Either way the
+            // rest is reported NotSent (no fault: the session is fine).
+            if !fence.is_open() || flow.borrow().blocked {
                 break;
             }
             let partition = topology.partition_of(&event.key.branch.tenant, &event.key.branch.run);
@@ -325,13 +455,25 @@ impl RabbitPublisher {
                 &event.payload,
                 wire::properties(event),
             );
-            match within("basic.publish", connect_timeout, publish).await {
-                Ok(confirm) => {
+            // A write blocked midway waits for the unblock: lapin keeps its frames and would
+            // write them then, so the event must stay this session's until its verdict.
+            let deadline = Instant::now() + connect_timeout;
+            let written = until_unless_blocked(Box::pin(publish), deadline, connect_timeout, &flow);
+            match written.await {
+                Some(Ok(confirm)) => {
                     confirms.push(confirm);
                     ids.push(wire::message_id(&event.key));
+                    sizes.push(event.payload.len());
                 }
-                Err(err) => {
-                    write_fault = Some(err);
+                Some(Err(err)) => {
+                    write_fault = Some(Error::from(err));
+                    break;
+                }
+                None => {
+                    write_fault = Some(Error::Timeout {
+                        operation: "basic.publish",
+                        timeout_ms: connect_timeout.as_millis() as u64,
+                    });
                     break;
                 }
             }
@@ -340,6 +482,7 @@ impl RabbitPublisher {
         let batch = PendingBatch {
             confirms,
             ids,
+            sizes,
             n_events,
             deadline: tokio::time::Instant::now() + confirm_timeout,
             write_fault,
@@ -384,6 +527,8 @@ async fn within_topology(
 struct PendingBatch {
     confirms: Vec<lapin::PublisherConfirm>,
     ids: Vec<ShortString>,
+    /// Payload bytes of each event written (a size refusal names the limit, not the message).
+    sizes: Vec<usize>,
     n_events: usize,
     deadline: tokio::time::Instant,
     write_fault: Option<Error>,
@@ -458,9 +603,12 @@ async fn confirm_pump(
     mut writer: Writer,
     redeclare: Arc<AtomicBool>,
     confirm_timeout: Duration,
+    flow: watch::Receiver<Flow>,
 ) {
     let mut returned: HashSet<ShortString> = HashSet::new();
     let mut ahead: VecDeque<Tracked> = VecDeque::new();
+    // The broker's max_message_size, once a refusal named it (the channel is closed then).
+    let mut size_limit_seen: Option<usize> = None;
     loop {
         let mut current = match ahead.pop_front() {
             Some(tracked) => tracked,
@@ -473,9 +621,11 @@ async fn confirm_pump(
         let mut timed_out = false;
         for slot in &mut current.slots {
             if let Slot::Waiting(confirm) = slot {
-                *slot = match tokio::time::timeout_at(deadline, confirm).await {
-                    Ok(confirmation) => seen(confirmation, &mut returned),
-                    Err(_) => {
+                // Blocked time does not count: the broker routes what it holds once unblocked.
+                *slot = match until_unless_blocked(confirm, deadline, confirm_timeout, &flow).await
+                {
+                    Some(confirmation) => seen(confirmation, &mut returned),
+                    None => {
                         timed_out = true;
                         Slot::Seen(Outcome::Unconfirmed, None)
                     }
@@ -505,7 +655,17 @@ async fn confirm_pump(
             if let Slot::Seen(outcome, err) = slot {
                 outcomes[index] = outcome;
                 if let Some(err) = err {
+                    size_limit_seen = size_limit_seen.or(size_limit(&err));
                     fault.get_or_insert(Error::Channel(err));
+                }
+            }
+        }
+        // Refused for its size: every unconfirmed event above the limit the broker named (the
+        // one it refused, and any later one it would refuse) counts against its branch.
+        if let Some(limit) = size_limit_seen {
+            for (outcome, size) in outcomes.iter_mut().zip(&batch.sizes) {
+                if *outcome == Outcome::Unconfirmed && *size > limit {
+                    *outcome = Outcome::TooLarge;
                 }
             }
         }
@@ -533,5 +693,59 @@ impl Publisher for RabbitPublisher {
         fence: &'a Fence,
     ) -> BoxFuture<'a, Confirms> {
         Box::pin(self.send_batch(events, fence))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A wait counts only unblocked time: blocked, it goes on; unblocked recently, it has its
+    /// whole limit from the unblock; otherwise it is over.
+    #[test]
+    fn blocked_time_does_not_count_against_a_wait() {
+        let limit = Duration::from_secs(10);
+        let start = Instant::now();
+        let deadline = start + limit;
+        let now = deadline;
+        let blocked = Flow {
+            blocked: true,
+            since: start,
+        };
+        assert_eq!(extended(deadline, limit, blocked, now), Some(now + limit));
+        let unblocked_late = Flow {
+            blocked: false,
+            since: start + Duration::from_secs(4),
+        };
+        assert_eq!(
+            extended(deadline, limit, unblocked_late, now),
+            Some(start + Duration::from_secs(14))
+        );
+        let never_blocked = Flow {
+            blocked: false,
+            since: start - Duration::from_secs(1),
+        };
+        assert_eq!(extended(deadline, limit, never_blocked, now), None);
+    }
+
+    /// RabbitMQ's refusal text names the limit (3.10's `rabbit_channel:check_msg_size`).
+    #[test]
+    fn a_size_refusal_names_the_broker_limit() {
+        let refusal = |text: &str| {
+            lapin::Error::from(lapin::ErrorKind::ProtocolError(
+                lapin::protocol::AMQPError::new(
+                    lapin::protocol::AMQPErrorKind::Soft(
+                        lapin::protocol::AMQPSoftError::PRECONDITIONFAILED,
+                    ),
+                    text.into(),
+                ),
+            ))
+        };
+        let err = refusal(
+            "PRECONDITION_FAILED - message size 8192 is larger than configured max size 4096",
+        );
+        assert_eq!(size_limit(&err), Some(4096));
+        let err = refusal("PRECONDITION_FAILED - inequivalent arg 'x-queue-type'");
+        assert_eq!(size_limit(&err), None);
     }
 }

@@ -3,8 +3,8 @@
 //! ractor has no restart strategies: a child's end arrives here as a supervision event and this
 //! actor decides. Publishers that fail are respawned after a per-shard backoff that never gives
 //! up; drainers that fail are respawned after a per-tenant backoff and resume from the store.
-//! When a publisher dies its mailbox dies with it, so every drainer is told (`PublisherLost`)
-//! and treats what it had sent there as unconfirmed.
+//! When a publisher dies its mailbox dies with it; each batch it held answers its drainer as it
+//! is dropped (`actors::Reply`), so what it had is unconfirmed at once and nothing else is told.
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -726,10 +726,9 @@ impl Actor for RelaySupervisor {
         };
         let id = cell.get_id();
         if let Some(shard) = state.publisher_ids.remove(&id) {
+            // Drainers with batches on it hear of it from each batch's reply as the publisher's
+            // mailbox and tasks drop them.
             state.directory.set(shard, None);
-            for drainer in state.drainers.values() {
-                let _ = drainer.cast(DrainerMessage::PublisherLost(id));
-            }
             if state.finishing.is_some() {
                 return Ok(());
             }

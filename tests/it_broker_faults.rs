@@ -1,0 +1,483 @@
+//! Broker faults a proxy cannot make, on private RabbitMQ nodes each test starts and stops
+//! itself (never the machine's own broker): a node restart under load (classic and quorum
+//! queues), a memory alarm (flow control: `connection.blocked`), and a message-size limit
+//! below an intent. Each heals in seconds, hurts only what it must, and keeps the ordering
+//! promises of `broker/WIRE.md`.
+#[path = "support/harness.rs"]
+mod harness;
+#[path = "support/node.rs"]
+mod node;
+
+mod outbox {
+    use std::collections::{BTreeMap, HashMap};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    use chrono::{DateTime, Utc};
+    use distribution::broker::{self, Partition, QueueType, RabbitConfig};
+    use distribution::store::{
+        BranchId, BranchKey, EventKind, FoldModel, FoldStore, IntentWriter, Lsn, Outbox,
+        OutboxEvent, RunId,
+    };
+    use distribution::{Relay, RelayConfig};
+    use futures_util::StreamExt;
+    use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
+    use sqlx::PgPool;
+
+    use crate::harness::*;
+    use crate::node::PrivateNode;
+
+    /// Every message of the topology as the broker delivered it, per queue in delivery order
+    /// (a raw consumer: no fold, every delivery counted).
+    struct Recorder {
+        deliveries: Arc<Mutex<Vec<OutboxEvent>>>,
+        stop: Arc<AtomicBool>,
+        tasks: Vec<tokio::task::JoinHandle<()>>,
+    }
+
+    impl Recorder {
+        async fn start(rabbit: &RabbitConfig) -> Self {
+            let connection =
+                lapin::Connection::connect(&rabbit.uri, lapin::ConnectionProperties::default())
+                    .await
+                    .unwrap();
+            let connection = Arc::new(connection);
+            let declare = connection.create_channel().await.unwrap();
+            rabbit.topology.declare(&declare).await.unwrap();
+            let deliveries = Arc::new(Mutex::new(Vec::new()));
+            let stop = Arc::new(AtomicBool::new(false));
+            let mut tasks = Vec::new();
+            for partition in 0..rabbit.topology.partitions() {
+                let channel = connection.create_channel().await.unwrap();
+                channel
+                    .basic_qos(100, BasicQosOptions::default())
+                    .await
+                    .unwrap();
+                let mut consumer = channel
+                    .basic_consume(
+                        rabbit.topology.queue(Partition(partition)),
+                        format!("recorder-{partition}").as_str().into(),
+                        BasicConsumeOptions::default(),
+                        lapin::types::FieldTable::default(),
+                    )
+                    .await
+                    .unwrap();
+                let (deliveries, stop, connection) =
+                    (deliveries.clone(), stop.clone(), connection.clone());
+                tasks.push(tokio::spawn(async move {
+                    let _connection = connection;
+                    while !stop.load(Ordering::Acquire) {
+                        let next =
+                            tokio::time::timeout(Duration::from_millis(100), consumer.next()).await;
+                        let Ok(Some(Ok(delivery))) = next else {
+                            continue;
+                        };
+                        let event = broker::decode(&delivery.properties, &delivery.data).unwrap();
+                        deliveries.lock().unwrap().push(event);
+                        delivery.ack(BasicAckOptions::default()).await.unwrap();
+                    }
+                }));
+            }
+            Self {
+                deliveries,
+                stop,
+                tasks,
+            }
+        }
+
+        fn deliveries(&self) -> Vec<OutboxEvent> {
+            self.deliveries.lock().unwrap().clone()
+        }
+
+        async fn stop(self) {
+            self.stop.store(true, Ordering::Release);
+            for task in self.tasks {
+                task.await.unwrap();
+            }
+        }
+    }
+
+    fn relay_on(node: &PrivateNode, url: &str, topology: &str) -> RelayConfig {
+        let mut config = relay_config(url, &node.url(), topology);
+        config.amqp_connect_timeout = Duration::from_secs(1);
+        config.amqp_confirm_timeout = Duration::from_secs(1);
+        config.supervisor.drainer.batch_timeout = Duration::from_secs(2);
+        config
+    }
+
+    /// The oldest intent still in the outbox (none: empty), and the database's clock.
+    async fn oldest_pending(pool: &PgPool) -> (DateTime<Utc>, Option<DateTime<Utc>>) {
+        sqlx::query_as("SELECT now(), min(created_at) FROM relay_outbox")
+            .fetch_one(pool)
+            .await
+            .unwrap()
+    }
+
+    /// A host writing one step on every live branch every 20 ms until stopped; returns what it
+    /// wrote.
+    fn keep_writing(
+        pool: PgPool,
+        workload: Workload,
+        ran: Ran,
+        stop: Arc<AtomicBool>,
+    ) -> tokio::task::JoinHandle<Expected> {
+        tokio::spawn(async move {
+            let mut expected = ran.expected;
+            let mut live = ran.live;
+            let mut step = workload.steps + 1;
+            while !stop.load(Ordering::Acquire) {
+                let more = workload.steps(&pool, live, step..=step).await;
+                merge(&mut expected, &more.expected);
+                live = more.live;
+                step += 1;
+                // Pacing of the load (about 300 intents/s), not synchronisation.
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            expected
+        })
+    }
+
+    /// The node's broker application stops for 3 s under load and starts again: every branch
+    /// ships again within seconds of the broker accepting connections (a batch of a publisher
+    /// that died is settled at once, not at a timeout), and the fold is exact.
+    async fn restart_under_load(queue_type: QueueType) -> Duration {
+        let node = PrivateNode::start("restart");
+        let (pool, url) = fresh_database("brokerrestart").await;
+        let topology = unique("restart");
+        let mut config = relay_on(&node, &url, &topology);
+        config.queue_type = queue_type;
+        let rabbit = config.rabbit_config().unwrap();
+        let relay = Relay::start(config).await.unwrap();
+        let fold_pool = fresh_database("brokerrestartfold").await.0;
+        let fold = FoldStore::new(fold_pool);
+        let folding = Folding::start(rabbit.clone(), &fold);
+
+        let workload = Workload::new(&unique("rs"), 3, 3, 2);
+        let ran = workload.run(&pool).await;
+        let stop = Arc::new(AtomicBool::new(false));
+        let writer = keep_writing(pool.clone(), workload, ran, stop.clone());
+        let outbox = Outbox::new(pool.clone());
+        wait_until(
+            "the first intents ship",
+            Duration::from_secs(30),
+            || async { folding.totals().applied >= 20 },
+        )
+        .await;
+
+        tokio::task::block_in_place(|| node.stop_app());
+        // The outage lasts 3 s while the host writes on (the host never waits for the broker).
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        tokio::task::block_in_place(|| node.start_app());
+        let (back, _) = oldest_pending(&pool).await;
+
+        // Lag after recovery: for each intent, from max(its commit, the broker's return) to its
+        // ack; the oldest pending intent bounds it at each sample. Sampled while the host writes
+        // on for 4 s, then until the outbox is empty.
+        let mut worst = Duration::ZERO;
+        let writing_until = tokio::time::Instant::now() + Duration::from_secs(4);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+        loop {
+            let (now, oldest) = oldest_pending(&pool).await;
+            match oldest {
+                Some(oldest) => {
+                    let lag = (now - oldest.max(back)).to_std().unwrap_or_default();
+                    worst = worst.max(lag);
+                }
+                None if writer.is_finished() => break,
+                None => {}
+            }
+            if tokio::time::Instant::now() >= writing_until {
+                stop.store(true, Ordering::Release);
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the outbox did not empty within 90 s of the broker's return"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let expected = writer.await.unwrap();
+        assert_eq!(pending(&outbox).await, 0);
+        wait_until(
+            "the fold has every live intent",
+            Duration::from_secs(60),
+            || async { folded_count(&fold, &expected).await == count(&expected) },
+        )
+        .await;
+        assert_folded_exactly(&fold, &expected).await;
+        folding.stop().await;
+        relay.shutdown().await;
+        // The topology goes with the node's data directory.
+        worst
+    }
+
+    /// A broker restart (classic queues) heals within seconds: the lag of any intent after the
+    /// broker accepts connections again stays under 5 s (a few seconds plus the retry backoff;
+    /// before, branches stalled for twice the drainer's batch timeout).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_broker_restart_under_load_heals_within_seconds_classic() {
+        let worst = restart_under_load(QueueType::Classic).await;
+        println!("classic: worst lag after the broker returned: {worst:?}");
+        assert!(
+            worst < Duration::from_secs(5),
+            "an intent waited {worst:?} after the broker returned"
+        );
+    }
+
+    /// The same with quorum queues.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_broker_restart_under_load_heals_within_seconds_quorum() {
+        let worst = restart_under_load(QueueType::Quorum).await;
+        println!("quorum: worst lag after the broker returned: {worst:?}");
+        assert!(
+            worst < Duration::from_secs(5),
+            "an intent waited {worst:?} after the broker returned"
+        );
+    }
+
+    async fn append(pool: &PgPool, branch: &BranchKey, lsn: u64) {
+        append_intent(pool, branch, lsn, format!("{branch}@{lsn}").as_bytes()).await;
+    }
+
+    /// Under a memory alarm the broker blocks the relay's connections (`connection.blocked`)
+    /// and stops reading them; what was written stays in their sockets. The relay stops
+    /// writing, says so (`BrokerHealth::blocked`), and never sends a batch again elsewhere
+    /// while the connection it was written on could still deliver it: once the alarm clears,
+    /// every intent and marker arrives exactly once, and each rewound branch's marker after
+    /// every intent of it. Before, the relay timed blocked batches out and sent them (and the
+    /// marker) again, and the first copies landed after the marker.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_blocked_broker_gets_each_message_once_and_every_marker_after_its_branch() {
+        let node = PrivateNode::start("alarm");
+        let (pool, url) = fresh_database("brokeralarm").await;
+        let topology = unique("alarm");
+        let config = relay_on(&node, &url, &topology);
+        let rabbit = config.rabbit_config().unwrap();
+        let recorder = Recorder::start(&rabbit).await;
+        let relay = Relay::start(config).await.unwrap();
+        let health = relay.broker_health();
+
+        let prefix = unique("al");
+        let writer = IntentWriter::default();
+        let mut branches = Vec::new();
+        for index in 0..4 {
+            let branch = write_first_intent(&pool, &format!("{prefix}-t{index}"), b"1").await;
+            branches.push(branch);
+        }
+        wait_until(
+            "the first intents arrive",
+            Duration::from_secs(30),
+            || async { recorder.deliveries().len() == branches.len() },
+        )
+        .await;
+
+        tokio::task::block_in_place(|| node.memory_alarm(true));
+        // The host writes on, then rewinds every branch at 3 (4..=6 abandoned, possibly read
+        // by the relay already), then writes on the new branch.
+        for branch in &branches {
+            for lsn in 2..=6 {
+                append(&pool, branch, lsn).await;
+            }
+        }
+        wait_until(
+            "the relay's connections are blocked",
+            Duration::from_secs(30),
+            || async { health.blocked() },
+        )
+        .await;
+        let mut live = Vec::new();
+        for branch in &branches {
+            let rewound = writer
+                .rewind(
+                    &mut pool.acquire().await.unwrap(),
+                    branch,
+                    Lsn::new(3),
+                    BranchId::new("fork").unwrap(),
+                )
+                .await
+                .unwrap();
+            for lsn in 4..=5 {
+                append(&pool, &rewound.live, lsn).await;
+            }
+            live.push(rewound.live);
+        }
+        // Held well past every timeout of the relay (confirms 1 s, batches 2 s).
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        assert!(health.blocked(), "still blocked while the alarm holds");
+        assert!(
+            tokio::task::block_in_place(|| node.alarmed()),
+            "the alarm held"
+        );
+        tokio::task::block_in_place(|| node.memory_alarm(false));
+
+        // Everything of live history arrives: each branch's marker and the new branches' 4, 5.
+        let arrived = |deliveries: &[OutboxEvent]| {
+            let markers = deliveries.iter().filter(|event| event.is_rewind()).count();
+            let forked = deliveries
+                .iter()
+                .filter(|event| live.contains(&event.key.branch))
+                .count();
+            markers == branches.len() && forked == 2 * live.len()
+        };
+        wait_until("live history arrives", Duration::from_secs(60), || async {
+            arrived(&recorder.deliveries())
+        })
+        .await;
+        wait_until("the outbox is empty", Duration::from_secs(30), || async {
+            pending(&Outbox::new(pool.clone())).await == 0
+        })
+        .await;
+        assert!(!health.blocked(), "unblocked once the alarm cleared");
+        let deliveries = recorder.deliveries();
+        recorder.stop().await;
+        relay.shutdown().await;
+
+        // Exactly once at the broker: no batch was sent again while its first copy could land.
+        let mut copies: HashMap<String, usize> = HashMap::new();
+        for event in &deliveries {
+            *copies.entry(event.key.to_string()).or_default() += 1;
+        }
+        let twice: Vec<_> = copies.iter().filter(|(_, n)| **n > 1).collect();
+        assert!(twice.is_empty(), "delivered more than once: {twice:?}");
+        // Each marker after every intent of its branch (one queue per run, so this is the
+        // broker's order).
+        for branch in &branches {
+            let of_branch: Vec<&OutboxEvent> = deliveries
+                .iter()
+                .filter(|event| &event.key.branch == branch)
+                .collect();
+            let marker = of_branch
+                .iter()
+                .position(|event| matches!(event.kind, EventKind::Rewind { .. }))
+                .expect("a marker");
+            assert_eq!(
+                marker,
+                of_branch.len() - 1,
+                "{branch}: an intent after its marker"
+            );
+        }
+        // And a consumer following WIRE.md gets exactly the live history from it.
+        let mut model = FoldModel::new();
+        for event in &deliveries {
+            model.deliver(event).unwrap();
+        }
+        let mut got: BTreeMap<BranchKey, Vec<u64>> = BTreeMap::new();
+        for (key, _) in model.projection() {
+            got.entry(key.branch.clone())
+                .or_default()
+                .push(key.lsn.get());
+        }
+        for (branch, forked) in branches.iter().zip(&live) {
+            assert_eq!(got[branch], [1, 2, 3], "{branch}");
+            assert_eq!(got[forked], [4, 5], "{forked}");
+        }
+        assert_eq!(model.held_back(), 0);
+    }
+
+    /// The broker refuses a message larger than its `max_message_size` by closing the channel
+    /// (PRECONDITION_FAILED). That refusal counts against the message's branch like a nack:
+    /// the branch cools, then parks with reason `too_large`; the tenant's other runs and other
+    /// tenants flow meanwhile; once the limit allows it, `release` ships it, in order, once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_message_too_large_for_the_broker_parks_its_branch_and_its_tenant_flows() {
+        let node = PrivateNode::start("size");
+        tokio::task::block_in_place(|| node.max_message_size(4096));
+        let (pool, url) = fresh_database("brokersize").await;
+        let topology = unique("size");
+        let mut config = relay_on(&node, &url, &topology);
+        config.supervisor.drainer.park_after_attempts = 3;
+        config.supervisor.drainer.park_retry = Duration::from_secs(600);
+        let rabbit = config.rabbit_config().unwrap();
+        let relay = Relay::start(config).await.unwrap();
+        let fold = FoldStore::new(fresh_database("brokersizefold").await.0);
+        let folding = Folding::start(rabbit.clone(), &fold);
+
+        let prefix = unique("sz");
+        let tenant = format!("{prefix}-t");
+        let big = write_first_intent(&pool, &tenant, b"small").await;
+        append_intent(&pool, &big, 2, &vec![7u8; 8192]).await;
+        append_intent(&pool, &big, 3, b"after the big one").await;
+        // Its first intent is live history and small: it folds.
+        let mut expected = Expected::new();
+        expected.insert(big.clone(), vec![(Lsn::new(1), b"small".to_vec())]);
+        let mut others = Vec::new();
+        let writer = IntentWriter::default();
+        for run in ["r2", "r3"] {
+            let branch = BranchKey::new(
+                big.tenant.clone(),
+                RunId::new(run).unwrap(),
+                BranchId::new("b").unwrap(),
+            );
+            let mut tx = pool.begin().await.unwrap();
+            writer.open_run(&mut tx, &branch).await.unwrap();
+            tx.commit().await.unwrap();
+            others.push(branch);
+        }
+        others.push(write_first_intent(&pool, &format!("{prefix}-other"), b"1").await);
+        for branch in &others {
+            let first = if branch.tenant == big.tenant { 1 } else { 2 };
+            if first == 2 {
+                expected.insert(branch.clone(), vec![(Lsn::new(1), b"1".to_vec())]);
+            }
+            for lsn in first..=20 {
+                let payload = format!("{branch}@{lsn}").into_bytes();
+                append_intent(&pool, branch, lsn, &payload).await;
+                expected
+                    .entry(branch.clone())
+                    .or_default()
+                    .push((Lsn::new(lsn), payload));
+            }
+        }
+        // The other runs of the tenant and the other tenant fold in full while the big one
+        // cools and parks.
+        wait_until(
+            "the other branches fold",
+            Duration::from_secs(30),
+            || async { folded_count(&fold, &expected).await == count(&expected) },
+        )
+        .await;
+        let outbox = Outbox::new(pool.clone());
+        wait_until(
+            "the branch parks as too_large",
+            Duration::from_secs(60),
+            || async {
+                outbox
+                    .parked_branches()
+                    .await
+                    .unwrap()
+                    .iter()
+                    .any(|parked| parked.branch == big && parked.reason == "too_large")
+            },
+        )
+        .await;
+        let parked = outbox.parked_branches().await.unwrap();
+        assert_eq!(parked.len(), 1, "only the big branch parks: {parked:?}");
+        assert_eq!(
+            parked[0].pending, 2,
+            "its big intent and the one after it wait"
+        );
+
+        // The operator raises the limit and releases the branch: it ships, in order, once.
+        tokio::task::block_in_place(|| node.max_message_size(1 << 20));
+        assert_eq!(
+            outbox
+                .release(&big.tenant, Some(&big.run), None)
+                .await
+                .unwrap(),
+            1
+        );
+        expected.get_mut(&big).unwrap().extend([
+            (Lsn::new(2), vec![7u8; 8192]),
+            (Lsn::new(3), b"after the big one".to_vec()),
+        ]);
+        wait_until(
+            "the released branch folds",
+            Duration::from_secs(60),
+            || async { folded_count(&fold, &expected).await == count(&expected) },
+        )
+        .await;
+        assert_folded_exactly(&fold, &expected).await;
+        folding.stop().await;
+        relay.shutdown().await;
+    }
+}

@@ -1,0 +1,174 @@
+//! A private RabbitMQ node a test starts, hurts and stops itself (never the machine's own on
+//! 5672): its own node name, ports, data and log directories, started with `rabbitmq-server
+//! -detached` and driven with `rabbitmqctl -n <node>`. Dropping it stops the node and removes
+//! its files, on failure too (a panic unwinds through the drop).
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+pub struct PrivateNode {
+    name: String,
+    port: u16,
+    dir: PathBuf,
+}
+
+/// A port nothing listens on now (the kernel's pick; released before the node binds it).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+impl PrivateNode {
+    /// Starts a node and waits until it accepts AMQP connections (about 6 s here).
+    pub fn start(label: &str) -> Self {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let name = format!("relay{label}{}n{n}@localhost", std::process::id());
+        let (port, dist) = (free_port(), free_port());
+        let dir = std::env::temp_dir().join(format!("relay-node-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        for sub in ["mnesia", "log"] {
+            std::fs::create_dir_all(dir.join(sub)).unwrap();
+        }
+        std::fs::write(
+            dir.join("rabbitmq.conf"),
+            format!("loopback_users = none\nlisteners.tcp.default = 127.0.0.1:{port}\n"),
+        )
+        .unwrap();
+        std::fs::write(dir.join("enabled_plugins"), "[].\n").unwrap();
+        // The server runs as user rabbitmq (Debian's wrapper switches to it when run as root).
+        let chown = Command::new("chown")
+            .args(["-R", "rabbitmq:rabbitmq"])
+            .arg(&dir)
+            .status()
+            .unwrap();
+        assert!(chown.success(), "chown of {dir:?}");
+        let node = Self { name, port, dir };
+        let status = Command::new("rabbitmq-server")
+            .arg("-detached")
+            .env("RABBITMQ_NODENAME", &node.name)
+            .env("RABBITMQ_NODE_PORT", port.to_string())
+            .env("RABBITMQ_DIST_PORT", dist.to_string())
+            .env("RABBITMQ_MNESIA_BASE", node.dir.join("mnesia"))
+            .env("RABBITMQ_LOG_BASE", node.dir.join("log"))
+            .env("RABBITMQ_CONFIG_FILE", node.dir.join("rabbitmq.conf"))
+            .env(
+                "RABBITMQ_ENABLED_PLUGINS_FILE",
+                node.dir.join("enabled_plugins"),
+            )
+            .status()
+            .expect("rabbitmq-server is installed");
+        assert!(
+            status.success(),
+            "rabbitmq-server -detached for {}",
+            node.name
+        );
+        node.await_startup();
+        node
+    }
+
+    /// Waits until the node runs its application and its AMQP port answers. The node registers
+    /// with epmd a few seconds after `-detached` returns; until then `await_startup` fails at
+    /// once, so it is asked again until a deadline.
+    fn await_startup(&self) {
+        let deadline = Instant::now() + Duration::from_secs(90);
+        loop {
+            let up = self.try_ctl(&["await_startup", "--timeout", "60"]).is_ok()
+                && std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok();
+            if up {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "private node {} did not start within 90 s; its log is in {:?}",
+                self.name,
+                self.dir.join("log")
+            );
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
+
+    /// `amqp://guest:guest@127.0.0.1:<port>/%2f` with test-speed heartbeats.
+    pub fn url(&self) -> String {
+        format!("amqp://guest:guest@127.0.0.1:{}/%2f?heartbeat=5", self.port)
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    fn try_ctl(&self, args: &[&str]) -> Result<String, String> {
+        let output = Command::new("rabbitmqctl")
+            .arg("-n")
+            .arg(&self.name)
+            .args(args)
+            .output()
+            .map_err(|err| err.to_string())?;
+        let text = String::from_utf8_lossy(&output.stdout).into_owned();
+        if output.status.success() {
+            Ok(text)
+        } else {
+            Err(format!("{text}{}", String::from_utf8_lossy(&output.stderr)))
+        }
+    }
+
+    /// Runs `rabbitmqctl -n <node> args...`; panics with its output if it fails.
+    pub fn ctl(&self, args: &[&str]) -> String {
+        self.try_ctl(args)
+            .unwrap_or_else(|err| panic!("rabbitmqctl {args:?} on {}: {err}", self.name))
+    }
+
+    /// The broker application stops (connections closed, queues gone from memory) and starts
+    /// again: a node restart without the Erlang VM's own start-up time.
+    pub fn stop_app(&self) {
+        self.ctl(&["stop_app"]);
+    }
+
+    pub fn start_app(&self) {
+        self.ctl(&["start_app"]);
+        self.await_startup();
+    }
+
+    /// Raises (or clears) a memory alarm: every publishing connection is blocked until cleared.
+    pub fn memory_alarm(&self, on: bool) {
+        self.ctl(&[
+            "set_vm_memory_high_watermark",
+            if on { "0.00001" } else { "0.4" },
+        ]);
+    }
+
+    /// Whether the node has an alarm in effect.
+    pub fn alarmed(&self) -> bool {
+        self.ctl(&["eval", "rabbit_alarm:get_alarms()."]).trim() != "[]"
+    }
+
+    /// The largest message the node accepts; applies to connections opened afterwards, so the
+    /// node's connections are closed too.
+    pub fn max_message_size(&self, bytes: usize) {
+        self.ctl(&[
+            "eval",
+            &format!("application:set_env(rabbit, max_message_size, {bytes})."),
+        ]);
+        self.ctl(&[
+            "close_all_connections",
+            "max_message_size changed by the test",
+        ]);
+    }
+}
+
+impl Drop for PrivateNode {
+    fn drop(&mut self) {
+        if self.try_ctl(&["stop"]).is_err() {
+            // Not answering: kill what runs under its name, and nothing else.
+            let _ = Command::new("pkill")
+                .args(["-f", &format!("-sname {}", self.name)])
+                .status();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

@@ -7,96 +7,27 @@
 mod harness;
 #[path = "support/node.rs"]
 mod node;
+#[path = "support/recorder.rs"]
+mod recorder;
 
 mod outbox {
-    use std::collections::{BTreeMap, HashMap};
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
-    use std::sync::{Arc, Mutex};
     use std::time::Duration;
 
     use chrono::{DateTime, Utc};
-    use distribution::broker::{self, Partition, QueueType, RabbitConfig};
+    use distribution::broker::QueueType;
     use distribution::store::{
         BranchId, BranchKey, EventKind, FoldModel, FoldStore, IntentWriter, Lsn, Outbox,
         OutboxEvent, RunId,
     };
     use distribution::{Relay, RelayConfig};
-    use futures_util::StreamExt;
-    use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
     use sqlx::PgPool;
 
     use crate::harness::*;
     use crate::node::PrivateNode;
-
-    /// Every message of the topology as the broker delivered it, per queue in delivery order
-    /// (a raw consumer: no fold, every delivery counted).
-    struct Recorder {
-        deliveries: Arc<Mutex<Vec<OutboxEvent>>>,
-        stop: Arc<AtomicBool>,
-        tasks: Vec<tokio::task::JoinHandle<()>>,
-    }
-
-    impl Recorder {
-        async fn start(rabbit: &RabbitConfig) -> Self {
-            let connection =
-                lapin::Connection::connect(&rabbit.uri, lapin::ConnectionProperties::default())
-                    .await
-                    .unwrap();
-            let connection = Arc::new(connection);
-            let declare = connection.create_channel().await.unwrap();
-            rabbit.topology.declare(&declare).await.unwrap();
-            let deliveries = Arc::new(Mutex::new(Vec::new()));
-            let stop = Arc::new(AtomicBool::new(false));
-            let mut tasks = Vec::new();
-            for partition in 0..rabbit.topology.partitions() {
-                let channel = connection.create_channel().await.unwrap();
-                channel
-                    .basic_qos(100, BasicQosOptions::default())
-                    .await
-                    .unwrap();
-                let mut consumer = channel
-                    .basic_consume(
-                        rabbit.topology.queue(Partition(partition)),
-                        format!("recorder-{partition}").as_str().into(),
-                        BasicConsumeOptions::default(),
-                        lapin::types::FieldTable::default(),
-                    )
-                    .await
-                    .unwrap();
-                let (deliveries, stop, connection) =
-                    (deliveries.clone(), stop.clone(), connection.clone());
-                tasks.push(tokio::spawn(async move {
-                    let _connection = connection;
-                    while !stop.load(Ordering::Acquire) {
-                        let next =
-                            tokio::time::timeout(Duration::from_millis(100), consumer.next()).await;
-                        let Ok(Some(Ok(delivery))) = next else {
-                            continue;
-                        };
-                        let event = broker::decode(&delivery.properties, &delivery.data).unwrap();
-                        deliveries.lock().unwrap().push(event);
-                        delivery.ack(BasicAckOptions::default()).await.unwrap();
-                    }
-                }));
-            }
-            Self {
-                deliveries,
-                stop,
-                tasks,
-            }
-        }
-
-        fn deliveries(&self) -> Vec<OutboxEvent> {
-            self.deliveries.lock().unwrap().clone()
-        }
-
-        async fn stop(self) {
-            self.stop.store(true, Ordering::Release);
-            for task in self.tasks {
-                task.await.unwrap();
-            }
-        }
-    }
+    use crate::recorder::{Recorder, keep_writing};
 
     /// The harness's test-speed relay on `node`, with 1 s AMQP timeouts (the drainer's batch
     /// timeout stays the harness's 10 s).
@@ -113,30 +44,6 @@ mod outbox {
             .fetch_one(pool)
             .await
             .unwrap()
-    }
-
-    /// A host writing one step on every live branch every 20 ms until stopped; returns what it
-    /// wrote.
-    fn keep_writing(
-        pool: PgPool,
-        workload: Workload,
-        ran: Ran,
-        stop: Arc<AtomicBool>,
-    ) -> tokio::task::JoinHandle<Expected> {
-        tokio::spawn(async move {
-            let mut expected = ran.expected;
-            let mut live = ran.live;
-            let mut step = workload.steps + 1;
-            while !stop.load(Ordering::Acquire) {
-                let more = workload.steps(&pool, live, step..=step).await;
-                merge(&mut expected, &more.expected);
-                live = more.live;
-                step += 1;
-                // Pacing of the load (about 300 intents/s), not synchronisation.
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            expected
-        })
     }
 
     /// The node's broker application stops for 3 s under load and starts again: every branch
@@ -336,12 +243,8 @@ mod outbox {
         relay.shutdown().await;
 
         // Exactly once at the broker: no batch was sent again while its first copy could land.
-        let mut copies: HashMap<String, usize> = HashMap::new();
-        for event in &deliveries {
-            *copies.entry(event.key.to_string()).or_default() += 1;
-        }
-        let twice: Vec<_> = copies.iter().filter(|(_, n)| **n > 1).collect();
-        assert!(twice.is_empty(), "delivered more than once: {twice:?}");
+        let (extra, twice) = Recorder::duplicates(&deliveries);
+        assert_eq!(extra, 0, "delivered more than once: {twice:?}");
         // Each marker after every intent of its branch (one queue per run, so this is the
         // broker's order).
         for branch in &branches {

@@ -114,6 +114,9 @@ pub struct PublisherState {
     /// Set as soon as any batch reports a broker fault: queued batches are not tried on the
     /// dead session (each could wait out a connect timeout); the actor fails at once instead.
     faulted: Arc<std::sync::atomic::AtomicBool>,
+    /// The batches awaiting their confirms, one task each, aborted with the actor's state
+    /// (however it ends): each aborted batch's [`Reply`] answers its drainer at once.
+    in_flight: tokio::task::JoinSet<()>,
 }
 
 impl std::fmt::Debug for PublisherState {
@@ -164,6 +167,7 @@ impl Actor for PublisherActor {
             healthy: false,
             unconfirmed,
             faulted: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+            in_flight: tokio::task::JoinSet::new(),
         })
     }
 
@@ -189,6 +193,8 @@ impl Actor for PublisherActor {
             }
         };
         let shard = state.args.shard;
+        // Forget the batches already answered.
+        while state.in_flight.try_join_next().is_some() {}
         if state.faulted.load(std::sync::atomic::Ordering::Acquire) {
             // This batch's reply, and those of the batches in the mailbox (which dies with the
             // actor), answer as they are dropped: their drainers retry at once.
@@ -219,7 +225,7 @@ impl Actor for PublisherActor {
             };
         }
         let faulted = state.faulted.clone();
-        tokio::spawn(
+        state.in_flight.spawn(
             async move {
                 let report = confirms.await;
                 drop(permits);
@@ -240,5 +246,129 @@ impl Actor for PublisherActor {
             .instrument(span),
         );
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use broker::{BoxFuture, Confirms};
+    use chrono::Utc;
+    use store::{BranchId, BranchKey, EventKey, EventKind, Lsn, RunId, TenantId};
+
+    use super::*;
+
+    /// A broker that takes every write and never confirms anything.
+    struct Silent;
+
+    impl Publisher for Silent {
+        #[allow(clippy::async_yields_async)]
+        fn send<'a>(
+            &'a mut self,
+            _events: &'a [OutboxEvent],
+            _fence: &'a Fence,
+        ) -> BoxFuture<'a, Confirms> {
+            Box::pin(async { Box::pin(std::future::pending()) as Confirms })
+        }
+    }
+
+    /// Stands in for a drainer: forwards every answer to the test.
+    struct Probe;
+
+    impl Actor for Probe {
+        type Msg = DrainerMessage;
+        type State = tokio::sync::mpsc::UnboundedSender<DrainerMessage>;
+        type Arguments = tokio::sync::mpsc::UnboundedSender<DrainerMessage>;
+
+        async fn pre_start(
+            &self,
+            _myself: ActorRef<DrainerMessage>,
+            to_test: Self::Arguments,
+        ) -> Result<Self::State, ActorProcessingErr> {
+            Ok(to_test)
+        }
+
+        async fn handle(
+            &self,
+            _myself: ActorRef<DrainerMessage>,
+            message: DrainerMessage,
+            to_test: &mut Self::State,
+        ) -> Result<(), ActorProcessingErr> {
+            let _ = to_test.send(message);
+            Ok(())
+        }
+    }
+
+    fn event(lsn: u64) -> OutboxEvent {
+        OutboxEvent {
+            key: EventKey {
+                branch: BranchKey::new(
+                    TenantId::new("t").unwrap(),
+                    RunId::new("r").unwrap(),
+                    BranchId::new("b").unwrap(),
+                ),
+                lsn: Lsn::new(lsn),
+            },
+            prev_lsn: Lsn::new(lsn - 1),
+            base_lsn: Lsn::new(0),
+            payload: Vec::new(),
+            created_at: Utc::now(),
+            kind: EventKind::Intent,
+            parent: None,
+        }
+    }
+
+    /// A publisher that dies answers every batch it held, the one awaiting confirms and the
+    /// ones in its mailbox, at once and with nothing accepted: no drainer waits on a timer for
+    /// a publisher that is gone (issue 16: branches stalled for multiples of the batch timeout
+    /// after a broker restart), and no other drainer is told anything.
+    #[tokio::test]
+    async fn a_publisher_that_dies_answers_every_batch_it_held_at_once() {
+        let (to_test, mut answers) = tokio::sync::mpsc::unbounded_channel();
+        let (probe, _) = Actor::spawn(None, Probe, to_test).await.unwrap();
+        let args = PublisherArgs {
+            shard: ShardId(0),
+            factory: Arc::new(|_| Box::new(Silent) as Box<dyn Publisher>),
+            on_healthy: Arc::new(|_| {}),
+            max_unconfirmed: 1,
+        };
+        let (publisher, _) = Actor::spawn(None, PublisherActor, args).await.unwrap();
+        // Batch 0 is written and awaits confirms; with room for one unconfirmed event, batch 1
+        // waits in the actor for room, batch 2 in its mailbox.
+        for batch in 0..3 {
+            publisher
+                .cast(PublisherMessage::Publish {
+                    events: vec![event(batch + 1)],
+                    reply: Reply::new(probe.clone(), batch, ShardId(0)),
+                    fence: Fence::open(),
+                })
+                .unwrap();
+        }
+        assert!(
+            tokio::time::timeout(Duration::from_millis(300), answers.recv())
+                .await
+                .is_err(),
+            "nothing is answered while the broker is silent"
+        );
+        publisher.kill();
+        let mut answered = Vec::new();
+        for _ in 0..3 {
+            let answer = tokio::time::timeout(Duration::from_secs(5), answers.recv())
+                .await
+                .expect("answered at once")
+                .expect("probe alive");
+            let DrainerMessage::Confirmed {
+                batch, outcomes, ..
+            } = answer
+            else {
+                panic!("not an answer: {answer:?}");
+            };
+            assert!(outcomes.is_empty(), "nothing accepted");
+            answered.push(batch);
+        }
+        answered.sort_unstable();
+        assert_eq!(answered, [0, 1, 2]);
+        probe.stop(None);
     }
 }

@@ -212,6 +212,13 @@ impl LeasePlan {
             .min(u32::from(self.buckets)) as u16
     }
 
+    /// The step of a relay's first heartbeat: [`LeasePlan::step`] as if one more relay were
+    /// starting beside it, so relays started together do not claim buckets they would hand
+    /// over a heartbeat later. Costs a lone relay half its buckets for one heartbeat.
+    pub fn first_step(&self, owned: usize, members: u32) -> LeaseStep {
+        self.step(owned, members.max(1).saturating_add(1))
+    }
+
     /// The next step for a relay holding `owned` buckets among `members` live relays.
     pub fn step(&self, owned: usize, members: u32) -> LeaseStep {
         let share = usize::from(self.share(members));
@@ -238,6 +245,10 @@ pub struct LeaseBook {
     owner: RelayId,
     ttl: Duration,
     held: BTreeMap<Bucket, Lease>,
+    /// Held buckets being handed over (a planned move), since when: still renewed, fences
+    /// open, so what is in flight under them settles and is acked; no new drainer starts on
+    /// them. Each is released once its drainers are done, or after the grace.
+    leaving: BTreeMap<Bucket, Instant>,
 }
 
 /// How the leases held changed.
@@ -263,7 +274,70 @@ impl LeaseBook {
             owner,
             ttl,
             held: BTreeMap::new(),
+            leaving: BTreeMap::new(),
         }
+    }
+
+    /// Buckets held and not being handed over: what counts toward this relay's share.
+    pub fn staying(&self) -> usize {
+        self.held.len() - self.leaving.len()
+    }
+
+    /// Buckets being handed over.
+    pub fn leaving(&self) -> Vec<Bucket> {
+        self.leaving.keys().copied().collect()
+    }
+
+    /// Drops `bucket` from the book, revoking its fence; its epoch, to release it.
+    fn drop_lease(&mut self, bucket: Bucket) -> Option<(Bucket, i64)> {
+        self.leaving.remove(&bucket);
+        self.held.remove(&bucket).map(|lease| {
+            lease.revoke();
+            (bucket, lease.epoch())
+        })
+    }
+
+    /// A planned move of `n` buckets (the highest-numbered of those staying) starts at `now`:
+    /// they stay held, renewed and fenced open until [`LeaseBook::handed_over`] (their drainers
+    /// settled what they had in flight) or [`LeaseBook::overdue`]. Returns them.
+    pub fn hand_over(&mut self, n: u16, now: Instant) -> Vec<Bucket> {
+        let chosen: Vec<Bucket> = self
+            .held
+            .keys()
+            .rev()
+            .filter(|bucket| !self.leaving.contains_key(bucket))
+            .take(usize::from(n))
+            .copied()
+            .collect();
+        for bucket in &chosen {
+            self.leaving.insert(*bucket, now);
+        }
+        chosen
+    }
+
+    /// Everything in flight under `bucket` (being handed over) settled: its fence closes and
+    /// it leaves the book. Returns it with its epoch, to release; `None` if it is not leaving
+    /// (lost meanwhile, say).
+    pub fn handed_over(&mut self, bucket: Bucket) -> Option<(Bucket, i64)> {
+        if !self.leaving.contains_key(&bucket) {
+            return None;
+        }
+        self.drop_lease(bucket)
+    }
+
+    /// Buckets handed over for `grace` or longer by `now` without settling: their fences close
+    /// and they leave the book (what was in flight is sent again by the next owner: at most
+    /// what was in flight). Returned with their epochs, to release.
+    pub fn overdue(&mut self, now: Instant, grace: Duration) -> Vec<(Bucket, i64)> {
+        let late: Vec<Bucket> = self
+            .leaving
+            .iter()
+            .filter(|(_, since)| now.saturating_duration_since(**since) >= grace)
+            .map(|(bucket, _)| *bucket)
+            .collect();
+        late.into_iter()
+            .filter_map(|bucket| self.drop_lease(bucket))
+            .collect()
     }
 
     /// The relay's id.
@@ -316,6 +390,9 @@ impl LeaseBook {
                 false
             }
         });
+        for bucket in &lost {
+            self.leaving.remove(bucket);
+        }
         lost
     }
 
@@ -348,6 +425,9 @@ impl LeaseBook {
                 false
             }
         });
+        for (bucket, _) in &lost {
+            self.leaving.remove(bucket);
+        }
         lost
     }
 
@@ -363,12 +443,7 @@ impl LeaseBook {
             .collect();
         chosen
             .into_iter()
-            .filter_map(|bucket| {
-                self.held.remove(&bucket).map(|lease| {
-                    lease.revoke();
-                    (bucket, lease.epoch())
-                })
-            })
+            .filter_map(|bucket| self.drop_lease(bucket))
             .collect()
     }
 
@@ -564,6 +639,10 @@ mod tests {
         assert_eq!(plan.step(128, 2), LeaseStep::Shed(64));
         assert_eq!(plan.step(43, 3), LeaseStep::Hold);
         assert_eq!(plan.step(5, 0), LeaseStep::Claim(123));
+        // A first heartbeat leaves room for one more relay starting beside it.
+        assert_eq!(plan.first_step(0, 1), LeaseStep::Claim(64));
+        assert_eq!(plan.first_step(0, 2), LeaseStep::Claim(43));
+        assert_eq!(plan.first_step(0, 0), LeaseStep::Claim(64));
     }
 
     #[test]
@@ -620,6 +699,55 @@ mod tests {
         let all = book.revoke_all();
         assert_eq!(all, vec![(Bucket(5), 1)]);
         assert!(!fence[0].is_open_at(t0));
+    }
+
+    /// A planned move keeps the bucket's fence open and renewed (what is in flight under it is
+    /// acked), no longer counts toward the share, and closes the fence only once handed over.
+    #[test]
+    fn a_bucket_handed_over_stays_fenced_open_until_its_batches_settle() {
+        let mut book = book(10_000);
+        let t0 = Instant::now();
+        let fences = book.claimed(&[(Bucket(1), 1), (Bucket(2), 1), (Bucket(3), 1)], t0);
+        assert_eq!(book.hand_over(1, t0), vec![Bucket(3)]);
+        assert_eq!(
+            book.hand_over(1, t0),
+            vec![Bucket(2)],
+            "never the same bucket twice"
+        );
+        assert_eq!((book.len(), book.staying()), (3, 1));
+        // Still renewed while leaving.
+        let later = t0 + Duration::from_secs(5);
+        assert!(book.renewed(&book.held(), later).is_empty());
+        assert!(fences[2].is_open_at(later + Duration::from_secs(8)));
+        // Settled: the fence closes now, and the bucket is released.
+        assert_eq!(book.handed_over(Bucket(3)), Some((Bucket(3), 1)));
+        assert!(!fences[2].is_open_at(later));
+        assert_eq!(book.handed_over(Bucket(3)), None, "once");
+        assert_eq!(book.handed_over(Bucket(1)), None, "not leaving");
+        assert_eq!(book.leaving(), vec![Bucket(2)]);
+    }
+
+    /// A handover that does not settle within the grace is forced: the fence closes (and what
+    /// was in flight is the next owner's to send again).
+    #[test]
+    fn a_handover_that_does_not_settle_is_forced_after_the_grace() {
+        let mut book = book(10_000);
+        let t0 = Instant::now();
+        let fences = book.claimed(&[(Bucket(1), 4)], t0);
+        book.hand_over(1, t0);
+        let grace = Duration::from_secs(3);
+        assert!(book.overdue(t0 + Duration::from_secs(2), grace).is_empty());
+        assert_eq!(
+            book.overdue(t0 + Duration::from_secs(3), grace),
+            vec![(Bucket(1), 4)]
+        );
+        assert!(!fences[0].is_open_at(t0));
+        assert!(book.is_empty() && book.leaving().is_empty());
+        // A bucket lost while leaving leaves both sets.
+        book.claimed(&[(Bucket(7), 1)], t0);
+        book.hand_over(1, t0);
+        assert_eq!(book.renewed(&[], t0), vec![Bucket(7)]);
+        assert!(book.leaving().is_empty());
     }
 
     #[test]

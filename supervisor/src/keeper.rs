@@ -87,6 +87,8 @@ pub(crate) struct Keeper {
     pub(crate) poll_interval: Duration,
     /// Set while the supervisor has not handled the last batch of pending tenants.
     pub(crate) poll_busy: Arc<AtomicBool>,
+    /// Longest a planned handover waits for a bucket's batches to settle before it is forced.
+    pub(crate) handover_grace: Duration,
 }
 
 /// Polls the tenants with pending intents every `interval` (or at once when `early` fires)
@@ -133,10 +135,16 @@ async fn poll_pending(
 impl Keeper {
     /// Runs until `stop` turns true (then revokes, releases and leaves) or the supervisor is
     /// gone (then the same, as far as the database answers).
+    ///
+    /// A bucket handed over (a planned move: shedding toward an even share) stays held and
+    /// renewed while the supervisor finishes its drainers; `settled` brings each one whose
+    /// drainers are done, and it is released at once, so the next owner starts from what was
+    /// acked and nothing is sent twice.
     pub(crate) async fn run(
         self,
         supervisor: ActorRef<SupervisorMessage>,
         mut stop: watch::Receiver<bool>,
+        mut settled: tokio::sync::mpsc::UnboundedReceiver<Bucket>,
     ) {
         let mut book = LeaseBook::new(self.me.clone(), self.config.ttl);
         let plan = LeasePlan::new();
@@ -154,10 +162,15 @@ impl Keeper {
         ));
         let mut ticker = tokio::time::interval(self.config.heartbeat);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut first = true;
         loop {
             tokio::select! {
                 _ = ticker.tick() => {}
                 _ = stop.changed() => break,
+                Some(bucket) = settled.recv() => {
+                    self.handed_over(&supervisor, &mut book, bucket, limit).await;
+                    continue;
+                }
             }
             if *stop.borrow() {
                 break;
@@ -169,6 +182,7 @@ impl Keeper {
                 &mut members,
                 &mut failures,
                 limit,
+                std::mem::take(&mut first),
             );
             match beat.await {
                 None => break,
@@ -188,8 +202,31 @@ impl Keeper {
         metrics::gauge!("relay_lease_buckets_held").set(0.0);
     }
 
+    /// A bucket being handed over has no drainer left: its fence closes and it is released
+    /// now, not at the next heartbeat.
+    async fn handed_over(
+        &self,
+        supervisor: &ActorRef<SupervisorMessage>,
+        book: &mut LeaseBook,
+        bucket: Bucket,
+        limit: Duration,
+    ) {
+        let Some(lease) = book.handed_over(bucket) else {
+            return;
+        };
+        let _ = supervisor.cast(SupervisorMessage::Leases(LeaseChanges {
+            gained: Vec::new(),
+            lost: vec![bucket],
+        }));
+        metrics::gauge!("relay_lease_buckets_held").set(book.len() as f64);
+        if let Err(err) = within(limit, self.leases.release(&self.me, &[lease])).await {
+            tracing::warn!(error = %err, "could not release a bucket handed over; it expires instead");
+        }
+    }
+
     /// Renews membership and leases and moves toward this relay's share. Returns whether
     /// buckets were gained, or `None` once the supervisor is gone.
+    #[allow(clippy::too_many_arguments)]
     async fn heartbeat(
         &self,
         supervisor: &ActorRef<SupervisorMessage>,
@@ -198,6 +235,7 @@ impl Keeper {
         members: &mut u32,
         failures: &mut KeeperFailures,
         limit: Duration,
+        first: bool,
     ) -> Option<bool> {
         {
             let mut changes = LeaseChanges::default();
@@ -234,7 +272,26 @@ impl Keeper {
                 metrics::counter!("relay_leases_lost_total").increment(changes.lost.len() as u64);
             }
             let mut release = Vec::new();
-            match plan.step(book.len(), *members) {
+            // Handovers that did not settle in time are forced: the fence decides, as after a
+            // crash (duplicates bounded by what was in flight).
+            let forced = book.overdue(Instant::now(), self.handover_grace);
+            if !forced.is_empty() {
+                tracing::warn!(
+                    buckets = forced.len(),
+                    grace_ms = self.handover_grace.as_millis() as u64,
+                    "buckets handed over without their batches settling in time"
+                );
+                changes
+                    .lost
+                    .extend(forced.iter().map(|(bucket, _)| *bucket));
+                release.extend(forced);
+            }
+            let step = if first {
+                plan.first_step(book.staying(), *members)
+            } else {
+                plan.step(book.staying(), *members)
+            };
+            match step {
                 LeaseStep::Claim(n) => {
                     let sent = Instant::now();
                     match within(limit, self.leases.claim(&self.me, self.config.ttl, n)).await {
@@ -246,16 +303,20 @@ impl Keeper {
                     }
                 }
                 LeaseStep::Shed(n) => {
-                    // Fences close here, before the release: nothing more is published or acked.
-                    release = book.shed(n);
-                    changes
-                        .lost
-                        .extend(release.iter().map(|(bucket, _)| *bucket));
+                    // A planned move: the buckets stay held (fences open) while their drainers
+                    // finish what they have in flight; each is released once settled.
+                    let leaving = book.hand_over(n, Instant::now());
                     tracing::info!(
-                        buckets = release.len(),
+                        buckets = leaving.len(),
                         members = *members,
-                        "handing buckets over"
+                        "handing buckets over once their batches settle"
                     );
+                    if supervisor
+                        .cast(SupervisorMessage::HandOver(leaving))
+                        .is_err()
+                    {
+                        return None;
+                    }
                 }
                 LeaseStep::Hold => {}
             }

@@ -161,6 +161,10 @@ fn tasks_alive() -> usize {
 pub enum SupervisorMessage {
     /// The lease keeper gained or lost buckets.
     Leases(LeaseChanges),
+    /// The lease keeper hands these buckets over (a planned move): no drainer starts on them,
+    /// their drainers finish what they have in flight, and each bucket is reported settled
+    /// to the keeper once none is left (their fences stay open until then).
+    HandOver(Vec<Bucket>),
     /// Every tenant with pending intents, from the poller (sent empty too: waiting tenants
     /// it no longer lists leave the queue); those in buckets held are drained.
     Pending(Vec<TenantId>),
@@ -196,8 +200,12 @@ pub struct SupervisorState {
     /// Live drainers by actor id, with when each was spawned.
     drainer_ids: HashMap<ActorId, (TenantId, std::time::Instant)>,
     drainer_backoff: HashMap<TenantId, Backoff>,
-    /// Fences of the buckets held.
+    /// Fences of the buckets held (and not being handed over).
     held: HashMap<Bucket, Fence>,
+    /// Buckets being handed over: their drainers finish, none starts.
+    leaving: HashSet<Bucket>,
+    /// Tells the keeper a bucket being handed over has no drainer left.
+    settled: Option<tokio::sync::mpsc::UnboundedSender<Bucket>>,
     relay_id: RelayId,
     gauged: Arc<Mutex<HashSet<TenantId>>>,
     parked_gauged: Arc<Mutex<HashSet<TenantId>>>,
@@ -373,6 +381,7 @@ impl RelaySupervisor {
     fn leases_changed(&self, state: &mut SupervisorState, changes: LeaseChanges) {
         for bucket in &changes.lost {
             state.held.remove(bucket);
+            state.leaving.remove(bucket);
         }
         for fence in changes.gained {
             if let Some((bucket, _, _)) = fence.lease() {
@@ -398,6 +407,35 @@ impl RelaySupervisor {
             state.drainer_backoff.remove(&tenant);
         }
         metrics::gauge!("relay_tenants_held").set(state.drainers.len() as f64);
+    }
+
+    /// A planned handover of `buckets`: they leave `held`, so no drainer starts on them (nor
+    /// restarts, nor leaves the waiting queue); their drainers finish their batches in flight
+    /// under fences still open. A bucket with no drainer is settled at once.
+    fn hand_over(&self, state: &mut SupervisorState, buckets: Vec<Bucket>) {
+        for bucket in &buckets {
+            state.held.remove(bucket);
+            state.leaving.insert(*bucket);
+        }
+        let leaving: HashSet<Bucket> = buckets.into_iter().collect();
+        let mut busy = HashSet::new();
+        for (tenant, drainer) in &state.drainers {
+            let bucket = bucket_of(tenant);
+            if leaving.contains(&bucket) {
+                busy.insert(bucket);
+                let _ = drainer.cast(DrainerMessage::Finish);
+            }
+        }
+        for bucket in leaving.difference(&busy) {
+            self.settled(state, *bucket);
+        }
+    }
+
+    /// Tells the keeper `bucket` (being handed over) has no drainer left.
+    fn settled(&self, state: &SupervisorState, bucket: Bucket) {
+        if let Some(settled) = &state.settled {
+            let _ = settled.send(bucket);
+        }
     }
 
     /// Touches the relay's fixed series (counters registered at zero, gauges without a tenant)
@@ -558,6 +596,8 @@ impl Actor for RelaySupervisor {
             drainer_ids: HashMap::new(),
             drainer_backoff: HashMap::new(),
             held: HashMap::new(),
+            leaving: HashSet::new(),
+            settled: None,
             relay_id: RelayId::generate(),
             gauged: Arc::new(Mutex::new(HashSet::new())),
             parked_gauged: Arc::new(Mutex::new(HashSet::new())),
@@ -602,9 +642,15 @@ impl Actor for RelaySupervisor {
             config: state.args.config.lease,
             poll_interval: state.args.config.poll_interval,
             poll_busy: state.poll_busy.clone(),
+            handover_grace: state.args.config.finish_grace,
         };
         let (stop, stopped) = watch::channel(false);
-        state.keeper = Some((stop, tokio::spawn(keeper.run(myself.clone(), stopped))));
+        let (settled, settled_rx) = tokio::sync::mpsc::unbounded_channel();
+        state.settled = Some(settled);
+        state.keeper = Some((
+            stop,
+            tokio::spawn(keeper.run(myself.clone(), stopped, settled_rx)),
+        ));
         myself.cast(SupervisorMessage::MetricsTick)?;
         Ok(())
     }
@@ -633,6 +679,7 @@ impl Actor for RelaySupervisor {
     ) -> Result<(), ActorProcessingErr> {
         match message {
             SupervisorMessage::Leases(changes) => self.leases_changed(state, changes),
+            SupervisorMessage::HandOver(buckets) => self.hand_over(state, buckets),
             SupervisorMessage::Pending(tenants) => {
                 if state.finishing.is_none() {
                     state.waiting.keep_only(&tenants);
@@ -757,7 +804,18 @@ impl Actor for RelaySupervisor {
                 return Ok(());
             }
             metrics::gauge!("relay_tenants_held").set(state.drainers.len() as f64);
-            let held = state.held.contains_key(&bucket_of(&tenant));
+            let bucket = bucket_of(&tenant);
+            if state.leaving.contains(&bucket)
+                && !state
+                    .drainers
+                    .keys()
+                    .any(|other| bucket_of(other) == bucket)
+            {
+                // The last drainer of a bucket being handed over is done (finished, or failed:
+                // then the next owner sends its batch again).
+                self.settled(state, bucket);
+            }
+            let held = state.held.contains_key(&bucket);
             if stop_reason::is_orderly(&why) || !held {
                 // Retired (idle), fenced or finished: nothing to restart, nothing to keep.
                 tracing::debug!(tenant = %tenant, reason = %why, "drainer stopped");

@@ -1,0 +1,128 @@
+//! What the broker delivered, counted: a raw consumer on every partition queue (no fold, every
+//! delivery kept, in delivery order), and a host that writes on while a test hurts something.
+#![allow(dead_code)]
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use distribution::broker::{self, Partition, RabbitConfig};
+use distribution::store::OutboxEvent;
+use futures_util::StreamExt;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
+use sqlx::PgPool;
+
+use crate::harness::{Expected, Ran, Workload, merge};
+
+/// Every message of the topology as the broker delivered it, per queue in delivery order
+/// (a raw consumer: no fold, every delivery counted).
+pub struct Recorder {
+    deliveries: Arc<Mutex<Vec<OutboxEvent>>>,
+    stop: Arc<AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Recorder {
+    pub async fn start(rabbit: &RabbitConfig) -> Self {
+        let connection =
+            lapin::Connection::connect(&rabbit.uri, lapin::ConnectionProperties::default())
+                .await
+                .unwrap();
+        let connection = Arc::new(connection);
+        let declare = connection.create_channel().await.unwrap();
+        rabbit.topology.declare(&declare).await.unwrap();
+        let deliveries = Arc::new(Mutex::new(Vec::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut tasks = Vec::new();
+        for partition in 0..rabbit.topology.partitions() {
+            let channel = connection.create_channel().await.unwrap();
+            channel
+                .basic_qos(100, BasicQosOptions::default())
+                .await
+                .unwrap();
+            let mut consumer = channel
+                .basic_consume(
+                    rabbit.topology.queue(Partition(partition)),
+                    format!("recorder-{partition}").as_str().into(),
+                    BasicConsumeOptions::default(),
+                    lapin::types::FieldTable::default(),
+                )
+                .await
+                .unwrap();
+            let (deliveries, stop, connection) =
+                (deliveries.clone(), stop.clone(), connection.clone());
+            tasks.push(tokio::spawn(async move {
+                let _connection = connection;
+                while !stop.load(Ordering::Acquire) {
+                    let next =
+                        tokio::time::timeout(Duration::from_millis(100), consumer.next()).await;
+                    let Ok(Some(Ok(delivery))) = next else {
+                        continue;
+                    };
+                    let event = broker::decode(&delivery.properties, &delivery.data).unwrap();
+                    deliveries.lock().unwrap().push(event);
+                    delivery.ack(BasicAckOptions::default()).await.unwrap();
+                }
+            }));
+        }
+        Self {
+            deliveries,
+            stop,
+            tasks,
+        }
+    }
+
+    pub fn deliveries(&self) -> Vec<OutboxEvent> {
+        self.deliveries.lock().unwrap().clone()
+    }
+
+    pub async fn stop(self) {
+        self.stop.store(true, Ordering::Release);
+        for task in self.tasks {
+            task.await.unwrap();
+        }
+    }
+}
+
+impl Recorder {
+    /// How many deliveries came more than once, and the first few of them.
+    pub fn duplicates(deliveries: &[OutboxEvent]) -> (usize, Vec<String>) {
+        let mut copies: std::collections::HashMap<String, usize> = Default::default();
+        for event in deliveries {
+            *copies.entry(event.key.to_string()).or_default() += 1;
+        }
+        let mut twice: Vec<String> = copies
+            .iter()
+            .filter(|(_, n)| **n > 1)
+            .map(|(key, n)| format!("{key} x{n}"))
+            .collect();
+        twice.sort();
+        let extra = copies.values().map(|n| n - 1).sum();
+        twice.truncate(5);
+        (extra, twice)
+    }
+}
+
+/// A host writing one step on every live branch every 20 ms until stopped; returns what it
+/// wrote.
+pub fn keep_writing(
+    pool: PgPool,
+    workload: Workload,
+    ran: Ran,
+    stop: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<Expected> {
+    tokio::spawn(async move {
+        let mut expected = ran.expected;
+        let mut live = ran.live;
+        let mut step = workload.steps + 1;
+        while !stop.load(Ordering::Acquire) {
+            let more = workload.steps(&pool, live, step..=step).await;
+            merge(&mut expected, &more.expected);
+            live = more.live;
+            step += 1;
+            // Pacing of the load (about 300 intents/s), not synchronisation.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        expected
+    })
+}

@@ -521,6 +521,7 @@ async fn scale(env: &mut Env, mode: &Mode, row: &mut impl FnMut(&str, String, &s
             &format!("largest share {worst:.2}x even (target <= 1.5)"),
         );
     }
+    join_rows(env, mode, row).await?;
     let tenants = mode.many_tenants;
     let (rate, peak, appended, refused, qps, cpu, idle_rss) =
         many_tenants(env, tenants, mode.idle_secs).await?;
@@ -1050,6 +1051,77 @@ async fn relay_shares(env: &mut Env, relays: usize, per_run: u32) -> Result<(Vec
     Ok((shipped.iter().map(|s| s / total.max(1.0)).collect(), rate))
 }
 
+/// Rows of section 10 on a backlog already waiting: 1, 2 or 3 relays started one after
+/// another (each once the previous one ships), deliveries per event at the broker (planned
+/// handovers: target 1.000) and the drain rate through the handovers.
+async fn join_rows(
+    env: &mut Env,
+    mode: &Mode,
+    row: &mut impl FnMut(&str, String, &str),
+) -> Result<()> {
+    for relays in 1..=3 {
+        let (ratio, rate) = join_backlog(env, relays, mode.backlog_per_run).await?;
+        row(
+            &format!("10. {relays} relay(s) joining a backlog: deliveries / events; drain"),
+            format!("{ratio:.3}; {rate:.0} ev/s"),
+            "target 1.000 (a join and the rebalance are planned handovers)",
+        );
+    }
+    Ok(())
+}
+
+/// `relays` standalone relays started one after another on a backlog of 50 tenants x 20 runs;
+/// messages in the queues per event written (nothing consumes them), and the drain rate.
+async fn join_backlog(env: &mut Env, relays: usize, per_run: u32) -> Result<(f64, f64)> {
+    let (pool, url) = env.database("join").await?;
+    let rabbit = env.rabbit("join", 8)?;
+    let written = store::fixtures::fill_backlog(&pool, "t", 50, 20, per_run, PAYLOAD_BYTES).await?;
+    let outbox = Outbox::new(pool.clone());
+    let started = Instant::now();
+    let mut children = Vec::new();
+    for _ in 0..relays {
+        let addr = format!("127.0.0.1:{}", free_port()?);
+        children.push(spawn_relay_at(&url, &env.amqp, &rabbit, &addr, 50)?);
+        // The next joins once this one ships.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while scrape(&addr)
+            .await
+            .map_or(0.0, |s| metric_sum(&s, "relay_events_shipped_total"))
+            < 1.0
+        {
+            anyhow::ensure!(Instant::now() < deadline, "a relay never shipped");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let drained = wait_drained(&outbox, Duration::from_secs(900)).await;
+    let rate = written as f64 / started.elapsed().as_secs_f64();
+    for mut child in children {
+        child.kill()?;
+        child.wait()?;
+    }
+    drained?;
+    let connection =
+        lapin::Connection::connect(&env.amqp, lapin::ConnectionProperties::default()).await?;
+    let channel = connection.create_channel().await?;
+    let mut queued = 0u64;
+    for index in 0..rabbit.topology.partitions() {
+        let queue = channel
+            .queue_declare(
+                rabbit.topology.queue(Partition(index)),
+                lapin::options::QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                lapin::types::FieldTable::default(),
+            )
+            .await?;
+        queued += u64::from(queue.message_count());
+    }
+    drop_topology(&env.amqp, &rabbit.topology).await?;
+    pool.close().await;
+    Ok((queued as f64 / written.max(1) as f64, rate))
+}
+
 /// Section 11: `tenants` tenants x 2 intents drained by the standalone relay while a host
 /// appends beside it; then the same relay idle with that many tenants seen.
 /// Returns (drain ev/s, peak RSS MB, host appends, host appends refused, idle queries/s,
@@ -1248,6 +1320,11 @@ async fn run(mode: &Mode) -> Result<String> {
     };
     println!("| measure | value | note |\n|---|---|---|");
 
+    if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "join") {
+        join_rows(&mut env, mode, &mut row).await?;
+        env.cleanup().await;
+        return Ok(table);
+    }
     if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "scale") {
         scale(&mut env, mode, &mut row).await?;
         env.cleanup().await;

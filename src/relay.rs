@@ -82,9 +82,7 @@ impl Relay {
             };
             Box::new(publisher) as Box<dyn Publisher>
         });
-        let mut handle = Self::start_with(config, factory).await?;
-        handle.broker = health;
-        Ok(handle)
+        Self::start_reporting(config, factory, health).await
     }
 
     /// Starts a relay whose shards publish through `factory` (e.g. a fault-injecting broker).
@@ -92,7 +90,19 @@ impl Relay {
         config: RelayConfig,
         factory: PublisherFactory,
     ) -> Result<RelayHandle, RelayError> {
+        Self::start_reporting(config, factory, BrokerHealth::new()).await
+    }
+
+    /// Starts the tree; `health` is what its publishers report to (read by readiness, and by
+    /// the lease keeper: a handover is never forced while the broker holds a connection
+    /// blocked, since what was written on it may still land).
+    async fn start_reporting(
+        config: RelayConfig,
+        factory: PublisherFactory,
+        health: BrokerHealth,
+    ) -> Result<RelayHandle, RelayError> {
         config.validate()?;
+        let broker = health.clone();
         let (ready_tx, ready_rx) = oneshot::channel();
         let (stop_tx, stop_rx) = oneshot::channel();
         let (done_tx, done_rx) = oneshot::channel();
@@ -108,7 +118,9 @@ impl Relay {
         std::thread::Builder::new()
             .name("outbox-relay-main".into())
             .spawn(move || {
-                let mode = runtime.block_on(run_tree(config, factory, ready_tx, stop_rx, tree_tx));
+                let mode = runtime.block_on(run_tree(
+                    config, factory, broker, ready_tx, stop_rx, tree_tx,
+                ));
                 match mode {
                     // A crash, as far as the outside world can tell: sockets drop, leases free.
                     StopMode::Abort => runtime.shutdown_background(),
@@ -121,7 +133,7 @@ impl Relay {
                 stop: Some(stop_tx),
                 done: Some(done_rx),
                 tree: tree_rx,
-                broker: BrokerHealth::new(),
+                broker: health,
             }),
             Ok(Err(err)) => Err(err),
             Err(_) => Err(RelayError::DatabaseUnreachable(
@@ -134,6 +146,7 @@ impl Relay {
 async fn run_tree(
     config: RelayConfig,
     factory: PublisherFactory,
+    broker: BrokerHealth,
     ready: oneshot::Sender<Result<(), RelayError>>,
     mut stop: oneshot::Receiver<StopMode>,
     tree: watch::Sender<Option<ActorRef<SupervisorMessage>>>,
@@ -170,6 +183,7 @@ async fn run_tree(
             leases: LeaseStore::new(lease_pool.clone()),
             database_url: config.database_url.clone(),
             factory: factory.clone(),
+            broker: broker.clone(),
             config: config.supervisor,
         };
         let (supervisor, mut ended) = match Actor::spawn(None, RelaySupervisor, args).await {

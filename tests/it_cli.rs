@@ -3,6 +3,8 @@
 //! running relay answers `/healthz`, `/readyz` (with the reason when not ready) and `/metrics`.
 #[path = "support/harness.rs"]
 mod harness;
+#[path = "support/node.rs"]
+mod node;
 
 mod cli {
     use std::process::{Command, Output, Stdio};
@@ -13,6 +15,7 @@ mod cli {
     use http_body_util::BodyExt;
 
     use crate::harness::*;
+    use crate::node::PrivateNode;
 
     /// A loopback address with a port free right now, for a relay's `/metrics` listener.
     fn free_addr() -> String {
@@ -433,6 +436,69 @@ mod cli {
                 .rabbit_config()
                 .unwrap();
             drop_topology(&rabbit.topology).await;
+        });
+    }
+
+    /// Through a broker memory alarm (on a private node the test owns) `/readyz` answers 503
+    /// naming the block for as long as intents wait, and 200 again once the alarm clears and
+    /// they ship. Before, it stayed 200 through most of an alarm: nothing faults on a blocked
+    /// connection, so the broker looked up.
+    #[test]
+    fn readiness_says_the_broker_blocks_the_relay_through_an_alarm() {
+        host_runtime().block_on(async {
+            let node = PrivateNode::start("ready");
+            let (pool, url) = fresh_database("cli_ready_alarm").await;
+            let addr = free_addr();
+            let mut child = relay()
+                .arg("run")
+                .env("DATABASE_URL", &url)
+                .env("AMQP_URL", node.url())
+                .env("RELAY_TOPOLOGY", unique("relay-ready-alarm"))
+                .env("RELAY_POLL_MS", "100")
+                .env("RELAY_AMQP_CONNECT_TIMEOUT_MS", "1000")
+                .env("RELAY_AMQP_CONFIRM_TIMEOUT_MS", "1000")
+                .env("RELAY_METRICS_ADDR", &addr)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap();
+            answer_until(&addr, "/readyz", |status| status == 200).await;
+            let branch = write_first_intent(&pool, "ready-alarm", b"1").await;
+            let outbox = Outbox::new(pool.clone());
+            wait_until(
+                "the first intent ships",
+                Duration::from_secs(30),
+                || async { pending(&outbox).await == 0 },
+            )
+            .await;
+
+            tokio::task::block_in_place(|| node.memory_alarm(true));
+            for lsn in 2..=10 {
+                append_intent(&pool, &branch, lsn, b"during the alarm").await;
+            }
+            let (_, body) = answer_until(&addr, "/readyz", |status| status == 503).await;
+            assert!(body.contains("broker blocks the relay"), "{body}");
+            // Every answer while the alarm holds and intents wait says so (longer than every
+            // AMQP timeout of the relay).
+            let until = Instant::now() + Duration::from_secs(3);
+            while Instant::now() < until {
+                let (status, body) = get(&addr, "/readyz").await.unwrap();
+                assert_eq!(status, 503, "ready during the alarm: {body}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            assert!(pending(&outbox).await > 0, "intents waited throughout");
+
+            tokio::task::block_in_place(|| node.memory_alarm(false));
+            answer_until(&addr, "/readyz", |status| status == 200).await;
+            wait_until(
+                "shipped once the alarm clears",
+                Duration::from_secs(30),
+                || async { pending(&outbox).await == 0 },
+            )
+            .await;
+            child.kill().unwrap();
+            child.wait().unwrap();
+            // The topology goes with the node.
         });
     }
 }

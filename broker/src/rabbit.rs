@@ -458,7 +458,8 @@ impl RabbitPublisher {
             // A write blocked midway waits for the unblock: lapin keeps its frames and would
             // write them then, so the event must stay this session's until its verdict.
             let deadline = Instant::now() + connect_timeout;
-            let written = until_unless_blocked(Box::pin(publish), deadline, connect_timeout, &flow);
+            let publish = std::pin::pin!(publish);
+            let written = until_unless_blocked(publish, deadline, connect_timeout, &flow);
             match written.await {
                 Some(Ok(confirm)) => {
                     confirms.push(confirm);

@@ -89,6 +89,10 @@ pub(crate) struct Keeper {
     pub(crate) poll_busy: Arc<AtomicBool>,
     /// Longest a planned handover waits for a bucket's batches to settle before it is forced.
     pub(crate) handover_grace: Duration,
+    /// The publishers' view of the broker: while it holds a connection blocked, what was
+    /// written on it may still be routed, so no handover is forced (the next owner's publishes
+    /// could land before it).
+    pub(crate) broker: broker::BrokerHealth,
 }
 
 /// Polls the tenants with pending intents every `interval` (or at once when `early` fires)
@@ -274,7 +278,11 @@ impl Keeper {
             let mut release = Vec::new();
             // Handovers that did not settle in time are forced: the fence decides, as after a
             // crash (duplicates bounded by what was in flight).
-            let forced = book.overdue(Instant::now(), self.handover_grace);
+            let forced = if self.broker.blocked() {
+                Vec::new()
+            } else {
+                book.overdue(Instant::now(), self.handover_grace)
+            };
             if !forced.is_empty() {
                 tracing::warn!(
                     buckets = forced.len(),

@@ -42,7 +42,8 @@ pub struct SupervisorConfig {
     pub drainer: DrainerConfig,
     /// Delays between restarts of a failed actor. Default 100 ms doubling to 5 s.
     pub restart: RetryPolicy,
-    /// How long a graceful shutdown waits for batches in flight. Default 10 s.
+    /// How long a graceful shutdown, and a planned lease handover, wait for batches in
+    /// flight before giving them up (they are sent again by whoever drains next). Default 10 s.
     pub finish_grace: Duration,
     /// Most events in flight (drained, not yet acked) across all drainers: bounds the relay's
     /// memory whatever the backlog. At least `drainer.batch_size`. Default 10,000.
@@ -97,6 +98,9 @@ pub struct SupervisorArgs {
     pub database_url: String,
     /// Makes each shard's broker client.
     pub factory: PublisherFactory,
+    /// What the publishers report about the broker (a handover is not forced while it holds a
+    /// connection blocked).
+    pub broker: broker::BrokerHealth,
     /// Tree shape and timings.
     pub config: SupervisorConfig,
 }
@@ -643,6 +647,7 @@ impl Actor for RelaySupervisor {
             poll_interval: state.args.config.poll_interval,
             poll_busy: state.poll_busy.clone(),
             handover_grace: state.args.config.finish_grace,
+            broker: state.args.broker.clone(),
         };
         let (stop, stopped) = watch::channel(false);
         let (settled, settled_rx) = tokio::sync::mpsc::unbounded_channel();

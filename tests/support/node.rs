@@ -23,12 +23,60 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// Stops private nodes of earlier test runs whose process is gone (killed before its nodes'
+/// drops ran), and removes their directories. Once per process; never touches other nodes.
+fn sweep_stale_nodes() {
+    static SWEPT: std::sync::Once = std::sync::Once::new();
+    SWEPT.call_once(|| {
+        let Ok(output) = Command::new("epmd").arg("-names").output() else {
+            return;
+        };
+        for line in String::from_utf8_lossy(&output.stdout).lines() {
+            // "name relaynode_<pid>_<n>_<label> at port <port>"
+            let Some(name) = line
+                .strip_prefix("name ")
+                .and_then(|rest| rest.split_whitespace().next())
+            else {
+                continue;
+            };
+            let Some(pid) = name
+                .strip_prefix("relaynode_")
+                .and_then(|rest| rest.split('_').next())
+            else {
+                continue;
+            };
+            if std::path::Path::new(&format!("/proc/{pid}")).exists() {
+                continue;
+            }
+            let _ = Command::new("rabbitmqctl")
+                .args(["-n", &format!("{name}@localhost"), "stop"])
+                .output();
+        }
+        let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let file_name = entry.file_name().to_string_lossy().into_owned();
+            let Some(pid) = file_name
+                .strip_prefix("relay-node-")
+                .and_then(|rest| rest.split('-').next())
+            else {
+                continue;
+            };
+            if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+    });
+}
+
 impl PrivateNode {
     /// Starts a node and waits until it accepts AMQP connections (about 6 s here).
     pub fn start(label: &str) -> Self {
         static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let name = format!("relay{label}{}n{n}@localhost", std::process::id());
+        sweep_stale_nodes();
+        let name = format!("relaynode_{}_{n}_{label}@localhost", std::process::id());
         let (port, dist) = (free_port(), free_port());
         let dir = std::env::temp_dir().join(format!("relay-node-{}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -166,7 +214,10 @@ impl Drop for PrivateNode {
         if self.try_ctl(&["stop"]).is_err() {
             // Not answering: kill what runs under its name, and nothing else.
             let _ = Command::new("pkill")
-                .args(["-f", &format!("-sname {}", self.name)])
+                .args([
+                    "-f",
+                    &format!("-sname {}", self.name.trim_end_matches("@localhost")),
+                ])
                 .status();
         }
         let _ = std::fs::remove_dir_all(&self.dir);

@@ -7,13 +7,14 @@ mod harness;
 mod recorder;
 
 mod outbox {
-    use std::collections::BTreeMap;
+    use std::collections::{BTreeMap, HashSet};
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::time::Duration;
 
-    use distribution::store::{BranchKey, FoldModel, Outbox, fixtures};
+    use distribution::store::{BranchKey, FoldModel, Outbox, OutboxEvent, fixtures};
     use distribution::{Relay, RelayConfig, RelayHandle};
+    use sqlx::PgPool;
 
     use crate::harness::*;
     use crate::recorder::{Recorder, keep_writing};
@@ -27,14 +28,6 @@ mod outbox {
         config.supervisor.drainer.batch_size = 20;
         config.supervisor.max_drainers = 8;
         config
-    }
-
-    async fn buckets(relay: &RelayHandle) -> usize {
-        relay
-            .snapshot()
-            .await
-            .map(|tree| tree.buckets_held)
-            .unwrap_or(0)
     }
 
     async fn even_shares(relays: &[&RelayHandle], what: &str) {
@@ -53,6 +46,45 @@ mod outbox {
         .await;
     }
 
+    /// A backlog of 60 tenants x 3 runs x `per_run` intents in `pool`, and a recorder of the
+    /// topology's deliveries started before any relay; returns the intents written too.
+    async fn backlog(
+        pool: &PgPool,
+        label: &str,
+        config: &RelayConfig,
+        per_run: u32,
+    ) -> (Recorder, u64) {
+        let recorder = Recorder::start(&config.rabbit_config().unwrap()).await;
+        let written = fixtures::fill_backlog(pool, &unique(label), 60, 3, per_run, 64)
+            .await
+            .unwrap();
+        (recorder, written)
+    }
+
+    /// Waits until the outbox is empty and the broker delivered `events` distinct events;
+    /// returns every delivery.
+    async fn all_delivered(pool: &PgPool, recorder: &Recorder, events: usize) -> Vec<OutboxEvent> {
+        let outbox = Outbox::new(pool.clone());
+        wait_until("the outbox is empty", Duration::from_secs(120), || async {
+            pending(&outbox).await == 0
+        })
+        .await;
+        wait_until(
+            "every event is delivered",
+            Duration::from_secs(30),
+            || async {
+                let deliveries = recorder.deliveries();
+                let distinct: HashSet<String> = deliveries
+                    .iter()
+                    .map(|event| event.key.to_string())
+                    .collect();
+                distinct.len() == events
+            },
+        )
+        .await;
+        recorder.deliveries()
+    }
+
     /// Three relays start one after another on a backlog of 60 tenants x 3 runs: the first
     /// holds every bucket, then sheds two thirds of them while their batches are in flight.
     /// Each event reaches the broker exactly once (before, 3-4% twice: the shed buckets' acks
@@ -61,14 +93,8 @@ mod outbox {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn relays_joining_a_backlog_one_after_another_deliver_each_event_once() {
         let (pool, url) = fresh_database("handoverjoin").await;
-        let topology = unique("join");
-        let config = handover_config(&url, &topology);
-        let rabbit = config.rabbit_config().unwrap();
-        let recorder = Recorder::start(&rabbit).await;
-        let prefix = unique("jn");
-        let written = fixtures::fill_backlog(&pool, &prefix, 60, 3, 100, 64)
-            .await
-            .unwrap();
+        let config = handover_config(&url, &unique("join"));
+        let (recorder, written) = backlog(&pool, "jn", &config, 100).await;
         let outbox = Outbox::new(pool.clone());
 
         let first = Relay::start(config.clone()).await.unwrap();
@@ -92,27 +118,15 @@ mod outbox {
             waiting > 1_000,
             "the backlog must still be draining once all three share it (else no handover was tested): {waiting} left"
         );
-        wait_until(
-            "the backlog is shipped",
-            Duration::from_secs(120),
-            || async { pending(&outbox).await == 0 },
-        )
-        .await;
-        wait_until(
-            "every event is delivered",
-            Duration::from_secs(30),
-            || async { recorder.deliveries().len() as u64 >= written },
-        )
-        .await;
+        let deliveries = all_delivered(&pool, &recorder, written as usize).await;
         for relay in [first, second, third] {
             relay.shutdown().await;
         }
-        let deliveries = recorder.deliveries();
         recorder.stop().await;
         let (extra, twice) = Recorder::duplicates(&deliveries);
         assert_eq!(extra, 0, "delivered twice: {twice:?}");
         assert_eq!(deliveries.len() as u64, written);
-        drop_topology(&rabbit.topology).await;
+        drop_topology(&config.rabbit_config().unwrap().topology).await;
     }
 
     /// A host writes on while each of two relays in turn stops gracefully (SIGTERM) and is
@@ -124,8 +138,7 @@ mod outbox {
         let (pool, url) = fresh_database("handoverroll").await;
         let topology = unique("roll");
         let config = handover_config(&url, &topology);
-        let rabbit = config.rabbit_config().unwrap();
-        let recorder = Recorder::start(&rabbit).await;
+        let recorder = Recorder::start(&config.rabbit_config().unwrap()).await;
         let mut relays = vec![
             Relay::start(config.clone()).await.unwrap(),
             Relay::start(config.clone()).await.unwrap(),
@@ -154,21 +167,10 @@ mod outbox {
         }
         stop.store(true, Ordering::Release);
         let expected = writer.await.unwrap();
-        let outbox = Outbox::new(pool.clone());
-        wait_until("the outbox is empty", Duration::from_secs(60), || async {
-            pending(&outbox).await == 0
-        })
-        .await;
-        wait_until(
-            "every event is delivered",
-            Duration::from_secs(30),
-            || async { recorder.deliveries().len() >= count(&expected) },
-        )
-        .await;
+        let deliveries = all_delivered(&pool, &recorder, count(&expected)).await;
         for relay in relays {
             relay.shutdown().await;
         }
-        let deliveries = recorder.deliveries();
         recorder.stop().await;
         let (extra, twice) = Recorder::duplicates(&deliveries);
         assert_eq!(extra, 0, "delivered twice: {twice:?}");
@@ -187,7 +189,7 @@ mod outbox {
             got, expected,
             "the fold of what was delivered is the host's history"
         );
-        drop_topology(&rabbit.topology).await;
+        drop_topology(&config.rabbit_config().unwrap().topology).await;
     }
 
     /// A relay killed mid-drain (no handover: its leases expire) loses nothing, and what it
@@ -195,16 +197,9 @@ mod outbox {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_killed_relay_duplicates_at_most_what_it_had_in_flight() {
         let (pool, url) = fresh_database("handoverkill").await;
-        let topology = unique("kill");
-        let mut config = handover_config(&url, &topology);
+        let mut config = handover_config(&url, &unique("kill"));
         config.supervisor.max_in_flight = 200;
-        let rabbit = config.rabbit_config().unwrap();
-        let recorder = Recorder::start(&rabbit).await;
-        let prefix = unique("kl");
-        let written = fixtures::fill_backlog(&pool, &prefix, 60, 3, 60, 64)
-            .await
-            .unwrap();
-        let outbox = Outbox::new(pool.clone());
+        let (recorder, written) = backlog(&pool, "kl", &config, 60).await;
         let doomed = Relay::start(config.clone()).await.unwrap();
         let survivor = Relay::start(config.clone()).await.unwrap();
         even_shares(&[&doomed, &survivor], "even shares of two").await;
@@ -213,27 +208,8 @@ mod outbox {
         })
         .await;
         doomed.abort().await;
-        wait_until(
-            "the backlog is shipped",
-            Duration::from_secs(120),
-            || async { pending(&outbox).await == 0 },
-        )
-        .await;
-        wait_until(
-            "every event is delivered",
-            Duration::from_secs(30),
-            || async {
-                let deliveries = recorder.deliveries();
-                let distinct: std::collections::HashSet<String> = deliveries
-                    .iter()
-                    .map(|event| event.key.to_string())
-                    .collect();
-                distinct.len() as u64 == written
-            },
-        )
-        .await;
+        let deliveries = all_delivered(&pool, &recorder, written as usize).await;
         survivor.shutdown().await;
-        let deliveries = recorder.deliveries();
         recorder.stop().await;
         let (extra, _) = Recorder::duplicates(&deliveries);
         println!("killed relay: {extra} deliveries twice (in-flight budget 200)");
@@ -241,6 +217,6 @@ mod outbox {
             extra <= config.supervisor.max_in_flight,
             "{extra} duplicates, more than the dead relay could have had in flight"
         );
-        drop_topology(&rabbit.topology).await;
+        drop_topology(&config.rabbit_config().unwrap().topology).await;
     }
 }

@@ -156,14 +156,6 @@ mod scale_out {
         config
     }
 
-    async fn buckets(relay: &RelayHandle) -> usize {
-        relay
-            .snapshot()
-            .await
-            .map(|tree| tree.buckets_held)
-            .unwrap_or(0)
-    }
-
     /// Waits until the relays' bucket counts are exactly `want` (in order).
     async fn shares(relays: &[&RelayHandle], want: &[usize], what: &str) {
         wait_until(what, Duration::from_secs(30), || async {

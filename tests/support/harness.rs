@@ -7,11 +7,11 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use distribution::RelayConfig;
 use distribution::broker::{FoldConsumer, FoldStats, Partition, RabbitConfig, Topology};
 use distribution::store::{
     self, BranchId, BranchKey, FoldStore, IntentWriter, Lsn, Outbox, RunId, TenantId,
 };
+use distribution::{RelayConfig, RelayHandle};
 use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
 use sqlx::{Connection, PgConnection, PgPool};
 
@@ -459,4 +459,13 @@ pub async fn drop_topology(topology: &Topology) {
             ExchangeDeleteOptions::default(),
         )
         .await;
+}
+
+/// Lease buckets `relay` holds now (0 while its tree restarts).
+pub async fn buckets(relay: &RelayHandle) -> usize {
+    relay
+        .snapshot()
+        .await
+        .map(|tree| tree.buckets_held)
+        .unwrap_or(0)
 }

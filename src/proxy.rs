@@ -105,7 +105,11 @@ impl BrokerProxy {
     }
 
     /// Makes the broker silent: open connections stay open but nothing passes either way, and
-    /// new ones are accepted and never answered (a broker, or a network, dropping packets).
+    /// new ones are accepted and never answered (a network dropping packets). What is sent
+    /// meanwhile is held, not dropped, and passes in order on `restore`, as TCP retransmits
+    /// it once the network heals: a live TCP stream has delays, never gaps. (Dropping bytes
+    /// mid-stream made the broker number the publishes after the gap as the ones lost in it,
+    /// so their acks confirmed messages it never had: a loss no real network can cause.)
     pub fn silence(&self) {
         self.silent.store(true, Ordering::SeqCst);
     }
@@ -165,8 +169,8 @@ impl BrokerProxy {
     }
 }
 
-/// Copies `from` to `to`, dropping what it reads while `silent` or once `lost`; ends when
-/// either side closes.
+/// Copies `from` to `to`, holding what it reads while `silent` (and reading no more, so the
+/// sender's window fills), dropping everything once `lost`; ends when either side closes.
 async fn forward(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
@@ -182,7 +186,11 @@ async fn forward(
             Ok(0) | Err(_) => return,
             Ok(read) => read,
         };
-        if silent.load(Ordering::SeqCst) || lost.load(Ordering::SeqCst) {
+        // Held while silent: polled, as nothing else wakes a test tool's forwarding loop.
+        while silent.load(Ordering::SeqCst) && !lost.load(Ordering::SeqCst) {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        if lost.load(Ordering::SeqCst) {
             continue;
         }
         if to.write_all(&buffer[..read]).await.is_err() {

@@ -81,7 +81,10 @@ async fn branch_row(
 }
 
 impl IntentWriter {
-    /// A writer refusing payloads above `max_payload_bytes`.
+    /// A writer refusing payloads above `max_payload_bytes`. Keep it below the broker's
+    /// largest message (RabbitMQ's `max_message_size`, 128 MiB by default, compared with the
+    /// body): an intent above that is refused by the broker for ever, and its branch parks
+    /// (reason `too_large`) until the limit is raised.
     pub fn new(max_payload_bytes: usize) -> Self {
         Self {
             max_payload_bytes,

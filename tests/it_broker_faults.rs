@@ -358,9 +358,12 @@ mod outbox {
         .await;
         let parked = outbox.parked_branches().await.unwrap();
         assert_eq!(parked.len(), 1, "only the big branch parks: {parked:?}");
-        assert_eq!(
-            parked[0].pending, 2,
-            "its big intent and the one after it wait"
+        // Its big intent and the one after it wait; so does the one before it when the
+        // channel closed before that one's confirm came (it is sent again: at least once).
+        assert!(
+            (2..=3).contains(&parked[0].pending),
+            "{} of its intents wait",
+            parked[0].pending
         );
 
         // The operator raises the limit and releases the branch: it ships, in order, once.

@@ -114,6 +114,7 @@ mod outbox {
         let third = Relay::start(config.clone()).await.unwrap();
         even_shares(&[&first, &second, &third], "even shares of three").await;
         let waiting = pending(&outbox).await;
+        println!("{waiting} of {written} intents left once three relays share the backlog");
         assert!(
             waiting > 1_000,
             "the backlog must still be draining once all three share it (else no handover was tested): {waiting} left"

@@ -248,6 +248,7 @@ fn totals(progress: &Mutex<Vec<FoldStats>>) -> FoldStats {
 }
 
 /// What to do with a delivery after trying to fold it.
+#[derive(Debug, PartialEq, Eq)]
 enum Verdict {
     Folded(FoldOutcome),
     DeadLetter(String),
@@ -439,23 +440,12 @@ where
             Err(err) => return Verdict::Retry(format!("database: {err}")),
         };
         let folded = store::fold(&mut tx, event, &mut self.projection).await;
-        match folded {
-            Ok(outcome) => match tx.commit().await {
+        match verdict(folded, P::is_permanent) {
+            Verdict::Folded(outcome) => match tx.commit().await {
                 Ok(()) => Verdict::Folded(outcome),
                 Err(err) => Verdict::Retry(format!("commit: {err}")),
             },
-            Err(FoldError::Store(store::Error::BrokenChain { .. })) => {
-                let reason = format!("broken_chain: {}", folded_error(&folded));
-                Verdict::DeadLetter(reason)
-            }
-            Err(FoldError::Store(err)) if err.is_transient() => {
-                Verdict::Retry(format!("database: {err}"))
-            }
-            Err(FoldError::Store(err)) => Verdict::DeadLetter(format!("contract: {err}")),
-            Err(FoldError::Projection(err)) if P::is_permanent(&err) => {
-                Verdict::DeadLetter(format!("handler: {err}"))
-            }
-            Err(FoldError::Projection(err)) => Verdict::Retry(format!("handler: {err}")),
+            refused => refused,
         }
     }
 
@@ -496,10 +486,27 @@ where
     }
 }
 
-fn folded_error<T, E: std::fmt::Display>(result: &Result<T, E>) -> String {
-    match result {
-        Ok(_) => String::new(),
-        Err(err) => err.to_string(),
+/// What a fold's result means for its delivery (pure): folded (commit it, then ack the
+/// delivery); dead-letter it (the chain is broken, the store refuses it for good, or the
+/// handler says it will never succeed: the branch waits behind it); or retry it with backoff
+/// (anything that may pass later). The reason's first word labels the dead-letter metric.
+fn verdict<E: std::fmt::Display>(
+    folded: Result<FoldOutcome, FoldError<E>>,
+    is_permanent: impl Fn(&E) -> bool,
+) -> Verdict {
+    match folded {
+        Ok(outcome) => Verdict::Folded(outcome),
+        Err(FoldError::Store(err @ store::Error::BrokenChain { .. })) => {
+            Verdict::DeadLetter(format!("broken_chain: {err}"))
+        }
+        Err(FoldError::Store(err)) if err.is_transient() => {
+            Verdict::Retry(format!("database: {err}"))
+        }
+        Err(FoldError::Store(err)) => Verdict::DeadLetter(format!("contract: {err}")),
+        Err(FoldError::Projection(err)) if is_permanent(&err) => {
+            Verdict::DeadLetter(format!("handler: {err}"))
+        }
+        Err(FoldError::Projection(err)) => Verdict::Retry(format!("handler: {err}")),
     }
 }
 
@@ -545,5 +552,80 @@ impl FoldConsumer {
             },
         );
         consumer.run(stop).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use store::{BranchId, BranchKey, Lsn, RunId, TenantId};
+
+    use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("handler says {0}")]
+    struct Handler(&'static str);
+
+    fn permanent(err: &Handler) -> bool {
+        err.0 == "never"
+    }
+
+    fn store_error(err: store::Error) -> Result<FoldOutcome, FoldError<Handler>> {
+        Err(FoldError::Store(err))
+    }
+
+    fn label(verdict: &Verdict) -> (&'static str, String) {
+        match verdict {
+            Verdict::Folded(_) => ("folded", String::new()),
+            Verdict::DeadLetter(reason) => ("dead_letter", reason.clone()),
+            Verdict::Retry(reason) => ("retry", reason.clone()),
+        }
+    }
+
+    /// Each fold result maps to exactly one fate: what folded is committed and acked; a broken
+    /// chain, a refusal by the store and a handler's permanent error are dead-lettered (the
+    /// branch waits behind them), with the reason's first word as the metric's label; every
+    /// transient error (a database that did not answer, a handler that may pass later) is
+    /// retried, never dead-lettered.
+    #[test]
+    fn every_fold_result_maps_to_one_fate() {
+        let outcome = FoldOutcome::Applied { released: 2 };
+        assert_eq!(verdict(Ok(outcome), permanent), Verdict::Folded(outcome));
+        let broken = store_error(store::Error::BrokenChain {
+            branch: BranchKey::new(
+                TenantId::new("t").unwrap(),
+                RunId::new("r").unwrap(),
+                BranchId::new("b").unwrap(),
+            ),
+            lsn: Lsn::new(5),
+            prev: Lsn::new(1),
+            applied: Lsn::new(3),
+        });
+        let (fate, reason) = label(&verdict(broken, permanent));
+        assert_eq!(fate, "dead_letter");
+        assert!(reason.starts_with("broken_chain: "), "{reason}");
+        let silent = store_error(store::Error::NoAnswer {
+            after: Duration::from_secs(1),
+        });
+        let (fate, reason) = label(&verdict(silent, permanent));
+        assert_eq!(fate, "retry");
+        assert!(reason.starts_with("database: "), "{reason}");
+        let refused = store_error(store::Error::LsnOutOfRange { lsn: u64::MAX });
+        let (fate, reason) = label(&verdict(refused, permanent));
+        assert_eq!(fate, "dead_letter");
+        assert!(reason.starts_with("contract: "), "{reason}");
+        let never: Result<FoldOutcome, FoldError<Handler>> =
+            Err(FoldError::Projection(Handler("never")));
+        assert_eq!(
+            verdict(never, permanent),
+            Verdict::DeadLetter("handler: handler says never".into())
+        );
+        let later: Result<FoldOutcome, FoldError<Handler>> =
+            Err(FoldError::Projection(Handler("later")));
+        assert_eq!(
+            verdict(later, permanent),
+            Verdict::Retry("handler: handler says later".into())
+        );
     }
 }

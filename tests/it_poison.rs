@@ -67,30 +67,66 @@ mod poison {
         }
     }
 
+    /// A relay on the real broker through [`Poisoning`] (poisoned from the start, no branch
+    /// named yet), a fold consuming it, and the outbox.
+    struct Poisoned {
+        pool: sqlx::PgPool,
+        config: distribution::RelayConfig,
+        fold: FoldStore,
+        folding: Folding,
+        relay: distribution::RelayHandle,
+        outbox: Outbox,
+        bad_branch: Arc<Mutex<Option<BranchKey>>>,
+        poisoned: Arc<AtomicBool>,
+    }
+
+    async fn poisoned_relay(label: &str, park_retry: Duration) -> Poisoned {
+        let (pool, url) = fresh_database(label).await;
+        let mut config = relay_config(&url, &amqp_url(), &unique("relay-poison"));
+        config.supervisor.drainer.park_after_attempts = 3;
+        config.supervisor.drainer.park_retry = park_retry;
+        let fold = FoldStore::new(pool.clone());
+        let folding = Folding::start(direct_rabbit(&config), &fold);
+        let bad_branch = Arc::new(Mutex::new(None));
+        let poisoned = Arc::new(AtomicBool::new(true));
+        let rabbit = config.rabbit_config().unwrap();
+        let factory = {
+            let (bad_branch, poisoned) = (bad_branch.clone(), poisoned.clone());
+            Arc::new(move |_shard| {
+                Box::new(Poisoning {
+                    inner: RabbitPublisher::new(rabbit.clone()),
+                    branch: bad_branch.clone(),
+                    poisoned: poisoned.clone(),
+                }) as Box<dyn Publisher>
+            })
+        };
+        let relay = Relay::start_with(config.clone(), factory).await.unwrap();
+        let outbox = Outbox::new(pool.clone());
+        Poisoned {
+            pool,
+            config,
+            fold,
+            folding,
+            relay,
+            outbox,
+            bad_branch,
+            poisoned,
+        }
+    }
+
     #[test]
     fn a_refused_branch_parks_alone_and_ships_in_order_after_release() {
         host_runtime().block_on(async {
-            let (pool, url) = fresh_database("poison").await;
-            let mut config = relay_config(&url, &amqp_url(), &unique("relay-poison"));
-            config.supervisor.drainer.park_after_attempts = 3;
-            config.supervisor.drainer.park_retry = Duration::from_secs(600);
-            let fold = FoldStore::new(pool.clone());
-            let folding = Folding::start(direct_rabbit(&config), &fold);
-            let bad_branch = Arc::new(Mutex::new(None));
-            let poisoned = Arc::new(AtomicBool::new(true));
-            let rabbit = config.rabbit_config().unwrap();
-            let factory = {
-                let (bad_branch, poisoned) = (bad_branch.clone(), poisoned.clone());
-                Arc::new(move |_shard| {
-                    Box::new(Poisoning {
-                        inner: RabbitPublisher::new(rabbit.clone()),
-                        branch: bad_branch.clone(),
-                        poisoned: poisoned.clone(),
-                    }) as Box<dyn Publisher>
-                })
-            };
-            let relay = Relay::start_with(config.clone(), factory).await.unwrap();
-            let outbox = Outbox::new(pool.clone());
+            let Poisoned {
+                pool,
+                config,
+                fold,
+                folding,
+                relay,
+                outbox,
+                bad_branch,
+                poisoned,
+            } = poisoned_relay("poison", Duration::from_secs(600)).await;
 
             // Tenant "sick" has three runs, one of them poisoned; tenant "calm" has three too.
             let sick = Workload::new("sick", 1, 3, 1).run(&pool).await;
@@ -158,6 +194,63 @@ mod poison {
             .await;
             assert_folded_exactly(&fold, &all).await;
             assert!(outbox.parked_branches().await.unwrap().is_empty());
+            assert_eq!(pending(&outbox).await, 0);
+            relay.shutdown().await;
+            folding.stop().await;
+            drop_topology(&config.rabbit_config().unwrap().topology).await;
+        });
+    }
+
+    /// A parked branch is tried again after `RELAY_PARK_RETRY_MS` by itself: once the broker
+    /// takes its events it unparks and ships, in order, exactly once at the fold, with no
+    /// operator's release.
+    #[test]
+    fn a_parked_branch_is_tried_again_after_its_retry_and_unparks_itself() {
+        host_runtime().block_on(async {
+            let Poisoned {
+                pool,
+                config,
+                fold,
+                folding,
+                relay,
+                outbox,
+                bad_branch,
+                poisoned,
+            } = poisoned_relay("poisonretry", Duration::from_secs(2)).await;
+            let run = Workload::new("retry", 1, 2, 1).run(&pool).await;
+            let bad = run.live[0].0.clone();
+            let mut all = run.expected.clone();
+            wait_until("the first step folded", Duration::from_secs(30), || async {
+                folded_count(&fold, &all).await == count(&all)
+            })
+            .await;
+            *bad_branch.lock().unwrap() = Some(bad.clone());
+            let more = Workload::new("retry", 1, 2, 1)
+                .steps(&pool, run.live.clone(), 2..=5)
+                .await;
+            merge(&mut all, &more.expected);
+            wait_until("the bad branch parked", Duration::from_secs(30), || async {
+                !outbox.parked_branches().await.unwrap().is_empty()
+            })
+            .await;
+            // The cause goes away; nobody releases the branch.
+            poisoned.store(false, Ordering::SeqCst);
+            let fixed = Instant::now();
+            wait_until(
+                "the parked branch ships by itself",
+                Duration::from_secs(30),
+                || async { folded_count(&fold, &all).await == count(&all) },
+            )
+            .await;
+            println!(
+                "shipped {:.2} s after the broker took it again (park retry 2 s)",
+                fixed.elapsed().as_secs_f64()
+            );
+            assert_folded_exactly(&fold, &all).await;
+            assert!(
+                outbox.parked_branches().await.unwrap().is_empty(),
+                "unparked"
+            );
             assert_eq!(pending(&outbox).await, 0);
             relay.shutdown().await;
             folding.stop().await;

@@ -106,13 +106,7 @@ mod outbox {
         }
         let expected = writer.await.unwrap();
         assert_eq!(pending(&outbox).await, 0);
-        wait_until(
-            "the fold has every live intent",
-            Duration::from_secs(60),
-            || async { folded_count(&fold, &expected).await == count(&expected) },
-        )
-        .await;
-        assert_folded_exactly(&fold, &expected).await;
+        until_folded_exactly(&fold, &expected, "the fold has every live intent").await;
         folding.stop().await;
         relay.shutdown().await;
         // The topology goes with the node's data directory.
@@ -379,13 +373,7 @@ mod outbox {
             (Lsn::new(2), vec![7u8; 8192]),
             (Lsn::new(3), b"after the big one".to_vec()),
         ]);
-        wait_until(
-            "the released branch folds",
-            Duration::from_secs(60),
-            || async { folded_count(&fold, &expected).await == count(&expected) },
-        )
-        .await;
-        assert_folded_exactly(&fold, &expected).await;
+        until_folded_exactly(&fold, &expected, "the released branch folds").await;
         folding.stop().await;
         relay.shutdown().await;
     }

@@ -329,6 +329,16 @@ pub async fn assert_folded_exactly(fold: &FoldStore, expected: &Expected) {
     }
 }
 
+/// Waits (up to 60 s) until the fold has as many events as `expected`, then checks it holds
+/// exactly `expected` ([`assert_folded_exactly`]).
+pub async fn until_folded_exactly(fold: &FoldStore, expected: &Expected, what: &str) {
+    wait_until(what, Duration::from_secs(60), || async {
+        folded_count(fold, expected).await == count(expected)
+    })
+    .await;
+    assert_folded_exactly(fold, expected).await;
+}
+
 /// Opens run `r`, branch `b` of `tenant` and appends its first intent, in one host
 /// transaction; returns the branch.
 pub async fn write_first_intent(pool: &PgPool, tenant: &str, payload: &[u8]) -> BranchKey {

@@ -6,6 +6,7 @@
 //! - `tree`: [`RelaySupervisor`], its [`SupervisorArgs`], [`SupervisorConfig`], [`SupervisorMessage`].
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
+mod core;
 mod keeper;
 mod tree;
 mod waiting;

@@ -1,14 +1,15 @@
-//! The supervisor actor and its restart policy.
+//! The supervisor actor: carries messages to the [`Core`] (`core.rs`, which decides what runs,
+//! waits, restarts and stops) and performs what it returns.
 //!
-//! ractor has no restart strategies: a child's end arrives here as a supervision event and this
-//! actor decides. Publishers that fail are respawned after a per-shard backoff that never gives
+//! ractor has no restart strategies: a child's end arrives here as a supervision event and the
+//! core decides. Publishers that fail are respawned after a per-shard backoff that never gives
 //! up; drainers that fail are respawned after a per-tenant backoff and resume from the store.
 //! When a publisher dies its mailbox dies with it; each batch it held answers its drainer as it
 //! is dropped (`actors::Reply`), so what it had is unconfirmed at once and nothing else is told.
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use actors::{
     Backoff, Drainer, DrainerArgs, DrainerConfig, DrainerMessage, PublisherActor, PublisherArgs,
@@ -17,13 +18,11 @@ use actors::{
 use ractor::{
     Actor, ActorCell, ActorId, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent,
 };
-use store::{
-    Bucket, Fence, LeaseChanges, LeaseStore, Outbox, RelayId, TenantId, Wakeups, bucket_of,
-};
+use store::{Bucket, LeaseChanges, LeaseStore, Outbox, RelayId, TenantId, Wakeups};
 use tokio::sync::watch;
 
+use crate::core::{Command, Core, CoreConfig, Handle};
 use crate::keeper::{Keeper, LeaseConfig};
-use crate::waiting::Waiting;
 
 /// How the tree runs.
 #[derive(Clone, Copy, Debug)]
@@ -176,59 +175,64 @@ pub enum SupervisorMessage {
     MetricsTick,
     /// A tenant's intents just committed.
     Notified(TenantId),
-    /// Respawn a shard's publisher (after its backoff).
-    RespawnPublisher(ShardId),
-    /// Respawn a tenant's drainer (after its backoff).
-    RespawnDrainer(TenantId),
+    /// The core's next timeout may be due.
+    Tick,
     /// A shard's publisher published successfully: reset its backoff.
     PublisherHealthy(ShardId),
     /// The live actors.
     Snapshot(RpcReplyPort<TreeSnapshot>),
     /// Graceful shutdown: let drainers finish their batch, then stop.
     Finish(RpcReplyPort<()>),
-    /// The grace period of `Finish` ran out.
-    FinishDeadline,
 }
 
-/// State of the supervisor.
+/// A drainer, as the core knows it.
+impl Handle for ActorRef<DrainerMessage> {
+    type Id = ActorId;
+    fn id(&self) -> ActorId {
+        self.get_id()
+    }
+}
+
+/// What the backlog gauges remember between refreshes, shared with the task that reads them.
+#[derive(Debug, Default)]
+struct Gauges {
+    /// A read is running (at most one at a time).
+    busy: AtomicBool,
+    /// Tenants given backlog gauges by the last read.
+    backlog: Mutex<HashSet<TenantId>>,
+    /// Tenants given a parked-branches gauge by the last read.
+    parked: Mutex<HashSet<TenantId>>,
+}
+
+/// State of the supervisor: the [`Core`] that decides, and the handles that carry its
+/// decisions out (the publisher directory drainers read, the budgets they share, the tasks
+/// beside the tree).
 pub struct SupervisorState {
     args: SupervisorArgs,
+    core: Core<ActorRef<DrainerMessage>>,
+    /// The core's next timeout, as armed (`Tick` is sent then).
+    armed: Option<Instant>,
     directory: PublisherDirectory,
-    publisher_ids: HashMap<ActorId, ShardId>,
-    publisher_backoff: Vec<Backoff>,
-    drainers: HashMap<TenantId, ActorRef<DrainerMessage>>,
-    /// Per drainer: a wake-up is queued in its mailbox (wake-ups coalesce: at most one).
-    woken: HashMap<TenantId, Arc<AtomicBool>>,
+    /// Events and payload bytes in flight across all drainers.
+    budget: Arc<tokio::sync::Semaphore>,
+    byte_budget: Arc<tokio::sync::Semaphore>,
+    /// The core's [`Core::crowded`], as the drainers read it.
+    crowded: Arc<AtomicBool>,
     /// The poller's last batch of pending tenants is not handled yet (the poller waits).
     poll_busy: Arc<AtomicBool>,
-    /// Live drainers by actor id, with when each was spawned.
-    drainer_ids: HashMap<ActorId, (TenantId, std::time::Instant)>,
-    drainer_backoff: HashMap<TenantId, Backoff>,
-    /// Fences of the buckets held (and not being handed over).
-    held: HashMap<Bucket, Fence>,
-    /// Buckets being handed over: their drainers finish, none starts.
-    leaving: HashSet<Bucket>,
     /// Tells the keeper a bucket being handed over has no drainer left.
     settled: Option<tokio::sync::mpsc::UnboundedSender<Bucket>>,
     relay_id: RelayId,
-    gauged: Arc<Mutex<HashSet<TenantId>>>,
-    parked_gauged: Arc<Mutex<HashSet<TenantId>>>,
+    gauges: Arc<Gauges>,
     finishing: Option<RpcReplyPort<()>>,
     wakeups: Option<tokio::task::JoinHandle<()>>,
     keeper: Option<(watch::Sender<bool>, tokio::task::JoinHandle<()>)>,
-    metrics_busy: Arc<AtomicBool>,
-    budget: Arc<tokio::sync::Semaphore>,
-    byte_budget: Arc<tokio::sync::Semaphore>,
-    /// Tenants with pending intents waiting for a drainer slot (`max_drainers`), in order.
-    waiting: Waiting,
-    /// Set while tenants wait: drainers with nothing to do retire at once.
-    crowded: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for SupervisorState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SupervisorState")
-            .field("drainers", &self.drainers.len())
+            .field("drainers", &self.core.drainers_alive())
             .finish_non_exhaustive()
     }
 }
@@ -237,208 +241,93 @@ impl std::fmt::Debug for SupervisorState {
 #[derive(Debug, Default)]
 pub struct RelaySupervisor;
 
-/// Logs a restart storm without flooding: the 1st, 2nd, 4th, 8th... consecutive failure at WARN.
-fn storm_worthy(failures: u64) -> bool {
-    failures.is_power_of_two()
-}
-
 impl RelaySupervisor {
-    async fn spawn_publisher(
-        &self,
-        myself: &ActorRef<SupervisorMessage>,
-        state: &mut SupervisorState,
-        shard: ShardId,
-    ) {
-        let supervisor = myself.clone();
-        let args = PublisherArgs {
-            shard,
-            factory: state.args.factory.clone(),
-            on_healthy: Arc::new(move |shard| {
-                let _ = supervisor.cast(SupervisorMessage::PublisherHealthy(shard));
-            }),
-            max_unconfirmed: actors::DEFAULT_MAX_UNCONFIRMED,
-        };
-        match Actor::spawn_linked(None, PublisherActor, args, myself.get_cell()).await {
-            Ok((publisher, _)) => {
-                state.publisher_ids.insert(publisher.get_id(), shard);
-                state.directory.set(shard, Some(publisher));
-            }
-            Err(err) => {
-                tracing::warn!(shard = shard.0, error = %err, "publisher failed to start");
-                let delay = state.publisher_backoff[usize::from(shard.0)].next_delay();
-                myself.send_after(delay, move || SupervisorMessage::RespawnPublisher(shard));
-            }
-        }
-    }
-
-    async fn spawn_drainer(
-        &self,
-        myself: &ActorRef<SupervisorMessage>,
-        state: &mut SupervisorState,
-        tenant: TenantId,
-    ) {
-        if state.drainers.contains_key(&tenant) || state.finishing.is_some() {
-            return;
-        }
-        if state.drainers.len() >= state.args.config.max_drainers.max(1) {
-            state.waiting.push(tenant);
-            state.crowded.store(true, Ordering::Release);
-            return;
-        }
-        let woken = Arc::new(AtomicBool::new(false));
-        let Some(fence) = state
-            .held
-            .get(&bucket_of(&tenant))
-            .filter(|fence| fence.is_open())
-            .cloned()
-        else {
-            return;
-        };
-        let args = DrainerArgs {
-            tenant: tenant.clone(),
-            outbox: state.args.outbox.clone(),
-            publishers: state.directory.clone(),
-            budget: state.budget.clone(),
-            byte_budget: state.byte_budget.clone(),
-            woken: woken.clone(),
-            crowded: state.crowded.clone(),
-            fence,
-            config: state.args.config.drainer,
-        };
-        match Actor::spawn_linked(None, Drainer, args, myself.get_cell()).await {
-            Ok((drainer, _)) => {
-                state.drainer_ids.insert(
-                    drainer.get_id(),
-                    (tenant.clone(), std::time::Instant::now()),
-                );
-                state.woken.insert(tenant.clone(), woken);
-                state.drainers.insert(tenant, drainer);
-            }
-            Err(err) => {
-                tracing::warn!(tenant = %tenant, error = %err, "drainer failed to start");
-                self.schedule_drainer(myself, state, tenant);
-            }
-        }
-    }
-
-    /// Gives free drainer slots to waiting tenants, in order.
-    async fn admit_waiting(
-        &self,
-        myself: &ActorRef<SupervisorMessage>,
-        state: &mut SupervisorState,
-    ) {
-        while state.drainers.len() < state.args.config.max_drainers.max(1)
-            && let Some(tenant) = state.waiting.pop()
-        {
-            self.spawn_drainer(myself, state, tenant).await;
-        }
-        if state.waiting.is_empty() {
-            state.crowded.store(false, Ordering::Release);
-        }
-    }
-
-    fn schedule_drainer(
-        &self,
-        myself: &ActorRef<SupervisorMessage>,
-        state: &mut SupervisorState,
-        tenant: TenantId,
-    ) {
-        let backoff = state
-            .drainer_backoff
-            .entry(tenant.clone())
-            .or_insert_with(|| Backoff::new(state.args.config.restart));
-        let delay = backoff.next_delay();
-        myself.send_after(delay, move || SupervisorMessage::RespawnDrainer(tenant));
-    }
-
-    /// Drains `tenants` (in buckets this relay holds): wakes their drainers, starts missing ones.
-    async fn wake(
-        &self,
-        myself: &ActorRef<SupervisorMessage>,
-        state: &mut SupervisorState,
-        tenants: Vec<TenantId>,
-    ) {
-        self.admit_waiting(myself, state).await;
-        for tenant in tenants {
-            if !state.held.contains_key(&bucket_of(&tenant)) {
-                continue;
-            }
-            match state.drainers.get(&tenant) {
-                Some(drainer) => {
-                    // Coalesced: a drainer busy for a while gets one wake-up, not one per poll.
-                    let queued = state
-                        .woken
-                        .get(&tenant)
-                        .is_some_and(|woken| woken.swap(true, Ordering::AcqRel));
-                    if !queued {
-                        let _ = drainer.cast(DrainerMessage::Drain);
+    /// Carries out what the core decided, feeding it the results, then arms its timer.
+    async fn perform(&self, myself: &ActorRef<SupervisorMessage>, state: &mut SupervisorState) {
+        while let Some(command) = state.core.poll() {
+            match command {
+                Command::SpawnDrainer {
+                    tenant,
+                    fence,
+                    woken,
+                } => {
+                    let args = DrainerArgs {
+                        tenant: tenant.clone(),
+                        outbox: state.args.outbox.clone(),
+                        publishers: state.directory.clone(),
+                        budget: state.budget.clone(),
+                        byte_budget: state.byte_budget.clone(),
+                        woken,
+                        crowded: state.crowded.clone(),
+                        fence,
+                        config: state.args.config.drainer,
+                    };
+                    match Actor::spawn_linked(None, Drainer, args, myself.get_cell()).await {
+                        Ok((drainer, _)) => {
+                            state.core.drainer_started(tenant, drainer, Instant::now());
+                        }
+                        Err(err) => {
+                            tracing::warn!(tenant = %tenant, error = %err, "drainer failed to start");
+                            state.core.drainer_failed_to_start(tenant, Instant::now());
+                        }
                     }
                 }
-                None => self.spawn_drainer(myself, state, tenant).await,
+                Command::SpawnPublisher(shard) => {
+                    let supervisor = myself.clone();
+                    let args = PublisherArgs {
+                        shard,
+                        factory: state.args.factory.clone(),
+                        on_healthy: Arc::new(move |shard| {
+                            let _ = supervisor.cast(SupervisorMessage::PublisherHealthy(shard));
+                        }),
+                        max_unconfirmed: actors::DEFAULT_MAX_UNCONFIRMED,
+                    };
+                    match Actor::spawn_linked(None, PublisherActor, args, myself.get_cell()).await
+                    {
+                        Ok((publisher, _)) => {
+                            state.core.publisher_started(shard, publisher.get_id());
+                            state.directory.set(shard, Some(publisher));
+                        }
+                        Err(err) => {
+                            tracing::warn!(shard = shard.0, error = %err, "publisher failed to start");
+                            state.core.publisher_failed_to_start(shard, Instant::now());
+                        }
+                    }
+                }
+                Command::PublisherGone(shard) => state.directory.set(shard, None),
+                Command::Drain(drainer) => {
+                    let _ = drainer.cast(DrainerMessage::Drain);
+                }
+                Command::Finish(drainer) => {
+                    let _ = drainer.cast(DrainerMessage::Finish);
+                }
+                Command::Kill(drainer) => drainer.kill(),
+                Command::Settled(bucket) => {
+                    if let Some(settled) = &state.settled {
+                        let _ = settled.send(bucket);
+                    }
+                }
+                Command::Finished => {
+                    if let Some(reply) = state.finishing.take() {
+                        let _ = reply.send(());
+                    }
+                    myself.stop(Some("finished".into()));
+                }
             }
         }
-        metrics::gauge!("relay_tenants_held").set(state.drainers.len() as f64);
-    }
-
-    /// The keeper gained or lost buckets. Lost fences are already closed (nothing more is
-    /// published or acked under them); their drainers are stopped now and not restarted.
-    fn leases_changed(&self, state: &mut SupervisorState, changes: LeaseChanges) {
-        for bucket in &changes.lost {
-            state.held.remove(bucket);
-            state.leaving.remove(bucket);
-        }
-        for fence in changes.gained {
-            if let Some((bucket, _, _)) = fence.lease() {
-                state.held.insert(bucket, fence);
-            }
-        }
-        if changes.lost.is_empty() {
-            return;
-        }
-        let lost: HashSet<Bucket> = changes.lost.into_iter().collect();
-        let dropped: Vec<TenantId> = state
-            .drainers
-            .keys()
-            .filter(|tenant| lost.contains(&bucket_of(tenant)))
-            .cloned()
-            .collect();
-        for tenant in dropped {
-            if let Some(drainer) = state.drainers.remove(&tenant) {
-                state.drainer_ids.remove(&drainer.get_id());
-                drainer.kill();
-            }
-            state.woken.remove(&tenant);
-            state.drainer_backoff.remove(&tenant);
-        }
-        metrics::gauge!("relay_tenants_held").set(state.drainers.len() as f64);
-    }
-
-    /// A planned handover of `buckets`: they leave `held`, so no drainer starts on them (nor
-    /// restarts, nor leaves the waiting queue); their drainers finish their batches in flight
-    /// under fences still open. A bucket with no drainer is settled at once.
-    fn hand_over(&self, state: &mut SupervisorState, buckets: Vec<Bucket>) {
-        for bucket in &buckets {
-            state.held.remove(bucket);
-            state.leaving.insert(*bucket);
-        }
-        let leaving: HashSet<Bucket> = buckets.into_iter().collect();
-        let mut busy = HashSet::new();
-        for (tenant, drainer) in &state.drainers {
-            let bucket = bucket_of(tenant);
-            if leaving.contains(&bucket) {
-                busy.insert(bucket);
-                let _ = drainer.cast(DrainerMessage::Finish);
-            }
-        }
-        for bucket in leaving.difference(&busy) {
-            self.settled(state, *bucket);
-        }
-    }
-
-    /// Tells the keeper `bucket` (being handed over) has no drainer left.
-    fn settled(&self, state: &SupervisorState, bucket: Bucket) {
-        if let Some(settled) = &state.settled {
-            let _ = settled.send(bucket);
+        state
+            .crowded
+            .store(state.core.crowded(), Ordering::Release);
+        metrics::gauge!("relay_tenants_held").set(state.core.drainers_alive() as f64);
+        // One timer: re-armed only when the core's next timeout comes before the armed one
+        // (a tick that finds nothing due does nothing).
+        if let Some(at) = state.core.poll_timeout()
+            && state.armed.is_none_or(|armed| at < armed)
+        {
+            state.armed = Some(at);
+            myself.send_after(at.saturating_duration_since(Instant::now()), || {
+                SupervisorMessage::Tick
+            });
         }
     }
 
@@ -446,7 +335,7 @@ impl RelaySupervisor {
     /// so that a recorder dropping idle series (`distribution::prometheus_builder`) never drops
     /// them; per-tenant series of quiet tenants do expire.
     fn keep_series_alive(&self, state: &SupervisorState) {
-        metrics::gauge!("relay_tenants_held").set(state.drainers.len() as f64);
+        metrics::gauge!("relay_tenants_held").set(state.core.drainers_alive() as f64);
         metrics::gauge!("relay_runtime_tasks").set(tasks_alive() as f64);
         metrics::counter!("relay_drainer_restarts_total").increment(0);
         metrics::counter!("relay_leases_lost_total").increment(0);
@@ -467,20 +356,22 @@ impl RelaySupervisor {
     /// each under a timeout. Its cost is bounded whatever the backlog: per tenant, one index
     /// probe for the oldest intent and a count that stops at [`PENDING_GAUGE_CAP`].
     fn refresh_metrics(&self, state: &mut SupervisorState) {
-        if state.metrics_busy.swap(true, Ordering::AcqRel) {
+        if state.gauges.busy.swap(true, Ordering::AcqRel) {
             return;
         }
         let outbox = state.args.outbox.clone();
-        let busy = state.metrics_busy.clone();
-        let gauged = state.gauged.clone();
-        let parked_gauged = state.parked_gauged.clone();
+        let gauges = state.gauges.clone();
         let limit = state
             .args
             .config
             .metrics_interval
             .max(Duration::from_secs(1))
             * 5;
-        let draining: Vec<TenantId> = state.drainers.keys().cloned().collect();
+        let draining: Vec<TenantId> = state
+            .core
+            .drainers()
+            .map(|(tenant, _)| tenant.clone())
+            .collect();
         tokio::spawn(async move {
             let backlog =
                 tokio::time::timeout(limit, outbox.backlog_of(&draining, PENDING_GAUGE_CAP)).await;
@@ -505,7 +396,10 @@ impl RelaySupervisor {
                         .set(tenant.oldest_age.as_secs_f64());
                     seen.insert(tenant.tenant);
                 }
-                let mut gauged = gauged.lock().unwrap_or_else(|poison| poison.into_inner());
+                let mut gauged = gauges
+                    .backlog
+                    .lock()
+                    .unwrap_or_else(|poison| poison.into_inner());
                 for tenant in gauged.difference(&seen) {
                     let label = tenant.to_string();
                     metrics::gauge!("relay_backlog_pending", "tenant" => label.clone()).set(0.0);
@@ -519,7 +413,8 @@ impl RelaySupervisor {
                 for branch in parked {
                     *counts.entry(branch.branch.tenant).or_default() += 1;
                 }
-                let mut parked_gauged = parked_gauged
+                let mut parked_gauged = gauges
+                    .parked
                     .lock()
                     .unwrap_or_else(|poison| poison.into_inner());
                 for tenant in parked_gauged.iter() {
@@ -534,17 +429,8 @@ impl RelaySupervisor {
                 }
                 *parked_gauged = counts.into_keys().collect();
             }
-            busy.store(false, Ordering::Release);
+            gauges.busy.store(false, Ordering::Release);
         });
-    }
-
-    fn finish_if_done(&self, myself: &ActorRef<SupervisorMessage>, state: &mut SupervisorState) {
-        if state.drainers.is_empty()
-            && let Some(reply) = state.finishing.take()
-        {
-            let _ = reply.send(());
-            myself.stop(Some("finished".into()));
-        }
     }
 }
 
@@ -588,27 +474,16 @@ impl Actor for RelaySupervisor {
             args.config.shards,
             args.config.drainer.express_max_events > 0,
         );
+        let core = Core::new(CoreConfig {
+            publishers: directory.slots(),
+            max_drainers: args.config.max_drainers,
+            restart: args.config.restart,
+            finish_grace: args.config.finish_grace,
+        });
         Ok(SupervisorState {
-            publisher_backoff: (0..directory.slots())
-                .map(|_| Backoff::new(args.config.restart))
-                .collect(),
+            core,
+            armed: None,
             directory,
-            publisher_ids: HashMap::new(),
-            drainers: HashMap::new(),
-            woken: HashMap::new(),
-            poll_busy: Arc::new(AtomicBool::new(false)),
-            drainer_ids: HashMap::new(),
-            drainer_backoff: HashMap::new(),
-            held: HashMap::new(),
-            leaving: HashSet::new(),
-            settled: None,
-            relay_id: RelayId::generate(),
-            gauged: Arc::new(Mutex::new(HashSet::new())),
-            parked_gauged: Arc::new(Mutex::new(HashSet::new())),
-            finishing: None,
-            wakeups: None,
-            keeper: None,
-            metrics_busy: Arc::new(AtomicBool::new(false)),
             // A budget below one batch would deadlock a drainer waiting for a full batch.
             budget: Arc::new(tokio::sync::Semaphore::new(
                 args.config
@@ -620,8 +495,14 @@ impl Actor for RelaySupervisor {
                     .max_in_flight_bytes
                     .max(args.config.drainer.batch_max_bytes as usize),
             )),
-            waiting: Waiting::default(),
             crowded: Arc::new(AtomicBool::new(false)),
+            poll_busy: Arc::new(AtomicBool::new(false)),
+            settled: None,
+            relay_id: RelayId::generate(),
+            gauges: Arc::default(),
+            finishing: None,
+            wakeups: None,
+            keeper: None,
             args,
         })
     }
@@ -631,9 +512,7 @@ impl Actor for RelaySupervisor {
         myself: ActorRef<Self::Msg>,
         state: &mut SupervisorState,
     ) -> Result<(), ActorProcessingErr> {
-        for slot in 0..state.directory.slots() {
-            self.spawn_publisher(&myself, state, ShardId(slot)).await;
-        }
+        self.perform(&myself, state).await;
         state.wakeups = Some(tokio::spawn(forward_wakeups(
             state.args.database_url.clone(),
             myself.clone(),
@@ -682,15 +561,19 @@ impl Actor for RelaySupervisor {
         message: SupervisorMessage,
         state: &mut SupervisorState,
     ) -> Result<(), ActorProcessingErr> {
+        let now = Instant::now();
         match message {
-            SupervisorMessage::Leases(changes) => self.leases_changed(state, changes),
-            SupervisorMessage::HandOver(buckets) => self.hand_over(state, buckets),
+            SupervisorMessage::Leases(changes) => state.core.leases_changed(changes),
+            SupervisorMessage::HandOver(buckets) => state.core.hand_over(buckets),
             SupervisorMessage::Pending(tenants) => {
-                if state.finishing.is_none() {
-                    state.waiting.keep_only(&tenants);
-                    self.wake(&myself, state, tenants).await;
-                }
+                state.core.pending(tenants);
                 state.poll_busy.store(false, Ordering::Release);
+            }
+            SupervisorMessage::Notified(tenant) => state.core.notified(tenant),
+            SupervisorMessage::PublisherHealthy(shard) => state.core.publisher_healthy(shard),
+            SupervisorMessage::Tick => {
+                state.armed = None;
+                state.core.handle_timeout(now);
             }
             SupervisorMessage::MetricsTick => {
                 self.keep_series_alive(state);
@@ -699,41 +582,17 @@ impl Actor for RelaySupervisor {
                     SupervisorMessage::MetricsTick
                 });
             }
-            SupervisorMessage::Notified(tenant) => {
-                if state.finishing.is_none() {
-                    self.wake(&myself, state, vec![tenant]).await;
-                }
-            }
-            SupervisorMessage::RespawnPublisher(shard) => {
-                if state.directory.get(shard).is_none() && state.finishing.is_none() {
-                    self.spawn_publisher(&myself, state, shard).await;
-                }
-            }
-            SupervisorMessage::RespawnDrainer(tenant) => {
-                self.spawn_drainer(&myself, state, tenant).await;
-            }
-            SupervisorMessage::PublisherHealthy(shard) => {
-                let backoff = &mut state.publisher_backoff[usize::from(shard.0)];
-                if backoff.failures() > 0 {
-                    tracing::info!(
-                        shard = shard.0,
-                        failures = backoff.failures(),
-                        "publisher recovered"
-                    );
-                }
-                backoff.reset();
-            }
             SupervisorMessage::Snapshot(reply) => {
                 let snapshot = TreeSnapshot {
                     publishers: (0..state.directory.slots())
                         .map(|slot| state.directory.get(ShardId(slot)))
                         .collect(),
                     drainers: state
-                        .drainers
-                        .iter()
+                        .core
+                        .drainers()
                         .map(|(tenant, drainer)| (tenant.clone(), drainer.clone()))
                         .collect(),
-                    buckets_held: state.held.len(),
+                    buckets_held: state.core.buckets_held(),
                     relay_id: state.relay_id.clone(),
                     tasks_alive: tasks_alive(),
                 };
@@ -741,25 +600,10 @@ impl Actor for RelaySupervisor {
             }
             SupervisorMessage::Finish(reply) => {
                 state.finishing = Some(reply);
-                for drainer in state.drainers.values() {
-                    let _ = drainer.cast(DrainerMessage::Finish);
-                }
-                myself.send_after(state.args.config.finish_grace, || {
-                    SupervisorMessage::FinishDeadline
-                });
-                self.finish_if_done(&myself, state);
-            }
-            SupervisorMessage::FinishDeadline => {
-                // Batches still in flight are abandoned: they were not acked, so the next relay
-                // sends them again (the fold absorbs the duplicates). Nothing is lost.
-                for drainer in state.drainers.values() {
-                    drainer.kill();
-                }
-                state.drainers.clear();
-                state.woken.clear();
-                self.finish_if_done(&myself, state);
+                state.core.finish(now);
             }
         }
+        self.perform(&myself, state).await;
         Ok(())
     }
 
@@ -776,62 +620,11 @@ impl Actor for RelaySupervisor {
             SupervisionEvent::ActorFailed(cell, err) => (cell, err.to_string()),
             _ => return Ok(()),
         };
-        let id = cell.get_id();
-        if let Some(shard) = state.publisher_ids.remove(&id) {
-            // Drainers with batches on it hear of it from each batch's reply as the publisher's
-            // mailbox and tasks drop them.
-            state.directory.set(shard, None);
-            if state.finishing.is_some() {
-                return Ok(());
-            }
-            metrics::counter!("relay_publisher_restarts_total", "shard" => shard.0.to_string())
-                .increment(1);
-            let backoff = &mut state.publisher_backoff[usize::from(shard.0)];
-            let delay = backoff.next_delay();
-            if storm_worthy(backoff.failures()) {
-                tracing::warn!(shard = shard.0, failures = backoff.failures(), retry_in_ms = delay.as_millis() as u64, reason = %why, "publisher down; restarting");
-            } else {
-                tracing::debug!(shard = shard.0, failures = backoff.failures(), reason = %why, "publisher down; restarting");
-            }
-            myself.send_after(delay, move || SupervisorMessage::RespawnPublisher(shard));
-        } else if let Some((tenant, spawned)) = state.drainer_ids.remove(&id) {
-            state.drainers.remove(&tenant);
-            state.woken.remove(&tenant);
-            // A drainer that lived longer than the longest delay failed afresh: start its
-            // backoff over instead of carrying an old outage's delays forward.
-            if spawned.elapsed() > state.args.config.restart.max
-                && let Some(backoff) = state.drainer_backoff.get_mut(&tenant)
-            {
-                backoff.reset();
-            }
-            if state.finishing.is_some() {
-                self.finish_if_done(&myself, state);
-                return Ok(());
-            }
-            metrics::gauge!("relay_tenants_held").set(state.drainers.len() as f64);
-            let bucket = bucket_of(&tenant);
-            if state.leaving.contains(&bucket)
-                && !state
-                    .drainers
-                    .keys()
-                    .any(|other| bucket_of(other) == bucket)
-            {
-                // The last drainer of a bucket being handed over is done (finished, or failed:
-                // then the next owner sends its batch again).
-                self.settled(state, bucket);
-            }
-            let held = state.held.contains_key(&bucket);
-            if stop_reason::is_orderly(&why) || !held {
-                // Retired (idle), fenced or finished: nothing to restart, nothing to keep.
-                tracing::debug!(tenant = %tenant, reason = %why, "drainer stopped");
-                state.drainer_backoff.remove(&tenant);
-                self.admit_waiting(&myself, state).await;
-                return Ok(());
-            }
-            metrics::counter!("relay_drainer_restarts_total").increment(1);
-            tracing::warn!(tenant = %tenant, reason = %why, "drainer down; restarting");
-            self.schedule_drainer(&myself, state, tenant);
-        }
+        let orderly = stop_reason::is_orderly(&why);
+        state
+            .core
+            .child_ended(cell.get_id(), &why, orderly, Instant::now());
+        self.perform(&myself, state).await;
         Ok(())
     }
 }

@@ -1,0 +1,620 @@
+//! The supervisor's decisions, without I/O: which drainers and publishers run, wait, restart,
+//! finish or stop.
+//!
+//! The actor (`tree`) feeds [`Core`] events (leases changed, pending tenants, a wake-up, a child
+//! started or ended, a timeout with `now`), performs the [`Command`]s it then returns from
+//! [`Core::poll`], and arms one timer at [`Core::poll_timeout`]. quinn-proto's `Connection`
+//! (`poll_transmit`/`poll_timeout`/`handle_timeout`) is the model. Everything here is unit and
+//! property tested with fake handles and made-up instants (`tests` below).
+//!
+//! One table holds every tenant this relay knows a drainer for ([`TenantSlot`]), one every
+//! publisher shard, one every bucket held or being handed over; a tenant's backoff, wake-up
+//! flag and child id move with its slot, so no removal has to touch parallel maps in step.
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::hash::Hash;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use actors::{Backoff, RetryPolicy, ShardId};
+use store::{Bucket, Fence, LeaseChanges, TenantId, bucket_of};
+
+use crate::waiting::Waiting;
+
+/// What the core needs of a running child: an id to recognise its end by.
+pub(crate) trait Handle: Clone + std::fmt::Debug {
+    /// The id a supervision event carries.
+    type Id: Copy + Eq + Hash + std::fmt::Debug;
+    /// This child's id.
+    fn id(&self) -> Self::Id;
+}
+
+/// What the actor does for the core, in the order returned.
+#[derive(Debug)]
+pub(crate) enum Command<H> {
+    /// Start a drainer for `tenant` under `fence` sharing `woken`; then report
+    /// [`Core::drainer_started`] or [`Core::drainer_failed_to_start`].
+    SpawnDrainer {
+        tenant: TenantId,
+        fence: Fence,
+        woken: Arc<AtomicBool>,
+    },
+    /// Start the shard's publisher; then report [`Core::publisher_started`] or
+    /// [`Core::publisher_failed_to_start`].
+    SpawnPublisher(ShardId),
+    /// The shard has no publisher now: drainers must not send to the old one.
+    PublisherGone(ShardId),
+    /// Tell a drainer there is work (wake-ups coalesce: one queued at a time).
+    Drain(H),
+    /// Ask a drainer to finish its batches in flight and stop.
+    Finish(H),
+    /// Stop a drainer now (its lease is gone, or the grace ran out).
+    Kill(H),
+    /// A bucket being handed over has no drainer left: the keeper may release it.
+    Settled(Bucket),
+    /// Every drainer is done after [`Core::finish`]: answer and stop.
+    Finished,
+}
+
+/// Timings and bounds the core decides with.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CoreConfig {
+    /// Publisher slots.
+    pub(crate) publishers: u16,
+    /// Most drainers alive (starting or running) at once.
+    pub(crate) max_drainers: usize,
+    /// Restart delays of failed children.
+    pub(crate) restart: RetryPolicy,
+    /// How long [`Core::finish`] waits before killing what is left.
+    pub(crate) finish_grace: Duration,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Timer {
+    RespawnDrainer(TenantId),
+    RespawnPublisher(ShardId),
+    FinishDeadline,
+}
+
+/// A tenant this relay keeps something for.
+#[derive(Debug)]
+enum TenantSlot<H> {
+    /// Spawn commanded, result not reported yet.
+    Starting {
+        woken: Arc<AtomicBool>,
+        backoff: Option<Backoff>,
+    },
+    Running {
+        drainer: H,
+        spawned: Instant,
+        woken: Arc<AtomicBool>,
+        /// Present once it failed before: carried to the next restart.
+        backoff: Option<Backoff>,
+    },
+    /// Failed; a respawn timer is set (a wake-up before it starts it sooner).
+    Restarting { backoff: Backoff },
+}
+
+impl<H> TenantSlot<H> {
+    fn alive(&self) -> bool {
+        !matches!(self, TenantSlot::Restarting { .. })
+    }
+}
+
+#[derive(Debug)]
+enum PublisherState<Id> {
+    Starting,
+    Up(Id),
+    Down,
+}
+
+#[derive(Debug)]
+struct PublisherSlot<Id> {
+    state: PublisherState<Id>,
+    backoff: Backoff,
+}
+
+#[derive(Debug)]
+enum BucketState {
+    /// Held: drainers start under this fence.
+    Held(Fence),
+    /// Being handed over: drainers finish, none starts.
+    Leaving,
+}
+
+#[derive(Clone, Debug)]
+enum Child {
+    Drainer(TenantId),
+    Publisher(ShardId),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    Running,
+    Finishing,
+    Finished,
+}
+
+/// The supervisor's state machine.
+#[derive(Debug)]
+pub(crate) struct Core<H: Handle> {
+    config: CoreConfig,
+    tenants: HashMap<TenantId, TenantSlot<H>>,
+    /// Slots that are starting or running: what `max_drainers` bounds.
+    alive: usize,
+    children: HashMap<H::Id, Child>,
+    publishers: Vec<PublisherSlot<H::Id>>,
+    buckets: HashMap<Bucket, BucketState>,
+    waiting: Waiting,
+    timers: BTreeSet<(Instant, Timer)>,
+    phase: Phase,
+    commands: VecDeque<Command<H>>,
+}
+
+/// Logs a restart storm without flooding: the 1st, 2nd, 4th, 8th... consecutive failure at WARN.
+fn storm_worthy(failures: u64) -> bool {
+    failures.is_power_of_two()
+}
+
+impl<H: Handle> Core<H> {
+    /// A core that starts every publisher.
+    pub(crate) fn new(config: CoreConfig) -> Self {
+        let publishers = (0..config.publishers.max(1))
+            .map(|_| PublisherSlot {
+                state: PublisherState::Starting,
+                backoff: Backoff::new(config.restart),
+            })
+            .collect();
+        let mut core = Self {
+            config,
+            tenants: HashMap::new(),
+            alive: 0,
+            children: HashMap::new(),
+            publishers,
+            buckets: HashMap::new(),
+            waiting: Waiting::default(),
+            timers: BTreeSet::new(),
+            phase: Phase::Running,
+            commands: VecDeque::new(),
+        };
+        for slot in 0..core.publishers.len() {
+            core.commands
+                .push_back(Command::SpawnPublisher(ShardId(slot as u16)));
+        }
+        core
+    }
+
+    /// The next thing to do.
+    pub(crate) fn poll(&mut self) -> Option<Command<H>> {
+        self.commands.pop_front()
+    }
+
+    /// When [`Core::handle_timeout`] is next due.
+    pub(crate) fn poll_timeout(&self) -> Option<Instant> {
+        self.timers.first().map(|(at, _)| *at)
+    }
+
+    /// Fires every timer due at `now`.
+    pub(crate) fn handle_timeout(&mut self, now: Instant) {
+        while let Some((at, _)) = self.timers.first()
+            && *at <= now
+        {
+            let Some((_, timer)) = self.timers.pop_first() else {
+                break;
+            };
+            match timer {
+                Timer::RespawnDrainer(tenant) => {
+                    if matches!(self.tenants.get(&tenant), Some(TenantSlot::Restarting { .. })) {
+                        self.spawn(tenant);
+                    }
+                }
+                Timer::RespawnPublisher(shard) => {
+                    let slot = &mut self.publishers[usize::from(shard.0)];
+                    if matches!(slot.state, PublisherState::Down) && self.phase == Phase::Running
+                    {
+                        slot.state = PublisherState::Starting;
+                        self.commands.push_back(Command::SpawnPublisher(shard));
+                    }
+                }
+                Timer::FinishDeadline => self.finish_deadline(),
+            }
+        }
+    }
+
+    // ----- Publishers -----
+
+    /// The shard's publisher runs as `id`.
+    pub(crate) fn publisher_started(&mut self, shard: ShardId, id: H::Id) {
+        self.publishers[usize::from(shard.0)].state = PublisherState::Up(id);
+        self.children.insert(id, Child::Publisher(shard));
+    }
+
+    /// The shard's publisher could not start: try again after its backoff.
+    pub(crate) fn publisher_failed_to_start(&mut self, shard: ShardId, now: Instant) {
+        let slot = &mut self.publishers[usize::from(shard.0)];
+        slot.state = PublisherState::Down;
+        let delay = slot.backoff.next_delay();
+        self.timers
+            .insert((now + delay, Timer::RespawnPublisher(shard)));
+    }
+
+    /// The shard's publisher had a publish confirmed: its next failure starts a fresh backoff.
+    pub(crate) fn publisher_healthy(&mut self, shard: ShardId) {
+        let backoff = &mut self.publishers[usize::from(shard.0)].backoff;
+        if backoff.failures() > 0 {
+            tracing::info!(
+                shard = shard.0,
+                failures = backoff.failures(),
+                "publisher recovered"
+            );
+        }
+        backoff.reset();
+    }
+
+    /// Consecutive failures of the shard's publisher (for tests and status).
+    #[cfg(test)]
+    fn publisher_failures(&self, shard: ShardId) -> u64 {
+        self.publishers[usize::from(shard.0)].backoff.failures()
+    }
+
+    // ----- Leases -----
+
+    /// The keeper gained or lost buckets. Lost fences are already closed (nothing more is
+    /// published or acked under them); their drainers are stopped now and not restarted.
+    pub(crate) fn leases_changed(&mut self, changes: LeaseChanges) {
+        for bucket in &changes.lost {
+            self.buckets.remove(bucket);
+        }
+        for fence in changes.gained {
+            if let Some((bucket, _, _)) = fence.lease() {
+                self.buckets.insert(bucket, BucketState::Held(fence));
+            }
+        }
+        if changes.lost.is_empty() {
+            return;
+        }
+        let lost: Vec<TenantId> = self
+            .tenants
+            .keys()
+            .filter(|tenant| changes.lost.contains(&bucket_of(tenant)))
+            .cloned()
+            .collect();
+        for tenant in lost {
+            if let Some(TenantSlot::Running { drainer, .. }) = self.remove_slot(&tenant) {
+                self.children.remove(&drainer.id());
+                self.commands.push_back(Command::Kill(drainer));
+            }
+        }
+        // A finish waiting on those drainers is done if they were the last.
+        self.finish_if_done();
+    }
+
+    /// A planned handover of `buckets`: no drainer starts on them (nor restarts, nor leaves
+    /// the waiting queue); their drainers finish their batches in flight under fences still
+    /// open. A bucket with no drainer is settled at once.
+    pub(crate) fn hand_over(&mut self, buckets: Vec<Bucket>) {
+        for bucket in &buckets {
+            self.buckets.insert(*bucket, BucketState::Leaving);
+        }
+        for bucket in buckets {
+            let mut busy = false;
+            for (tenant, slot) in &self.tenants {
+                if bucket_of(tenant) != bucket {
+                    continue;
+                }
+                if let TenantSlot::Running { drainer, .. } = slot {
+                    busy = true;
+                    self.commands.push_back(Command::Finish(drainer.clone()));
+                }
+            }
+            if !busy {
+                self.commands.push_back(Command::Settled(bucket));
+            }
+        }
+    }
+
+    /// Buckets held, not being handed over.
+    pub(crate) fn buckets_held(&self) -> usize {
+        self.buckets
+            .values()
+            .filter(|state| matches!(state, BucketState::Held(_)))
+            .count()
+    }
+
+    // ----- Work -----
+
+    /// Every tenant with pending intents, from the poller: waiting tenants it no longer lists
+    /// leave the queue; those in buckets held are drained.
+    pub(crate) fn pending(&mut self, tenants: Vec<TenantId>) {
+        if self.phase != Phase::Running {
+            return;
+        }
+        self.waiting.keep_only(&tenants);
+        self.wake(tenants);
+    }
+
+    /// A tenant's intents just committed.
+    pub(crate) fn notified(&mut self, tenant: TenantId) {
+        if self.phase == Phase::Running {
+            self.wake(vec![tenant]);
+        }
+    }
+
+    /// Drains `tenants` (in buckets held): wakes their drainers, starts missing ones.
+    fn wake(&mut self, tenants: Vec<TenantId>) {
+        self.admit_waiting();
+        for tenant in tenants {
+            if !matches!(
+                self.buckets.get(&bucket_of(&tenant)),
+                Some(BucketState::Held(_))
+            ) {
+                continue;
+            }
+            match self.tenants.get(&tenant) {
+                Some(TenantSlot::Running { drainer, woken, .. }) => {
+                    // Coalesced: a drainer busy for a while gets one wake-up, not one per poll.
+                    if !woken.swap(true, Ordering::AcqRel) {
+                        self.commands.push_back(Command::Drain(drainer.clone()));
+                    }
+                }
+                // A drainer about to start drains at once.
+                Some(TenantSlot::Starting { .. }) => {}
+                // A wake-up starts a restarting drainer now; its backoff carries on.
+                Some(TenantSlot::Restarting { .. }) | None => self.spawn(tenant),
+            }
+        }
+    }
+
+    /// Starts a drainer for `tenant` if its bucket is held, it has none and a slot is free;
+    /// queues it when none is.
+    fn spawn(&mut self, tenant: TenantId) {
+        if self.phase != Phase::Running {
+            return;
+        }
+        let fence = match self.buckets.get(&bucket_of(&tenant)) {
+            Some(BucketState::Held(fence)) if fence.is_open() => fence.clone(),
+            _ => {
+                // Not ours (any more): nothing to restart.
+                if matches!(self.tenants.get(&tenant), Some(TenantSlot::Restarting { .. })) {
+                    self.tenants.remove(&tenant);
+                }
+                return;
+            }
+        };
+        let backoff = match self.tenants.get(&tenant) {
+            Some(slot) if slot.alive() => return,
+            _ if self.alive >= self.config.max_drainers.max(1) => {
+                self.waiting.push(tenant);
+                return;
+            }
+            Some(TenantSlot::Restarting { .. }) => match self.tenants.remove(&tenant) {
+                Some(TenantSlot::Restarting { backoff }) => Some(backoff),
+                _ => None,
+            },
+            _ => None,
+        };
+        let woken = Arc::new(AtomicBool::new(false));
+        self.alive += 1;
+        self.tenants.insert(
+            tenant.clone(),
+            TenantSlot::Starting {
+                woken: woken.clone(),
+                backoff,
+            },
+        );
+        self.commands.push_back(Command::SpawnDrainer {
+            tenant,
+            fence,
+            woken,
+        });
+    }
+
+    /// Gives free drainer slots to waiting tenants, in order.
+    fn admit_waiting(&mut self) {
+        while self.alive < self.config.max_drainers.max(1)
+            && let Some(tenant) = self.waiting.pop()
+        {
+            self.spawn(tenant);
+        }
+    }
+
+    /// Whether tenants wait for a drainer slot: drainers with nothing to do retire at once.
+    pub(crate) fn crowded(&self) -> bool {
+        !self.waiting.is_empty()
+    }
+
+    /// The drainer commanded for `tenant` runs as `drainer`.
+    pub(crate) fn drainer_started(&mut self, tenant: TenantId, drainer: H, now: Instant) {
+        let Some(TenantSlot::Starting { woken, backoff }) = self.tenants.remove(&tenant) else {
+            // Not commanded: stop it rather than run two.
+            self.commands.push_back(Command::Kill(drainer));
+            return;
+        };
+        self.children
+            .insert(drainer.id(), Child::Drainer(tenant.clone()));
+        // Its bucket may have moved on while it started (the core is told in order, but be
+        // safe): finish it where it is leaving, stop it where it is lost.
+        match (self.phase, self.buckets.get(&bucket_of(&tenant))) {
+            (Phase::Running, Some(BucketState::Held(_))) => {}
+            (Phase::Finishing, _) | (_, Some(BucketState::Leaving)) => {
+                self.commands.push_back(Command::Finish(drainer.clone()));
+            }
+            _ => self.commands.push_back(Command::Kill(drainer.clone())),
+        }
+        self.tenants.insert(
+            tenant,
+            TenantSlot::Running {
+                drainer,
+                spawned: now,
+                woken,
+                backoff,
+            },
+        );
+    }
+
+    /// The drainer commanded for `tenant` could not start: try again after its backoff.
+    pub(crate) fn drainer_failed_to_start(&mut self, tenant: TenantId, now: Instant) {
+        let backoff = match self.remove_slot(&tenant) {
+            Some(TenantSlot::Starting { backoff, .. }) => backoff,
+            _ => None,
+        };
+        self.restart_later(tenant, backoff, now);
+        self.finish_if_done();
+    }
+
+    fn restart_later(&mut self, tenant: TenantId, backoff: Option<Backoff>, now: Instant) {
+        let mut backoff = backoff.unwrap_or_else(|| Backoff::new(self.config.restart));
+        let delay = backoff.next_delay();
+        self.timers
+            .insert((now + delay, Timer::RespawnDrainer(tenant.clone())));
+        self.tenants
+            .insert(tenant, TenantSlot::Restarting { backoff });
+    }
+
+    /// Removes a tenant's slot, keeping the count of alive ones.
+    fn remove_slot(&mut self, tenant: &TenantId) -> Option<TenantSlot<H>> {
+        let slot = self.tenants.remove(tenant)?;
+        if slot.alive() {
+            self.alive -= 1;
+        }
+        Some(slot)
+    }
+
+    /// A child ended; `orderly` when it stopped by itself for a reason that needs no restart
+    /// (a drainer retired idle, finished or fenced).
+    pub(crate) fn child_ended(&mut self, id: H::Id, why: &str, orderly: bool, now: Instant) {
+        match self.children.remove(&id) {
+            Some(Child::Publisher(shard)) => self.publisher_ended(shard, why, now),
+            Some(Child::Drainer(tenant)) => self.drainer_ended(tenant, why, orderly, now),
+            None => {}
+        }
+    }
+
+    fn publisher_ended(&mut self, shard: ShardId, why: &str, now: Instant) {
+        let slot = &mut self.publishers[usize::from(shard.0)];
+        slot.state = PublisherState::Down;
+        // Drainers with batches on it hear of it from each batch's reply as the publisher's
+        // mailbox and tasks drop them.
+        self.commands.push_back(Command::PublisherGone(shard));
+        if self.phase != Phase::Running {
+            return;
+        }
+        metrics::counter!("relay_publisher_restarts_total", "shard" => shard.0.to_string())
+            .increment(1);
+        let delay = slot.backoff.next_delay();
+        let failures = slot.backoff.failures();
+        if storm_worthy(failures) {
+            tracing::warn!(shard = shard.0, failures, retry_in_ms = delay.as_millis() as u64, reason = %why, "publisher down; restarting");
+        } else {
+            tracing::debug!(shard = shard.0, failures, reason = %why, "publisher down; restarting");
+        }
+        self.timers
+            .insert((now + delay, Timer::RespawnPublisher(shard)));
+    }
+
+    fn drainer_ended(&mut self, tenant: TenantId, why: &str, orderly: bool, now: Instant) {
+        let Some(TenantSlot::Running {
+            spawned, backoff, ..
+        }) = self.remove_slot(&tenant)
+        else {
+            return;
+        };
+        // A drainer that lived longer than the longest delay failed afresh: start its backoff
+        // over instead of carrying an old outage's delays forward.
+        let backoff = backoff.filter(|_| now.duration_since(spawned) <= self.config.restart.max);
+        if self.phase != Phase::Running {
+            self.finish_if_done();
+            return;
+        }
+        let bucket = bucket_of(&tenant);
+        let state = self.buckets.get(&bucket);
+        if matches!(state, Some(BucketState::Leaving))
+            && !self
+                .tenants
+                .iter()
+                .any(|(other, slot)| slot.alive() && bucket_of(other) == bucket)
+        {
+            // The last drainer of a bucket being handed over is done (finished, or failed:
+            // then the next owner sends its batch again).
+            self.commands.push_back(Command::Settled(bucket));
+        }
+        let held = matches!(state, Some(BucketState::Held(_)));
+        if orderly || !held {
+            // Retired (idle), fenced or finished: nothing to restart, nothing to keep.
+            tracing::debug!(tenant = %tenant, reason = %why, "drainer stopped");
+            self.admit_waiting();
+            return;
+        }
+        metrics::counter!("relay_drainer_restarts_total").increment(1);
+        tracing::warn!(tenant = %tenant, reason = %why, "drainer down; restarting");
+        self.restart_later(tenant, backoff, now);
+        self.admit_waiting();
+    }
+
+    // ----- Shutdown -----
+
+    /// Graceful shutdown: drainers finish their batches, then [`Command::Finished`]; after the
+    /// grace what is left is killed (sent again by whoever drains next; nothing is lost).
+    pub(crate) fn finish(&mut self, now: Instant) {
+        if self.phase != Phase::Running {
+            return;
+        }
+        self.phase = Phase::Finishing;
+        for slot in self.tenants.values() {
+            if let TenantSlot::Running { drainer, .. } = slot {
+                self.commands.push_back(Command::Finish(drainer.clone()));
+            }
+        }
+        self.timers
+            .insert((now + self.config.finish_grace, Timer::FinishDeadline));
+        self.finish_if_done();
+    }
+
+    fn finish_deadline(&mut self) {
+        if self.phase != Phase::Finishing {
+            return;
+        }
+        let tenants: Vec<TenantId> = self.tenants.keys().cloned().collect();
+        for tenant in tenants {
+            if let Some(TenantSlot::Running { drainer, .. }) = self.remove_slot(&tenant) {
+                self.children.remove(&drainer.id());
+                self.commands.push_back(Command::Kill(drainer));
+            }
+        }
+        self.finish_if_done();
+    }
+
+    fn finish_if_done(&mut self) {
+        if self.phase == Phase::Finishing && self.alive == 0 {
+            self.phase = Phase::Finished;
+            self.tenants.clear();
+            self.timers.clear();
+            self.commands.push_back(Command::Finished);
+        }
+    }
+
+    // ----- Views -----
+
+    /// Running drainers.
+    pub(crate) fn drainers(&self) -> impl Iterator<Item = (&TenantId, &H)> {
+        self.tenants.iter().filter_map(|(tenant, slot)| match slot {
+            TenantSlot::Running { drainer, .. } => Some((tenant, drainer)),
+            _ => None,
+        })
+    }
+
+    /// Drainers starting or running.
+    pub(crate) fn drainers_alive(&self) -> usize {
+        self.alive
+    }
+
+    /// Tenants this relay keeps anything for (running, starting, restarting): bounded by the
+    /// drainers alive plus those restarting, never by the tenants seen.
+    #[cfg(test)]
+    fn slots(&self) -> usize {
+        self.tenants.len()
+    }
+}
+
+#[cfg(test)]
+mod tests;

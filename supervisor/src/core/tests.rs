@@ -1,0 +1,693 @@
+//! The supervisor's decisions, tested without actors, sockets or clocks: fake child handles,
+//! made-up instants, and a fake tree that performs the commands.
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+
+use proptest::prelude::*;
+use store::{Lease, RelayId};
+
+use super::*;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct Fake(u64);
+
+impl Handle for Fake {
+    type Id = u64;
+    fn id(&self) -> u64 {
+        self.0
+    }
+}
+
+fn tenant(name: &str) -> TenantId {
+    TenantId::new(name).expect("valid id")
+}
+
+/// `count` tenants that all fall in different buckets, with their buckets.
+fn tenants_in_distinct_buckets(count: usize) -> Vec<TenantId> {
+    let mut seen = HashSet::new();
+    (0..)
+        .map(|n| tenant(&format!("t{n}")))
+        .filter(|tenant| seen.insert(bucket_of(tenant)))
+        .take(count)
+        .collect()
+}
+
+fn config(max_drainers: usize) -> CoreConfig {
+    CoreConfig {
+        publishers: 2,
+        max_drainers,
+        restart: RetryPolicy {
+            min: Duration::from_millis(100),
+            max: Duration::from_secs(5),
+        },
+        finish_grace: Duration::from_secs(10),
+    }
+}
+
+/// A lease on each bucket, valid for an hour (kept so the fences stay open).
+fn leases(buckets: impl IntoIterator<Item = Bucket>) -> Vec<Lease> {
+    let until = Instant::now() + Duration::from_secs(3_600);
+    buckets
+        .into_iter()
+        .map(|bucket| Lease::new(bucket, RelayId::generate(), 1, until))
+        .collect()
+}
+
+fn gained(leases: &[Lease]) -> LeaseChanges {
+    LeaseChanges {
+        gained: leases.iter().map(Lease::fence).collect(),
+        lost: Vec::new(),
+    }
+}
+
+/// Performs what the core commands like the actor would, every spawn succeeding, and returns
+/// what it did besides spawning.
+struct Tree {
+    core: Core<Fake>,
+    next_id: u64,
+    /// Running fake drainers: id -> tenant.
+    drainers: BTreeMap<u64, TenantId>,
+    publishers: BTreeMap<u16, u64>,
+    done: Vec<Command<Fake>>,
+}
+
+impl Tree {
+    fn new(max_drainers: usize) -> Self {
+        let mut tree = Self {
+            core: Core::new(config(max_drainers)),
+            next_id: 0,
+            drainers: BTreeMap::new(),
+            publishers: BTreeMap::new(),
+            done: Vec::new(),
+        };
+        tree.perform(Instant::now());
+        tree
+    }
+
+    fn perform(&mut self, now: Instant) {
+        while let Some(command) = self.core.poll() {
+            match command {
+                Command::SpawnDrainer { tenant, .. } => {
+                    self.next_id += 1;
+                    self.drainers.insert(self.next_id, tenant.clone());
+                    self.core.drainer_started(tenant, Fake(self.next_id), now);
+                }
+                Command::SpawnPublisher(shard) => {
+                    self.next_id += 1;
+                    self.publishers.insert(shard.0, self.next_id);
+                    self.core.publisher_started(shard, self.next_id);
+                }
+                Command::Kill(Fake(id)) => {
+                    self.drainers.remove(&id);
+                    self.done.push(Command::Kill(Fake(id)));
+                }
+                other => self.done.push(other),
+            }
+        }
+    }
+
+    fn take(&mut self) -> Vec<Command<Fake>> {
+        std::mem::take(&mut self.done)
+    }
+
+    fn drainer_of(&self, tenant: &TenantId) -> Option<u64> {
+        self.drainers
+            .iter()
+            .find(|(_, running)| *running == tenant)
+            .map(|(id, _)| *id)
+    }
+
+    /// The drainer of `tenant` stops by itself.
+    fn end(&mut self, tenant: &TenantId, orderly: bool, now: Instant) {
+        let id = self.drainer_of(tenant).expect("a drainer runs");
+        self.drainers.remove(&id);
+        let why = if orderly { "idle" } else { "database down" };
+        self.core.child_ended(id, why, orderly, now);
+        self.perform(now);
+    }
+}
+
+#[test]
+fn every_publisher_starts_and_a_dead_one_restarts_after_its_backoff() {
+    let now = Instant::now();
+    let mut tree = Tree::new(10);
+    assert_eq!(tree.publishers.len(), 2);
+    let first = tree.publishers[&1];
+    tree.core.child_ended(first, "connection lost", false, now);
+    tree.perform(now);
+    assert!(matches!(tree.take()[..], [Command::PublisherGone(ShardId(1))]));
+    let due = tree.core.poll_timeout().expect("a respawn is due");
+    assert!(due >= now + Duration::from_millis(100) && due <= now + Duration::from_secs(10));
+    tree.core.handle_timeout(due - Duration::from_millis(1));
+    tree.perform(due);
+    assert_eq!(tree.publishers[&1], first, "not before its backoff");
+    tree.core.handle_timeout(due);
+    tree.perform(due);
+    assert_ne!(tree.publishers[&1], first);
+    assert_eq!(tree.core.publisher_failures(ShardId(1)), 1);
+    tree.core.publisher_healthy(ShardId(1));
+    assert_eq!(tree.core.publisher_failures(ShardId(1)), 0);
+    // The end of a child the core no longer knows (or never knew) changes nothing.
+    tree.core.child_ended(first, "late", false, due);
+    tree.core.child_ended(999, "unknown", false, due);
+    tree.perform(due);
+    assert!(tree.take().is_empty());
+}
+
+#[test]
+fn a_publisher_that_cannot_start_is_tried_again_and_none_restarts_while_finishing() {
+    let now = Instant::now();
+    let mut core: Core<Fake> = Core::new(config(10));
+    let mut started = Vec::new();
+    while let Some(command) = core.poll() {
+        if let Command::SpawnPublisher(shard) = command {
+            started.push(shard);
+        }
+    }
+    core.publisher_failed_to_start(ShardId(0), now);
+    core.publisher_started(ShardId(1), 7);
+    let due = core.poll_timeout().expect("a retry is due");
+    core.handle_timeout(due);
+    assert!(matches!(core.poll(), Some(Command::SpawnPublisher(ShardId(0)))));
+    core.finish(due);
+    assert!(matches!(core.poll(), Some(Command::Finished)));
+    core.child_ended(7, "stopped", false, due);
+    assert!(matches!(core.poll(), Some(Command::PublisherGone(ShardId(1)))));
+    assert_eq!(core.poll_timeout(), None, "nothing restarts once finished");
+    assert_eq!(started, vec![ShardId(0), ShardId(1)]);
+}
+
+#[test]
+fn tenants_beyond_the_cap_wait_in_order_and_get_the_slots_that_free_up() {
+    let now = Instant::now();
+    let tenants = tenants_in_distinct_buckets(4);
+    let held = leases(tenants.iter().map(bucket_of));
+    let mut tree = Tree::new(2);
+    tree.core.leases_changed(gained(&held));
+    tree.core.pending(tenants.clone());
+    tree.perform(now);
+    assert_eq!(tree.drainers.len(), 2);
+    assert_eq!(tree.core.drainers_alive(), 2);
+    assert!(tree.core.crowded());
+    assert!(tree.drainer_of(&tenants[0]).is_some() && tree.drainer_of(&tenants[1]).is_some());
+    // A retiring drainer's slot goes to the tenant that waited longest.
+    tree.end(&tenants[1], true, now);
+    assert!(tree.drainer_of(&tenants[2]).is_some());
+    assert!(tree.drainer_of(&tenants[3]).is_none());
+    // A poll that no longer lists a waiting tenant drops it from the queue.
+    tree.core.pending(vec![tenants[0].clone(), tenants[2].clone()]);
+    tree.perform(now);
+    assert!(!tree.core.crowded());
+    tree.end(&tenants[0], true, now);
+    assert!(tree.drainer_of(&tenants[3]).is_none());
+    assert_eq!(tree.core.drainers_alive(), 1);
+}
+
+#[test]
+fn wake_ups_coalesce_until_the_drainer_takes_one() {
+    let now = Instant::now();
+    let tenants = tenants_in_distinct_buckets(2);
+    let held = leases([bucket_of(&tenants[0])]);
+    let mut tree = Tree::new(10);
+    tree.core.leases_changed(gained(&held));
+    tree.core.notified(tenants[0].clone());
+    tree.perform(now);
+    assert_eq!(tree.drainers.len(), 1);
+    for _ in 0..3 {
+        tree.core.notified(tenants[0].clone());
+        tree.core.pending(vec![tenants[0].clone()]);
+    }
+    // A tenant in a bucket not held is not drained here.
+    tree.core.notified(tenants[1].clone());
+    tree.perform(now);
+    let done = tree.take();
+    assert!(matches!(done[..], [Command::Drain(_)]), "{done:?}");
+    // The drainer takes its wake-up (clears the flag): the next one is sent.
+    let Some(TenantSlot::Running { woken, .. }) = tree.core.tenants.get(&tenants[0]) else {
+        panic!("running");
+    };
+    woken.store(false, Ordering::Release);
+    tree.core.notified(tenants[0].clone());
+    tree.perform(now);
+    assert!(matches!(tree.take()[..], [Command::Drain(_)]));
+}
+
+#[test]
+fn a_failed_drainer_restarts_after_its_backoff_and_an_orderly_one_does_not() {
+    let now = Instant::now();
+    let tenants = tenants_in_distinct_buckets(2);
+    let held = leases(tenants.iter().map(bucket_of));
+    let mut tree = Tree::new(10);
+    tree.core.leases_changed(gained(&held));
+    tree.core.pending(tenants.clone());
+    tree.perform(now);
+    tree.end(&tenants[0], true, now);
+    assert_eq!(tree.core.poll_timeout(), None, "retired: nothing to restart");
+    assert_eq!(tree.core.slots(), 1, "retired: nothing kept");
+    tree.end(&tenants[1], false, now);
+    assert_eq!(tree.core.drainers_alive(), 0);
+    let first = tree.core.poll_timeout().expect("a restart is due");
+    assert!(first >= now + Duration::from_millis(100));
+    tree.core.handle_timeout(first);
+    tree.perform(first);
+    assert!(tree.drainer_of(&tenants[1]).is_some());
+    // Failing again at once: the delay grows (jitter at most doubles a delay).
+    tree.end(&tenants[1], false, first);
+    let second = tree.core.poll_timeout().expect("a restart is due");
+    assert!(second.duration_since(first) >= Duration::from_millis(200));
+    // A wake-up does not wait for the backoff (the poll comes once a second at most).
+    tree.core.notified(tenants[1].clone());
+    tree.perform(first);
+    assert!(tree.drainer_of(&tenants[1]).is_some());
+    // The timer that fires later finds it running: nothing more starts.
+    tree.core.handle_timeout(second);
+    tree.perform(second);
+    assert_eq!(tree.drainers.len(), 1);
+}
+
+#[test]
+fn a_drainer_that_cannot_start_is_tried_again() {
+    let now = Instant::now();
+    let tenants = tenants_in_distinct_buckets(1);
+    let held = leases([bucket_of(&tenants[0])]);
+    let mut core: Core<Fake> = Core::new(config(1));
+    core.leases_changed(gained(&held));
+    core.notified(tenants[0].clone());
+    while let Some(command) = core.poll() {
+        if let Command::SpawnDrainer { tenant, .. } = command {
+            core.drainer_failed_to_start(tenant, now);
+        }
+    }
+    assert_eq!(core.drainers_alive(), 0);
+    let due = core.poll_timeout().expect("a retry is due");
+    core.handle_timeout(due);
+    assert!(matches!(core.poll(), Some(Command::SpawnDrainer { .. })));
+}
+
+#[test]
+fn a_lost_lease_stops_its_drainers_and_forgets_them() {
+    let now = Instant::now();
+    let tenants = tenants_in_distinct_buckets(3);
+    let held = leases(tenants.iter().map(bucket_of));
+    let mut tree = Tree::new(10);
+    tree.core.leases_changed(gained(&held));
+    tree.core.pending(tenants.clone());
+    tree.perform(now);
+    let killed = tree.drainer_of(&tenants[0]).expect("running");
+    tree.end(&tenants[2], false, now);
+    assert_eq!(tree.core.slots(), 3, "one restarting");
+    tree.core.leases_changed(LeaseChanges {
+        gained: Vec::new(),
+        lost: vec![bucket_of(&tenants[0]), bucket_of(&tenants[2])],
+    });
+    tree.perform(now);
+    assert!(matches!(tree.take()[..], [Command::Kill(Fake(id))] if id == killed));
+    assert_eq!(tree.core.slots(), 1, "nothing kept for lost buckets");
+    // The killed drainer's end arrives later and restarts nothing; neither does the timer.
+    tree.core.child_ended(killed, "killed", false, now);
+    tree.core.handle_timeout(now + Duration::from_secs(60));
+    tree.core.notified(tenants[0].clone());
+    tree.perform(now);
+    assert!(tree.take().is_empty());
+    assert_eq!(tree.drainers.len(), 1);
+    assert_eq!(tree.core.buckets_held(), 1);
+}
+
+#[test]
+fn a_handover_finishes_the_buckets_drainers_and_settles_each_bucket_once_empty() {
+    let now = Instant::now();
+    let tenants = tenants_in_distinct_buckets(3);
+    let held = leases(tenants.iter().map(bucket_of));
+    let mut tree = Tree::new(10);
+    tree.core.leases_changed(gained(&held));
+    tree.core.pending(tenants[..2].to_vec());
+    tree.perform(now);
+    // tenants[0] drains, tenants[2]'s bucket has no drainer.
+    let leaving = vec![bucket_of(&tenants[0]), bucket_of(&tenants[2])];
+    tree.core.hand_over(leaving);
+    tree.perform(now);
+    let done = tree.take();
+    assert!(matches!(done[..], [Command::Finish(_), Command::Settled(bucket)] if bucket == bucket_of(&tenants[2])), "{done:?}");
+    // No drainer starts in a leaving bucket, whatever wakes it.
+    tree.core.pending(tenants.clone());
+    tree.core.notified(tenants[2].clone());
+    tree.perform(now);
+    assert!(!tree.take().iter().any(|c| matches!(c, Command::SpawnDrainer { .. })));
+    assert_eq!(tree.core.buckets_held(), 1);
+    // Its drainer finishes: the bucket is settled.
+    tree.end(&tenants[0], true, now);
+    assert!(matches!(tree.take()[..], [Command::Settled(bucket)] if bucket == bucket_of(&tenants[0])));
+}
+
+#[test]
+fn a_failed_drainer_of_a_leaving_bucket_settles_it_and_does_not_restart() {
+    let now = Instant::now();
+    let tenants = tenants_in_distinct_buckets(1);
+    let held = leases([bucket_of(&tenants[0])]);
+    let mut tree = Tree::new(10);
+    tree.core.leases_changed(gained(&held));
+    tree.core.notified(tenants[0].clone());
+    tree.perform(now);
+    tree.core.hand_over(vec![bucket_of(&tenants[0])]);
+    tree.perform(now);
+    tree.take();
+    tree.end(&tenants[0], false, now);
+    assert!(matches!(tree.take()[..], [Command::Settled(_)]));
+    assert_eq!(tree.core.poll_timeout(), None);
+}
+
+#[test]
+fn finishing_waits_for_every_drainer_then_the_deadline_kills_the_rest() {
+    let now = Instant::now();
+    let tenants = tenants_in_distinct_buckets(3);
+    let held = leases(tenants.iter().map(bucket_of));
+    let mut tree = Tree::new(10);
+    tree.core.leases_changed(gained(&held));
+    tree.core.pending(tenants.clone());
+    tree.perform(now);
+    tree.core.finish(now);
+    tree.perform(now);
+    let done = tree.take();
+    assert_eq!(done.iter().filter(|c| matches!(c, Command::Finish(_))).count(), 3);
+    // Nothing new starts, a failure restarts nothing.
+    tree.core.notified(tenant("newcomer"));
+    tree.end(&tenants[0], false, now);
+    assert!(tree.take().is_empty());
+    tree.end(&tenants[1], true, now);
+    assert!(tree.take().is_empty());
+    let deadline = tree.core.poll_timeout().expect("the grace is armed");
+    assert_eq!(deadline, now + Duration::from_secs(10));
+    tree.core.handle_timeout(deadline);
+    tree.perform(deadline);
+    let done = tree.take();
+    assert!(
+        matches!(done[..], [Command::Kill(_), Command::Finished]),
+        "{done:?}"
+    );
+    assert!(tree.drainers.is_empty());
+    // Once only.
+    tree.core.finish(deadline);
+    tree.perform(deadline);
+    assert!(tree.take().is_empty());
+}
+
+#[test]
+fn a_finish_waiting_on_drainers_of_a_lost_lease_is_done_when_they_are_stopped() {
+    // Found by the property below: the finish waited out its whole grace.
+    let now = Instant::now();
+    let tenants = tenants_in_distinct_buckets(1);
+    let held = leases([bucket_of(&tenants[0])]);
+    let mut tree = Tree::new(10);
+    tree.core.leases_changed(gained(&held));
+    tree.core.notified(tenants[0].clone());
+    tree.perform(now);
+    tree.core.finish(now);
+    tree.core.leases_changed(LeaseChanges {
+        gained: Vec::new(),
+        lost: vec![bucket_of(&tenants[0])],
+    });
+    tree.perform(now);
+    let done = tree.take();
+    assert!(
+        matches!(done[..], [Command::Finish(_), Command::Kill(_), Command::Finished]),
+        "{done:?}"
+    );
+}
+
+#[test]
+fn finishing_with_no_drainer_is_done_at_once() {
+    let mut tree = Tree::new(10);
+    tree.core.finish(Instant::now());
+    tree.perform(Instant::now());
+    assert!(matches!(tree.take()[..], [Command::Finished]));
+}
+
+#[test]
+fn a_drainer_that_starts_after_its_bucket_left_is_not_left_running() {
+    let now = Instant::now();
+    let tenants = tenants_in_distinct_buckets(2);
+    let held = leases(tenants.iter().map(bucket_of));
+    let mut core: Core<Fake> = Core::new(config(10));
+    while core.poll().is_some() {}
+    core.leases_changed(gained(&held));
+    core.pending(tenants.clone());
+    let spawns: Vec<TenantId> = std::iter::from_fn(|| core.poll())
+        .filter_map(|command| match command {
+            Command::SpawnDrainer { tenant, .. } => Some(tenant),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(spawns.len(), 2);
+    core.hand_over(vec![bucket_of(&tenants[0])]);
+    core.leases_changed(LeaseChanges {
+        gained: Vec::new(),
+        lost: vec![bucket_of(&tenants[1])],
+    });
+    while core.poll().is_some() {}
+    core.drainer_started(tenants[0].clone(), Fake(1), now);
+    assert!(matches!(core.poll(), Some(Command::Finish(Fake(1)))));
+    core.drainer_started(tenants[1].clone(), Fake(2), now);
+    assert!(matches!(core.poll(), Some(Command::Kill(Fake(2)))));
+    // A start the core never commanded is stopped.
+    core.drainer_started(tenant("stranger"), Fake(3), now);
+    assert!(matches!(core.poll(), Some(Command::Kill(Fake(3)))));
+}
+
+// ----- Properties -----
+
+#[derive(Clone, Debug)]
+enum Event {
+    Gain(usize),
+    Lose(usize),
+    HandOver(usize),
+    Pending(Vec<usize>),
+    Notified(usize),
+    /// The nth running drainer stops: orderly or failed.
+    DrainerEnds(usize, bool),
+    /// The nth running drainer takes its wake-up.
+    TakesWakeUp(usize),
+    SpawnFails,
+    PublisherEnds(u16),
+    Finish,
+    Advance(u64),
+}
+
+fn event(tenants: usize) -> impl Strategy<Value = Event> {
+    prop_oneof![
+        2 => (0..tenants).prop_map(Event::Gain),
+        1 => (0..tenants).prop_map(Event::Lose),
+        1 => (0..tenants).prop_map(Event::HandOver),
+        3 => proptest::collection::vec(0..tenants, 0..tenants).prop_map(Event::Pending),
+        3 => (0..tenants).prop_map(Event::Notified),
+        3 => (0..8usize, any::<bool>()).prop_map(|(n, orderly)| Event::DrainerEnds(n, orderly)),
+        1 => (0..8usize).prop_map(Event::TakesWakeUp),
+        1 => Just(Event::SpawnFails),
+        1 => (0..2u16).prop_map(Event::PublisherEnds),
+        1 => Just(Event::Finish),
+        2 => (1..3_000u64).prop_map(Event::Advance),
+    ]
+}
+
+/// A fake tree that can also fail spawns, and checks the core after every step.
+struct Checked {
+    core: Core<Fake>,
+    max: usize,
+    now: Instant,
+    next_id: u64,
+    fail_next_spawn: bool,
+    drainers: BTreeMap<u64, TenantId>,
+    publishers: BTreeMap<u16, u64>,
+    /// Lease per tenant index (each tenant has a bucket of its own).
+    held: BTreeMap<usize, Lease>,
+    leaving: BTreeSet<Bucket>,
+    settled: Vec<Bucket>,
+    finished: usize,
+    finish_asked: bool,
+}
+
+impl Checked {
+    fn perform(&mut self) {
+        while let Some(command) = self.core.poll() {
+            match command {
+                Command::SpawnDrainer { tenant, fence, .. } => {
+                    assert!(fence.is_open(), "a drainer starts under an open fence");
+                    assert!(!self.finish_asked, "nothing starts once finishing");
+                    assert!(
+                        !self.drainers.values().any(|running| *running == tenant),
+                        "two drainers for {tenant}"
+                    );
+                    if std::mem::take(&mut self.fail_next_spawn) {
+                        self.core.drainer_failed_to_start(tenant, self.now);
+                    } else {
+                        self.next_id += 1;
+                        self.drainers.insert(self.next_id, tenant.clone());
+                        self.core
+                            .drainer_started(tenant, Fake(self.next_id), self.now);
+                    }
+                }
+                Command::SpawnPublisher(shard) => {
+                    assert!(!self.publishers.contains_key(&shard.0), "two publishers");
+                    self.next_id += 1;
+                    self.publishers.insert(shard.0, self.next_id);
+                    self.core.publisher_started(shard, self.next_id);
+                }
+                Command::PublisherGone(shard) => {
+                    assert!(!self.publishers.contains_key(&shard.0));
+                }
+                Command::Kill(Fake(id)) => {
+                    // ractor reports a killed child's end as well.
+                    if self.drainers.remove(&id).is_some() {
+                        self.core.child_ended(id, "killed", false, self.now);
+                    }
+                }
+                Command::Drain(Fake(id)) | Command::Finish(Fake(id)) => {
+                    assert!(self.drainers.contains_key(&id), "told a dead drainer");
+                }
+                Command::Settled(bucket) => {
+                    assert!(self.leaving.contains(&bucket), "settled a bucket not leaving");
+                    assert!(
+                        !self.drainers.values().any(|tenant| bucket_of(tenant) == bucket),
+                        "settled {bucket:?} with a drainer running on it"
+                    );
+                    self.settled.push(bucket);
+                }
+                Command::Finished => {
+                    assert!(self.finish_asked);
+                    assert!(self.drainers.is_empty(), "finished with drainers running");
+                    self.finished += 1;
+                }
+            }
+        }
+        self.check();
+    }
+
+    fn check(&self) {
+        let running: BTreeMap<u64, TenantId> = self
+            .core
+            .drainers()
+            .map(|(tenant, drainer)| (drainer.0, tenant.clone()))
+            .collect();
+        assert_eq!(running, self.drainers, "the core's drainers are the tree's");
+        assert_eq!(self.core.drainers_alive(), self.drainers.len());
+        assert!(self.drainers.len() <= self.max, "over the cap");
+        for tenant in self.drainers.values() {
+            let bucket = bucket_of(tenant);
+            assert!(
+                self.held.values().any(|lease| lease.bucket() == bucket),
+                "{tenant} drains in a bucket not held"
+            );
+        }
+        assert!(self.finished <= 1);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2_000))]
+
+    /// Under any sequence of leases, wake-ups, failures and handovers: the core's drainers are
+    /// exactly the tree's, at most one per tenant, never over the cap, never in a bucket not
+    /// held; a bucket is settled only with no drainer on it, and every bucket handed over is
+    /// settled once its drainers end; a finish ends once, with nothing running.
+    #[test]
+    fn the_tree_follows_the_core_under_any_sequence(
+        max in 1..4usize,
+        events in proptest::collection::vec(event(5), 1..60),
+    ) {
+        let tenants = tenants_in_distinct_buckets(5);
+        let start = Instant::now();
+        let mut tree = Checked {
+            core: Core::new(config(max)),
+            max,
+            now: start,
+            next_id: 0,
+            fail_next_spawn: false,
+            drainers: BTreeMap::new(),
+            publishers: BTreeMap::new(),
+            held: BTreeMap::new(),
+            leaving: BTreeSet::new(),
+            settled: Vec::new(),
+            finished: 0,
+            finish_asked: false,
+        };
+        tree.perform();
+        for event in events {
+            match event {
+                Event::Gain(n) => {
+                    let bucket = bucket_of(&tenants[n]);
+                    let lease = Lease::new(bucket, RelayId::generate(), 1, start + Duration::from_secs(3_600));
+                    tree.core.leases_changed(LeaseChanges { gained: vec![lease.fence()], lost: Vec::new() });
+                    tree.held.insert(n, lease);
+                    tree.leaving.remove(&bucket);
+                }
+                Event::Lose(n) => {
+                    let bucket = bucket_of(&tenants[n]);
+                    if let Some(lease) = tree.held.remove(&n) {
+                        lease.revoke();
+                    }
+                    tree.leaving.remove(&bucket);
+                    tree.core.leases_changed(LeaseChanges { gained: Vec::new(), lost: vec![bucket] });
+                }
+                Event::HandOver(n) => {
+                    // The keeper hands over only what it holds; the lease stays valid until settled.
+                    if tree.held.contains_key(&n) && !tree.leaving.contains(&bucket_of(&tenants[n])) {
+                        tree.leaving.insert(bucket_of(&tenants[n]));
+                        tree.core.hand_over(vec![bucket_of(&tenants[n])]);
+                    }
+                }
+                Event::Pending(list) => {
+                    tree.core.pending(list.into_iter().map(|n| tenants[n].clone()).collect());
+                }
+                Event::Notified(n) => tree.core.notified(tenants[n].clone()),
+                Event::DrainerEnds(n, orderly) => {
+                    if let Some((&id, _)) = tree.drainers.iter().nth(n % tree.drainers.len().max(1)) {
+                        tree.drainers.remove(&id);
+                        tree.core.child_ended(id, "ended", orderly, tree.now);
+                    }
+                }
+                Event::TakesWakeUp(n) => {
+                    let woken: Vec<Arc<AtomicBool>> = tree.core.tenants.values().filter_map(|slot| match slot {
+                        TenantSlot::Running { woken, .. } => Some(woken.clone()),
+                        _ => None,
+                    }).collect();
+                    if let Some(woken) = woken.get(n % woken.len().max(1)) {
+                        woken.store(false, Ordering::Release);
+                    }
+                }
+                Event::SpawnFails => tree.fail_next_spawn = true,
+                Event::PublisherEnds(shard) => {
+                    if let Some(id) = tree.publishers.remove(&shard) {
+                        tree.core.child_ended(id, "connection lost", false, tree.now);
+                    }
+                }
+                Event::Finish => {
+                    tree.finish_asked = true;
+                    tree.core.finish(tree.now);
+                }
+                Event::Advance(ms) => {
+                    tree.now += Duration::from_millis(ms);
+                    tree.core.handle_timeout(tree.now);
+                }
+            }
+            tree.perform();
+            // A bucket left (lost) is held by someone else now: the keeper forgets it.
+            let held_buckets: BTreeSet<Bucket> = tree.held.values().map(Lease::bucket).collect();
+            tree.leaving.retain(|bucket| held_buckets.contains(bucket));
+        }
+        // Every drainer ends by itself: each bucket still being handed over is settled.
+        let leaving = tree.leaving.clone();
+        let settled_before = tree.settled.len();
+        let ids: Vec<u64> = tree.drainers.keys().copied().collect();
+        for id in ids {
+            tree.drainers.remove(&id);
+            tree.core.child_ended(id, "finished", true, tree.now);
+            tree.perform();
+        }
+        // (A finish stops the keeper too: what it was handing over is released with the rest.)
+        for bucket in leaving.iter().filter(|_| !tree.finish_asked) {
+            prop_assert!(tree.settled.contains(&bucket), "{bucket:?} never settled");
+        }
+        prop_assert!(tree.settled.len() >= settled_before);
+        if tree.finish_asked {
+            prop_assert_eq!(tree.finished, 1, "a finish ends once everything stopped");
+        }
+    }
+}

@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use distribution::broker::{Consumer, ConsumerConfig};
+use distribution::consumer::{Consumer, ConsumerConfig};
 use distribution::store::{
     self, BranchId, BranchKey, IntentWriter, Lsn, OutboxEvent, Projection, RewindNotice, RunId,
     TenantId,

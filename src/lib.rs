@@ -8,7 +8,7 @@
 //!   [`LogFormat`].
 //!
 //! The host writes with [`store::IntentWriter`] inside its own transactions; consumers fold into
-//! their own tables with [`broker::Consumer`] over a [`store::Projection`].
+//! their own tables with [`consumer::Consumer`] over a [`store::Projection`].
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
 mod config;
@@ -21,6 +21,7 @@ mod telemetry;
 pub use actors::PublisherFactory;
 pub use actors::ShardId;
 pub use broker;
+pub use consumer;
 pub use config::ConfigError;
 pub use config::RelayConfig;
 pub use config::Settings;

@@ -12,9 +12,8 @@ mod consumer {
     use std::time::Duration;
 
     use distribution::Relay;
-    use distribution::broker::{
-        Consumer, ConsumerConfig, DEAD_LETTER_REASON, FoldStats, Partition, RetryPolicy,
-    };
+    use distribution::broker::{Partition, RetryPolicy};
+    use distribution::consumer::{Consumer, ConsumerConfig, DEAD_LETTER_REASON, FoldStats};
     use distribution::store::{
         BranchId, BranchKey, IntentWriter, Lsn, Outbox, OutboxEvent, Projection, RewindNotice,
         RunId, TenantId,

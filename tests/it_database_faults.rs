@@ -5,7 +5,8 @@ mod harness;
 mod database_faults {
     use std::time::Duration;
 
-    use distribution::broker::{Consumer, ConsumerConfig, RetryPolicy};
+    use distribution::broker::{RetryPolicy};
+    use distribution::consumer::{Consumer, ConsumerConfig};
     use distribution::store::{EventTable, FoldStore, Lsn};
     use distribution::testing::BrokerProxy;
     use distribution::{APPLICATION_NAME, Relay};

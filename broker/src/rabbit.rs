@@ -83,7 +83,8 @@ impl RabbitConfig {
     }
 }
 
-pub(crate) async fn within<T>(
+/// Awaits a lapin operation under `limit`: its error, or [`Error::Timeout`] naming `operation`.
+pub async fn within<T>(
     operation: &'static str,
     limit: Duration,
     future: impl Future<Output = Result<T, lapin::Error>>,
@@ -188,8 +189,9 @@ fn size_limit(err: &lapin::Error) -> Option<usize> {
     digits.parse().ok()
 }
 
-/// Opens a connection and a channel, and declares the topology. Every step under `limit`.
-pub(crate) async fn open(
+/// Opens a connection named `name` and a channel, and declares the topology, each step under
+/// the config's timeouts (TLS as configured). The consumer's sessions start here.
+pub async fn open(
     config: &RabbitConfig,
     name: &str,
 ) -> Result<(Connection, Channel), Error> {

@@ -7,7 +7,8 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use distribution::broker::{FoldConsumer, FoldStats, Partition, RabbitConfig, Topology};
+use distribution::broker::{Partition, RabbitConfig, Topology};
+use distribution::consumer::{FoldConsumer, FoldStats};
 use distribution::store::{
     self, BranchId, BranchKey, FoldStore, IntentWriter, Lsn, Outbox, RunId, TenantId,
 };

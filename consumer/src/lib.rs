@@ -16,6 +16,8 @@
 //!   with the reason in header `x-relay-dead-letter-reason`, and the partition keeps flowing.
 //!   Later intents of that branch wait (parked) behind it: re-publish it to the exchange once
 //!   the cause is fixed and the branch resumes in order.
+#![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
+
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -32,8 +34,7 @@ use sqlx::PgPool;
 use store::{EventTable, FoldError, FoldOutcome, FoldStore, OutboxEvent, Projection};
 use tokio::sync::watch;
 
-use crate::rabbit::{open, within};
-use crate::{Backoff, Error, Partition, RabbitConfig, RetryPolicy, wire};
+use broker::{Backoff, Error, Partition, RabbitConfig, RetryPolicy, open, within};
 
 /// Header naming why a message was dead-lettered.
 pub const DEAD_LETTER_REASON: &str = "x-relay-dead-letter-reason";
@@ -128,7 +129,7 @@ impl ConsumerConfig {
 ///
 /// ```no_run
 /// # async fn example(pool: sqlx::PgPool, rabbit: broker::RabbitConfig) -> Result<(), broker::Error> {
-/// use broker::{Consumer, ConsumerConfig};
+/// use consumer::{Consumer, ConsumerConfig};
 ///
 /// // `EventTable` keeps every event; implement `store::Projection` to write your own tables.
 /// let consumer = Consumer::new(ConsumerConfig::new(rabbit), pool, store::EventTable);
@@ -367,7 +368,7 @@ where
         let limit = self.config.rabbit.connect_timeout;
         let partition = self.partition.0;
         let mut retry = Backoff::new(self.config.retry);
-        let verdict = match wire::decode(&delivery.properties, &delivery.data) {
+        let verdict = match broker::decode(&delivery.properties, &delivery.data) {
             Err(err) => Verdict::DeadLetter(format!("contract: {err}")),
             Ok(event) => loop {
                 match self.fold(&event).await {

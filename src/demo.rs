@@ -9,8 +9,8 @@ use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use distribution::broker::{Partition};
-use distribution::consumer::{FoldConsumer};
+use distribution::broker::Partition;
+use distribution::consumer::FoldConsumer;
 use distribution::store::{
     self, Backlog, BranchId, BranchKey, FoldStore, IntentWriter, Lsn, Outbox, RunId, TenantId,
 };

@@ -191,10 +191,7 @@ fn size_limit(err: &lapin::Error) -> Option<usize> {
 
 /// Opens a connection named `name` and a channel, and declares the topology, each step under
 /// the config's timeouts (TLS as configured). The consumer's sessions start here.
-pub async fn open(
-    config: &RabbitConfig,
-    name: &str,
-) -> Result<(Connection, Channel), Error> {
+pub async fn open(config: &RabbitConfig, name: &str) -> Result<(Connection, Channel), Error> {
     let properties = ConnectionProperties::default().with_connection_name(name.into());
     let connection = match tokio::time::timeout(
         config.connect_timeout,

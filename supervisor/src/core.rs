@@ -204,14 +204,16 @@ impl<H: Handle> Core<H> {
             };
             match timer {
                 Timer::RespawnDrainer(tenant) => {
-                    if matches!(self.tenants.get(&tenant), Some(TenantSlot::Restarting { .. })) {
+                    if matches!(
+                        self.tenants.get(&tenant),
+                        Some(TenantSlot::Restarting { .. })
+                    ) {
                         self.spawn(tenant);
                     }
                 }
                 Timer::RespawnPublisher(shard) => {
                     let slot = &mut self.publishers[usize::from(shard.0)];
-                    if matches!(slot.state, PublisherState::Down) && self.phase == Phase::Running
-                    {
+                    if matches!(slot.state, PublisherState::Down) && self.phase == Phase::Running {
                         slot.state = PublisherState::Starting;
                         self.commands.push_back(Command::SpawnPublisher(shard));
                     }
@@ -375,7 +377,10 @@ impl<H: Handle> Core<H> {
             Some(BucketState::Held(fence)) if fence.is_open() => fence.clone(),
             _ => {
                 // Not ours (any more): nothing to restart.
-                if matches!(self.tenants.get(&tenant), Some(TenantSlot::Restarting { .. })) {
+                if matches!(
+                    self.tenants.get(&tenant),
+                    Some(TenantSlot::Restarting { .. })
+                ) {
                     self.tenants.remove(&tenant);
                 }
                 return;

@@ -282,8 +282,7 @@ impl RelaySupervisor {
                         }),
                         max_unconfirmed: actors::DEFAULT_MAX_UNCONFIRMED,
                     };
-                    match Actor::spawn_linked(None, PublisherActor, args, myself.get_cell()).await
-                    {
+                    match Actor::spawn_linked(None, PublisherActor, args, myself.get_cell()).await {
                         Ok((publisher, _)) => {
                             state.core.publisher_started(shard, publisher.get_id());
                             state.directory.set(shard, Some(publisher));
@@ -315,9 +314,7 @@ impl RelaySupervisor {
                 }
             }
         }
-        state
-            .crowded
-            .store(state.core.crowded(), Ordering::Release);
+        state.crowded.store(state.core.crowded(), Ordering::Release);
         metrics::gauge!("relay_tenants_held").set(state.core.drainers_alive() as f64);
         // One timer: re-armed only when the core's next timeout comes before the armed one
         // (a tick that finds nothing due does nothing).

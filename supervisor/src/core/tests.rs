@@ -134,7 +134,10 @@ fn every_publisher_starts_and_a_dead_one_restarts_after_its_backoff() {
     let first = tree.publishers[&1];
     tree.core.child_ended(first, "connection lost", false, now);
     tree.perform(now);
-    assert!(matches!(tree.take()[..], [Command::PublisherGone(ShardId(1))]));
+    assert!(matches!(
+        tree.take()[..],
+        [Command::PublisherGone(ShardId(1))]
+    ));
     let due = tree.core.poll_timeout().expect("a respawn is due");
     assert!(due >= now + Duration::from_millis(100) && due <= now + Duration::from_secs(10));
     tree.core.handle_timeout(due - Duration::from_millis(1));
@@ -167,11 +170,17 @@ fn a_publisher_that_cannot_start_is_tried_again_and_none_restarts_while_finishin
     core.publisher_started(ShardId(1), 7);
     let due = core.poll_timeout().expect("a retry is due");
     core.handle_timeout(due);
-    assert!(matches!(core.poll(), Some(Command::SpawnPublisher(ShardId(0)))));
+    assert!(matches!(
+        core.poll(),
+        Some(Command::SpawnPublisher(ShardId(0)))
+    ));
     core.finish(due);
     assert!(matches!(core.poll(), Some(Command::Finished)));
     core.child_ended(7, "stopped", false, due);
-    assert!(matches!(core.poll(), Some(Command::PublisherGone(ShardId(1)))));
+    assert!(matches!(
+        core.poll(),
+        Some(Command::PublisherGone(ShardId(1)))
+    ));
     assert_eq!(core.poll_timeout(), None, "nothing restarts once finished");
     assert_eq!(started, vec![ShardId(0), ShardId(1)]);
 }
@@ -194,7 +203,8 @@ fn tenants_beyond_the_cap_wait_in_order_and_get_the_slots_that_free_up() {
     assert!(tree.drainer_of(&tenants[2]).is_some());
     assert!(tree.drainer_of(&tenants[3]).is_none());
     // A poll that no longer lists a waiting tenant drops it from the queue.
-    tree.core.pending(vec![tenants[0].clone(), tenants[2].clone()]);
+    tree.core
+        .pending(vec![tenants[0].clone(), tenants[2].clone()]);
     tree.perform(now);
     assert!(!tree.core.crowded());
     tree.end(&tenants[0], true, now);
@@ -241,7 +251,11 @@ fn a_failed_drainer_restarts_after_its_backoff_and_an_orderly_one_does_not() {
     tree.core.pending(tenants.clone());
     tree.perform(now);
     tree.end(&tenants[0], true, now);
-    assert_eq!(tree.core.poll_timeout(), None, "retired: nothing to restart");
+    assert_eq!(
+        tree.core.poll_timeout(),
+        None,
+        "retired: nothing to restart"
+    );
     assert_eq!(tree.core.slots(), 1, "retired: nothing kept");
     tree.end(&tenants[1], false, now);
     assert_eq!(tree.core.drainers_alive(), 0);
@@ -326,16 +340,26 @@ fn a_handover_finishes_the_buckets_drainers_and_settles_each_bucket_once_empty()
     tree.core.hand_over(leaving);
     tree.perform(now);
     let done = tree.take();
-    assert!(matches!(done[..], [Command::Finish(_), Command::Settled(bucket)] if bucket == bucket_of(&tenants[2])), "{done:?}");
+    assert!(
+        matches!(done[..], [Command::Finish(_), Command::Settled(bucket)] if bucket == bucket_of(&tenants[2])),
+        "{done:?}"
+    );
     // No drainer starts in a leaving bucket, whatever wakes it.
     tree.core.pending(tenants.clone());
     tree.core.notified(tenants[2].clone());
     tree.perform(now);
-    assert!(!tree.take().iter().any(|c| matches!(c, Command::SpawnDrainer { .. })));
+    assert!(
+        !tree
+            .take()
+            .iter()
+            .any(|c| matches!(c, Command::SpawnDrainer { .. }))
+    );
     assert_eq!(tree.core.buckets_held(), 1);
     // Its drainer finishes: the bucket is settled.
     tree.end(&tenants[0], true, now);
-    assert!(matches!(tree.take()[..], [Command::Settled(bucket)] if bucket == bucket_of(&tenants[0])));
+    assert!(
+        matches!(tree.take()[..], [Command::Settled(bucket)] if bucket == bucket_of(&tenants[0]))
+    );
 }
 
 #[test]
@@ -367,7 +391,12 @@ fn finishing_waits_for_every_drainer_then_the_deadline_kills_the_rest() {
     tree.core.finish(now);
     tree.perform(now);
     let done = tree.take();
-    assert_eq!(done.iter().filter(|c| matches!(c, Command::Finish(_))).count(), 3);
+    assert_eq!(
+        done.iter()
+            .filter(|c| matches!(c, Command::Finish(_)))
+            .count(),
+        3
+    );
     // Nothing new starts, a failure restarts nothing.
     tree.core.notified(tenant("newcomer"));
     tree.end(&tenants[0], false, now);
@@ -408,7 +437,10 @@ fn a_finish_waiting_on_drainers_of_a_lost_lease_is_done_when_they_are_stopped() 
     tree.perform(now);
     let done = tree.take();
     assert!(
-        matches!(done[..], [Command::Finish(_), Command::Kill(_), Command::Finished]),
+        matches!(
+            done[..],
+            [Command::Finish(_), Command::Kill(_), Command::Finished]
+        ),
         "{done:?}"
     );
 }
@@ -543,9 +575,15 @@ impl Checked {
                     assert!(self.drainers.contains_key(&id), "told a dead drainer");
                 }
                 Command::Settled(bucket) => {
-                    assert!(self.leaving.contains(&bucket), "settled a bucket not leaving");
                     assert!(
-                        !self.drainers.values().any(|tenant| bucket_of(tenant) == bucket),
+                        self.leaving.contains(&bucket),
+                        "settled a bucket not leaving"
+                    );
+                    assert!(
+                        !self
+                            .drainers
+                            .values()
+                            .any(|tenant| bucket_of(tenant) == bucket),
                         "settled {bucket:?} with a drainer running on it"
                     );
                     self.settled.push(bucket);

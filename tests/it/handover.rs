@@ -1,10 +1,6 @@
 //! Lease handovers counted at the broker (every delivery, not just the fold): a planned move (a
 //! relay joins and the others shed buckets toward even shares, a relay stops gracefully)
 //! delivers nothing twice; a crash duplicates at most what the dead relay had in flight.
-#[path = "support/harness.rs"]
-mod harness;
-#[path = "support/recorder.rs"]
-mod recorder;
 
 mod outbox {
     use std::collections::{BTreeMap, HashSet};

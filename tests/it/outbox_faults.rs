@@ -3,36 +3,19 @@
 //! with random schedules of channel deaths, nacks, returned messages, lost confirms, consumer
 //! ack loss (redeliveries) and actor kills. Whatever the schedule, the fold ends with every
 //! live event exactly once, in Lsn order per branch; nothing is lost, duplicated or reordered.
-#[path = "support/harness.rs"]
-mod harness;
 
 mod outbox {
-    use std::collections::{BTreeMap, VecDeque};
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
     use std::sync::atomic::{AtomicU64, Ordering};
-    use std::sync::{Arc, Mutex};
     use std::time::Duration;
 
     use distribution::Relay;
-    use distribution::broker::{BoxFuture, Confirms, Error, Outcome, PublishReport, Publisher};
-    use distribution::store::{BranchKey, Fence, FoldStore, Lsn, Outbox, OutboxEvent};
+    use distribution::store::{BranchKey, FoldStore, Lsn, Outbox};
     use proptest::prelude::*;
 
+    use crate::double::{Double, Fault, MemoryBroker, Script};
     use crate::harness::*;
-
-    #[derive(Clone, Copy, Debug)]
-    enum Fault {
-        /// Every event accepted.
-        Clean,
-        /// The channel dies at event k: before it accepted, k itself stored but unconfirmed,
-        /// after it never sent; the publisher actor fails.
-        ChannelDiesAt(usize),
-        /// Event k nacked (not stored); the rest accepted.
-        NackAt(usize),
-        /// Event k returned unroutable (not stored); the rest accepted.
-        ReturnAt(usize),
-        /// Event k stored but its confirm lost (timeout); the publisher actor fails.
-        ConfirmLostAt(usize),
-    }
 
     fn fault() -> impl Strategy<Value = Fault> {
         prop_oneof![
@@ -42,65 +25,6 @@ mod outbox {
             (0usize..8).prop_map(Fault::ReturnAt),
             (0usize..8).prop_map(Fault::ConfirmLostAt),
         ]
-    }
-
-    /// The in-memory broker: a schedule of faults (one per publish call, then clean) and the
-    /// queue of what it stored, in order.
-    #[derive(Default)]
-    struct FaultBroker {
-        schedule: Mutex<VecDeque<Fault>>,
-        stored: Mutex<Vec<OutboxEvent>>,
-        calls: AtomicU64,
-    }
-
-    struct FaultPublisher(Arc<FaultBroker>);
-
-    impl Publisher for FaultPublisher {
-        // The port's shape: writing yields the future of the confirms.
-        #[allow(clippy::async_yields_async)]
-        fn send<'a>(
-            &'a mut self,
-            events: &'a [OutboxEvent],
-            fence: &'a Fence,
-        ) -> BoxFuture<'a, Confirms> {
-            Box::pin(async move {
-                let broker = &self.0;
-                broker.calls.fetch_add(1, Ordering::SeqCst);
-                let fault = broker
-                    .schedule
-                    .lock()
-                    .unwrap()
-                    .pop_front()
-                    .unwrap_or(Fault::Clean);
-                let mut stored = broker.stored.lock().unwrap();
-                let mut outcomes = Vec::with_capacity(events.len());
-                let mut fault_error = None;
-                for (index, event) in events.iter().enumerate() {
-                    let at = |k: usize| index == k % events.len();
-                    let outcome = match fault {
-                        _ if !fence.is_open() => Outcome::NotSent,
-                        Fault::ChannelDiesAt(k) if index > k % events.len() => Outcome::NotSent,
-                        Fault::ChannelDiesAt(k) | Fault::ConfirmLostAt(k) if at(k) => {
-                            stored.push(event.clone());
-                            fault_error = Some(Error::Unreachable("injected channel fault".into()));
-                            Outcome::Unconfirmed
-                        }
-                        Fault::NackAt(k) if at(k) => Outcome::Nacked,
-                        Fault::ReturnAt(k) if at(k) => Outcome::Returned,
-                        _ => {
-                            stored.push(event.clone());
-                            Outcome::Accepted
-                        }
-                    };
-                    outcomes.push(outcome);
-                }
-                let report = PublishReport {
-                    outcomes,
-                    fault: fault_error,
-                };
-                Box::pin(std::future::ready(report)) as Confirms
-            })
-        }
     }
 
     /// Random schedules of broker faults, actor kills and consumer redeliveries never lose,
@@ -123,7 +47,7 @@ mod outbox {
             let prefix = format!("f{}", case.fetch_add(1, Ordering::SeqCst));
             runtime.block_on(async {
                 let ran = Workload::new(&prefix, 2, 2, 8).run(&pool).await;
-                let broker = Arc::new(FaultBroker::default());
+                let broker = Arc::new(MemoryBroker::default());
                 broker.schedule.lock().unwrap().extend(faults.iter().copied());
                 let mut relay_config = relay_config(&url, &amqp_url(), &unique("relay-faults"));
                 relay_config.supervisor.drainer.batch_size = 5;
@@ -131,7 +55,7 @@ mod outbox {
                 relay_config.supervisor.drainer.max_batches_in_flight = 3;
                 let factory_broker = broker.clone();
                 let relay = Relay::start_with(relay_config, Arc::new(move |_| {
-                    Box::new(FaultPublisher(factory_broker.clone())) as Box<dyn Publisher>
+                    Double::memory(factory_broker.clone(), Script::default())
                 }))
                 .await
                 .unwrap();

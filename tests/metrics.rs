@@ -1,6 +1,7 @@
-//! What Prometheus scrapes from a relay: every metric described, the lag as a real histogram
+//! What Prometheus scrapes from a relay (alone in its binary: it installs the process-wide
+//! metrics recorder, see `tests/it/main.rs`): every metric described, the lag as a real histogram
 //! with buckets from 1 ms to 60 s, and failure counters present (at zero) before any failure.
-#[path = "support/harness.rs"]
+#[path = "it/harness.rs"]
 mod harness;
 
 mod metrics_surface {

@@ -3,12 +3,6 @@
 //! queues), a memory alarm (flow control: `connection.blocked`), and a message-size limit
 //! below an intent. Each heals in seconds, hurts only what it must, and keeps the ordering
 //! promises of `broker/WIRE.md`.
-#[path = "support/harness.rs"]
-mod harness;
-#[path = "support/node.rs"]
-mod node;
-#[path = "support/recorder.rs"]
-mod recorder;
 
 mod outbox {
     use std::collections::BTreeMap;

@@ -1,0 +1,498 @@
+//! The binary as an operator meets it: help and version exit 0, usage and configuration errors
+//! exit 2 naming the flag or variable, database problems are named within seconds, and a
+//! running relay answers `/healthz`, `/readyz` (with the reason when not ready) and `/metrics`.
+
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use distribution::store::Outbox;
+use distribution::testing::BrokerProxy;
+use http_body_util::BodyExt;
+
+use crate::harness::*;
+use crate::node::PrivateNode;
+
+/// A loopback address with a port free right now, for a relay's `/metrics` listener.
+fn free_addr() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    format!("127.0.0.1:{}", listener.local_addr().unwrap().port())
+}
+
+fn relay() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_distribution"));
+    // Only what each test sets: the suite's own environment must not leak in.
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        if name.starts_with("RELAY_") || name == "DATABASE_URL" || name == "AMQP_URL" {
+            command.env_remove(name.as_ref());
+        }
+    }
+    command.stdin(Stdio::null());
+    command
+}
+
+fn output(command: &mut Command) -> (i32, String, String) {
+    let Output {
+        status,
+        stdout,
+        stderr,
+    } = command.output().expect("run the binary");
+    (
+        status.code().expect("exited"),
+        String::from_utf8_lossy(&stdout).into_owned(),
+        String::from_utf8_lossy(&stderr).into_owned(),
+    )
+}
+
+/// Like [`output`], but a process still running after `limit` is killed and fails the test
+/// (a relay that should refuse to start must not hang the suite instead).
+fn output_within(command: &mut Command, limit: Duration) -> (i32, String, String) {
+    let child = command
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run the binary");
+    let pid = child.id().to_string();
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = done.send(child.wait_with_output());
+    });
+    match finished.recv_timeout(limit) {
+        Ok(output) => {
+            let Output {
+                status,
+                stdout,
+                stderr,
+            } = output.expect("wait for the binary");
+            (
+                status.code().expect("exited"),
+                String::from_utf8_lossy(&stdout).into_owned(),
+                String::from_utf8_lossy(&stderr).into_owned(),
+            )
+        }
+        Err(_) => {
+            let _ = Command::new("kill").args(["-KILL", &pid]).status();
+            panic!("still running after {limit:?}");
+        }
+    }
+}
+
+#[test]
+fn help_and_version_exit_0_usage_errors_exit_2() {
+    for args in [
+        &["--help"][..],
+        &["-h"],
+        &["help"],
+        &["run", "--help"],
+        &["--version"],
+    ] {
+        let (code, stdout, _) = output(relay().args(args));
+        assert_eq!(code, 0, "{args:?}");
+        assert!(!stdout.is_empty(), "{args:?} printed nothing");
+    }
+    let (_, help, _) = output(relay().args(["run", "--help"]));
+    for variable in [
+        "DATABASE_URL",
+        "RELAY_THREADS",
+        "RELAY_QUEUE_TYPE",
+        "RELAY_POLL_MS",
+    ] {
+        assert!(help.contains(variable), "run --help lacks {variable}");
+    }
+    let (_, version, _) = output(relay().arg("--version"));
+    assert!(version.contains(env!("CARGO_PKG_VERSION")), "{version}");
+    for args in [
+        &[][..],
+        &["bogus"],
+        &["status", "extra", "words"],
+        &["release"],
+    ] {
+        let (code, _, stderr) = output(
+            relay()
+                .args(args)
+                .env("DATABASE_URL", "postgres://x@127.0.0.1/x"),
+        );
+        assert_eq!(code, 2, "{args:?}: {stderr}");
+    }
+}
+
+#[test]
+fn bad_settings_exit_2_naming_the_variable() {
+    let base = |command: &mut Command| {
+        command
+            .arg("run")
+            .env("DATABASE_URL", "postgres://postgres@127.0.0.1:1/x")
+            .env("AMQP_URL", "amqp://127.0.0.1:1/%2f");
+    };
+    let mut command = relay();
+    base(&mut command);
+    let (code, _, stderr) = output(command.env("RELAY_THREADS", "100000"));
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("RELAY_THREADS") && stderr.contains("1..=256"),
+        "{stderr}"
+    );
+
+    // A URI lapin cannot parse is a configuration error, not an unreachable broker.
+    let mut command = relay();
+    base(&mut command);
+    let (code, _, stderr) = output(command.env("AMQP_URL", "amqp://%%%:@@@"));
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("AMQP_URL=") && stderr.contains("not a valid AMQP URI"),
+        "{stderr}"
+    );
+
+    let mut command = relay();
+    base(&mut command);
+    let (code, _, stderr) = output(command.args(["--partitions", "abc"]));
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("--partitions"), "{stderr}");
+
+    let mut command = relay();
+    base(&mut command);
+    let (code, _, stderr) = output(
+        command
+            .env("RELAY_LEASE_TTL_MS", "200")
+            .env("RELAY_PARTITONS", "3"),
+    );
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("RELAY_LEASE_TTL_MS"), "{stderr}");
+    assert!(
+        stderr.contains("warning: RELAY_PARTITONS is not a setting"),
+        "{stderr}"
+    );
+    let mut command = relay();
+    base(&mut command);
+    let (code, _, stderr) = output(command.env("RELAY_QUEUE_TYPE", "stream"));
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("classic, quorum"), "{stderr}");
+}
+
+#[test]
+fn database_problems_are_named_within_seconds() {
+    let database = std::env::var("DATABASE_URL").expect("DATABASE_URL");
+    let server = database.rsplit_once('/').unwrap().0.to_owned();
+    let cases = [
+        (
+            "postgres://postgres@127.0.0.1:1/test".to_owned(),
+            "Connection refused",
+        ),
+        (format!("{server}/no_such_database_here"), "does not exist"),
+        (
+            database.replacen("postgres@", "no_such_role@", 1),
+            "role \"no_such_role\" does not exist",
+        ),
+    ];
+    for (url, cause) in cases {
+        let started = Instant::now();
+        let (code, _, stderr) = output(relay().arg("status").env("DATABASE_URL", &url));
+        assert_eq!(code, 1, "{stderr}");
+        assert!(stderr.contains(cause), "{url}: {stderr}");
+        assert!(!stderr.contains("pool timed out"), "{stderr}");
+        assert!(
+            started.elapsed() < Duration::from_secs(4),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+}
+
+/// `distribution sql` is the whole schema for a host's own migration tool: applied as is,
+/// the host writes and the relay's drain reads.
+#[test]
+fn the_printed_sql_builds_a_working_outbox() {
+    let (code, sql, stderr) = output(relay().arg("sql"));
+    assert_eq!(code, 0, "{stderr}");
+    assert!(sql.contains("-- relay migration 1 "), "{sql}");
+    host_runtime().block_on(async {
+        let (pool, url) = empty_database("cli_sql").await;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+            .execute(&pool)
+            .await
+            .unwrap();
+        let branch = write_first_intent(&pool, "sql", b"x").await;
+        let drained = Outbox::new(pool.clone())
+            .drain_outbox(&branch.tenant, 10)
+            .await
+            .unwrap();
+        assert_eq!(drained.len(), 1);
+
+        // A relay that does not migrate (RELAY_SKIP_MIGRATE) runs on that schema, ships,
+        // and leaves the migrations to the host's tool (no relay_migrations table).
+        let topology = unique("relay-skip");
+        let addr = free_addr();
+        let mut child = relay()
+            .arg("run")
+            .env("DATABASE_URL", &url)
+            .env("AMQP_URL", amqp_url())
+            .env("RELAY_TOPOLOGY", &topology)
+            .env("RELAY_POLL_MS", "100")
+            .env("RELAY_METRICS_ADDR", &addr)
+            .env("RELAY_SKIP_MIGRATE", "true")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let outbox = Outbox::new(pool.clone());
+        wait_until(
+            "shipped without migrating",
+            Duration::from_secs(30),
+            || async { pending(&outbox).await == 0 },
+        )
+        .await;
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let tracked: Option<String> =
+            sqlx::query_scalar("SELECT to_regclass('relay_migrations')::text")
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        assert_eq!(tracked, None, "the relay migrated although told not to");
+        drop_topology(&distribution::broker::Topology::new(&topology, 8).unwrap()).await;
+    });
+}
+
+/// Told not to migrate, a relay on a database without the schema stops at once, naming
+/// what is missing and how to apply it, and creates nothing.
+#[test]
+fn skip_migrate_without_the_schema_fails_at_start_naming_what_is_missing() {
+    host_runtime().block_on(async {
+        let (pool, url) = empty_database("cli_skip").await;
+        let (code, _, stderr) = output_within(
+            relay()
+                .arg("run")
+                .env("DATABASE_URL", &url)
+                .env("AMQP_URL", amqp_url())
+                .env("RELAY_TOPOLOGY", unique("relay-skip-missing"))
+                .env("RELAY_METRICS_ADDR", "127.0.0.1:0")
+                .env("RELAY_SKIP_MIGRATE", "true"),
+            Duration::from_secs(10),
+        );
+        assert_eq!(code, 1, "{stderr}");
+        for named in [
+            "RELAY_SKIP_MIGRATE",
+            "relay_outbox",
+            "relay_ack_and_drain",
+            "distribution sql",
+        ] {
+            assert!(stderr.contains(named), "{named} not named: {stderr}");
+        }
+        let created: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM pg_class WHERE relname LIKE 'relay%'")
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        assert_eq!(created, 0, "the relay created tables although told not to");
+    });
+}
+
+async fn get(addr: &str, path: &str) -> Option<(u16, String)> {
+    let stream = tokio::net::TcpStream::connect(addr).await.ok()?;
+    let io = hyper_util::rt::TokioIo::new(stream);
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(io).await.ok()?;
+    tokio::spawn(connection);
+    let request = hyper::Request::get(path)
+        .header("host", addr)
+        .body(http_body_util::Empty::<hyper::body::Bytes>::new())
+        .ok()?;
+    let response = sender.send_request(request).await.ok()?;
+    let status = response.status().as_u16();
+    let body = response.into_body().collect().await.ok()?.to_bytes();
+    Some((status, String::from_utf8_lossy(&body).into_owned()))
+}
+
+/// Asks `path` until it answers with a status `wanted` accepts (30 s at most).
+async fn answer_until(addr: &str, path: &str, wanted: impl Fn(u16) -> bool) -> (u16, String) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match get(addr, path).await {
+            Some(answer) if wanted(answer.0) => return answer,
+            answer => assert!(Instant::now() < deadline, "{path} answered {answer:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// `/healthz` answers while the process lives; `/readyz` fails, saying why, while the
+/// broker is down and intents wait, and recovers when they ship.
+#[test]
+fn a_running_relay_answers_health_and_readiness() {
+    host_runtime().block_on(async {
+        let (pool, url) = fresh_database("cli_ready").await;
+        let proxy = BrokerProxy::start(&amqp_url()).unwrap();
+        let topology = unique("relay-ready");
+        let addr = free_addr();
+        let mut child = relay()
+            .arg("run")
+            .env("DATABASE_URL", &url)
+            .env("AMQP_URL", proxy.amqp_url())
+            .env("RELAY_TOPOLOGY", &topology)
+            // The harness's partitions, so drop_topology below removes every queue.
+            .env("RELAY_PARTITIONS", "4")
+            .env("RELAY_POLL_MS", "100")
+            .env("RELAY_AMQP_CONNECT_TIMEOUT_MS", "1000")
+            .env("RELAY_METRICS_ADDR", &addr)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let (status, _) = answer_until(&addr, "/healthz", |_| true).await;
+        assert_eq!(status, 200);
+        let (status, body) = get(&addr, "/readyz").await.unwrap();
+        assert_eq!(status, 200, "{body}");
+        let (status, body) = get(&addr, "/metrics").await.unwrap();
+        assert_eq!(status, 200);
+        assert!(
+            body.contains("# HELP relay_drainer_restarts_total"),
+            "{body}"
+        );
+        assert_eq!(get(&addr, "/elsewhere").await.unwrap().0, 404);
+
+        proxy.cut();
+        write_first_intent(&pool, "ready", b"x").await;
+        let (_, body) = answer_until(&addr, "/readyz", |status| status == 503).await;
+        assert!(body.contains("broker down while intents wait"), "{body}");
+        // Healthy all the same: restarting would not bring the broker back.
+        assert_eq!(get(&addr, "/healthz").await.unwrap().0, 200);
+
+        proxy.restore();
+        let outbox = Outbox::new(pool.clone());
+        wait_until(
+            "shipped once the broker is back",
+            Duration::from_secs(30),
+            || async { pending(&outbox).await == 0 },
+        )
+        .await;
+        wait_until("ready again", Duration::from_secs(10), || async {
+            get(&addr, "/readyz")
+                .await
+                .is_some_and(|(status, _)| status == 200)
+        })
+        .await;
+        let terminated = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(terminated.success());
+        let status = child.wait().unwrap();
+        assert_eq!(status.code(), Some(0), "graceful stop on SIGTERM");
+        let rabbit = relay_config(&url, &amqp_url(), &topology)
+            .rabbit_config()
+            .unwrap();
+        drop_topology(&rabbit.topology).await;
+    });
+}
+
+/// `/readyz` names a database that stopped answering (a proxy the test owns cuts the
+/// relay's connections and refuses new ones), `/healthz` stays 200, and the relay is
+/// ready again once the database is back, shipping what was written meanwhile.
+#[test]
+fn readiness_names_an_unreachable_database() {
+    host_runtime().block_on(async {
+        let (pool, url) = fresh_database("cli_ready_db").await;
+        let database = BrokerProxy::start(&url).unwrap();
+        let topology = unique("relay-ready-db");
+        let addr = free_addr();
+        let mut child = relay()
+            .arg("run")
+            .env("DATABASE_URL", database.amqp_url())
+            .env("AMQP_URL", amqp_url())
+            .env("RELAY_TOPOLOGY", &topology)
+            // The harness's partitions, so drop_topology below removes every queue.
+            .env("RELAY_PARTITIONS", "4")
+            .env("RELAY_POLL_MS", "100")
+            .env("RELAY_METRICS_ADDR", &addr)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        answer_until(&addr, "/readyz", |status| status == 200).await;
+
+        database.cut();
+        let (_, body) = answer_until(&addr, "/readyz", |status| status == 503).await;
+        assert!(body.contains("database unreachable"), "{body}");
+        assert_eq!(get(&addr, "/healthz").await.unwrap().0, 200);
+        // The host writes on its own connection meanwhile (the proxy is the relay's only).
+        write_first_intent(&pool, "ready-db", b"x").await;
+
+        database.restore();
+        answer_until(&addr, "/readyz", |status| status == 200).await;
+        let outbox = Outbox::new(pool.clone());
+        wait_until(
+            "shipped once the database is back",
+            Duration::from_secs(30),
+            || async { pending(&outbox).await == 0 },
+        )
+        .await;
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let rabbit = relay_config(&url, &amqp_url(), &topology)
+            .rabbit_config()
+            .unwrap();
+        drop_topology(&rabbit.topology).await;
+    });
+}
+
+/// Through a broker memory alarm (on a private node the test owns) `/readyz` answers 503
+/// naming the block for as long as intents wait, and 200 again once the alarm clears and
+/// they ship. Before, it stayed 200 through most of an alarm: nothing faults on a blocked
+/// connection, so the broker looked up.
+#[test]
+fn readiness_says_the_broker_blocks_the_relay_through_an_alarm() {
+    host_runtime().block_on(async {
+        let node = PrivateNode::start("ready");
+        let (pool, url) = fresh_database("cli_ready_alarm").await;
+        let addr = free_addr();
+        let mut child = relay()
+            .arg("run")
+            .env("DATABASE_URL", &url)
+            .env("AMQP_URL", node.url())
+            .env("RELAY_TOPOLOGY", unique("relay-ready-alarm"))
+            .env("RELAY_POLL_MS", "100")
+            .env("RELAY_AMQP_CONNECT_TIMEOUT_MS", "1000")
+            .env("RELAY_AMQP_CONFIRM_TIMEOUT_MS", "1000")
+            .env("RELAY_METRICS_ADDR", &addr)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        answer_until(&addr, "/readyz", |status| status == 200).await;
+        let branch = write_first_intent(&pool, "ready-alarm", b"1").await;
+        let outbox = Outbox::new(pool.clone());
+        wait_until(
+            "the first intent ships",
+            Duration::from_secs(30),
+            || async { pending(&outbox).await == 0 },
+        )
+        .await;
+
+        tokio::task::block_in_place(|| node.memory_alarm(true));
+        for lsn in 2..=10 {
+            append_intent(&pool, &branch, lsn, b"during the alarm").await;
+        }
+        let (_, body) = answer_until(&addr, "/readyz", |status| status == 503).await;
+        assert!(body.contains("broker blocks the relay"), "{body}");
+        // Every answer while the alarm holds and intents wait says so (longer than every
+        // AMQP timeout of the relay).
+        let until = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < until {
+            let (status, body) = get(&addr, "/readyz").await.unwrap();
+            assert_eq!(status, 503, "ready during the alarm: {body}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(pending(&outbox).await > 0, "intents waited throughout");
+
+        tokio::task::block_in_place(|| node.memory_alarm(false));
+        answer_until(&addr, "/readyz", |status| status == 200).await;
+        wait_until(
+            "shipped once the alarm clears",
+            Duration::from_secs(30),
+            || async { pending(&outbox).await == 0 },
+        )
+        .await;
+        child.kill().unwrap();
+        child.wait().unwrap();
+        // The topology goes with the node.
+    });
+}

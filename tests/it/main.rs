@@ -1,0 +1,34 @@
+//! The relay's integration suite, on this machine's real PostgreSQL and RabbitMQ: one binary,
+//! so the harness compiles once and every test shares it.
+//!
+//! - `outbox_relay`: the T7.4 acceptance suite (`cargo test -p distribution outbox --
+//!   --test-threads=1` runs it, with step 9 from `tests/lag.rs`);
+//! - `outbox_faults`: the whole relay under an in-memory fault-injecting broker (proptest);
+//! - `broker_faults`: node restarts, alarms and size limits on private RabbitMQ nodes;
+//! - `handover`, `scale_out`: several relays on one outbox, every delivery counted;
+//! - `consumer`, `poison`, `fairness`, `database_faults`, `schema`, `tls`, `cli`: one surface each.
+//!
+//! Two tests live in binaries of their own, `tests/metrics.rs` and `tests/lag.rs`: each installs
+//! the process-wide metrics recorder, and a process has only one.
+//!
+//! Shared tools: `harness` (fresh databases, unique names, workloads, the fold, `wait_until`),
+//! `double` (the fault-injecting publisher), `node` (private RabbitMQ nodes), `recorder` (a raw
+//! consumer counting every delivery).
+
+mod double;
+mod harness;
+mod node;
+mod recorder;
+
+mod broker_faults;
+mod cli;
+mod consumer;
+mod database_faults;
+mod fairness;
+mod handover;
+mod outbox_faults;
+mod outbox_relay;
+mod poison;
+mod scale_out;
+mod schema;
+mod tls;

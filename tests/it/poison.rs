@@ -1,0 +1,209 @@
+//! A branch whose events the broker keeps refusing parks alone: the rest of its tenant flows,
+//! the branch shows as parked with its reason, and ships in order after a release.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use distribution::Relay;
+use distribution::store::{BranchKey, FoldStore, Outbox};
+
+use crate::double::{Double, Refuse, Script};
+use crate::harness::*;
+
+/// A relay on the real broker whose publishers refuse the bad branch's events while
+/// poisoned (poisoned from the start, no branch named yet), a fold consuming it, and the outbox.
+struct Poisoned {
+    pool: sqlx::PgPool,
+    config: distribution::RelayConfig,
+    fold: FoldStore,
+    folding: Folding,
+    relay: distribution::RelayHandle,
+    outbox: Outbox,
+    bad_branch: Arc<Mutex<Option<BranchKey>>>,
+    poisoned: Arc<AtomicBool>,
+}
+
+async fn poisoned_relay(label: &str, park_retry: Duration) -> Poisoned {
+    let (pool, url) = fresh_database(label).await;
+    let mut config = relay_config(&url, &amqp_url(), &unique("relay-poison"));
+    config.supervisor.drainer.park_after_attempts = 3;
+    config.supervisor.drainer.park_retry = park_retry;
+    let fold = FoldStore::new(pool.clone());
+    let folding = Folding::start(direct_rabbit(&config), &fold);
+    let bad_branch = Arc::new(Mutex::new(None));
+    let poisoned = Arc::new(AtomicBool::new(true));
+    let rabbit = config.rabbit_config().unwrap();
+    let factory = {
+        let (bad_branch, poisoned) = (bad_branch.clone(), poisoned.clone());
+        let refuse: Refuse = Arc::new(move |event| {
+            poisoned.load(Ordering::SeqCst)
+                && bad_branch.lock().unwrap().as_ref() == Some(&event.key.branch)
+        });
+        Arc::new(move |_shard| {
+            Double::rabbit(
+                rabbit.clone(),
+                Script {
+                    refuse: Some(refuse.clone()),
+                    ..Script::default()
+                },
+            )
+        })
+    };
+    let relay = Relay::start_with(config.clone(), factory).await.unwrap();
+    let outbox = Outbox::new(pool.clone());
+    Poisoned {
+        pool,
+        config,
+        fold,
+        folding,
+        relay,
+        outbox,
+        bad_branch,
+        poisoned,
+    }
+}
+
+#[test]
+fn a_refused_branch_parks_alone_and_ships_in_order_after_release() {
+    host_runtime().block_on(async {
+        let Poisoned {
+            pool,
+            config,
+            fold,
+            folding,
+            relay,
+            outbox,
+            bad_branch,
+            poisoned,
+        } = poisoned_relay("poison", Duration::from_secs(600)).await;
+
+        // Tenant "sick" has three runs, one of them poisoned; tenant "calm" has three too.
+        let sick = Workload::new("sick", 1, 3, 1).run(&pool).await;
+        let calm = Workload::new("calm", 1, 3, 1).run(&pool).await;
+        let bad = sick.live[0].0.clone();
+        let mut all = sick.expected.clone();
+        merge(&mut all, &calm.expected);
+        wait_until("the first step folded", Duration::from_secs(30), || async {
+            folded_count(&fold, &all).await == count(&all)
+        })
+        .await;
+
+        // Steps 2..=30 on every branch; the bad branch's are refused from now on.
+        *bad_branch.lock().unwrap() = Some(bad.clone());
+        let started = Instant::now();
+        let sick_more = Workload::new("sick", 1, 3, 30).steps(&pool, sick.live.clone(), 2..=30).await;
+        let calm_more = Workload::new("calm", 1, 3, 30).steps(&pool, calm.live.clone(), 2..=30).await;
+        let written = started.elapsed();
+        merge(&mut all, &sick_more.expected);
+        merge(&mut all, &calm_more.expected);
+        let mut healthy = all.clone();
+        healthy.remove(&bad);
+        let bad_pending = sick_more.expected[&bad].len();
+
+        // The healthy branches of the sick tenant ship while the bad one is refused.
+        wait_until("healthy branches folded", Duration::from_secs(30), || async {
+            let mut folded = 0;
+            for tenant in tenants_of(&healthy) {
+                folded += fold
+                    .folded(&tenant)
+                    .await
+                    .unwrap()
+                    .iter()
+                    .filter(|event| event.key.branch != bad)
+                    .count();
+            }
+            folded == count(&healthy)
+        })
+        .await;
+        let healthy_done = started.elapsed();
+        wait_until("the bad branch parked", Duration::from_secs(30), || async {
+            !outbox.parked_branches().await.unwrap().is_empty()
+        })
+        .await;
+        let parked = outbox.parked_branches().await.unwrap();
+        assert_eq!(parked.len(), 1, "{parked:?}");
+        assert_eq!(parked[0].branch, bad);
+        assert_eq!(parked[0].reason, "nacked");
+        assert!(parked[0].attempts >= 3);
+        assert_eq!(parked[0].pending as usize, bad_pending, "its events wait, none acked");
+        println!(
+            "host wrote for {:.2} s; healthy branches of the refused tenant all folded {:.2} s after the host started; the bad branch parked after {} attempts",
+            written.as_secs_f64(),
+            healthy_done.as_secs_f64(),
+            parked[0].attempts
+        );
+
+        // The cause is fixed and an operator releases the branch: it ships, in order.
+        poisoned.store(false, Ordering::SeqCst);
+        let released = outbox.release(&bad.tenant, Some(&bad.run), None).await.unwrap();
+        assert_eq!(released, 1);
+        wait_until("everything folded after release", Duration::from_secs(30), || async {
+            folded_count(&fold, &all).await == count(&all)
+        })
+        .await;
+        assert_folded_exactly(&fold, &all).await;
+        assert!(outbox.parked_branches().await.unwrap().is_empty());
+        assert_eq!(pending(&outbox).await, 0);
+        relay.shutdown().await;
+        folding.stop().await;
+        drop_topology(&config.rabbit_config().unwrap().topology).await;
+    });
+}
+
+/// A parked branch is tried again after `RELAY_PARK_RETRY_MS` by itself: once the broker
+/// takes its events it unparks and ships, in order, exactly once at the fold, with no
+/// operator's release.
+#[test]
+fn a_parked_branch_is_tried_again_after_its_retry_and_unparks_itself() {
+    host_runtime().block_on(async {
+        let Poisoned {
+            pool,
+            config,
+            fold,
+            folding,
+            relay,
+            outbox,
+            bad_branch,
+            poisoned,
+        } = poisoned_relay("poisonretry", Duration::from_secs(2)).await;
+        let run = Workload::new("retry", 1, 2, 1).run(&pool).await;
+        let bad = run.live[0].0.clone();
+        let mut all = run.expected.clone();
+        wait_until("the first step folded", Duration::from_secs(30), || async {
+            folded_count(&fold, &all).await == count(&all)
+        })
+        .await;
+        *bad_branch.lock().unwrap() = Some(bad.clone());
+        let more = Workload::new("retry", 1, 2, 1)
+            .steps(&pool, run.live.clone(), 2..=5)
+            .await;
+        merge(&mut all, &more.expected);
+        wait_until("the bad branch parked", Duration::from_secs(30), || async {
+            !outbox.parked_branches().await.unwrap().is_empty()
+        })
+        .await;
+        // The cause goes away; nobody releases the branch.
+        poisoned.store(false, Ordering::SeqCst);
+        let fixed = Instant::now();
+        wait_until(
+            "the parked branch ships by itself",
+            Duration::from_secs(30),
+            || async { folded_count(&fold, &all).await == count(&all) },
+        )
+        .await;
+        println!(
+            "shipped {:.2} s after the broker took it again (park retry 2 s)",
+            fixed.elapsed().as_secs_f64()
+        );
+        assert_folded_exactly(&fold, &all).await;
+        assert!(
+            outbox.parked_branches().await.unwrap().is_empty(),
+            "unparked"
+        );
+        assert_eq!(pending(&outbox).await, 0);
+        relay.shutdown().await;
+        folding.stop().await;
+        drop_topology(&config.rabbit_config().unwrap().topology).await;
+    });
+}

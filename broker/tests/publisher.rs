@@ -1,17 +1,12 @@
-//! The RabbitMQ publisher and the fold consumer on the real broker, each test on its own names.
+//! The RabbitMQ publisher on the real broker, each test on its own names.
 use std::time::Duration;
 
-use broker::{
-    FoldConsumer, Outcome, Partition, Publisher, QueueType, RabbitConfig, RabbitPublisher, Topology,
-};
+use broker::{Outcome, Partition, Publisher, QueueType, RabbitConfig, RabbitPublisher, Topology};
 use chrono::Utc;
 use futures_util::StreamExt;
 use lapin::options::{BasicGetOptions, ExchangeDeleteOptions, QueueDeleteOptions};
 use lapin::{Connection, ConnectionProperties};
-use sqlx::PgPool;
-use store::{
-    BranchId, BranchKey, EventKey, EventKind, Fence, FoldStore, Lsn, OutboxEvent, RunId, TenantId,
-};
+use store::{BranchId, BranchKey, EventKey, EventKind, Fence, Lsn, OutboxEvent, RunId, TenantId};
 
 fn amqp_url() -> String {
     std::env::var("AMQP_URL").expect("AMQP_URL (set in .cargo/config.toml)")
@@ -244,60 +239,6 @@ async fn unroutable_events_are_not_reported_accepted() {
     pipelined.extend(second.await.outcomes);
     pipelined.extend(third.await.outcomes);
     assert_eq!(pipelined, expected);
-    cleanup(&topology).await;
-}
-
-/// The consumer folds what the broker delivers: duplicates are no-ops and an event published
-/// ahead of its predecessor (a loss, then a resend) is applied only after it.
-#[sqlx::test(migrator = "store::MIGRATOR")]
-async fn fold_consumer_applies_once_in_order(pool: PgPool) {
-    let topology = unique_topology("fold", 1);
-    let config = RabbitConfig::new(amqp_url(), topology.clone()).unwrap();
-    let mut publisher = RabbitPublisher::new(config.clone());
-    let all = events("ta", "r1", "main", &[1, 2, 3, 4]);
-    // Lost 2, then the relay resends 2.. as it does after a failure, then a full duplicate run.
-    let sequence = vec![
-        all[0].clone(),
-        all[2].clone(),
-        all[1].clone(),
-        all[2].clone(),
-        all[3].clone(),
-    ];
-    assert_eq!(
-        publisher.publish(&sequence).await.accepted(),
-        sequence.len()
-    );
-    assert_eq!(publisher.publish(&all).await.accepted(), all.len());
-
-    let fold = FoldStore::new(pool);
-    let tenant = TenantId::new("ta").unwrap();
-    let consumer = FoldConsumer::new(config);
-    let stop = {
-        let fold = fold.clone();
-        let tenant = tenant.clone();
-        async move {
-            let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-            while fold.folded(&tenant).await.unwrap().len() < 4
-                && tokio::time::Instant::now() < deadline
-            {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        }
-    };
-    let stats = consumer
-        .run(Partition(0), &fold, stop, |_| {})
-        .await
-        .unwrap();
-    let lsns: Vec<u64> = fold
-        .folded(&tenant)
-        .await
-        .unwrap()
-        .iter()
-        .map(|e| e.key.lsn.get())
-        .collect();
-    assert_eq!(lsns, vec![1, 2, 3, 4]);
-    assert_eq!(stats.applied, 4);
-    assert!(stats.parked >= 1, "{stats:?}");
     cleanup(&topology).await;
 }
 

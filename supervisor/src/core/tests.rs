@@ -721,7 +721,7 @@ proptest! {
         }
         // (A finish stops the keeper too: what it was handing over is released with the rest.)
         for bucket in leaving.iter().filter(|_| !tree.finish_asked) {
-            prop_assert!(tree.settled.contains(&bucket), "{bucket:?} never settled");
+            prop_assert!(tree.settled.contains(bucket), "{bucket:?} never settled");
         }
         prop_assert!(tree.settled.len() >= settled_before);
         if tree.finish_asked {

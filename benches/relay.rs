@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use distribution::broker::{
-    BoxFuture, Confirms, Partition, Publisher, RabbitConfig, RabbitPublisher, Topology,
+    BoxFuture, OnReport, Partition, Publisher, RabbitConfig, RabbitPublisher, Topology,
 };
 use distribution::store::{
     self, BranchId, BranchKey, EventKey, EventKind, Fence, IntentWriter, Lsn, Outbox, OutboxEvent,
@@ -597,20 +597,17 @@ struct TimedPublisher {
 }
 
 impl Publisher for TimedPublisher {
-    // The port's shape: writing yields the future of the confirms.
-    #[allow(clippy::async_yields_async)]
     fn send<'a>(
         &'a mut self,
         events: &'a [OutboxEvent],
         fence: &'a Fence,
-    ) -> BoxFuture<'a, Confirms> {
-        Box::pin(async move {
-            let confirms = self.inner.send(events, fence).await;
-            let keys: Vec<EventKey> = events.iter().map(|event| event.key.clone()).collect();
-            let confirmed = self.confirmed.clone();
-            Box::pin(async move {
-                let report = confirms.await;
-                let now = Instant::now();
+        done: OnReport,
+    ) -> BoxFuture<'a, ()> {
+        let keys: Vec<EventKey> = events.iter().map(|event| event.key.clone()).collect();
+        let confirmed = self.confirmed.clone();
+        let timed: OnReport = Box::new(move |report| {
+            let now = Instant::now();
+            {
                 let mut confirmed = confirmed
                     .lock()
                     .unwrap_or_else(|poison| poison.into_inner());
@@ -619,9 +616,10 @@ impl Publisher for TimedPublisher {
                         confirmed.entry(key).or_insert(now);
                     }
                 }
-                report
-            }) as Confirms
-        })
+            }
+            done(report);
+        });
+        self.inner.send(events, fence, timed)
     }
 }
 

@@ -1,8 +1,9 @@
 //! One publisher actor per shard: the only place the relay calls the broker.
 use std::sync::Arc;
 
-use broker::{Outcome, Publisher};
-use futures_util::FutureExt;
+use std::sync::atomic::{AtomicU8, Ordering};
+
+use broker::{OnReport, Outcome, Publisher};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use store::{Fence, OutboxEvent};
 use tracing::Instrument;
@@ -77,10 +78,6 @@ pub enum PublisherMessage {
         /// The tenant's lease: nothing is written once it is closed.
         fence: Fence,
     },
-    /// A batch's confirms came back with a broker fault: fail, to be restarted fresh.
-    Fault(String),
-    /// A batch was accepted without fault.
-    Healthy,
 }
 
 /// Arguments of a publisher.
@@ -105,18 +102,46 @@ impl std::fmt::Debug for PublisherArgs {
     }
 }
 
+/// What a publisher's broker session has shown so far: one state, shared with the confirm
+/// callbacks of its batches (they run on the adapter's confirm pump, not in the actor).
+#[derive(Debug, Default)]
+struct Session(AtomicU8);
+
+impl Session {
+    const STARTING: u8 = 0;
+    const HEALTHY: u8 = 1;
+    const FAULTED: u8 = 2;
+
+    /// A batch was accepted without fault; true the first time (the recovery signal).
+    fn healthy(&self) -> bool {
+        self.0
+            .compare_exchange(
+                Self::STARTING,
+                Self::HEALTHY,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .is_ok()
+    }
+
+    /// A batch reported a broker fault; true the first time (the actor is stopped once).
+    fn fault(&self) -> bool {
+        self.0.swap(Self::FAULTED, Ordering::AcqRel) != Self::FAULTED
+    }
+
+    fn is_faulted(&self) -> bool {
+        self.0.load(Ordering::Acquire) == Self::FAULTED
+    }
+}
+
 /// State of a publisher.
 pub struct PublisherState {
     args: PublisherArgs,
+    /// The broker client. Dropped with the state: the batches it holds are dropped with it,
+    /// and each one's [`Reply`] answers its drainer at once.
     client: Box<dyn Publisher>,
-    healthy: bool,
     unconfirmed: Arc<tokio::sync::Semaphore>,
-    /// Set as soon as any batch reports a broker fault: queued batches are not tried on the
-    /// dead session (each could wait out a connect timeout); the actor fails at once instead.
-    faulted: Arc<std::sync::atomic::AtomicBool>,
-    /// The batches awaiting their confirms, one task each, aborted with the actor's state
-    /// (however it ends): each aborted batch's [`Reply`] answers its drainer at once.
-    in_flight: tokio::task::JoinSet<()>,
+    session: Arc<Session>,
 }
 
 impl std::fmt::Debug for PublisherState {
@@ -127,7 +152,7 @@ impl std::fmt::Debug for PublisherState {
     }
 }
 
-/// The publisher actor. Any broker fault fails it; the supervisor restarts it with backoff and
+/// The publisher actor. Any broker fault stops it; the supervisor restarts it with backoff and
 /// the drainers resend whatever it had not confirmed (its mailbox dies with it, and each
 /// batch's [`Reply`] answers as it is dropped).
 #[derive(Debug, Default)]
@@ -149,6 +174,8 @@ fn outcome_label(outcome: Outcome) -> &'static str {
     }
 }
 
+const FAULTED: &str = "the broker session faulted; restarting";
+
 impl Actor for PublisherActor {
     type Msg = PublisherMessage;
     type State = PublisherState;
@@ -164,10 +191,8 @@ impl Actor for PublisherActor {
         Ok(PublisherState {
             args,
             client,
-            healthy: false,
             unconfirmed,
-            faulted: Arc::new(std::sync::atomic::AtomicBool::new(false)),
-            in_flight: tokio::task::JoinSet::new(),
+            session: Arc::default(),
         })
     }
 
@@ -177,74 +202,60 @@ impl Actor for PublisherActor {
         message: PublisherMessage,
         state: &mut PublisherState,
     ) -> Result<(), ActorProcessingErr> {
-        let (events, reply, fence) = match message {
-            PublisherMessage::Publish {
-                events,
-                reply,
-                fence,
-            } => (events, reply, fence),
-            PublisherMessage::Fault(reason) => return Err(reason.into()),
-            PublisherMessage::Healthy => {
-                if !state.healthy {
-                    state.healthy = true;
-                    (state.args.on_healthy)(state.args.shard);
-                }
-                return Ok(());
-            }
-        };
-        let shard = state.args.shard;
-        // Forget the batches already answered.
-        while state.in_flight.try_join_next().is_some() {}
-        if state.faulted.load(std::sync::atomic::Ordering::Acquire) {
+        let PublisherMessage::Publish {
+            events,
+            reply,
+            fence,
+        } = message;
+        if state.session.is_faulted() {
             // This batch's reply, and those of the batches in the mailbox (which dies with the
             // actor), answer as they are dropped: their drainers retry at once.
-            return Err("the broker session faulted; restarting".into());
+            return Err(FAULTED.into());
         }
+        let shard = state.args.shard;
         // Backpressure: wait until this batch fits under the unconfirmed bound.
         let wanted = events.len().clamp(1, state.args.max_unconfirmed.max(1)) as u32;
         let permits = state.unconfirmed.clone().acquire_many_owned(wanted).await?;
         let span = tracing::debug_span!("publish", shard = shard.0, events = events.len());
-        // Invariant: batches are written in mailbox order on one channel, so each branch's
-        // events reach the broker in Lsn order; only the confirms are awaited concurrently.
-        let mut confirms = state
-            .client
-            .send(&events, &fence)
-            .instrument(span.clone())
-            .await;
-        // Decided at once (not connected, or nothing written): answer now, fail now on a fault.
-        if let Some(report) = (&mut confirms).now_or_never() {
+        // The verdict goes from the confirm pump straight to the drainer; a fault stops this
+        // actor (a signal, not a message behind the mailbox's batches).
+        let session = state.session.clone();
+        let on_healthy = state.args.on_healthy.clone();
+        let done: OnReport = Box::new(move |report| {
             drop(permits);
+            for outcome in report
+                .outcomes
+                .iter()
+                .filter(|outcome| !outcome.is_accepted())
+            {
+                metrics::counter!("relay_publish_failures_total", "shard" => shard.0.to_string(), "outcome" => outcome_label(*outcome)).increment(1);
+            }
             let fault = report.fault.as_ref().map(ToString::to_string);
             reply.answer(report.outcomes);
-            return match fault {
-                Some(fault) => Err(fault.into()),
-                None => {
-                    myself.cast(PublisherMessage::Healthy)?;
-                    Ok(())
-                }
-            };
-        }
-        let faulted = state.faulted.clone();
-        state.in_flight.spawn(
-            async move {
-                let report = confirms.await;
-                drop(permits);
-                for outcome in report.outcomes.iter().filter(|outcome| !outcome.is_accepted()) {
-                    metrics::counter!("relay_publish_failures_total", "shard" => shard.0.to_string(), "outcome" => outcome_label(*outcome)).increment(1);
-                }
-                let verdict = match &report.fault {
-                    Some(fault) => {
-                        faulted.store(true, std::sync::atomic::Ordering::Release);
-                        PublisherMessage::Fault(fault.to_string())
+            match fault {
+                Some(fault) => {
+                    if session.fault() {
+                        myself.stop(Some(format!("broker fault: {fault}")));
                     }
-                    None => PublisherMessage::Healthy,
-                };
-                reply.answer(report.outcomes);
-                // A verdict for a publisher already restarted is lost, harmlessly.
-                let _ = myself.cast(verdict);
+                }
+                None => {
+                    if session.healthy() {
+                        on_healthy(shard);
+                    }
+                }
             }
-            .instrument(span),
-        );
+        });
+        // Invariant: batches are written in mailbox order on one channel, so each branch's
+        // events reach the broker in Lsn order; only the confirms are awaited concurrently.
+        state
+            .client
+            .send(&events, &fence, done)
+            .instrument(span)
+            .await;
+        if state.session.is_faulted() {
+            // Decided at once (not connected): fail now, before the next batch is tried.
+            return Err(FAULTED.into());
+        }
         Ok(())
     }
 }
@@ -253,23 +264,26 @@ impl Actor for PublisherActor {
 mod tests {
     use std::time::Duration;
 
-    use broker::{BoxFuture, Confirms};
+    use broker::BoxFuture;
     use chrono::Utc;
     use store::{BranchId, BranchKey, EventKey, EventKind, Lsn, RunId, TenantId};
 
     use super::*;
 
-    /// A broker that takes every write and never confirms anything.
-    struct Silent;
+    /// A broker that takes every write and never confirms anything: it keeps each batch's
+    /// callback until it is dropped.
+    #[derive(Default)]
+    struct Silent(Vec<OnReport>);
 
     impl Publisher for Silent {
-        #[allow(clippy::async_yields_async)]
         fn send<'a>(
             &'a mut self,
             _events: &'a [OutboxEvent],
             _fence: &'a Fence,
-        ) -> BoxFuture<'a, Confirms> {
-            Box::pin(async { Box::pin(std::future::pending()) as Confirms })
+            done: OnReport,
+        ) -> BoxFuture<'a, ()> {
+            self.0.push(done);
+            Box::pin(async {})
         }
     }
 
@@ -329,7 +343,7 @@ mod tests {
         let (probe, _) = Actor::spawn(None, Probe, to_test).await.unwrap();
         let args = PublisherArgs {
             shard: ShardId(0),
-            factory: Arc::new(|_| Box::new(Silent) as Box<dyn Publisher>),
+            factory: Arc::new(|_| Box::new(Silent::default()) as Box<dyn Publisher>),
             on_healthy: Arc::new(|_| {}),
             max_unconfirmed: 1,
         };

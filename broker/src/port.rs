@@ -63,9 +63,30 @@ impl PublishReport {
     }
 }
 
-/// The confirms of a batch already written: awaited on its own, so the next batch can be
-/// written meanwhile (many batches in flight on one channel, confirms pipelined).
+/// Where a batch's verdict goes: called at most once, by whoever decides it (the adapter's
+/// confirm pump, or `send` itself when nothing could be written). Dropped uncalled (the
+/// publisher was dropped with the batch in flight) means every event is unconfirmed: the
+/// caller must treat that as a verdict too (the actors' `Reply` does).
+pub type OnReport = Box<dyn FnOnce(PublishReport) + Send>;
+
+/// A verdict as a future (tools and tests): what [`report_future`] returns.
 pub type Confirms = BoxFuture<'static, PublishReport>;
+
+/// The callback to hand to [`Publisher::send`] and the future of the report it receives: every
+/// event `Unconfirmed`, with a fault, if the callback is dropped uncalled.
+pub fn report_future(n_events: usize) -> (OnReport, Confirms) {
+    let (sender, receiver) = tokio::sync::oneshot::channel();
+    let done: OnReport = Box::new(move |report| {
+        let _ = sender.send(report);
+    });
+    let confirms = Box::pin(async move {
+        receiver.await.unwrap_or_else(|_| PublishReport {
+            outcomes: vec![Outcome::Unconfirmed; n_events],
+            fault: Some(Error::Unreachable("the publisher was dropped".into())),
+        })
+    });
+    (done, confirms)
+}
 
 /// Publishes events to a broker with confirms.
 ///
@@ -73,7 +94,9 @@ pub type Confirms = BoxFuture<'static, PublishReport>;
 /// written to the broker in the order of `send` calls on one channel. Nothing here panics or
 /// hangs: every await is under a timeout.
 pub trait Publisher: Send + 'static {
-    /// Writes `events` to the broker, in order, and returns the future of their confirms.
+    /// Writes `events` to the broker, in order, and returns once they are written; their
+    /// confirms go to `done` (many batches in flight on one channel, confirms pipelined, no
+    /// task per batch).
     ///
     /// Invariant: nothing is written once `fence` is closed (checked before every write); the
     /// events not written are reported `NotSent`, without a fault.
@@ -81,13 +104,16 @@ pub trait Publisher: Send + 'static {
         &'a mut self,
         events: &'a [OutboxEvent],
         fence: &'a Fence,
-    ) -> BoxFuture<'a, Confirms>;
+        done: OnReport,
+    ) -> BoxFuture<'a, ()>;
 
     /// Writes `events` without a lease fence and awaits their confirms (tools and tests).
     fn publish<'a>(&'a mut self, events: &'a [OutboxEvent]) -> BoxFuture<'a, PublishReport> {
         Box::pin(async move {
             let fence = Fence::open();
-            self.send(events, &fence).await.await
+            let (done, report) = report_future(events.len());
+            self.send(events, &fence, done).await;
+            report.await
         })
     }
 }

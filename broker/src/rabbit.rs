@@ -34,7 +34,7 @@ use lapin::types::ShortString;
 use lapin::{Channel, Confirmation, Connection, ConnectionProperties};
 use store::{Fence, OutboxEvent};
 
-use crate::port::{BoxFuture, Confirms, Outcome, PublishReport, Publisher};
+use crate::port::{BoxFuture, OnReport, Outcome, PublishReport, Publisher};
 use crate::{AmqpTls, BrokerHealth, CallProbe, Error, Topology, wire};
 
 /// How to reach RabbitMQ.
@@ -284,8 +284,9 @@ struct Session {
     _connection: Connection,
     channel: Channel,
     pump: tokio::sync::mpsc::UnboundedSender<PendingBatch>,
-    /// Batches whose writing began, and (watched by the pump) batches handed to the pump.
-    started: u64,
+    /// Batches whose writing began (read by the pump), and (watched by the pump) batches
+    /// handed to the pump.
+    started: Arc<AtomicU64>,
     handed: tokio::sync::watch::Sender<u64>,
     /// Set by the pump when the broker returned a message (a queue or binding is missing):
     /// the topology is declared again before the next write.
@@ -314,8 +315,18 @@ pub struct RabbitPublisher {
     session: Option<Session>,
     probe: Option<CallProbe>,
     health: BrokerHealth,
-    /// Batches whose writing began on the current session (read by its pump).
-    started: Arc<AtomicU64>,
+    /// The confirm pump of every session opened, aborted with the publisher: the batches they
+    /// hold are dropped, so each batch's [`OnReport`] is dropped uncalled at once (the actors'
+    /// `Reply` answers its drainer then). A replaced session's pump finishes its batches.
+    pumps: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for RabbitPublisher {
+    fn drop(&mut self) {
+        for pump in &self.pumps {
+            pump.abort();
+        }
+    }
 }
 
 impl RabbitPublisher {
@@ -326,7 +337,7 @@ impl RabbitPublisher {
             session: None,
             probe: None,
             health: BrokerHealth::default(),
-            started: Arc::new(AtomicU64::new(0)),
+            pumps: Vec::new(),
         }
     }
 
@@ -370,8 +381,10 @@ impl RabbitPublisher {
                 flow_tx,
                 self.health.flow_mark(),
             ));
-            // The pump ends when this session (its sender) is dropped and its queue is empty.
-            tokio::spawn(confirm_pump(
+            // The pump ends when this session (its sender) is dropped and its queue is empty,
+            // or when this publisher is dropped.
+            self.pumps.retain(|pump| !pump.is_finished());
+            self.pumps.push(tokio::spawn(confirm_pump(
                 batches,
                 Writer {
                     started: started.clone(),
@@ -380,24 +393,24 @@ impl RabbitPublisher {
                 redeclare.clone(),
                 self.config.confirm_timeout,
                 flow.clone(),
-            ));
+                self.health.clone(),
+            )));
             self.session = Some(Session {
                 _connection: connection,
                 channel,
                 pump,
-                started: 0,
+                started,
                 handed,
                 redeclare,
                 flow,
                 flow_task,
             });
-            self.started = started;
         }
         // Invariant: the session was set just above if it was missing.
         Ok(self.session.as_ref().expect("session is open"))
     }
 
-    async fn send_batch(&mut self, events: &[OutboxEvent], fence: &Fence) -> Confirms {
+    async fn send_batch(&mut self, events: &[OutboxEvent], fence: &Fence, done: OnReport) {
         if let Some(probe) = &self.probe {
             probe.record();
         }
@@ -407,15 +420,14 @@ impl RabbitPublisher {
             (self.config.connect_timeout, self.config.confirm_timeout);
         if !fence.is_open() {
             let outcomes = vec![Outcome::NotSent; n_events];
-            return Box::pin(std::future::ready(PublishReport {
+            return done(PublishReport {
                 outcomes,
                 fault: None,
-            }));
+            });
         }
         if let Err(fault) = self.session().await {
-            return Box::pin(std::future::ready(PublishReport::not_sent(n_events, fault)));
+            return done(PublishReport::not_sent(n_events, fault));
         }
-        let started = self.started.clone();
         // Invariant: the session was opened just above.
         let session = self.session.as_mut().expect("session is open");
         // A returned message means a queue or binding is gone: declare it all again first.
@@ -424,11 +436,11 @@ impl RabbitPublisher {
             && let Err(fault) = within_topology(&topology, &session.channel, connect_timeout).await
         {
             self.session = None;
-            return Box::pin(std::future::ready(PublishReport::not_sent(n_events, fault)));
+            self.health.report(false);
+            return done(PublishReport::not_sent(n_events, fault));
         }
         let session = self.session.as_mut().expect("session is open");
-        session.started += 1;
-        started.store(session.started, Ordering::Release);
+        let begun = session.started.fetch_add(1, Ordering::AcqRel) + 1;
         let mut write_fault = None;
         let mut confirms = Vec::with_capacity(n_events);
         let mut ids = Vec::with_capacity(n_events);
@@ -478,7 +490,6 @@ impl RabbitPublisher {
                 }
             }
         }
-        let (reply, report) = tokio::sync::oneshot::channel();
         let batch = PendingBatch {
             confirms,
             ids,
@@ -486,26 +497,16 @@ impl RabbitPublisher {
             n_events,
             deadline: tokio::time::Instant::now() + confirm_timeout,
             write_fault,
-            reply,
+            done,
         };
         let broken = batch.write_fault.is_some();
+        // A pump that stopped drops the batch: its `done` is dropped uncalled (unconfirmed).
         let _ = session.pump.send(batch);
-        session.handed.send_replace(session.started);
+        session.handed.send_replace(begun);
         if broken {
             // Dropping the connection closes it; the next send starts a fresh one.
             self.session = None;
         }
-        let health = self.health.clone();
-        Box::pin(async move {
-            let report = report.await.unwrap_or_else(|_| {
-                PublishReport::not_sent(
-                    n_events,
-                    Error::Unreachable("the confirm pump stopped".into()),
-                )
-            });
-            health.report(report.fault.is_none());
-            report
-        })
     }
 }
 
@@ -532,7 +533,8 @@ struct PendingBatch {
     n_events: usize,
     deadline: tokio::time::Instant,
     write_fault: Option<Error>,
-    reply: tokio::sync::oneshot::Sender<PublishReport>,
+    /// Gets the batch's report from the pump.
+    done: OnReport,
 }
 
 /// What the pump knows of the writer: batches begun, and batches handed over.
@@ -604,6 +606,7 @@ async fn confirm_pump(
     redeclare: Arc<AtomicBool>,
     confirm_timeout: Duration,
     flow: watch::Receiver<Flow>,
+    health: BrokerHealth,
 ) {
     let mut returned: HashSet<ShortString> = HashSet::new();
     let mut ahead: VecDeque<Tracked> = VecDeque::new();
@@ -682,7 +685,8 @@ async fn confirm_pump(
                 redeclare.store(true, Ordering::Release);
             }
         }
-        let _ = batch.reply.send(PublishReport { outcomes, fault });
+        health.report(fault.is_none());
+        (batch.done)(PublishReport { outcomes, fault });
     }
 }
 
@@ -691,8 +695,9 @@ impl Publisher for RabbitPublisher {
         &'a mut self,
         events: &'a [OutboxEvent],
         fence: &'a Fence,
-    ) -> BoxFuture<'a, Confirms> {
-        Box::pin(self.send_batch(events, fence))
+        done: OnReport,
+    ) -> BoxFuture<'a, ()> {
+        Box::pin(self.send_batch(events, fence, done))
     }
 }
 

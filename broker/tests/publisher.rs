@@ -232,9 +232,13 @@ async fn unroutable_events_are_not_reported_accepted() {
     // Three batches written back to back before any confirm is awaited (the relay's pattern):
     // RabbitMQ acks several tags at once and lapin attaches a return to whichever confirm it
     // resolves first, so outcomes must be decided by message id, not by position.
-    let first = publisher.send(&batch[..5], &Fence::open()).await;
-    let second = publisher.send(&batch[5..11], &Fence::open()).await;
-    let third = publisher.send(&batch[11..], &Fence::open()).await;
+    let mut confirms = Vec::new();
+    for part in [&batch[..5], &batch[5..11], &batch[11..]] {
+        let (done, report) = broker::report_future(part.len());
+        publisher.send(part, &Fence::open(), done).await;
+        confirms.push(report);
+    }
+    let [first, second, third]: [_; 3] = confirms.try_into().ok().unwrap();
     let mut pipelined = first.await.outcomes;
     pipelined.extend(second.await.outcomes);
     pipelined.extend(third.await.outcomes);
@@ -295,7 +299,9 @@ async fn returns_at_batch_boundaries_are_never_lost() {
         let fence = Fence::open();
         let mut confirms = Vec::new();
         for batch in &batches {
-            confirms.push(publisher.send(batch, &fence).await);
+            let (done, report) = broker::report_future(batch.len());
+            publisher.send(batch, &fence, done).await;
+            confirms.push(report);
         }
         for (batch, confirm) in batches.iter().zip(confirms) {
             let report = confirm.await;

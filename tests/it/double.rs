@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use distribution::broker::{
-    BoxFuture, Confirms, Error, Outcome, PublishReport, Publisher, RabbitConfig, RabbitPublisher,
+    BoxFuture, Error, OnReport, Outcome, PublishReport, Publisher, RabbitConfig, RabbitPublisher,
 };
 use distribution::store::{Fence, OutboxEvent};
 use tokio::sync::watch;
@@ -135,13 +135,12 @@ impl Double {
 }
 
 impl Publisher for Double {
-    // The port's shape: writing yields the future of the confirms.
-    #[allow(clippy::async_yields_async)]
     fn send<'a>(
         &'a mut self,
         events: &'a [OutboxEvent],
         fence: &'a Fence,
-    ) -> BoxFuture<'a, Confirms> {
+        done: OnReport,
+    ) -> BoxFuture<'a, ()> {
         Box::pin(async move {
             if let Some(gate) = &mut self.script.gate {
                 let _ = gate.wait_for(|open| *open).await;
@@ -172,34 +171,37 @@ impl Publisher for Double {
             };
             let observer = self.script.observer.clone();
             let call = observer.as_ref().map(|observer| observer.writing(good));
-            let confirms: Confirms = match &mut self.broker {
-                Broker::Rabbit(rabbit) => rabbit.send(good, fence).await,
-                Broker::Memory(memory) => Box::pin(std::future::ready(memory.publish(good, fence))),
+            let confirmed = {
+                let observer = observer.clone();
+                Box::new(move |report: PublishReport| {
+                    if let (Some(observer), Some(call)) = (&observer, call) {
+                        observer.confirmed(call, &report);
+                    }
+                    // Refused events are nacked; the others have the broker's outcomes.
+                    let mut written = report.outcomes.into_iter();
+                    let outcomes = refused
+                        .iter()
+                        .map(|refused| {
+                            if *refused {
+                                Outcome::Nacked
+                            } else {
+                                written.next().unwrap_or(Outcome::NotSent)
+                            }
+                        })
+                        .collect();
+                    done(PublishReport {
+                        outcomes,
+                        fault: report.fault,
+                    });
+                }) as OnReport
             };
+            match &mut self.broker {
+                Broker::Rabbit(rabbit) => rabbit.send(good, fence, confirmed).await,
+                Broker::Memory(memory) => confirmed(memory.publish(good, fence)),
+            }
             if let (Some(observer), Some(call)) = (&observer, call) {
                 observer.written(call);
             }
-            Box::pin(async move {
-                let report = confirms.await;
-                if let (Some(observer), Some(call)) = (&observer, call) {
-                    observer.confirmed(call, &report);
-                }
-                let mut written = report.outcomes.into_iter();
-                let outcomes = refused
-                    .iter()
-                    .map(|refused| {
-                        if *refused {
-                            Outcome::Nacked
-                        } else {
-                            written.next().unwrap_or(Outcome::NotSent)
-                        }
-                    })
-                    .collect();
-                PublishReport {
-                    outcomes,
-                    fault: report.fault,
-                }
-            }) as Confirms
         })
     }
 }

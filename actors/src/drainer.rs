@@ -122,8 +122,8 @@ pub struct DrainerArgs {
 pub enum DrainerMessage {
     /// There may be pending work: drain unless a batch is in flight or a retry is scheduled.
     Drain,
-    /// The scheduled retry after a failed batch.
-    Retry,
+    /// The drainer's one timer fired: the window says what is due.
+    Tick,
     /// A publisher's outcomes for the part of batch `batch` it was given.
     Confirmed {
         /// Batch number.
@@ -137,8 +137,6 @@ pub enum DrainerMessage {
     Unsent,
     /// Graceful shutdown: finish the batch in flight (or abandon it to a timeout), then stop.
     Finish,
-    /// Retire if nothing happened since activity number `0`.
-    IdleCheck(u64),
 }
 
 /// A batch's share of the relay-wide budgets, given back when the batch settles.
@@ -168,10 +166,10 @@ struct Held {
     _permits: Permits,
 }
 
-/// A message the drainer sends itself later, cancelled when dropped. ractor's `send_after`
-/// task holds the actor's cell (its mailbox channels) until it fires: 30 s timers outliving
-/// retired drainers held about 7 KB each, 200+ MB while 100,000 tenants drained. Every timer
-/// of a drainer is owned by its state, so none outlives the drainer, however it stops.
+/// The drainer's one timer (a `Tick` sent later), cancelled when dropped. ractor's
+/// `send_after` task holds the actor's cell (its mailbox channels) until it fires: 30 s timers
+/// outliving retired drainers held about 7 KB each, 200+ MB while 100,000 tenants drained. The
+/// timer is owned by the drainer's state, so it never outlives the drainer, however it stops.
 #[derive(Debug)]
 struct Timer(tokio::task::JoinHandle<Result<(), ractor::MessagingErr<DrainerMessage>>>);
 
@@ -185,22 +183,27 @@ impl Drop for Timer {
 pub struct DrainerState {
     args: DrainerArgs,
     window: Window<Held>,
-    /// Retries pending.
-    timers: Vec<Timer>,
-    /// The one idle check pending, with the activity it checks: a drainer woken often keeps
-    /// one timer, not one per wake-up.
-    idle_check: Option<(u64, Timer)>,
+    /// The one timer, set at the window's next timeout (retries, the idle check): a drainer
+    /// woken often, or with many cooling branches, keeps one.
+    timer: Option<(Instant, Timer)>,
 }
 
 impl DrainerState {
-    fn send_after(
-        &mut self,
-        myself: &ActorRef<DrainerMessage>,
-        delay: Duration,
-        message: impl FnOnce() -> DrainerMessage + Send + 'static,
-    ) {
-        self.timers.retain(|timer| !timer.0.is_finished());
-        self.timers.push(Timer(myself.send_after(delay, message)));
+    /// Sets the timer at the window's next timeout, unless it is set there already.
+    fn arm(&mut self, myself: &ActorRef<DrainerMessage>) {
+        let Some(at) = self.window.poll_timeout() else {
+            self.timer = None;
+            return;
+        };
+        if self
+            .timer
+            .as_ref()
+            .is_some_and(|(armed, timer)| *armed == at && !timer.0.is_finished())
+        {
+            return;
+        }
+        let delay = at.saturating_duration_since(Instant::now());
+        self.timer = Some((at, Timer(myself.send_after(delay, || DrainerMessage::Tick))));
     }
 }
 
@@ -299,25 +302,6 @@ impl Drainer {
         Err(err.into())
     }
 
-    /// Nothing is in flight and the last drain was empty: retire after `idle_retire` unless
-    /// something happens meanwhile (measured from the last empty drain).
-    fn schedule_idle_check(myself: &ActorRef<DrainerMessage>, state: &mut DrainerState) {
-        let activity = state.window.activity();
-        // The check already pending for this same idle spell keeps its (earlier) deadline;
-        // one for an older spell could not retire the drainer and is replaced.
-        if state
-            .idle_check
-            .as_ref()
-            .is_some_and(|(checks, timer)| *checks == activity && !timer.0.is_finished())
-        {
-            return;
-        }
-        let timer = Timer(myself.send_after(state.args.config.idle_retire, move || {
-            DrainerMessage::IdleCheck(activity)
-        }));
-        state.idle_check = Some((activity, timer));
-    }
-
     fn start_batch(
         &self,
         myself: &ActorRef<DrainerMessage>,
@@ -335,7 +319,9 @@ impl Drainer {
                     // Others wait for this drainer's slot.
                     myself.stop(Some(stop_reason::IDLE.into()));
                 } else {
-                    Self::schedule_idle_check(myself, state);
+                    // Retire after `idle_retire` unless something happens meanwhile.
+                    let idle_retire = state.args.config.idle_retire;
+                    state.window.idle(Instant::now(), idle_retire);
                 }
             }
             return Ok(());
@@ -416,7 +402,7 @@ impl Drainer {
         }
         tracing::debug!(shipped = settled.acks.len(), failed = settled.failed, next = ?settled.next, "batches settled");
         for refusal in &settled.refusals {
-            if let Err(err) = self.refused(myself, state, refusal).await {
+            if let Err(err) = self.refused(state, refusal).await {
                 return Self::store_failed(myself, err);
             }
         }
@@ -446,10 +432,9 @@ impl Drainer {
         if let Err(err) = answered(state.args.config.batch_timeout, call).await {
             return Self::store_failed(myself, err);
         }
-        match settled.next {
-            Next::Retry(delay) => state.send_after(myself, delay, || DrainerMessage::Retry),
-            Next::Stop => myself.stop(Some(stop_reason::FINISHED.into())),
-            Next::Flow | Next::Wait => {}
+        // A retry's timer is the window's (`Next::Retry`).
+        if settled.next == Next::Stop {
+            myself.stop(Some(stop_reason::FINISHED.into()));
         }
         Ok(())
     }
@@ -458,7 +443,6 @@ impl Drainer {
     /// in PostgreSQL (with a WARN and a counter).
     async fn refused(
         &self,
-        myself: &ActorRef<DrainerMessage>,
         state: &mut DrainerState,
         refusal: &Refusal,
     ) -> Result<(), store::Error> {
@@ -469,11 +453,11 @@ impl Drainer {
             action,
         } = refusal;
         match *action {
-            RefusalAction::RetryAfter(delay) => {
+            RefusalAction::RetryAfter(_) => {
+                // Its timer is the window's.
                 if *attempts == 1 {
                     tracing::warn!(branch = %branch, reason, "the broker refused an event; retrying its branch alone");
                 }
-                state.send_after(myself, delay, || DrainerMessage::Drain);
             }
             RefusalAction::Park { failing_for } => {
                 let park_retry = state.args.config.park_retry;
@@ -507,9 +491,14 @@ impl Drainer {
                     .store(false, std::sync::atomic::Ordering::Release);
                 return self.drain(&myself, state).await;
             }
-            DrainerMessage::Retry => {
-                state.window.retry_due();
-                return self.drain(&myself, state).await;
+            DrainerMessage::Tick => {
+                let woken = state.window.handle_timeout(Instant::now());
+                if woken.retire {
+                    myself.stop(Some(stop_reason::IDLE.into()));
+                } else if woken.drain {
+                    return self.drain(&myself, state).await;
+                }
+                return Ok(());
             }
             DrainerMessage::Confirmed {
                 batch,
@@ -521,12 +510,6 @@ impl Drainer {
                 state.window.finish();
                 if state.window.finished() {
                     myself.stop(Some(stop_reason::FINISHED.into()));
-                }
-                return Ok(());
-            }
-            DrainerMessage::IdleCheck(activity) => {
-                if state.window.idle_since(activity) {
-                    myself.stop(Some(stop_reason::IDLE.into()));
                 }
                 return Ok(());
             }
@@ -556,8 +539,7 @@ impl Actor for Drainer {
         Ok(DrainerState {
             args,
             window,
-            timers: Vec::new(),
-            idle_check: None,
+            timer: None,
         })
     }
 
@@ -568,6 +550,11 @@ impl Actor for Drainer {
         state: &mut DrainerState,
     ) -> Result<(), ActorProcessingErr> {
         let span = tracing::debug_span!("drainer", tenant = %state.args.tenant);
-        self.dispatch(myself, message, state).instrument(span).await
+        let handled = self
+            .dispatch(myself.clone(), message, state)
+            .instrument(span)
+            .await;
+        state.arm(&myself);
+        handled
     }
 }

@@ -1,7 +1,9 @@
 //! A drainer's in-flight window as a pure state machine: which batches are out, what the
 //! broker said about each event, what may be acked, which branches cool down or park, and
-//! whether the tenant may start a batch, must back off, or may stop. No I/O and no clock of
-//! its own (callers pass `now`): the drainer actor carries messages to it and does the SQL.
+//! whether the tenant may start a batch, must back off, or may stop, and when the drainer must
+//! wake up next (one timer table: the tenant's retry, cooling branches' retries, the idle
+//! check). No I/O and no clock of its own (callers pass `now`): the drainer actor carries
+//! messages to it, keeps one timer at [`Window::poll_timeout`], and does the SQL.
 //!
 //! Invariants (unit- and property-tested below):
 //! - A key is acked only if the broker accepted it and no earlier event of its branch in the
@@ -11,7 +13,7 @@
 //!   branches keep flowing. After `park_after_attempts` refusals in a row it is parked.
 //! - An unanswered event (the session failed) stops new batches until the window is empty;
 //!   then the whole tenant backs off.
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use broker::Outcome;
@@ -19,6 +21,26 @@ use chrono::{DateTime, Utc};
 use store::{BranchKey, EventKey, Lsn};
 
 use crate::{Backoff, Lane, RetryPolicy, ShardId};
+
+/// What the drainer's one timer is set for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Due {
+    /// The tenant's retry after a window that failed ([`Next::Retry`]).
+    Retry,
+    /// A cooling branch's retry ([`RefusalAction::RetryAfter`]): drain again.
+    Drain,
+    /// Retire if nothing happened since this activity number.
+    IdleCheck(u64),
+}
+
+/// What the timers due at some instant ask of the drainer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Woken {
+    /// Drain (a retry is due).
+    pub(crate) drain: bool,
+    /// Stop: idle since the check was set.
+    pub(crate) retire: bool,
+}
 
 /// Number of a batch within one drainer's life.
 pub(crate) type BatchId = u64;
@@ -30,7 +52,7 @@ pub(crate) enum Phase {
     Flowing,
     /// An event went unanswered: no new batch; once the window is empty the tenant backs off.
     Failed,
-    /// The tenant's retry is scheduled: no new batch until [`Window::retry_due`].
+    /// The tenant's retry is scheduled: no new batch until it is due ([`Window::handle_timeout`]).
     BackingOff,
     /// Graceful shutdown: no new batch; stop once the window is empty.
     Finishing,
@@ -146,6 +168,8 @@ pub(crate) struct Window<H> {
     activity: u64,
     /// The last drain filled its reservation: the tenant has a backlog.
     backlogged: bool,
+    /// When the drainer must wake up, and why.
+    timers: BTreeSet<(Instant, Due)>,
 }
 
 impl<H> std::fmt::Debug for Window<H> {
@@ -171,7 +195,60 @@ impl<H> Window<H> {
             next_batch: 0,
             activity: 0,
             backlogged: false,
+            timers: BTreeSet::new(),
         }
+    }
+
+    /// When [`Window::handle_timeout`] is next due: the drainer keeps one timer, at this.
+    pub(crate) fn poll_timeout(&self) -> Option<Instant> {
+        self.timers.first().map(|(at, _)| *at)
+    }
+
+    /// Fires every timer due at `now` and says what the drainer must do.
+    pub(crate) fn handle_timeout(&mut self, now: Instant) -> Woken {
+        let mut woken = Woken::default();
+        while let Some(&(at, due)) = self.timers.first()
+            && at <= now
+        {
+            self.timers.pop_first();
+            match due {
+                Due::Retry => {
+                    self.retry_due();
+                    woken.drain = true;
+                }
+                Due::Drain => woken.drain = true,
+                Due::IdleCheck(activity) => woken.retire |= self.idle_since(activity),
+            }
+        }
+        if woken.retire {
+            woken.drain = false;
+        }
+        woken
+    }
+
+    /// The last drain found nothing and nothing is in flight: retire at `now + after` unless
+    /// something happens meanwhile. A check already set for this same idle spell keeps its
+    /// earlier deadline; one set for an older spell could not retire the drainer and goes.
+    pub(crate) fn idle(&mut self, now: Instant, after: Duration) {
+        let activity = self.activity;
+        let mut same_spell = false;
+        self.timers.retain(|(_, due)| match due {
+            Due::IdleCheck(checks) if *checks == activity => {
+                same_spell = true;
+                true
+            }
+            Due::IdleCheck(_) => false,
+            Due::Retry | Due::Drain => true,
+        });
+        if !same_spell {
+            self.timers.insert((now + after, Due::IdleCheck(activity)));
+        }
+    }
+
+    /// Timers set, for tests.
+    #[cfg(test)]
+    fn timers(&self) -> usize {
+        self.timers.len()
     }
 
     #[cfg(test)]
@@ -227,7 +304,7 @@ impl<H> Window<H> {
     }
 
     /// The tenant's scheduled retry is due.
-    pub(crate) fn retry_due(&mut self) {
+    fn retry_due(&mut self) {
         if self.phase == Phase::BackingOff {
             self.phase = Phase::Flowing;
         }
@@ -424,7 +501,9 @@ impl<H> Window<H> {
             Phase::Failed if self.batches.is_empty() => {
                 self.blocked.clear();
                 self.phase = Phase::BackingOff;
-                Next::Retry(self.backoff.next_delay())
+                let delay = self.backoff.next_delay();
+                self.timers.insert((now + delay, Due::Retry));
+                Next::Retry(delay)
             }
             Phase::Failed => Next::Wait,
             Phase::Flowing | Phase::BackingOff => {
@@ -468,6 +547,7 @@ impl<H> Window<H> {
         } else {
             let delay = cooling.backoff.next_delay();
             cooling.retry_at = now + delay;
+            self.timers.insert((now + delay, Due::Drain));
             RefusalAction::RetryAfter(delay)
         };
         Refusal {
@@ -532,6 +612,80 @@ mod tests {
     }
 
     use Outcome::{Accepted, Nacked, NotSent, Returned, TooLarge, Unconfirmed};
+
+    /// The window's one timer table: the tenant's retry, a cooling branch's retry and the idle
+    /// check each wake the drainer when due, not before, and for what is due.
+    #[test]
+    fn the_window_owns_its_timers_and_wakes_the_drainer_for_what_is_due() {
+        let now = Instant::now();
+        let mut window = Window::new(config(1, 5));
+        assert_eq!(window.poll_timeout(), None);
+        // A session failure: the tenant backs off, its retry is the one timer.
+        answered(&mut window, &[key("a", 1)], &[Unconfirmed]);
+        let Some(Settlement {
+            next: Next::Retry(delay),
+            ..
+        }) = window.settle(now)
+        else {
+            panic!("the tenant backs off");
+        };
+        assert_eq!(window.poll_timeout(), Some(now + delay));
+        assert!(!window.may_start());
+        let early = window.handle_timeout(now + delay - Duration::from_millis(1));
+        assert_eq!(early, Woken::default(), "nothing before it is due");
+        let due = window.handle_timeout(now + delay);
+        assert_eq!(
+            due,
+            Woken {
+                drain: true,
+                retire: false
+            }
+        );
+        assert!(window.may_start(), "the retry ends the backoff");
+        assert_eq!(window.poll_timeout(), None);
+        // A refusal: its branch's retry wakes the drainer to drain again.
+        answered(&mut window, &[key("b", 1)], &[Nacked]);
+        let settled = window.settle(now).unwrap();
+        let RefusalAction::RetryAfter(delay) = settled.refusals[0].action else {
+            panic!("the branch cools");
+        };
+        assert_eq!(window.poll_timeout(), Some(now + delay));
+        assert!(window.handle_timeout(now + delay).drain);
+    }
+
+    #[test]
+    fn an_idle_spell_keeps_one_check_and_a_busy_one_retires_nothing() {
+        let now = Instant::now();
+        let idle = Duration::from_secs(30);
+        let mut window: Window<()> = Window::new(config(1, 5));
+        window.idle(now, idle);
+        // Checked again and again in the same spell: one timer, the first deadline.
+        for later in 1..100 {
+            window.idle(now + Duration::from_millis(later), idle);
+        }
+        assert_eq!(window.timers(), 1);
+        assert_eq!(window.poll_timeout(), Some(now + idle));
+        assert_eq!(
+            window.handle_timeout(now + idle),
+            Woken {
+                drain: false,
+                retire: true
+            }
+        );
+        // A batch opened in between: the old spell's check cannot retire the drainer, and a
+        // new spell's check replaces it.
+        window.idle(now, idle);
+        answered(&mut window, &[key("a", 1)], &[Accepted]);
+        window.settle(now).unwrap();
+        assert!(!window.handle_timeout(now + idle).retire, "busy since");
+        window.idle(now, idle);
+        answered(&mut window, &[key("a", 2)], &[Accepted]);
+        window.settle(now).unwrap();
+        window.idle(now + idle, idle);
+        assert_eq!(window.timers(), 1, "the older spell's check went");
+        assert_eq!(window.poll_timeout(), Some(now + idle + idle));
+        assert!(window.handle_timeout(now + idle + idle).retire);
+    }
 
     #[test]
     fn the_prefix_rule_holds_across_the_window() {
@@ -686,7 +840,7 @@ mod tests {
         assert_eq!(window.phase(), Phase::BackingOff);
         assert!(!window.may_start());
         assert!(window.is_answered(lost) && window.is_answered(later));
-        window.retry_due();
+        window.handle_timeout(Instant::now() + Duration::from_secs(10));
         assert!(window.may_start());
     }
 

@@ -82,15 +82,10 @@ fn run(express_max_events: u32) -> bool {
             }
         }
         // While every bulk publisher is stuck, the quiet tenants' intents fold or not.
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(8);
-        let mut shipped = false;
-        while tokio::time::Instant::now() < deadline {
-            if folded_count(&fold, &quiet).await == count(&quiet) {
-                shipped = true;
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let shipped = holds_within(Duration::from_secs(8), || async {
+            folded_count(&fold, &quiet).await == count(&quiet)
+        })
+        .await;
         let outbox = Outbox::new(pool.clone());
         // The hot tenant's first drain is a small one (an express batch of up to 32
         // intents); everything after it waits on the stuck bulk lane.

@@ -141,17 +141,32 @@ pub fn direct_rabbit(config: &RelayConfig) -> RabbitConfig {
     direct.rabbit_config().unwrap()
 }
 
-pub async fn wait_until<F, Fut>(what: &str, limit: Duration, mut done: F)
+pub async fn wait_until<F, Fut>(what: &str, limit: Duration, done: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    assert!(
+        holds_within(limit, done).await,
+        "timed out after {limit:?} waiting for {what}"
+    );
+}
+
+/// Whether `done` comes true within `limit` (checked every 10 ms): for a test whose answer is
+/// the wait's outcome, not a failure.
+pub async fn holds_within<F, Fut>(limit: Duration, mut done: F) -> bool
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
 {
     let deadline = Instant::now() + limit;
-    while !done().await {
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {limit:?} waiting for {what}"
-        );
+    loop {
+        if done().await {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }

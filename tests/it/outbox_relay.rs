@@ -527,14 +527,12 @@ mod outbox {
                 checker.block_on(async {
                     let pool = sqlx::PgPool::connect(&url).await.unwrap();
                     let outbox = Outbox::new(pool);
-                    let started = Instant::now();
-                    while pending(&outbox).await > 0 {
-                        assert!(
-                            started.elapsed() < Duration::from_secs(60),
-                            "relay stalled with the host"
-                        );
-                        tokio::time::sleep(Duration::from_millis(10)).await;
-                    }
+                    wait_until(
+                        "the relay ships while the host stalls",
+                        Duration::from_secs(60),
+                        || async { pending(&outbox).await == 0 },
+                    )
+                    .await;
                 })
             }
         });

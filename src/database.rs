@@ -101,9 +101,33 @@ pub(crate) fn lazy_pool(
         .connect_lazy_with(options(url, schema)?))
 }
 
+/// The relay's own commits (acks, parks) do not wait for the WAL flush
+/// (`synchronous_commit = off`): a PostgreSQL crash can undo the last few hundred ms of them,
+/// which only sends those events again (the fold absorbs the copies). Any durable commit that
+/// saw one of them (a host's rewind deleting the same rows, say) flushes the WAL past it, so
+/// nothing the host wrote, nor anything it saw, is undone.
+pub(crate) fn relay_options(
+    url: &str,
+    schema: Option<&Schema>,
+) -> Result<PgConnectOptions, String> {
+    Ok(options(url, schema)?.options([("synchronous_commit", "off")]))
+}
+
 /// [`connect_database`] with the cause as a line.
 pub(crate) async fn pool(url: &str, size: u32, schema: Option<&Schema>) -> Result<PgPool, String> {
-    let options = options(url, schema)?;
+    pool_with(options(url, schema)?, size).await
+}
+
+/// The relay's drain and ack pool ([`relay_options`]), probed first.
+pub(crate) async fn relay_pool(
+    url: &str,
+    size: u32,
+    schema: Option<&Schema>,
+) -> Result<PgPool, String> {
+    pool_with(relay_options(url, schema)?, size).await
+}
+
+async fn pool_with(options: PgConnectOptions, size: u32) -> Result<PgPool, String> {
     probe(&options).await?;
     PgPoolOptions::new()
         .max_connections(size)
@@ -127,5 +151,13 @@ mod tests {
         )
         .unwrap();
         assert_eq!(own.get_application_name(), Some("billing-relay"));
+        let relay = relay_options("postgres://postgres@127.0.0.1/test", None).unwrap();
+        assert!(
+            relay
+                .get_options()
+                .is_some_and(|options| options.contains("synchronous_commit=off")),
+            "{:?}",
+            relay.get_options()
+        );
     }
 }

@@ -152,16 +152,19 @@ async fn run_tree(
     tree: watch::Sender<Option<ActorRef<SupervisorMessage>>>,
 ) -> StopMode {
     let schema = config.schema();
-    let pool =
-        match crate::database::pool(&config.database_url, config.db_connections, schema.as_ref())
-            .await
-        {
-            Ok(pool) => pool,
-            Err(why) => {
-                let _ = ready.send(Err(RelayError::DatabaseUnreachable(why)));
-                return StopMode::Abort;
-            }
-        };
+    let pool = match crate::database::relay_pool(
+        &config.database_url,
+        config.db_connections,
+        schema.as_ref(),
+    )
+    .await
+    {
+        Ok(pool) => pool,
+        Err(why) => {
+            let _ = ready.send(Err(RelayError::DatabaseUnreachable(why)));
+            return StopMode::Abort;
+        }
+    };
     let lease_pool = crate::database::lazy_pool(
         &config.database_url,
         2,

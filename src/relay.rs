@@ -8,8 +8,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use actors::{Backoff, PublisherFactory, ShardId};
-use broker::{BrokerHealth, Publisher, RabbitPublisher};
+use actors::{PublisherFactory, ShardId};
+use broker::{Backoff, BrokerHealth, Publisher, RabbitPublisher};
 use ractor::rpc::CallResult;
 use ractor::{Actor, ActorRef};
 use store::{LeaseStore, Outbox};

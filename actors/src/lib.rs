@@ -14,8 +14,7 @@ mod publisher;
 mod shard;
 mod window;
 
-pub use broker::Backoff;
-pub use broker::RetryPolicy;
+use broker::{Backoff, RetryPolicy};
 pub use directory::PublisherDirectory;
 pub use drainer::Drainer;
 pub use drainer::DrainerArgs;
@@ -31,4 +30,4 @@ pub use publisher::PublisherMessage;
 pub use publisher::Reply;
 pub use shard::Lane;
 pub use shard::ShardId;
-pub use shard::shard_of;
+use shard::shard_of;

@@ -24,7 +24,7 @@ pub enum Lane {
 }
 
 /// The shard of a branch: FNV-1a 64 over `tenant 0x00 run 0x00 branch`, modulo `shards`.
-pub fn shard_of(key: &BranchKey, shards: u16) -> ShardId {
+pub(crate) fn shard_of(key: &BranchKey, shards: u16) -> ShardId {
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
     let bytes = key
         .tenant

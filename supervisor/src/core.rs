@@ -16,7 +16,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use actors::{Backoff, RetryPolicy, ShardId};
+use actors::ShardId;
+use broker::{Backoff, RetryPolicy};
 use store::{Bucket, Fence, LeaseChanges, TenantId, bucket_of};
 
 use crate::waiting::Waiting;

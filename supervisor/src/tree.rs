@@ -12,9 +12,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use actors::{
-    Backoff, Drainer, DrainerArgs, DrainerConfig, DrainerMessage, PublisherActor, PublisherArgs,
-    PublisherDirectory, PublisherFactory, PublisherMessage, RetryPolicy, ShardId, stop_reason,
+    Drainer, DrainerArgs, DrainerConfig, DrainerMessage, PublisherActor, PublisherArgs,
+    PublisherDirectory, PublisherFactory, PublisherMessage, ShardId, stop_reason,
 };
+use broker::{Backoff, RetryPolicy};
 use ractor::{
     Actor, ActorCell, ActorId, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent,
 };

@@ -1115,12 +1115,14 @@ async fn join_backlog(env: &mut Env, relays: usize, per_run: u32) -> Result<(f64
     for _ in 0..relays {
         let addr = format!("127.0.0.1:{}", free_port()?);
         children.push(spawn_relay_at(&url, &env.amqp, &rabbit, &addr, 50)?);
-        // The next joins once this one ships.
+        // The next joins once this one ships, or once nothing is left to ship (a small
+        // backlog, `--quick`, can be gone before a later relay holds any bucket).
         let deadline = Instant::now() + Duration::from_secs(60);
         while scrape(&addr)
             .await
             .map_or(0.0, |s| metric_sum(&s, "relay_events_shipped_total"))
             < 1.0
+            && outbox.pending_and_parked().await?.0
         {
             anyhow::ensure!(Instant::now() < deadline, "a relay never shipped");
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -1409,6 +1411,14 @@ async fn run(mode: &Mode) -> Result<String> {
         format!("{raw_shards:.0} ev/s"),
         "a connection per channel, like the relay's 4 shards",
     );
+    let payload = vec![b'x'; PAYLOAD_BYTES as usize];
+    let pipelined =
+        raw_pipelined(&env.amqp, &rabbit.topology, mode.raw_events, &payload, 4).await?;
+    row(
+        "1. truly pipelined ceiling, 4 connections",
+        format!("{pipelined:.0} ev/s"),
+        "plain lapin, up to 2,000 confirms outstanding per connection, no database: what section 3 is held to",
+    );
     drop_topology(&env.amqp, &rabbit.topology).await?;
 
     let (pool, _) = env.database("baseline").await?;
@@ -1445,9 +1455,14 @@ async fn run(mode: &Mode) -> Result<String> {
     let note = format!("{written} events, 50 tenants x 20 runs, 4 shards, batch 1000");
     row("3. relay, backlog drain", format!("{drain:.0} ev/s"), &note);
     row(
-        "3/1 ratio (vs 4 channels)",
-        format!("{:.2}", drain / raw_shards),
+        "3/1 ratio (vs the truly pipelined ceiling)",
+        format!("{:.2}", drain / pipelined),
         "target >= 0.8",
+    );
+    row(
+        "3/1 ratio (vs the adapter ceiling, 4 channels)",
+        format!("{:.2}", drain / raw_shards),
+        "the adapter awaits each batch's confirms; kept for comparison with earlier runs",
     );
     row(
         "3/1 ratio (vs 1 channel)",

@@ -2,79 +2,13 @@
 use std::time::Duration;
 
 use broker::{Outcome, Partition, Publisher, QueueType, RabbitConfig, RabbitPublisher, Topology};
-use chrono::Utc;
 use futures_util::StreamExt;
-use lapin::options::{BasicGetOptions, ExchangeDeleteOptions, QueueDeleteOptions};
+use lapin::options::{BasicGetOptions, QueueDeleteOptions};
 use lapin::{Connection, ConnectionProperties};
-use store::{BranchId, BranchKey, EventKey, EventKind, Fence, Lsn, OutboxEvent, RunId, TenantId};
+use store::{Fence, OutboxEvent, RunId, TenantId};
 
-fn amqp_url() -> String {
-    std::env::var("AMQP_URL").expect("AMQP_URL (set in .cargo/config.toml)")
-}
-
-fn unique_topology(label: &str, partitions: u16) -> Topology {
-    // A per-process counter too: two tests of this binary can start in the same microsecond.
-    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let name = format!(
-        "relay-test-{label}-{}-{n}-{}",
-        std::process::id(),
-        Utc::now().timestamp_micros()
-    );
-    Topology::new(&name, partitions).unwrap()
-}
-
-fn events(tenant: &str, run: &str, branch: &str, lsns: &[u64]) -> Vec<OutboxEvent> {
-    let key = BranchKey::new(
-        TenantId::new(tenant).unwrap(),
-        RunId::new(run).unwrap(),
-        BranchId::new(branch).unwrap(),
-    );
-    let mut prev = 0;
-    lsns.iter()
-        .map(|&lsn| {
-            let event = OutboxEvent {
-                key: EventKey {
-                    branch: key.clone(),
-                    lsn: Lsn::new(lsn),
-                },
-                prev_lsn: Lsn::new(prev),
-                base_lsn: Lsn::ZERO,
-                payload: format!("{key}@{lsn}").into_bytes(),
-                created_at: Utc::now(),
-                kind: EventKind::Intent,
-                parent: None,
-            };
-            prev = lsn;
-            event
-        })
-        .collect()
-}
-
-/// Deletes a test's queues and exchange (best effort: the broker is shared by parallel tests).
-async fn cleanup(topology: &Topology) {
-    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
-        .await
-        .unwrap();
-    let channel = connection.create_channel().await.unwrap();
-    for index in 0..topology.partitions() {
-        let _ = channel
-            .queue_delete(
-                topology.queue(Partition(index)),
-                QueueDeleteOptions::default(),
-            )
-            .await;
-    }
-    let _ = channel
-        .queue_delete(topology.dead_letter_queue(), QueueDeleteOptions::default())
-        .await;
-    let _ = channel
-        .exchange_delete(
-            topology.exchange().clone(),
-            ExchangeDeleteOptions::default(),
-        )
-        .await;
-}
+mod support;
+use support::*;
 
 /// Everything in a partition queue right now, decoded.
 async fn drain_queue(topology: &Topology, partition: Partition) -> Vec<OutboxEvent> {

@@ -103,9 +103,10 @@ pub(crate) fn lazy_pool(
 
 /// The relay's own commits (acks, parks) do not wait for the WAL flush
 /// (`synchronous_commit = off`): a PostgreSQL crash can undo the last few hundred ms of them,
-/// which only sends those events again (the fold absorbs the copies). Any durable commit that
-/// saw one of them (a host's rewind deleting the same rows, say) flushes the WAL past it, so
-/// nothing the host wrote, nor anything it saw, is undone.
+/// which only sends those events again (the fold absorbs the copies). A synchronous commit
+/// flushes the WAL up to its own record, so any write committed after an ack (a host's rewind,
+/// a lease release) keeps that ack; only a read (`distribution status`, say) can have seen an
+/// ack that a crash then undoes.
 pub(crate) fn relay_options(
     url: &str,
     schema: Option<&Schema>,

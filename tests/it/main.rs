@@ -6,7 +6,8 @@
 //! - `outbox_faults`: the whole relay under an in-memory fault-injecting broker (proptest);
 //! - `broker_faults`: node restarts, alarms and size limits on private RabbitMQ nodes;
 //! - `handover`, `scale_out`: several relays on one outbox, every delivery counted;
-//! - `consumer`, `poison`, `fairness`, `database_faults`, `schema`, `tls`, `cli`: one surface each.
+//! - `consumer`, `poison`, `fairness`, `database_faults`, `schema`, `tls`, `cli`, `publisher`:
+//!   one surface each.
 //!
 //! Two tests live in binaries of their own, `tests/metrics.rs` and `tests/lag.rs`: each installs
 //! the process-wide metrics recorder, and a process has only one.
@@ -29,6 +30,7 @@ mod handover;
 mod outbox_faults;
 mod outbox_relay;
 mod poison;
+mod publisher;
 mod scale_out;
 mod schema;
 mod tls;

@@ -83,6 +83,17 @@ impl Tree {
         tree
     }
 
+    /// A tree holding a lease on each of `buckets` (keep the leases: they hold the fences open).
+    fn holding(
+        max_drainers: usize,
+        buckets: impl IntoIterator<Item = Bucket>,
+    ) -> (Self, Vec<Lease>) {
+        let held = leases(buckets);
+        let mut tree = Self::new(max_drainers);
+        tree.core.leases_changed(gained(&held));
+        (tree, held)
+    }
+
     fn perform(&mut self, now: Instant) {
         while let Some(command) = self.core.poll() {
             match command {
@@ -189,9 +200,7 @@ fn a_publisher_that_cannot_start_is_tried_again_and_none_restarts_while_finishin
 fn tenants_beyond_the_cap_wait_in_order_and_get_the_slots_that_free_up() {
     let now = Instant::now();
     let tenants = tenants_in_distinct_buckets(4);
-    let held = leases(tenants.iter().map(bucket_of));
-    let mut tree = Tree::new(2);
-    tree.core.leases_changed(gained(&held));
+    let (mut tree, _held) = Tree::holding(2, tenants.iter().map(bucket_of));
     tree.core.pending(tenants.clone());
     tree.perform(now);
     assert_eq!(tree.drainers.len(), 2);
@@ -216,9 +225,7 @@ fn tenants_beyond_the_cap_wait_in_order_and_get_the_slots_that_free_up() {
 fn wake_ups_coalesce_until_the_drainer_takes_one() {
     let now = Instant::now();
     let tenants = tenants_in_distinct_buckets(2);
-    let held = leases([bucket_of(&tenants[0])]);
-    let mut tree = Tree::new(10);
-    tree.core.leases_changed(gained(&held));
+    let (mut tree, _held) = Tree::holding(10, [bucket_of(&tenants[0])]);
     tree.core.notified(tenants[0].clone());
     tree.perform(now);
     assert_eq!(tree.drainers.len(), 1);
@@ -245,9 +252,7 @@ fn wake_ups_coalesce_until_the_drainer_takes_one() {
 fn a_failed_drainer_restarts_after_its_backoff_and_an_orderly_one_does_not() {
     let now = Instant::now();
     let tenants = tenants_in_distinct_buckets(2);
-    let held = leases(tenants.iter().map(bucket_of));
-    let mut tree = Tree::new(10);
-    tree.core.leases_changed(gained(&held));
+    let (mut tree, _held) = Tree::holding(10, tenants.iter().map(bucket_of));
     tree.core.pending(tenants.clone());
     tree.perform(now);
     tree.end(&tenants[0], true, now);
@@ -301,9 +306,7 @@ fn a_drainer_that_cannot_start_is_tried_again() {
 fn a_lost_lease_stops_its_drainers_and_forgets_them() {
     let now = Instant::now();
     let tenants = tenants_in_distinct_buckets(3);
-    let held = leases(tenants.iter().map(bucket_of));
-    let mut tree = Tree::new(10);
-    tree.core.leases_changed(gained(&held));
+    let (mut tree, _held) = Tree::holding(10, tenants.iter().map(bucket_of));
     tree.core.pending(tenants.clone());
     tree.perform(now);
     let killed = tree.drainer_of(&tenants[0]).expect("running");
@@ -330,9 +333,7 @@ fn a_lost_lease_stops_its_drainers_and_forgets_them() {
 fn a_handover_finishes_the_buckets_drainers_and_settles_each_bucket_once_empty() {
     let now = Instant::now();
     let tenants = tenants_in_distinct_buckets(3);
-    let held = leases(tenants.iter().map(bucket_of));
-    let mut tree = Tree::new(10);
-    tree.core.leases_changed(gained(&held));
+    let (mut tree, _held) = Tree::holding(10, tenants.iter().map(bucket_of));
     tree.core.pending(tenants[..2].to_vec());
     tree.perform(now);
     // tenants[0] drains, tenants[2]'s bucket has no drainer.
@@ -366,9 +367,7 @@ fn a_handover_finishes_the_buckets_drainers_and_settles_each_bucket_once_empty()
 fn a_failed_drainer_of_a_leaving_bucket_settles_it_and_does_not_restart() {
     let now = Instant::now();
     let tenants = tenants_in_distinct_buckets(1);
-    let held = leases([bucket_of(&tenants[0])]);
-    let mut tree = Tree::new(10);
-    tree.core.leases_changed(gained(&held));
+    let (mut tree, _held) = Tree::holding(10, [bucket_of(&tenants[0])]);
     tree.core.notified(tenants[0].clone());
     tree.perform(now);
     tree.core.hand_over(vec![bucket_of(&tenants[0])]);
@@ -383,9 +382,7 @@ fn a_failed_drainer_of_a_leaving_bucket_settles_it_and_does_not_restart() {
 fn finishing_waits_for_every_drainer_then_the_deadline_kills_the_rest() {
     let now = Instant::now();
     let tenants = tenants_in_distinct_buckets(3);
-    let held = leases(tenants.iter().map(bucket_of));
-    let mut tree = Tree::new(10);
-    tree.core.leases_changed(gained(&held));
+    let (mut tree, _held) = Tree::holding(10, tenants.iter().map(bucket_of));
     tree.core.pending(tenants.clone());
     tree.perform(now);
     tree.core.finish(now);
@@ -424,9 +421,7 @@ fn a_finish_waiting_on_drainers_of_a_lost_lease_is_done_when_they_are_stopped() 
     // Found by the property below: the finish waited out its whole grace.
     let now = Instant::now();
     let tenants = tenants_in_distinct_buckets(1);
-    let held = leases([bucket_of(&tenants[0])]);
-    let mut tree = Tree::new(10);
-    tree.core.leases_changed(gained(&held));
+    let (mut tree, _held) = Tree::holding(10, [bucket_of(&tenants[0])]);
     tree.core.notified(tenants[0].clone());
     tree.perform(now);
     tree.core.finish(now);

@@ -1,20 +1,23 @@
 //! The consumer's fold: applies each delivered event exactly once, in Lsn order per branch, and
 //! only on live history.
 //!
-//! Exactly-once is achieved here, not in transport. [`fold`] runs inside the caller's
-//! transaction (the consumer commits it, then acks the delivery), locks the branch's cursor, and:
+//! Exactly-once is achieved here, not in transport. The rules (broker/WIRE.md, "What a consumer
+//! must do") live in one SQL function, `relay_fold` (`store/fold_migrations/0002_fold_function.sql`),
+//! which consumers in any language call; [`fold`] runs it inside the caller's transaction (the
+//! consumer commits it, then acks the delivery) and hands what it returns to the
+//! [`Projection`], in order:
 //! - an intent with `lsn <= applied` is a redelivery: a no-op;
-//! - an intent with `prev_lsn == applied` is the next one: handed to the [`Projection`], then
-//!   any parked successors it unblocks, in order, into the same projection;
-//! - an intent with `prev_lsn > applied` arrived ahead of its predecessor: parked;
+//! - an intent with `prev_lsn == applied` is the next one: applied, then any held-back
+//!   successors it unblocks, in order, into the same projection;
+//! - an intent with `prev_lsn > applied` arrived ahead of its predecessor: held back;
 //! - a **rewind marker** abandons the branch above its fork point: whatever the projection
-//!   applied above it is undone by [`Projection::rewind`] in the same transaction, parked
+//!   applied above it is undone by [`Projection::rewind`] in the same transaction, held-back
 //!   intents above it are dropped, and no intent above it is ever applied afterwards;
-//! - the first intent of a branch forked by a rewind waits (parked) until the parent's marker
-//!   is folded and the parent is applied up to the fork point, so the projection sees exactly
-//!   the host's live history, in its order: parent up to the fork, then the new branch.
+//! - a branch forked by a rewind starts only when its parent is applied up to the fork and its
+//!   marker is folded (the hand-over), so the projection sees exactly the host's live history,
+//!   in its order: parent up to the fork, then the new branch.
 //!
-//! Only cursors and parked intents are stored by the fold itself; [`EventTable`] is the
+//! Only cursors and held-back intents are stored by the fold itself; [`EventTable`] is the
 //! project's demonstration projection that also keeps every applied event.
 use std::future::Future;
 
@@ -99,296 +102,137 @@ pub enum FoldError<E> {
     Projection(#[source] E),
 }
 
-struct Cursor {
-    applied: i64,
-    abandoned_at: Option<i64>,
+/// One row of `relay_fold`'s answer.
+#[derive(sqlx::FromRow)]
+struct Step {
+    action: String,
+    branch_id: String,
+    lsn: i64,
+    prev_lsn: i64,
+    base_lsn: i64,
+    parent_branch: Option<String>,
     rewound_to: Option<String>,
-    /// A forked branch starts once its parent is folded up to the fork and rewound.
-    started: bool,
+    created_at: Option<DateTime<Utc>>,
+    payload: Option<Vec<u8>>,
 }
 
-/// Locks `key`'s cursor, creating it at `base` (started unless the branch has a parent).
-async fn lock_cursor(
-    tx: &mut PgConnection,
-    key: &BranchKey,
-    base: i64,
-    has_parent: bool,
-) -> Result<Cursor, Error> {
-    sqlx::query(
-        "INSERT INTO relay_fold_cursor (tenant_id, run_id, branch_id, applied_lsn, started)
-         VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING",
-    )
-    .bind(key.tenant.as_str())
-    .bind(key.run.as_str())
-    .bind(key.branch.as_str())
-    .bind(base)
-    .bind(!has_parent)
-    .execute(&mut *tx)
-    .await?;
-    let (applied, abandoned_at, rewound_to, started): (i64, Option<i64>, Option<String>, bool) =
-        sqlx::query_as(
-            "SELECT applied_lsn, abandoned_at_lsn, rewound_to, started FROM relay_fold_cursor
-              WHERE tenant_id = $1 AND run_id = $2 AND branch_id = $3 FOR UPDATE",
-        )
-        .bind(key.tenant.as_str())
-        .bind(key.run.as_str())
-        .bind(key.branch.as_str())
-        .fetch_one(&mut *tx)
-        .await?;
-    Ok(Cursor {
-        applied,
-        abandoned_at,
-        rewound_to,
-        started,
-    })
-}
-
-/// Whether a forked branch's parent is ready for it: started itself, folded up to its fork
-/// point, and its marker folded. FOR SHARE waits for a marker being folded concurrently.
-async fn parent_ready(tx: &mut PgConnection, parent: &BranchKey) -> Result<bool, Error> {
-    let row: Option<(i64, Option<i64>, bool)> = sqlx::query_as(
-        "SELECT applied_lsn, abandoned_at_lsn, started FROM relay_fold_cursor
-          WHERE tenant_id = $1 AND run_id = $2 AND branch_id = $3 FOR SHARE",
-    )
-    .bind(parent.tenant.as_str())
-    .bind(parent.run.as_str())
-    .bind(parent.branch.as_str())
-    .fetch_optional(&mut *tx)
-    .await?;
-    Ok(matches!(row, Some((applied, Some(at), true)) if applied >= at))
-}
-
-fn sibling(key: &BranchKey, branch: BranchId) -> BranchKey {
-    BranchKey::new(key.tenant.clone(), key.run.clone(), branch)
-}
-
-/// Folds one delivered event in `tx` (see the module docs). The caller commits `tx`, then acks.
+/// Folds one delivered event in `tx` (see the module docs): one call of the SQL function
+/// `relay_fold`, which keeps the fold's state and says what to apply, then the projection's
+/// calls, in that order. The caller commits `tx`, then acks.
 pub async fn fold<P: Projection>(
     tx: &mut PgConnection,
     event: &OutboxEvent,
     projection: &mut P,
 ) -> Result<FoldOutcome, FoldError<P::Error>> {
     let key = &event.key.branch;
-    let lsn = event.key.lsn.to_db()?;
-    let prev = event.prev_lsn.to_db()?;
-    let base = event.base_lsn.to_db()?;
-    let mut cursor = lock_cursor(tx, key, base, event.parent.is_some()).await?;
-    if let EventKind::Rewind { to } = &event.kind {
-        return fold_rewind(tx, key, prev, to, cursor, projection).await;
-    }
-    if cursor.abandoned_at.is_some_and(|at| lsn > at) {
-        return Ok(FoldOutcome::Abandoned);
-    }
-    if lsn <= cursor.applied {
-        return Ok(FoldOutcome::Duplicate);
-    }
-    if prev < cursor.applied {
-        return Err(Error::BrokenChain {
-            branch: key.clone(),
-            lsn: event.key.lsn,
-            prev: event.prev_lsn,
-            applied: Lsn::from_db(cursor.applied),
-        }
-        .into());
-    }
-    // The first intent of a forked branch may only follow its parent's marker.
-    if !cursor.started && prev == cursor.applied {
-        let parent = event.parent.clone().map(|parent| sibling(key, parent));
-        cursor.started = match parent {
-            Some(parent) => parent_ready(tx, &parent).await?,
-            None => true,
-        };
-    }
-    if prev > cursor.applied || !cursor.started {
-        park(tx, event).await?;
-        return Ok(FoldOutcome::Parked);
-    }
-    projection
-        .apply(tx, event)
-        .await
-        .map_err(FoldError::Projection)?;
-    let released = advance(tx, key, lsn, cursor, projection).await?;
-    Ok(FoldOutcome::Applied { released })
-}
-
-/// After applying up to `applied` on a started branch `key`: applies its parked successors,
-/// stores the cursor, and once a rewound branch reaches its fork point, starts the branch
-/// forked from it and does the same there.
-async fn advance<P: Projection>(
-    tx: &mut PgConnection,
-    key: &BranchKey,
-    applied: i64,
-    cursor: Cursor,
-    projection: &mut P,
-) -> Result<u32, FoldError<P::Error>> {
-    let mut released = 0;
-    let mut key = key.clone();
-    let mut applied = applied;
-    let mut cursor = cursor;
-    loop {
-        while cursor.abandoned_at.is_none_or(|at| applied < at)
-            && let Some(next) = take_parked_successor(tx, &key, applied).await?
-        {
-            projection
-                .apply(tx, &next)
-                .await
-                .map_err(FoldError::Projection)?;
-            applied = next.key.lsn.to_db()?;
-            released += 1;
-        }
-        set_cursor(tx, &key, applied, true).await?;
-        // A rewound branch folded up to its fork: the branch forked from it starts.
-        let (Some(at), Some(to)) = (cursor.abandoned_at, cursor.rewound_to.take()) else {
-            return Ok(released);
-        };
-        if applied != at {
-            return Ok(released);
-        }
-        key = sibling(&key, BranchId::new(to)?);
-        cursor = lock_cursor(tx, &key, at, true).await?;
-        if cursor.started {
-            return Ok(released);
-        }
-        applied = cursor.applied;
-    }
-}
-
-async fn fold_rewind<P: Projection>(
-    tx: &mut PgConnection,
-    key: &BranchKey,
-    fork: i64,
-    to: &BranchId,
-    cursor: Cursor,
-    projection: &mut P,
-) -> Result<FoldOutcome, FoldError<P::Error>> {
-    if cursor.abandoned_at.is_some() {
-        return Ok(FoldOutcome::Duplicate);
-    }
-    let notice = RewindNotice {
-        branch: key.clone(),
-        fork: Lsn::from_db(fork),
-        applied: Lsn::from_db(cursor.applied),
-        to: to.clone(),
+    let (kind, rewound_to) = match &event.kind {
+        EventKind::Intent => ("intent", None),
+        EventKind::Rewind { to } => ("rewind", Some(to.as_str())),
     };
-    projection
-        .rewind(tx, &notice)
-        .await
-        .map_err(FoldError::Projection)?;
-    sqlx::query(
-        "DELETE FROM relay_fold_parked
-          WHERE tenant_id = $1 AND run_id = $2 AND branch_id = $3 AND lsn > $4",
+    let steps: Vec<Step> = sqlx::query_as(
+        "SELECT action, branch_id, lsn, prev_lsn, base_lsn, parent_branch, rewound_to, created_at,
+                payload
+           FROM relay_fold($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
     )
     .bind(key.tenant.as_str())
     .bind(key.run.as_str())
     .bind(key.branch.as_str())
-    .bind(fork)
-    .execute(&mut *tx)
-    .await
-    .map_err(Error::from)?;
-    let applied = cursor.applied.min(fork);
-    sqlx::query(
-        "UPDATE relay_fold_cursor SET applied_lsn = $4, abandoned_at_lsn = $5, rewound_to = $6
-          WHERE tenant_id = $1 AND run_id = $2 AND branch_id = $3",
-    )
-    .bind(key.tenant.as_str())
-    .bind(key.run.as_str())
-    .bind(key.branch.as_str())
-    .bind(applied)
-    .bind(fork)
-    .bind(to.as_str())
-    .execute(&mut *tx)
-    .await
-    .map_err(Error::from)?;
-    if !cursor.started {
-        // Nothing of this branch applies before its own parent is ready; it is started (and
-        // its successors released) from there.
-        return Ok(FoldOutcome::Rewound { released: 0 });
-    }
-    let closed = Cursor {
-        applied,
-        abandoned_at: Some(fork),
-        rewound_to: Some(to.as_str().to_owned()),
-        started: true,
-    };
-    let released = advance(tx, key, applied, closed, projection).await?;
-    Ok(FoldOutcome::Rewound { released })
-}
-
-async fn park(tx: &mut PgConnection, event: &OutboxEvent) -> Result<(), Error> {
-    let key = &event.key.branch;
-    sqlx::query(
-        "INSERT INTO relay_fold_parked
-             (tenant_id, run_id, branch_id, lsn, prev_lsn, payload, base_lsn, created_at,
-              parent_branch_id)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT DO NOTHING",
-    )
-    .bind(key.tenant.as_str())
-    .bind(key.run.as_str())
-    .bind(key.branch.as_str())
+    .bind(kind)
     .bind(event.key.lsn.to_db()?)
     .bind(event.prev_lsn.to_db()?)
-    .bind(&event.payload)
     .bind(event.base_lsn.to_db()?)
-    .bind(event.created_at)
     .bind(event.parent.as_ref().map(BranchId::as_str))
-    .execute(&mut *tx)
-    .await?;
-    Ok(())
-}
-
-type ParkedRow = (i64, i64, Vec<u8>, i64, DateTime<Utc>, Option<String>);
-
-async fn take_parked_successor(
-    tx: &mut PgConnection,
-    key: &BranchKey,
-    applied: i64,
-) -> Result<Option<OutboxEvent>, Error> {
-    let row: Option<ParkedRow> = sqlx::query_as(
-        "DELETE FROM relay_fold_parked
-          WHERE tenant_id = $1 AND run_id = $2 AND branch_id = $3 AND prev_lsn = $4
-         RETURNING lsn, prev_lsn, payload, base_lsn, created_at, parent_branch_id",
-    )
-    .bind(key.tenant.as_str())
-    .bind(key.run.as_str())
-    .bind(key.branch.as_str())
-    .bind(applied)
-    .fetch_optional(&mut *tx)
-    .await?;
-    row.map(|(lsn, prev, payload, base, created_at, parent)| {
-        Ok(OutboxEvent {
-            key: EventKey {
+    .bind(rewound_to)
+    .bind(event.created_at)
+    .bind(&event.payload)
+    .fetch_all(&mut *tx)
+    .await
+    .map_err(|err| fold_refusal(err, event))?;
+    let mut steps = steps.into_iter();
+    let verdict = steps.next().ok_or_else(|| {
+        Error::Database(sqlx::Error::Protocol("relay_fold returned no verdict".into()))
+    })?;
+    let outcome = match verdict.action.as_str() {
+        "apply" => {
+            projection
+                .apply(tx, event)
+                .await
+                .map_err(FoldError::Projection)?;
+            FoldOutcome::Applied { released: 0 }
+        }
+        "undo" => {
+            let notice = RewindNotice {
                 branch: key.clone(),
-                lsn: Lsn::from_db(lsn),
+                fork: Lsn::from_db(verdict.lsn),
+                applied: Lsn::from_db(verdict.prev_lsn),
+                to: BranchId::new(verdict.rewound_to.unwrap_or_default())?,
+            };
+            projection
+                .rewind(tx, &notice)
+                .await
+                .map_err(FoldError::Projection)?;
+            FoldOutcome::Rewound { released: 0 }
+        }
+        "hold" => FoldOutcome::Parked,
+        "duplicate" => FoldOutcome::Duplicate,
+        "abandoned" => FoldOutcome::Abandoned,
+        other => {
+            return Err(Error::Database(sqlx::Error::Protocol(format!(
+                "relay_fold returned the unknown action {other:?}"
+            )))
+            .into());
+        }
+    };
+    let mut released = 0;
+    for step in steps {
+        let released_event = OutboxEvent {
+            key: EventKey {
+                branch: BranchKey::new(
+                    key.tenant.clone(),
+                    key.run.clone(),
+                    BranchId::new(&step.branch_id)?,
+                ),
+                lsn: Lsn::from_db(step.lsn),
             },
-            prev_lsn: Lsn::from_db(prev),
-            base_lsn: Lsn::from_db(base),
-            payload,
-            created_at,
+            prev_lsn: Lsn::from_db(step.prev_lsn),
+            base_lsn: Lsn::from_db(step.base_lsn),
+            payload: step.payload.unwrap_or_default(),
+            created_at: step.created_at.unwrap_or(event.created_at),
             kind: EventKind::Intent,
-            parent: parent.map(BranchId::new).transpose()?,
-        })
+            parent: step.parent_branch.map(BranchId::new).transpose()?,
+        };
+        projection
+            .apply(tx, &released_event)
+            .await
+            .map_err(FoldError::Projection)?;
+        released += 1;
+    }
+    Ok(match outcome {
+        FoldOutcome::Applied { .. } => FoldOutcome::Applied { released },
+        FoldOutcome::Rewound { .. } => FoldOutcome::Rewound { released },
+        other => other,
     })
-    .transpose()
 }
 
-async fn set_cursor(
-    tx: &mut PgConnection,
-    key: &BranchKey,
-    applied: i64,
-    started: bool,
-) -> Result<(), Error> {
-    sqlx::query(
-        "UPDATE relay_fold_cursor SET applied_lsn = $4, started = $5
-          WHERE tenant_id = $1 AND run_id = $2 AND branch_id = $3",
-    )
-    .bind(key.tenant.as_str())
-    .bind(key.run.as_str())
-    .bind(key.branch.as_str())
-    .bind(applied)
-    .bind(started)
-    .execute(&mut *tx)
-    .await?;
-    Ok(())
+/// `relay_fold`'s refusal of a broken chain (RL200) as [`Error::BrokenChain`].
+fn fold_refusal(err: sqlx::Error, event: &OutboxEvent) -> Error {
+    let applied = match &err {
+        sqlx::Error::Database(db) if db.code().as_deref() == Some("RL200") => db
+            .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+            .and_then(|db| db.detail())
+            .and_then(|detail| detail.strip_prefix("applied_lsn="))
+            .and_then(|applied| applied.parse().ok()),
+        _ => None,
+    };
+    match applied {
+        Some(applied) => Error::BrokenChain {
+            branch: event.key.branch.clone(),
+            lsn: event.key.lsn,
+            prev: event.prev_lsn,
+            applied: Lsn::from_db(applied),
+        },
+        None => Error::Database(err),
+    }
 }
 
 /// The project's demonstration projection: keeps every applied event in `relay_fold_event`

@@ -79,12 +79,28 @@ pub const MIGRATIONS_TABLE: &str = "relay_migrations";
 /// The embedded migrations (`store/migrations`), compiled in: no database is needed to build.
 /// Tracked in [`MIGRATIONS_TABLE`]. Hosts with another migration tool can apply the same SQL
 /// (`MIGRATOR.iter()`, or the files in `store/migrations`, in order).
+///
+/// Its last version is the fold's SQL function ([`FOLD_FUNCTION_SQL`]), the very file the fold
+/// migrations of a consumer's own database apply, so a database with the outbox folds too.
 pub static MIGRATOR: std::sync::LazyLock<sqlx::migrate::Migrator> =
     std::sync::LazyLock::new(|| {
         let mut migrator = sqlx::migrate!("./migrations");
         migrator.dangerous_set_table_name(MIGRATIONS_TABLE);
+        let mut migrations = migrator.migrations.into_owned();
+        migrations.push(sqlx::migrate::Migration::new(
+            4,
+            "fold function".into(),
+            sqlx::migrate::MigrationType::Simple,
+            sqlx::SqlStr::from_static(FOLD_FUNCTION_SQL),
+            false,
+        ));
+        migrator.migrations = migrations.into();
         migrator
     });
+
+/// The fold's rules as one SQL function, `relay_fold` (`store/fold_migrations/0002_fold_function.sql`):
+/// what a consumer in any language calls once per delivery (see WIRE.md).
+pub const FOLD_FUNCTION_SQL: &str = include_str!("../fold_migrations/0002_fold_function.sql");
 
 /// Brings the database schema up to date. Safe to run concurrently and repeatedly, beside a
 /// host's own sqlx migrations, in either order.
@@ -103,6 +119,8 @@ const REQUIRED_OBJECTS: &[(&str, &str)] = &[
     ("relation", "relay_member"),
     ("relation", "relay_parked_branch"),
     ("function", "relay_ack_and_drain"),
+    ("function", "relay_append"),
+    ("function", "relay_fold"),
 ];
 
 /// Checks that the schema the relay needs is there, without changing anything: for a relay

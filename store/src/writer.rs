@@ -2,8 +2,17 @@
 //!
 //! Pass the host's transaction as `&mut tx` (any `&mut PgConnection` works): the intent then
 //! commits or rolls back with the host's state. A plain pooled connection runs each call in its
-//! own implicit transaction. Bad input is refused before any SQL runs, and a
-//! refused append leaves the host's transaction usable (no statement failed).
+//! own implicit transaction.
+//!
+//! Every call is one call of the SQL write API (`relay_open_run`, `relay_append`,
+//! `relay_rewind`, in `store/migrations/0003_write_api.sql`), the one implementation of the
+//! rules, which hosts in any language call too. Refusals come back as typed [`Error`]s:
+//! - input this writer can judge alone (an Lsn out of range, a payload above the limit) is
+//!   refused before any SQL runs, and the host's transaction stays usable;
+//! - a refusal only the database can judge (unknown or abandoned branch, Lsn not above the
+//!   head, a run already open) fails the statement, which aborts the host's transaction like
+//!   any failed statement: state written beside a refused intent cannot commit without it. To
+//!   go on after such a refusal, call inside a savepoint (`(&mut tx).begin()`, sqlx's `Acquire`).
 use std::borrow::Cow;
 
 use sqlx::PgConnection;
@@ -42,42 +51,6 @@ impl Default for IntentWriter {
     fn default() -> Self {
         Self::new(DEFAULT_MAX_PAYLOAD_BYTES)
     }
-}
-
-struct BranchRow {
-    base_lsn: i64,
-    head_lsn: i64,
-    abandoned_at_lsn: Option<i64>,
-    parent_branch_id: Option<String>,
-}
-
-async fn branch_row(
-    writer: &IntentWriter,
-    conn: &mut PgConnection,
-    key: &BranchKey,
-    lock: bool,
-) -> Result<Option<BranchRow>, Error> {
-    let sql = if lock {
-        "SELECT base_lsn, head_lsn, abandoned_at_lsn, parent_branch_id FROM relay_branch
-          WHERE tenant_id = $1 AND run_id = $2 AND branch_id = $3 FOR UPDATE"
-    } else {
-        "SELECT base_lsn, head_lsn, abandoned_at_lsn, parent_branch_id FROM relay_branch
-          WHERE tenant_id = $1 AND run_id = $2 AND branch_id = $3"
-    };
-    let row: Option<(i64, i64, Option<i64>, Option<String>)> = sqlx::query_as(writer.sql(sql))
-        .bind(key.tenant.as_str())
-        .bind(key.run.as_str())
-        .bind(key.branch.as_str())
-        .fetch_optional(&mut *conn)
-        .await?;
-    Ok(row.map(
-        |(base_lsn, head_lsn, abandoned_at_lsn, parent_branch_id)| BranchRow {
-            base_lsn,
-            head_lsn,
-            abandoned_at_lsn,
-            parent_branch_id,
-        },
-    ))
 }
 
 impl IntentWriter {
@@ -120,24 +93,15 @@ impl IntentWriter {
         self.max_payload_bytes
     }
 
-    /// Opens a run with its first (live) branch, starting at Lsn 0.
+    /// Opens a run with its first (live) branch, starting at Lsn 0 (`relay_open_run`).
     pub async fn open_run(&self, conn: &mut PgConnection, key: &BranchKey) -> Result<(), Error> {
-        // A run that already has a branch (live or abandoned) is refused. Two concurrent opens of
-        // one run are stopped by the one-live-branch-per-run unique index.
-        let inserted = sqlx::query(self.sql(
-            "INSERT INTO relay_branch (tenant_id, run_id, branch_id, base_lsn, head_lsn)
-             SELECT $1, $2, $3, 0, 0
-              WHERE NOT EXISTS (SELECT 1 FROM relay_branch WHERE tenant_id = $1 AND run_id = $2)",
-        ))
-        .bind(key.tenant.as_str())
-        .bind(key.run.as_str())
-        .bind(key.branch.as_str())
-        .execute(&mut *conn)
-        .await
-        .map_err(|err| unique_violation_as(err, || run_open(key)))?;
-        if inserted.rows_affected() == 0 {
-            return Err(run_open(key));
-        }
+        sqlx::query(self.sql("SELECT relay_open_run($1, $2, $3)"))
+            .bind(key.tenant.as_str())
+            .bind(key.run.as_str())
+            .bind(key.branch.as_str())
+            .execute(&mut *conn)
+            .await
+            .map_err(|err| refusal(err, key, None))?;
         Ok(())
     }
 
@@ -175,40 +139,18 @@ impl IntentWriter {
             });
         }
         let lsn_db = lsn.to_db()?;
-        let sql = if self.notify {
-            APPEND_AND_NOTIFY
-        } else {
-            APPEND
-        };
-        let inserted = sqlx::query(self.sql(sql))
+        sqlx::query(self.sql("SELECT relay_append($1, $2, $3, $4, $5, $6, $7)"))
             .bind(key.tenant.as_str())
             .bind(key.run.as_str())
             .bind(key.branch.as_str())
             .bind(lsn_db)
             .bind(payload)
+            .bind(self.notify)
+            .bind(i64::try_from(self.max_payload_bytes).unwrap_or(i64::MAX))
             .execute(&mut *conn)
-            .await?;
-        if inserted.rows_affected() == 1 {
-            return Ok(());
-        }
-        // Refused: say why. Nothing was written.
-        Err(match branch_row(self, conn, key, false).await? {
-            None => Error::UnknownBranch {
-                branch: key.clone(),
-            },
-            Some(BranchRow {
-                abandoned_at_lsn: Some(at),
-                ..
-            }) => Error::BranchAbandoned {
-                branch: key.clone(),
-                at: Lsn::from_db(at),
-            },
-            Some(row) => Error::LsnNotAboveHead {
-                branch: key.clone(),
-                lsn,
-                head: Lsn::from_db(row.head_lsn),
-            },
-        })
+            .await
+            .map_err(|err| refusal(err, key, Some(lsn)))?;
+        Ok(())
     }
 
     /// Rewinds: forks a new live branch `new_branch` from the live branch `from` at Lsn `at`.
@@ -227,137 +169,87 @@ impl IntentWriter {
     ) -> Result<Rewound, Error> {
         let at_db = at.to_db()?;
         let live = BranchKey::new(from.tenant.clone(), from.run.clone(), new_branch);
-        let row =
-            branch_row(self, conn, from, true)
-                .await?
-                .ok_or_else(|| Error::UnknownBranch {
-                    branch: from.clone(),
+        let abandoned: i64 =
+            sqlx::query_scalar(self.sql("SELECT relay_rewind($1, $2, $3, $4, $5)"))
+                .bind(from.tenant.as_str())
+                .bind(from.run.as_str())
+                .bind(from.branch.as_str())
+                .bind(at_db)
+                .bind(live.branch.as_str())
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(|err| match sql_state(&err).as_deref() {
+                    Some("RL107") | Some("23505") => Error::BranchExists {
+                        branch: live.clone(),
+                    },
+                    _ => refusal(err, from, Some(at)),
                 })?;
-        if let Some(abandoned_at) = row.abandoned_at_lsn {
-            return Err(Error::BranchAbandoned {
-                branch: from.clone(),
-                at: Lsn::from_db(abandoned_at),
-            });
-        }
-        if at_db < row.base_lsn || at_db > row.head_lsn {
-            return Err(Error::ForkOutsideBranch {
-                branch: from.clone(),
-                at,
-                base: Lsn::from_db(row.base_lsn),
-                head: Lsn::from_db(row.head_lsn),
-            });
-        }
-        if branch_row(self, conn, &live, false).await?.is_some() {
-            return Err(Error::BranchExists { branch: live });
-        }
-        let marker_lsn = row
-            .head_lsn
-            .checked_add(1)
-            .ok_or_else(|| Error::NoRoomForMarker {
-                branch: from.clone(),
-            })?;
-        sqlx::query(self.sql(
-            "UPDATE relay_branch SET abandoned_at_lsn = $4
-              WHERE tenant_id = $1 AND run_id = $2 AND branch_id = $3",
-        ))
-        .bind(from.tenant.as_str())
-        .bind(from.run.as_str())
-        .bind(from.branch.as_str())
-        .bind(at_db)
-        .execute(&mut *conn)
-        .await?;
-        let abandoned = sqlx::query(self.sql(
-            "DELETE FROM relay_outbox
-              WHERE tenant_id = $1 AND run_id = $2 AND branch_id = $3 AND lsn > $4",
-        ))
-        .bind(from.tenant.as_str())
-        .bind(from.run.as_str())
-        .bind(from.branch.as_str())
-        .bind(at_db)
-        .execute(&mut *conn)
-        .await?
-        .rows_affected();
-        // The marker: after every intent of the old branch (highest Lsn and seq), so it reaches
-        // the broker after each of them that still can, on the same shard and partition.
-        sqlx::query(self.sql(
-            "INSERT INTO relay_outbox
-                 (tenant_id, run_id, branch_id, lsn, prev_lsn, base_lsn, payload, kind, rewound_to,
-                  parent_branch_id)
-             VALUES ($1, $2, $3, $4, $5, $6, '', 1, $7, $8)",
-        ))
-        .bind(from.tenant.as_str())
-        .bind(from.run.as_str())
-        .bind(from.branch.as_str())
-        .bind(marker_lsn)
-        .bind(at_db)
-        .bind(row.base_lsn)
-        .bind(live.branch.as_str())
-        .bind(row.parent_branch_id.as_deref())
-        .execute(&mut *conn)
-        .await?;
-        sqlx::query(self.sql(
-            "INSERT INTO relay_branch
-                 (tenant_id, run_id, branch_id, base_lsn, head_lsn, parent_branch_id)
-             VALUES ($1, $2, $3, $4, $4, $5)",
-        ))
-        .bind(live.tenant.as_str())
-        .bind(live.run.as_str())
-        .bind(live.branch.as_str())
-        .bind(at_db)
-        .bind(from.branch.as_str())
-        .execute(&mut *conn)
-        .await
-        .map_err(|err| {
-            unique_violation_as(err, || Error::BranchExists {
-                branch: live.clone(),
-            })
-        })?;
-        Ok(Rewound { live, abandoned })
+        Ok(Rewound {
+            live,
+            abandoned: abandoned.max(0) as u64,
+        })
     }
 }
 
-/// Lock the live branch row, move its head, insert the intent: one statement, so an append is
-/// one round trip. Refused (0 rows) when the branch is unknown, abandoned, or the Lsn is not
-/// above its head. `$from` ends the statement.
-macro_rules! append_sql {
-    ($from:literal) => {
-        concat!(
-            "WITH old AS (
-                 SELECT head_lsn, base_lsn, parent_branch_id FROM relay_branch
-                  WHERE tenant_id = $1 AND run_id = $2 AND branch_id = $3
-                    AND abandoned_at_lsn IS NULL
-                  FOR UPDATE
-             ), moved AS (
-                 UPDATE relay_branch b SET head_lsn = $4
-                   FROM old
-                  WHERE b.tenant_id = $1 AND b.run_id = $2 AND b.branch_id = $3
-                    AND old.head_lsn < $4
-              RETURNING old.head_lsn AS prev_lsn, old.base_lsn, old.parent_branch_id
-             )
-             INSERT INTO relay_outbox
-                 (tenant_id, run_id, branch_id, lsn, prev_lsn, base_lsn, payload, parent_branch_id)
-             SELECT $1, $2, $3, $4, prev_lsn, base_lsn, $5, parent_branch_id ",
-            $from
-        )
+fn sql_state(err: &sqlx::Error) -> Option<String> {
+    match err {
+        sqlx::Error::Database(db) => db.code().map(|code| code.into_owned()),
+        _ => None,
+    }
+}
+
+/// The value of `name` in a refusal's DETAIL (`name=value` pairs, space-separated).
+fn detail_value(err: &sqlx::Error, name: &str) -> Option<i64> {
+    let sqlx::Error::Database(db) = err else {
+        return None;
     };
+    let detail = db
+        .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()?
+        .detail()?;
+    detail.split_whitespace().find_map(|pair| {
+        let (key, value) = pair.split_once('=')?;
+        (key == name).then(|| value.parse().ok()).flatten()
+    })
 }
 
-const APPEND: &str = append_sql!("FROM moved");
-
-/// [`APPEND`], plus a wake-up for relays, delivered on commit (deduplicated per transaction).
-const APPEND_AND_NOTIFY: &str =
-    append_sql!("FROM moved, LATERAL (SELECT pg_notify('relay_outbox', $1)) AS wake");
-
-fn run_open(key: &BranchKey) -> Error {
-    Error::RunAlreadyOpen {
-        tenant: key.tenant.clone(),
-        run: key.run.clone(),
-    }
-}
-
-fn unique_violation_as(err: sqlx::Error, refusal: impl FnOnce() -> Error) -> Error {
-    match &err {
-        sqlx::Error::Database(db) if db.is_unique_violation() => refusal(),
-        _ => Error::Database(err),
-    }
+/// The write functions' refusals (their SQLSTATEs, see `0003_write_api.sql`) as typed errors;
+/// anything else is a database error. `lsn` is the Lsn appended or the fork point.
+fn refusal(err: sqlx::Error, key: &BranchKey, lsn: Option<Lsn>) -> Error {
+    let lsn_of = |name| detail_value(&err, name).map(Lsn::from_db);
+    let known = match sql_state(&err).as_deref() {
+        Some("RL103") => lsn_of("head_lsn")
+            .zip(lsn)
+            .map(|(head, lsn)| Error::LsnNotAboveHead {
+                branch: key.clone(),
+                lsn,
+                head,
+            }),
+        Some("RL104") => Some(Error::UnknownBranch {
+            branch: key.clone(),
+        }),
+        Some("RL105") => lsn_of("abandoned_at_lsn").map(|at| Error::BranchAbandoned {
+            branch: key.clone(),
+            at,
+        }),
+        Some("RL106") => Some(Error::RunAlreadyOpen {
+            tenant: key.tenant.clone(),
+            run: key.run.clone(),
+        }),
+        Some("RL108") => {
+            lsn_of("base_lsn")
+                .zip(lsn_of("head_lsn"))
+                .zip(lsn)
+                .map(|((base, head), at)| Error::ForkOutsideBranch {
+                    branch: key.clone(),
+                    at,
+                    base,
+                    head,
+                })
+        }
+        Some("RL109") => Some(Error::NoRoomForMarker {
+            branch: key.clone(),
+        }),
+        _ => None,
+    };
+    known.unwrap_or(Error::Database(err))
 }

@@ -2,6 +2,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use sqlx::Acquire;
 use sqlx::PgPool;
 use store::{
     BranchId, BranchKey, Error, EventKey, EventKind, Fence, IntentWriter, Lsn, Outbox, OutboxEvent,
@@ -82,8 +83,10 @@ async fn committed_intents_remain_and_rolled_back_ones_vanish(pool: PgPool) {
     );
 }
 
-/// Bad input is refused at the door with a typed error, nothing written, and the host's
-/// transaction still usable.
+/// Bad input is refused with a typed error and nothing written. What the writer can judge
+/// alone is refused before any SQL runs (the host's transaction stays usable); what only the
+/// database can judge aborts the host's transaction, so its state cannot commit without its
+/// intent, and a savepoint lets a host go on.
 #[sqlx::test(migrator = "store::MIGRATOR")]
 async fn bad_appends_are_refused_with_nothing_written(pool: PgPool) {
     let writer = IntentWriter::new(16);
@@ -103,8 +106,6 @@ async fn bad_appends_are_refused_with_nothing_written(pool: PgPool) {
         .unwrap();
 
     let mut tx = pool.begin().await.unwrap();
-    let not_above = writer.append(&mut tx, &branch, Lsn::new(5), b"again").await;
-    assert!(matches!(not_above, Err(Error::LsnNotAboveHead { head, .. }) if head == Lsn::new(5)));
     let too_big = writer
         .append(&mut tx, &branch, Lsn::new(6), &[0u8; 17])
         .await;
@@ -112,14 +113,23 @@ async fn bad_appends_are_refused_with_nothing_written(pool: PgPool) {
         too_big,
         Err(Error::PayloadTooLarge { size: 17, max: 16 })
     ));
-    let unknown = writer
-        .append(&mut tx, &key("t1", "r1", "nope"), Lsn::new(1), b"x")
-        .await;
-    assert!(matches!(unknown, Err(Error::UnknownBranch { .. })));
     let out_of_range = writer
         .append(&mut tx, &branch, Lsn::new(u64::MAX), b"x")
         .await;
     assert!(matches!(out_of_range, Err(Error::LsnOutOfRange { .. })));
+    // Refusals of the database, each inside a savepoint.
+    let mut savepoint = (&mut tx).begin().await.unwrap();
+    let not_above = writer
+        .append(&mut savepoint, &branch, Lsn::new(5), b"again")
+        .await;
+    assert!(matches!(not_above, Err(Error::LsnNotAboveHead { head, .. }) if head == Lsn::new(5)));
+    savepoint.rollback().await.unwrap();
+    let mut savepoint = (&mut tx).begin().await.unwrap();
+    let unknown = writer
+        .append(&mut savepoint, &key("t1", "r1", "nope"), Lsn::new(1), b"x")
+        .await;
+    assert!(matches!(unknown, Err(Error::UnknownBranch { .. })));
+    savepoint.rollback().await.unwrap();
     // The host's transaction survived every refusal and can still commit its own work.
     writer
         .append(&mut tx, &branch, Lsn::new(6), b"six")
@@ -167,6 +177,25 @@ async fn bad_appends_are_refused_with_nothing_written(pool: PgPool) {
         )
         .await;
     assert!(matches!(outside, Err(Error::ForkOutsideBranch { .. })));
+    // Without a savepoint, a refusal of the database aborts the host's transaction: the state
+    // written beside the refused intent cannot commit.
+    sqlx::query("CREATE TABLE host_state (n int)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO host_state VALUES (1)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let refused = writer.append(&mut tx, &branch, Lsn::new(8), b"x").await;
+    assert!(matches!(refused, Err(Error::BranchAbandoned { .. })));
+    let _ = tx.commit().await;
+    let state: i64 = sqlx::query_scalar("SELECT count(*) FROM host_state")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(state, 0, "the host's state did not commit without its intent");
     assert_eq!(
         count_rows(&pool).await,
         2,

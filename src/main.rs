@@ -73,7 +73,30 @@ enum Command {
     Demo,
     /// Print the schema's SQL (every migration, in order) for hosts with another migration
     /// tool; then run the relay with --skip-migrate.
-    Sql,
+    Sql {
+        /// Print the fold's migrations only: what a consumer's own database needs.
+        #[arg(long)]
+        fold: bool,
+    },
+    /// Print least-privilege grants: the host's role may only write intents, the relay's only
+    /// drain, ack, park and hold leases, a consumer's only fold. Apply as the objects' owner.
+    Roles {
+        /// The host's role (the write functions only).
+        #[arg(long)]
+        host: Option<String>,
+        /// The relay's role (run it with RELAY_SKIP_MIGRATE=true).
+        #[arg(long)]
+        relay: Option<String>,
+        /// A consumer's role (relay_fold only).
+        #[arg(long)]
+        consumer: Option<String>,
+        /// Grants for a consumer's own database (migrated with the fold's migrations only).
+        #[arg(long)]
+        fold_database: bool,
+        /// PostgreSQL schema of the relay's objects.
+        #[arg(long, env = "RELAY_SCHEMA", value_parser = parse_schema)]
+        schema: Option<store::Schema>,
+    },
 }
 
 /// Exit code of a usage or configuration error (as clap's own).
@@ -116,6 +139,27 @@ fn main() -> ExitCode {
     for variable in unknown {
         tracing::warn!(%variable, "unknown RELAY_* variable ignored (a typo?); see `distribution run --help`");
     }
+    if let Command::Roles {
+        host,
+        relay,
+        consumer,
+        fold_database,
+        schema,
+    } = &cli.command
+    {
+        let roles = store::Roles {
+            host: host.clone(),
+            relay: relay.clone(),
+            consumer: consumer.clone(),
+        };
+        return match print_roles(roles, *fold_database, schema.as_ref()) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(err) => {
+                eprintln!("error: {}", one_line(&err));
+                ExitCode::from(USAGE)
+            }
+        };
+    }
     let config = match &cli.command {
         Command::Run(settings) => match settings.as_ref().clone().into_config() {
             Ok(config) => Some(config),
@@ -148,10 +192,11 @@ fn main() -> ExitCode {
                 branch,
             } => release(&database, tenant, run, branch).await,
             Command::Demo => demo::run().await,
-            Command::Sql => {
-                print_sql();
+            Command::Sql { fold } => {
+                print_sql(fold);
                 Ok(())
             }
+            Command::Roles { .. } => unreachable!("printed before the runtime starts"),
         }
     });
     match result {
@@ -194,8 +239,13 @@ fn blamed_variable(err: &clap::Error) -> Option<String> {
 
 /// Every migration's SQL, in order, each under a comment with its version: what
 /// `distribution migrate` applies (and records in `relay_migrations`).
-fn print_sql() {
-    for migration in store::MIGRATOR.iter() {
+fn print_sql(fold: bool) {
+    let migrator = if fold {
+        &*store::FOLD_MIGRATOR
+    } else {
+        &*store::MIGRATOR
+    };
+    for migration in migrator.iter() {
         println!(
             "-- relay migration {} ({})\n{}\n",
             migration.version,
@@ -203,6 +253,27 @@ fn print_sql() {
             migration.sql.as_str().trim_end()
         );
     }
+}
+
+/// The grants of `distribution roles`.
+fn print_roles(
+    roles: store::Roles,
+    fold_database: bool,
+    schema: Option<&store::Schema>,
+) -> Result<()> {
+    if roles.host.is_none() && roles.relay.is_none() && roles.consumer.is_none() {
+        anyhow::bail!("name at least one role: --host, --relay or --consumer");
+    }
+    if fold_database && (roles.host.is_some() || roles.relay.is_some()) {
+        anyhow::bail!("a consumer's database (--fold-database) has grants for --consumer only");
+    }
+    let on = if fold_database {
+        store::RolesFor::Fold
+    } else {
+        store::RolesFor::Outbox
+    };
+    print!("{}", store::roles_sql(&roles, on, schema)?);
+    Ok(())
 }
 
 /// The error and its causes on one line, without a backtrace, skipping causes whose text the

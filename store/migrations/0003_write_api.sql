@@ -60,15 +60,17 @@ RETURNS void
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 AS $$
 DECLARE
-    v_prev bigint;
-    v_base bigint;
-    v_parent text;
+    v_done integer;
     v_head bigint;
     v_abandoned bigint;
 BEGIN
-    PERFORM relay_require_id('tenant id', p_tenant);
-    PERFORM relay_require_id('run id', p_run);
-    PERFORM relay_require_id('branch id', p_branch);
+    -- The hot path checks everything in one expression; a refusal then says exactly why.
+    IF (p_tenant ~ '^[A-Za-z0-9._:-]{1,64}$' AND p_run ~ '^[A-Za-z0-9._:-]{1,64}$'
+        AND p_branch ~ '^[A-Za-z0-9._:-]{1,64}$') IS NOT TRUE THEN
+        PERFORM relay_require_id('tenant id', p_tenant);
+        PERFORM relay_require_id('run id', p_run);
+        PERFORM relay_require_id('branch id', p_branch);
+    END IF;
     IF p_lsn IS NULL OR p_lsn < 0 THEN
         RAISE EXCEPTION 'lsn % is out of range (0 to 9223372036854775807)', coalesce(p_lsn::text, 'NULL')
             USING ERRCODE = 'RL102';
@@ -79,17 +81,27 @@ BEGIN
             USING ERRCODE = 'RL101',
                   DETAIL = format('size=%s max=%s', octet_length(p_payload), p_max_payload_bytes);
     END IF;
-    -- Lock the live branch row (held until the host commits: a branch's intents commit in Lsn
-    -- order, so a reader only ever sees a gap-free prefix of each branch) and move its head.
-    UPDATE relay_branch b SET head_lsn = p_lsn
-      FROM (SELECT o.head_lsn FROM relay_branch o
-             WHERE o.tenant_id = p_tenant AND o.run_id = p_run AND o.branch_id = p_branch
-               AND o.abandoned_at_lsn IS NULL
-               FOR UPDATE) old
-     WHERE b.tenant_id = p_tenant AND b.run_id = p_run AND b.branch_id = p_branch
-       AND old.head_lsn < p_lsn
-    RETURNING old.head_lsn, b.base_lsn, b.parent_branch_id INTO v_prev, v_base, v_parent;
-    IF NOT FOUND THEN
+    -- One statement: lock the live branch row (held until the host commits: a branch's intents
+    -- commit in Lsn order, so a reader only ever sees a gap-free prefix of each branch), move
+    -- its head, insert the intent.
+    WITH old AS (
+        SELECT o.head_lsn, o.base_lsn, o.parent_branch_id FROM relay_branch o
+         WHERE o.tenant_id = p_tenant AND o.run_id = p_run AND o.branch_id = p_branch
+           AND o.abandoned_at_lsn IS NULL
+           FOR UPDATE
+    ), moved AS (
+        UPDATE relay_branch b SET head_lsn = p_lsn
+          FROM old
+         WHERE b.tenant_id = p_tenant AND b.run_id = p_run AND b.branch_id = p_branch
+           AND old.head_lsn < p_lsn
+        RETURNING old.head_lsn AS prev_lsn, old.base_lsn, old.parent_branch_id
+    )
+    INSERT INTO relay_outbox
+        (tenant_id, run_id, branch_id, lsn, prev_lsn, base_lsn, payload, parent_branch_id)
+    SELECT p_tenant, p_run, p_branch, p_lsn, m.prev_lsn, m.base_lsn, p_payload, m.parent_branch_id
+      FROM moved m;
+    GET DIAGNOSTICS v_done = ROW_COUNT;
+    IF v_done = 0 THEN
         SELECT b.head_lsn, b.abandoned_at_lsn INTO v_head, v_abandoned FROM relay_branch b
          WHERE b.tenant_id = p_tenant AND b.run_id = p_run AND b.branch_id = p_branch;
         IF NOT FOUND THEN
@@ -105,9 +117,6 @@ BEGIN
                 USING ERRCODE = 'RL103', DETAIL = format('head_lsn=%s', v_head);
         END IF;
     END IF;
-    INSERT INTO relay_outbox
-        (tenant_id, run_id, branch_id, lsn, prev_lsn, base_lsn, payload, parent_branch_id)
-    VALUES (p_tenant, p_run, p_branch, p_lsn, v_prev, v_base, p_payload, v_parent);
     IF p_notify THEN
         -- Delivered on commit, deduplicated per transaction.
         PERFORM pg_notify('relay_outbox', p_tenant);

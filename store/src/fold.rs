@@ -150,7 +150,9 @@ pub async fn fold<P: Projection>(
     .map_err(|err| fold_refusal(err, event))?;
     let mut steps = steps.into_iter();
     let verdict = steps.next().ok_or_else(|| {
-        Error::Database(sqlx::Error::Protocol("relay_fold returned no verdict".into()))
+        Error::Database(sqlx::Error::Protocol(
+            "relay_fold returned no verdict".into(),
+        ))
     })?;
     let outcome = match verdict.action.as_str() {
         "apply" => {

@@ -11,6 +11,7 @@
 //! - `fold`: the consumer's exactly-once fold ([`FoldStore`]): idempotent on `(BranchKey, Lsn)`
 //!   and proving Lsn order per branch.
 //! - `fold_model`: [`FoldModel`], WIRE.md's consumer rules in memory (the fold's oracle).
+//! - `roles`: least-privilege grants for host, relay and consumer roles ([`roles_sql`]).
 //! - `error`: the one [`Error`] type.
 //! - `fixtures` (feature `fixtures`): bulk backlogs for benchmarks.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
@@ -23,6 +24,7 @@ mod fold_model;
 mod key;
 mod lease;
 mod outbox;
+mod roles;
 mod schema;
 mod wakeup;
 mod writer;
@@ -62,6 +64,9 @@ pub use outbox::EventKind;
 pub use outbox::Outbox;
 pub use outbox::OutboxEvent;
 pub use outbox::ParkedBranch;
+pub use roles::Roles;
+pub use roles::RolesFor;
+pub use roles::roles_sql;
 pub use schema::Schema;
 pub use schema::create_schema;
 pub use wakeup::Wakeups;

@@ -375,3 +375,82 @@ async fn a_lapsed_lease_is_not_renewed_and_becomes_claimable(pool: PgPool) {
     let again = leases.claim(&me, Duration::from_secs(60), 1).await.unwrap();
     assert_eq!(again, vec![(claimed[1].0, claimed[1].1 + 1)]);
 }
+
+/// An append holds its branch's lock while a rewind of that branch waits for it: once the append
+/// commits, the rewind sees it (PostgreSQL re-reads the locked row), abandons it if it lies above
+/// the fork, and puts its marker above it. The marker never sits below an intent of its branch.
+#[sqlx::test(migrator = "store::MIGRATOR")]
+async fn a_rewind_waiting_on_an_append_sees_it_and_marks_above_it(pool: PgPool) {
+    let branch = key("t", "r", "main");
+    appended(&pool, &branch, 1..=3).await;
+    let writer = IntentWriter::default().with_notify(false);
+    let mut append = pool.begin().await.unwrap();
+    writer
+        .append(&mut append, &branch, Lsn::new(4), b"4")
+        .await
+        .unwrap();
+    let rewind = tokio::spawn({
+        let (pool, writer, branch) = (pool.clone(), writer.clone(), branch.clone());
+        async move {
+            let mut conn = pool.acquire().await.unwrap();
+            writer
+                .rewind(
+                    &mut conn,
+                    &branch,
+                    Lsn::new(2),
+                    BranchId::new("retry").unwrap(),
+                )
+                .await
+        }
+    });
+    blocked_on_lock(&pool, "relay_rewind").await;
+    append.commit().await.unwrap();
+    let rewound = rewind.await.unwrap().unwrap();
+    assert_eq!(rewound.abandoned, 2, "3 and the concurrent 4 are abandoned");
+    let rows: Vec<(i64, i16)> =
+        sqlx::query_as("SELECT lsn, kind FROM relay_outbox WHERE branch_id = 'main' ORDER BY seq")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(rows, [(1, 0), (2, 0), (5, 1)], "the marker is above lsn 4");
+}
+
+/// A rewind holds the branch's lock while an append to it waits: once the rewind commits, the
+/// append is refused (the branch is abandoned) and writes nothing.
+#[sqlx::test(migrator = "store::MIGRATOR")]
+async fn an_append_waiting_on_a_rewind_is_refused_once_it_commits(pool: PgPool) {
+    let branch = key("t", "r", "main");
+    appended(&pool, &branch, 1..=3).await;
+    let writer = IntentWriter::default().with_notify(false);
+    let mut rewind = pool.begin().await.unwrap();
+    writer
+        .rewind(
+            &mut rewind,
+            &branch,
+            Lsn::new(3),
+            BranchId::new("retry").unwrap(),
+        )
+        .await
+        .unwrap();
+    let append = tokio::spawn({
+        let (pool, writer, branch) = (pool.clone(), writer.clone(), branch.clone());
+        async move {
+            let mut conn = pool.acquire().await.unwrap();
+            writer.append(&mut conn, &branch, Lsn::new(4), b"4").await
+        }
+    });
+    blocked_on_lock(&pool, "relay_append").await;
+    rewind.commit().await.unwrap();
+    let refused = append.await.unwrap();
+    assert!(
+        matches!(refused, Err(Error::BranchAbandoned { at, .. }) if at == Lsn::new(3)),
+        "{refused:?}"
+    );
+    let intents: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM relay_outbox WHERE branch_id = 'main' AND kind = 0",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(intents, 3);
+}

@@ -195,7 +195,10 @@ async fn bad_appends_are_refused_with_nothing_written(pool: PgPool) {
         .fetch_one(&pool)
         .await
         .unwrap();
-    assert_eq!(state, 0, "the host's state did not commit without its intent");
+    assert_eq!(
+        state, 0,
+        "the host's state did not commit without its intent"
+    );
     assert_eq!(
         count_rows(&pool).await,
         2,

@@ -253,6 +253,46 @@ fn the_printed_sql_builds_a_working_outbox() {
     });
 }
 
+/// `distribution sql --fold` is what a consumer's own database needs: applied as is,
+/// `relay_fold` folds. `distribution roles` prints grants, and refuses a bad call with exit 2.
+#[test]
+fn the_printed_fold_sql_folds_and_roles_refuse_bad_names() {
+    let (code, sql, stderr) = output(relay().args(["sql", "--fold"]));
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        !sql.contains("relay_outbox ("),
+        "only the fold's objects:\n{sql}"
+    );
+    host_runtime().block_on(async {
+        let pool = bare_database("cli_fold_sql").await;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+            .execute(&pool)
+            .await
+            .unwrap();
+        let actions: Vec<String> = sqlx::query_scalar(
+            "SELECT action FROM relay_fold('t', 'r', 'main', 'intent', 1, 0, 0, NULL, NULL, \
+             NULL, 'x'::bytea)",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        assert_eq!(actions, ["apply"]);
+    });
+    let (code, grants, stderr) =
+        output(relay().args(["roles", "--consumer", "app_fold", "--fold-database"]));
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        grants.contains("GRANT EXECUTE ON FUNCTION relay_fold TO app_fold;"),
+        "{grants}"
+    );
+    let (code, _, stderr) = output(relay().arg("roles"));
+    assert_eq!(code, 2);
+    assert!(stderr.contains("name at least one role"), "{stderr}");
+    let (code, _, stderr) = output(relay().args(["roles", "--host", "App-Host"]));
+    assert_eq!(code, 2);
+    assert!(stderr.contains("invalid host role"), "{stderr}");
+}
+
 /// Told not to migrate, a relay on a database without the schema stops at once, naming
 /// what is missing and how to apply it, and creates nothing.
 #[test]

@@ -6,6 +6,7 @@
 //! - `outbox_faults`: the whole relay under an in-memory fault-injecting broker (proptest);
 //! - `broker_faults`: node restarts, alarms and size limits on private RabbitMQ nodes;
 //! - `handover`, `scale_out`: several relays on one outbox, every delivery counted;
+//! - `polyglot`: a TypeScript host and a Python consumer through the SQL API (and its roles);
 //! - `consumer`, `poison`, `fairness`, `database_faults`, `schema`, `tls`, `cli`, `publisher`:
 //!   one surface each.
 //!
@@ -30,6 +31,7 @@ mod handover;
 mod outbox_faults;
 mod outbox_relay;
 mod poison;
+mod polyglot;
 mod publisher;
 mod scale_out;
 mod schema;

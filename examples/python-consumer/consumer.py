@@ -1,0 +1,115 @@
+"""A consumer in Python: projects the relay's events into its own table, exactly once and in
+live-history order, through the fold's SQL function `relay_fold` (see broker/WIRE.md). It
+re-implements none of the fold's rules: per delivery, in one transaction, it calls `relay_fold`
+with the message's headers and body, applies what it returns ("apply" rows in order, "undo" for a
+rewind), commits, and only then acks.
+
+    AMQP_URL=amqp://guest:guest@127.0.0.1:5672/%2f DATABASE_URL=postgres://... \
+      TOPOLOGY=outbox PARTITIONS=4 python3 consumer.py
+
+Its database needs the fold's tables and function (`distribution migrate-fold`, or
+`store::migrate_fold`). CRASH_AFTER_WRITES=N makes it exit hard after writing its N-th delivery
+and before committing it: the write is rolled back, the delivery redelivered.
+"""
+
+import datetime
+import os
+import sys
+
+import pika
+import psycopg
+
+FOLD = """SELECT action, branch_id, lsn, prev_lsn, rewound_to, payload
+            FROM relay_fold(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"""
+
+
+def setting(name, default=None):
+    value = os.environ.get(name, default)
+    if value is None:
+        sys.exit(f"{name} is not set")
+    return value
+
+
+def text(value):
+    """A header's long string: pika gives str, or bytes when it is not UTF-8."""
+    if value is None or isinstance(value, str):
+        return value
+    return value.decode("utf-8")
+
+
+def main():
+    topology = setting("TOPOLOGY")
+    partitions = int(setting("PARTITIONS", "4"))
+    crash_after = int(setting("CRASH_AFTER_WRITES", "0"))
+    db = psycopg.connect(setting("DATABASE_URL"), autocommit=True)
+    # A connection lost mid-transaction must not leave its branch locked (WIRE.md).
+    db.execute("SET idle_in_transaction_session_timeout = '60s'")
+    db.execute(
+        """CREATE TABLE IF NOT EXISTS py_projection (
+               seq bigserial, tenant text, run text, branch text, lsn bigint, body bytea,
+               PRIMARY KEY (tenant, run, branch, lsn))"""
+    )
+    writes = 0
+
+    def handle(channel, method, properties, body):
+        nonlocal writes
+        h = properties.headers or {}
+        created = h.get("created_at_us")
+        created_at = (
+            datetime.datetime.fromtimestamp(created / 1e6, tz=datetime.timezone.utc)
+            if created is not None
+            else None
+        )
+        tenant, run = text(h.get("tenant")), text(h.get("run"))
+        try:
+            with db.transaction():
+                rows = db.execute(
+                    FOLD,
+                    (
+                        tenant, run, text(h.get("branch")), text(h.get("kind")),
+                        h.get("lsn"), h.get("prev_lsn"), h.get("base_lsn"),
+                        text(h.get("parent_branch")), text(h.get("rewound_to")),
+                        created_at, body,
+                    ),
+                ).fetchall()
+                for action, branch, lsn, _prev, _to, payload in rows:
+                    if action == "apply":
+                        # A plain INSERT: a second apply of one (branch, lsn) would fail here.
+                        db.execute(
+                            "INSERT INTO py_projection (tenant, run, branch, lsn, body)"
+                            " VALUES (%s, %s, %s, %s, %s)",
+                            (tenant, run, branch, lsn, payload),
+                        )
+                    elif action == "undo":
+                        db.execute(
+                            "DELETE FROM py_projection"
+                            " WHERE tenant = %s AND run = %s AND branch = %s AND lsn > %s",
+                            (tenant, run, branch, lsn),
+                        )
+                writes += 1
+                if crash_after and writes >= crash_after:
+                    print(f"crashing before commit, after {writes} writes", flush=True)
+                    os._exit(3)
+        except psycopg.Error as error:
+            if error.sqlstate in ("RL200", "RL201", "RL100"):
+                # A broken producer or a malformed message: it will fail again; dead-letter it.
+                print(f"dead-lettering {properties.message_id}: {error}", flush=True)
+                channel.basic_nack(method.delivery_tag, requeue=False)
+                return
+            raise
+        channel.basic_ack(method.delivery_tag)
+
+    connection = pika.BlockingConnection(pika.URLParameters(setting("AMQP_URL")))
+    channel = connection.channel()
+    channel.basic_qos(prefetch_count=32)
+    for partition in range(partitions):
+        channel.basic_consume(f"{topology}.p{partition}", handle)
+    print("consuming", flush=True)
+    try:
+        channel.start_consuming()
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+//! Least privilege: the grants that let a host, a relay and a consumer each do only their part
+//! (`distribution roles` prints them).
+//!
+//! - the **host** role may only call the write API (`relay_open_run`, `relay_append`,
+//!   `relay_rewind`): no privilege on any table, so it cannot read, drain, ack or delete
+//!   outbox rows;
+//! - the **relay** role may drain and ack (`relay_ack_and_drain`, reading and deleting outbox
+//!   rows), park branches and hold leases, and nothing else: it cannot write intents or
+//!   change branches, and needs neither superuser nor owner rights (run it with
+//!   `RELAY_SKIP_MIGRATE=true`; the owner migrates);
+//! - the **consumer** role may only call `relay_fold` (and own its projection's tables).
+//!
+//! The write functions and `relay_fold` are `SECURITY DEFINER` (they act as the objects'
+//! owner), so the roles need no privilege on the tables behind them. PostgreSQL grants EXECUTE on
+//! every new function to PUBLIC; the script revokes that for the relay's functions.
+use crate::{Error, Schema};
+
+/// The roles to grant to; each must already exist (`CREATE ROLE ... LOGIN`).
+#[derive(Clone, Debug, Default)]
+pub struct Roles {
+    /// The host's role: the write API only.
+    pub host: Option<String>,
+    /// The relay's role: drain, ack, park, leases.
+    pub relay: Option<String>,
+    /// A consumer's role: `relay_fold` only.
+    pub consumer: Option<String>,
+}
+
+/// Which database the grants are for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RolesFor {
+    /// The host's database, migrated with [`crate::migrate`] (outbox and fold).
+    Outbox,
+    /// A consumer's own database, migrated with [`crate::migrate_fold`] (the fold only).
+    Fold,
+}
+
+const HOST_FUNCTIONS: &[&str] = &["relay_open_run", "relay_append", "relay_rewind"];
+
+fn role(kind: &'static str, name: &str) -> Result<String, Error> {
+    let invalid = |reason| Error::InvalidId {
+        kind,
+        reason,
+        value: name.chars().take(80).collect(),
+    };
+    let mut bytes = name.bytes();
+    if !matches!(bytes.next(), Some(b'a'..=b'z' | b'_')) {
+        return Err(invalid("must start with a lowercase letter or _"));
+    }
+    if !bytes.all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'_')) || name.len() > 63 {
+        return Err(invalid("1 to 63 lowercase letters, digits and _"));
+    }
+    if name.starts_with("pg_") || name == "public" {
+        return Err(invalid("reserved by PostgreSQL"));
+    }
+    Ok(name.to_owned())
+}
+
+/// The grants for `roles` on a database of kind `on`, with the relay's objects in `schema`
+/// (`None`: the applying session's `search_path`, normally `public`). Apply it as the role that
+/// migrated (the objects' owner). Role names are lowercase identifiers.
+pub fn roles_sql(roles: &Roles, on: RolesFor, schema: Option<&Schema>) -> Result<String, Error> {
+    let host = roles
+        .host
+        .as_deref()
+        .map(|r| role("host role", r))
+        .transpose()?;
+    let relay = roles
+        .relay
+        .as_deref()
+        .map(|r| role("relay role", r))
+        .transpose()?;
+    let consumer = roles
+        .consumer
+        .as_deref()
+        .map(|r| role("consumer role", r))
+        .transpose()?;
+    // Objects named in the schema; role names are never touched.
+    let names = |objects: &[&str]| {
+        objects
+            .iter()
+            .map(|object| match schema {
+                Some(schema) => format!("{schema}.{object}"),
+                None => (*object).to_owned(),
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let mut sql = String::from(
+        "-- Least-privilege grants for the outbox relay (`distribution roles`). Apply as the owner\n\
+         -- of the relay's objects (the role that ran `distribution migrate`); the roles must exist.\n",
+    );
+    let all: &[&str] = match on {
+        RolesFor::Outbox => &[
+            "relay_open_run",
+            "relay_append",
+            "relay_rewind",
+            "relay_require_id",
+            "relay_ack_and_drain",
+            "relay_fold",
+        ],
+        RolesFor::Fold => &["relay_fold"],
+    };
+    sql.push_str(&format!(
+        "REVOKE EXECUTE ON FUNCTION {} FROM PUBLIC;\n",
+        names(all)
+    ));
+    let usage = |sql: &mut String, role: &str| {
+        if let Some(schema) = schema {
+            sql.push_str(&format!("GRANT USAGE ON SCHEMA {schema} TO {role};\n"));
+        }
+    };
+    if on == RolesFor::Outbox {
+        if let Some(host) = &host {
+            sql.push_str(&format!(
+                "-- The host: the write API only; it owns its own tables, not the relay's.\n\
+                 GRANT EXECUTE ON FUNCTION {} TO {host};\n",
+                names(HOST_FUNCTIONS)
+            ));
+            usage(&mut sql, host);
+        }
+        if let Some(relay) = &relay {
+            sql.push_str(&format!(
+                "-- The relay: drain and ack, park branches, hold leases.\n\
+                 GRANT EXECUTE ON FUNCTION {} TO {relay};\n\
+                 GRANT SELECT, DELETE ON {} TO {relay};\n\
+                 GRANT SELECT, INSERT, UPDATE, DELETE ON {} TO {relay};\n\
+                 GRANT SELECT, UPDATE ON {} TO {relay};\n",
+                names(&["relay_ack_and_drain"]),
+                names(&["relay_outbox"]),
+                names(&["relay_parked_branch", "relay_member"]),
+                names(&["relay_lease"]),
+            ));
+            usage(&mut sql, relay);
+        }
+    }
+    if let Some(consumer) = &consumer {
+        sql.push_str(&format!(
+            "-- A consumer: the fold only; it owns its projection's tables.\n\
+             GRANT EXECUTE ON FUNCTION {} TO {consumer};\n",
+            names(&["relay_fold"])
+        ));
+        usage(&mut sql, consumer);
+    }
+    Ok(sql)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_role_gets_only_its_part() {
+        let roles = Roles {
+            host: Some("app_host".into()),
+            relay: Some("relay_runner".into()),
+            consumer: None,
+        };
+        let sql = roles_sql(&roles, RolesFor::Outbox, None).unwrap();
+        let host: Vec<&str> = sql
+            .lines()
+            .filter(|l| l.ends_with("TO app_host;"))
+            .collect();
+        assert_eq!(
+            host,
+            ["GRANT EXECUTE ON FUNCTION relay_open_run, relay_append, relay_rewind TO app_host;"]
+        );
+        assert!(!sql.contains("ON relay_outbox TO app_host"));
+        assert!(sql.contains("GRANT SELECT, DELETE ON relay_outbox TO relay_runner;"));
+        assert!(sql.starts_with("--") && sql.contains("FROM PUBLIC;"));
+
+        let schema = Schema::new("ops").unwrap();
+        let fold = Roles {
+            consumer: Some("relay_projector".into()),
+            ..Roles::default()
+        };
+        let sql = roles_sql(&fold, RolesFor::Fold, Some(&schema)).unwrap();
+        assert!(sql.contains("REVOKE EXECUTE ON FUNCTION ops.relay_fold FROM PUBLIC;"));
+        assert!(sql.contains("GRANT EXECUTE ON FUNCTION ops.relay_fold TO relay_projector;"));
+        assert!(sql.contains("GRANT USAGE ON SCHEMA ops TO relay_projector;"));
+        assert!(!sql.contains("relay_append"));
+    }
+
+    #[test]
+    fn role_names_are_identifiers() {
+        for bad in ["", "App", "a;drop", "pg_x", "public", "1a"] {
+            let roles = Roles {
+                host: Some(bad.into()),
+                ..Roles::default()
+            };
+            assert!(
+                roles_sql(&roles, RolesFor::Outbox, None).is_err(),
+                "{bad:?}"
+            );
+        }
+    }
+}

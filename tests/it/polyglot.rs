@@ -1,0 +1,382 @@
+//! Hosts and consumers in other languages, through the SQL API alone: the TypeScript host of
+//! `examples/typescript-host` (node and `pg`) writes its state and its intents in one
+//! transaction, with a rewind, by calling `relay_open_run`/`relay_append`/`relay_rewind`; the
+//! Python consumer of `examples/python-consumer` (pika and psycopg) projects into its own table
+//! through `relay_fold`. Under a relay restart (with intents written while no relay ran), a
+//! consumer crash between its write and its commit, and the redelivery that follows, its table
+//! equals the live history, each run in its order. `.ci/run` installs what the examples need;
+//! the test installs it too when it is missing.
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use distribution::Relay;
+use futures_util::FutureExt;
+use sqlx::PgPool;
+use tokio::process::{Child, Command};
+
+use crate::harness::{
+    amqp_url, drop_topology, empty_database, fresh_database, relay_config, unique, wait_until,
+};
+
+fn example(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("examples")
+        .join(name)
+}
+
+async fn succeeds(command: &mut Command, what: &str) -> String {
+    let output = command
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .unwrap_or_else(|err| panic!("{what}: cannot run: {err}"));
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "{what} failed ({}):\n{stdout}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+}
+
+/// `examples/typescript-host` built (`npm ci` when its packages are missing, then `tsc`).
+async fn typescript_host() -> PathBuf {
+    let dir = example("typescript-host");
+    if !dir.join("node_modules").exists() {
+        succeeds(
+            Command::new("npm")
+                .args(["ci", "--no-audit", "--no-fund"])
+                .current_dir(&dir),
+            "npm ci in examples/typescript-host",
+        )
+        .await;
+    }
+    succeeds(
+        Command::new("node")
+            .arg("node_modules/typescript/bin/tsc")
+            .current_dir(&dir),
+        "tsc in examples/typescript-host",
+    )
+    .await;
+    dir.join("dist").join("host.js")
+}
+
+/// `examples/python-consumer/consumer.py`, its packages installed when missing.
+async fn python_consumer() -> PathBuf {
+    let dir = example("python-consumer");
+    let present = Command::new("python3")
+        .args(["-c", "import pika, psycopg"])
+        .stderr(Stdio::null())
+        .status()
+        .await
+        .is_ok_and(|status| status.success());
+    if !present {
+        succeeds(
+            Command::new("python3")
+                .args(["-m", "pip", "install", "-q", "-r", "requirements.txt"])
+                .current_dir(&dir),
+            "pip install in examples/python-consumer",
+        )
+        .await;
+    }
+    dir.join("consumer.py")
+}
+
+/// Runs the host for `tenant`: 3 runs, steps 1..=30 on `main`, a rewind at 12 to `retry`,
+/// steps 13..=22 on it.
+async fn run_host(host: &Path, database_url: &str, tenant: &str) {
+    let stdout = succeeds(
+        Command::new("node")
+            .arg(host)
+            .env("DATABASE_URL", database_url)
+            .env("TENANT", tenant)
+            .env("RUNS", "3")
+            .env("STEPS", "30")
+            .env("FORK", "12")
+            .env("RETRY_STEPS", "10"),
+        "the TypeScript host",
+    )
+    .await;
+    assert!(
+        stdout.contains(r#""refused":"RL105: branch"#),
+        "an append to the abandoned branch is refused with RL105:\n{stdout}"
+    );
+}
+
+/// The live history of each tenant as the host wrote it: per run, `main` 1..=12, then `retry`
+/// 13..=22, with the host's JSON bodies.
+fn live_history() -> Vec<(String, String, i64, Vec<u8>)> {
+    let mut live = Vec::new();
+    for run in ["ts-r1", "ts-r2", "ts-r3"] {
+        for (branch, steps) in [("main", 1..=12), ("retry", 13..=22)] {
+            for step in steps {
+                let body = format!(r#"{{"run":"{run}","branch":"{branch}","step":{step}}}"#);
+                live.push((run.to_owned(), branch.to_owned(), step, body.into_bytes()));
+            }
+        }
+    }
+    live
+}
+
+/// The Python consumer's table for `tenant`, each run in the order it was built.
+async fn projected(pool: &PgPool, tenant: &str) -> Vec<(String, String, i64, Vec<u8>)> {
+    sqlx::query_as(
+        "SELECT run, branch, lsn, body FROM py_projection WHERE tenant = $1 ORDER BY run, seq",
+    )
+    .bind(tenant)
+    .fetch_all(pool)
+    .await
+    .unwrap_or_default()
+}
+
+fn consumer(script: &Path, database_url: &str, topology: &str, crash_after: u32) -> Child {
+    Command::new("python3")
+        .arg(script)
+        .env("AMQP_URL", amqp_url())
+        .env("DATABASE_URL", database_url)
+        .env("TOPOLOGY", topology)
+        .env("PARTITIONS", "4")
+        .env("CRASH_AFTER_WRITES", crash_after.to_string())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("python3 runs")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_typescript_host_and_a_python_consumer_get_exactly_the_live_history() {
+    let host = typescript_host().await;
+    let script = python_consumer().await;
+    let (pool, url) = fresh_database("polyglot").await;
+    let (fold_pool, fold_url) = empty_database("polyglot_fold").await;
+    distribution::store::migrate_fold(&fold_pool).await.unwrap();
+    let topology = unique("polyglot");
+    let config = relay_config(&url, &amqp_url(), &topology);
+    let rabbit = config.rabbit_config().unwrap();
+
+    let outcome = std::panic::AssertUnwindSafe(async {
+        // The topology first, so the consumer's queues exist before any relay runs.
+        let connection =
+            lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default())
+                .await
+                .unwrap();
+        rabbit
+            .topology
+            .declare(&connection.create_channel().await.unwrap())
+            .await
+            .unwrap();
+
+        // A consumer that crashes after its 10th write, before committing it.
+        let mut crashing = consumer(&script, &fold_url, &topology, 10);
+        let relay = Relay::start(config.clone()).await.unwrap();
+        run_host(&host, &url, "ts-a").await;
+        let status = tokio::time::timeout(Duration::from_secs(60), crashing.wait())
+            .await
+            .expect("the consumer reaches its 10th write")
+            .unwrap();
+        assert_eq!(status.code(), Some(3), "the consumer crashed as told");
+
+        // The relay restarts; meanwhile a second tenant's history waits in the outbox.
+        relay.shutdown().await;
+        run_host(&host, &url, "ts-b").await;
+        let relay = Relay::start(config.clone()).await.unwrap();
+
+        // The consumer again: the crashed delivery is redelivered, everything else arrives.
+        let mut steady = consumer(&script, &fold_url, &topology, 0);
+        for tenant in ["ts-a", "ts-b"] {
+            let want = live_history();
+            wait_until(
+                "the Python consumer's table to equal the live history",
+                Duration::from_secs(60),
+                || async { projected(&fold_pool, tenant).await == want },
+            )
+            .await;
+        }
+        // Nothing left held back, and the host's own state is where its history ends.
+        let held: i64 = sqlx::query_scalar("SELECT count(*) FROM relay_fold_parked")
+            .fetch_one(&fold_pool)
+            .await
+            .unwrap();
+        assert_eq!(held, 0);
+        let states: Vec<(String, i64)> =
+            sqlx::query_as("SELECT branch, step FROM ts_host_state ORDER BY tenant, run")
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+        assert_eq!(states, vec![("retry".to_owned(), 22); 6]);
+        steady.kill().await.unwrap();
+        relay.shutdown().await;
+    })
+    .catch_unwind()
+    .await;
+    drop_topology(&rabbit.topology).await;
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic);
+    }
+}
+
+/// `url` connecting as `role` instead of its user.
+fn as_role(url: &str, role: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap();
+    let host = rest.split_once('@').map_or(rest, |(_, host)| host);
+    format!("{scheme}://{role}@{host}")
+}
+
+/// Drops `roles` and everything they own or were granted in each of `pools`' databases.
+async fn drop_roles(pools: &[&PgPool], roles: &[String]) {
+    for role in roles {
+        for pool in pools {
+            let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP OWNED BY {role}")))
+                .execute(*pool)
+                .await;
+        }
+        let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP ROLE IF EXISTS {role}")))
+            .execute(pools[0])
+            .await;
+    }
+}
+
+/// Whether `sql` run as the role behind `url` is refused for lack of privilege (42501).
+async fn refused(url: &str, sql: &str) -> bool {
+    let mut conn = <sqlx::PgConnection as sqlx::Connection>::connect(url)
+        .await
+        .unwrap();
+    match sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned()))
+        .execute(&mut conn)
+        .await
+    {
+        Err(sqlx::Error::Database(db)) => db.code().as_deref() == Some("42501"),
+        other => panic!("{sql}: expected a refusal, got {other:?}"),
+    }
+}
+
+/// Least privilege, applied from `distribution roles` (`store::roles_sql`): the relay runs as
+/// a role that can only drain, ack, park and hold leases (no owner or superuser rights, no
+/// migration), the TypeScript host as one that can only call the write functions, the Python
+/// consumer as one that can only call `relay_fold`; the whole history still arrives exactly.
+/// The host's role is refused when it reads, drains, acks or deletes outbox rows, the relay's
+/// when it writes intents, the consumer's when it touches the fold's tables.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_and_both_examples_run_under_least_privilege_roles() {
+    use distribution::store::{Roles, RolesFor, roles_sql};
+
+    let host = typescript_host().await;
+    let script = python_consumer().await;
+    let (pool, url) = fresh_database("roles").await;
+    let (fold_pool, fold_url) = empty_database("roles_fold").await;
+    distribution::store::migrate_fold(&fold_pool).await.unwrap();
+    let (host_role, relay_role, consumer_role) =
+        (unique("rhost"), unique("rrelay"), unique("rconsumer"));
+    let all_roles = [host_role.clone(), relay_role.clone(), consumer_role.clone()];
+    for role in &all_roles {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE ROLE {role} LOGIN")))
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+    let outbox_grants = roles_sql(
+        &Roles {
+            host: Some(host_role.clone()),
+            relay: Some(relay_role.clone()),
+            consumer: None,
+        },
+        RolesFor::Outbox,
+        None,
+    )
+    .unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "{outbox_grants}\nGRANT CREATE ON SCHEMA public TO {host_role};"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let fold_grants = roles_sql(
+        &Roles {
+            consumer: Some(consumer_role.clone()),
+            ..Roles::default()
+        },
+        RolesFor::Fold,
+        None,
+    )
+    .unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "{fold_grants}\nGRANT CREATE ON SCHEMA public TO {consumer_role};"
+    )))
+    .execute(&fold_pool)
+    .await
+    .unwrap();
+
+    let topology = unique("roles");
+    let (host_url, relay_url, consumer_url) = (
+        as_role(&url, &host_role),
+        as_role(&url, &relay_role),
+        as_role(&fold_url, &consumer_role),
+    );
+    let mut config = relay_config(&relay_url, &amqp_url(), &topology);
+    config.skip_migrate = true;
+    let rabbit = config.rabbit_config().unwrap();
+
+    let outcome = std::panic::AssertUnwindSafe(async {
+        let connection =
+            lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default())
+                .await
+                .unwrap();
+        rabbit
+            .topology
+            .declare(&connection.create_channel().await.unwrap())
+            .await
+            .unwrap();
+        let relay = Relay::start(config.clone()).await.unwrap();
+        let mut steady = consumer(&script, &consumer_url, &topology, 0);
+        run_host(&host, &host_url, "ts-least").await;
+        let want = live_history();
+        wait_until(
+            "the Python consumer's table to equal the live history",
+            Duration::from_secs(60),
+            || async { projected(&fold_pool, "ts-least").await == want },
+        )
+        .await;
+        steady.kill().await.unwrap();
+        relay.shutdown().await;
+
+        // Each role is refused what is not its part.
+        for sql in [
+            "SELECT count(*) FROM relay_outbox",
+            "DELETE FROM relay_outbox",
+            "SELECT * FROM relay_ack_and_drain(0, NULL, 0, 'ts-least', '{}', '{}', '{}', 10, \
+             1000000, '{}', '{}', '{}')",
+            "UPDATE relay_branch SET head_lsn = 0",
+            "UPDATE relay_lease SET owner = 'me'",
+        ] {
+            assert!(refused(&host_url, sql).await, "the host role: {sql}");
+        }
+        for sql in [
+            "SELECT relay_append('ts-least', 'ts-r1', 'retry', 99, '\\x00')",
+            "SELECT relay_open_run('ts-least', 'x', 'main')",
+            "UPDATE relay_branch SET head_lsn = 0",
+            "INSERT INTO relay_outbox (tenant_id, run_id, branch_id, lsn, prev_lsn, base_lsn, \
+             payload) VALUES ('a', 'b', 'c', 1, 0, 0, '')",
+        ] {
+            assert!(refused(&relay_url, sql).await, "the relay role: {sql}");
+        }
+        for sql in [
+            "SELECT count(*) FROM relay_fold_cursor",
+            "DELETE FROM relay_fold_parked",
+        ] {
+            assert!(
+                refused(&consumer_url, sql).await,
+                "the consumer role: {sql}"
+            );
+        }
+    })
+    .catch_unwind()
+    .await;
+    drop_topology(&rabbit.topology).await;
+    drop_roles(&[&pool, &fold_pool], &all_roles).await;
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic);
+    }
+}

@@ -13,39 +13,35 @@ use std::time::{Duration, Instant};
 use sqlx::{Connection, PgConnection, PgPool};
 use store::{BranchId, BranchKey, IntentWriter, Lsn, RunId, TenantId};
 
-/// The former append (store 0.2, before `relay_append`), kept here as the reference.
-const STATEMENT: &str = "WITH old AS (
-         SELECT head_lsn, base_lsn, parent_branch_id FROM relay_branch
-          WHERE tenant_id = $1 AND run_id = $2 AND branch_id = $3
-            AND abandoned_at_lsn IS NULL
-          FOR UPDATE
-     ), moved AS (
-         UPDATE relay_branch b SET head_lsn = $4
-           FROM old
-          WHERE b.tenant_id = $1 AND b.run_id = $2 AND b.branch_id = $3
-            AND old.head_lsn < $4
-      RETURNING old.head_lsn AS prev_lsn, old.base_lsn, old.parent_branch_id
-     )
-     INSERT INTO relay_outbox
-         (tenant_id, run_id, branch_id, lsn, prev_lsn, base_lsn, payload, parent_branch_id)
-     SELECT $1, $2, $3, $4, prev_lsn, base_lsn, $5, parent_branch_id FROM moved";
+/// The former append (before `relay_append`), kept here as the reference: one statement that
+/// locks the live branch row, moves its head and inserts the intent; `$from` ends it.
+macro_rules! statement {
+    ($from:literal) => {
+        concat!(
+            "WITH old AS (
+                 SELECT head_lsn, base_lsn, parent_branch_id FROM relay_branch
+                  WHERE tenant_id = $1 AND run_id = $2 AND branch_id = $3
+                    AND abandoned_at_lsn IS NULL
+                  FOR UPDATE
+             ), moved AS (
+                 UPDATE relay_branch b SET head_lsn = $4
+                   FROM old
+                  WHERE b.tenant_id = $1 AND b.run_id = $2 AND b.branch_id = $3
+                    AND old.head_lsn < $4
+              RETURNING old.head_lsn AS prev_lsn, old.base_lsn, old.parent_branch_id
+             )
+             INSERT INTO relay_outbox
+                 (tenant_id, run_id, branch_id, lsn, prev_lsn, base_lsn, payload, parent_branch_id)
+             SELECT $1, $2, $3, $4, prev_lsn, base_lsn, $5, parent_branch_id ",
+            $from
+        )
+    };
+}
 
-const STATEMENT_NOTIFY: &str = "WITH old AS (
-         SELECT head_lsn, base_lsn, parent_branch_id FROM relay_branch
-          WHERE tenant_id = $1 AND run_id = $2 AND branch_id = $3
-            AND abandoned_at_lsn IS NULL
-          FOR UPDATE
-     ), moved AS (
-         UPDATE relay_branch b SET head_lsn = $4
-           FROM old
-          WHERE b.tenant_id = $1 AND b.run_id = $2 AND b.branch_id = $3
-            AND old.head_lsn < $4
-      RETURNING old.head_lsn AS prev_lsn, old.base_lsn, old.parent_branch_id
-     )
-     INSERT INTO relay_outbox
-         (tenant_id, run_id, branch_id, lsn, prev_lsn, base_lsn, payload, parent_branch_id)
-     SELECT $1, $2, $3, $4, prev_lsn, base_lsn, $5, parent_branch_id
-       FROM moved, LATERAL (SELECT pg_notify('relay_outbox', $1)) AS wake";
+const STATEMENT: &str = statement!("FROM moved");
+
+const STATEMENT_NOTIFY: &str =
+    statement!("FROM moved, LATERAL (SELECT pg_notify('relay_outbox', $1)) AS wake");
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Way {

@@ -33,11 +33,13 @@ DECLARE
     v_applied bigint;
     v_at bigint;
     v_to text;
+    v_id text;
 BEGIN
-    FOREACH v_to IN ARRAY ARRAY[p_tenant, p_run, p_branch] LOOP
-        IF v_to IS NULL OR v_to !~ '^[A-Za-z0-9._:-]{1,64}$' THEN
+    -- The ids' rule of the write API (a consumer's own database has no relay_require_id).
+    FOREACH v_id IN ARRAY ARRAY[p_tenant, p_run, p_branch] LOOP
+        IF v_id IS NULL OR v_id !~ '^[A-Za-z0-9._:-]{1,64}$' THEN
             RAISE EXCEPTION 'invalid id %: 1 to 64 bytes of ASCII letters, digits and - _ . :',
-                coalesce(quote_literal(left(v_to, 80)), 'NULL') USING ERRCODE = 'RL100';
+                coalesce(quote_literal(left(v_id, 80)), 'NULL') USING ERRCODE = 'RL100';
         END IF;
     END LOOP;
     IF p_kind IS NULL OR p_kind NOT IN ('intent', 'rewind') THEN

@@ -146,3 +146,25 @@ impl Error {
         }
     }
 }
+
+/// The SQLSTATE of a database error (the relay's own refusals are class `RL`).
+pub(crate) fn sql_state(err: &sqlx::Error) -> Option<String> {
+    match err {
+        sqlx::Error::Database(db) => db.code().map(|code| code.into_owned()),
+        _ => None,
+    }
+}
+
+/// The value of `name` in a refusal's DETAIL (`name=value` pairs, space-separated).
+pub(crate) fn detail_value(err: &sqlx::Error, name: &str) -> Option<i64> {
+    let sqlx::Error::Database(db) = err else {
+        return None;
+    };
+    let detail = db
+        .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()?
+        .detail()?;
+    detail.split_whitespace().find_map(|pair| {
+        let (key, value) = pair.split_once('=')?;
+        (key == name).then(|| value.parse().ok()).flatten()
+    })
+}

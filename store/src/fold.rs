@@ -24,6 +24,7 @@ use std::future::Future;
 use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, PgPool};
 
+use crate::error::{detail_value, sql_state};
 use crate::{BranchId, BranchKey, Error, EventKey, EventKind, Lsn, OutboxEvent, TenantId};
 
 /// What folding one delivery did.
@@ -129,10 +130,14 @@ pub async fn fold<P: Projection>(
         EventKind::Intent => ("intent", None),
         EventKind::Rewind { to } => ("rewind", Some(to.as_str())),
     };
+    // The verdict's row is the delivery itself: its body is not sent back (n = 1).
     let steps: Vec<Step> = sqlx::query_as(
         "SELECT action, branch_id, lsn, prev_lsn, base_lsn, parent_branch, rewound_to, created_at,
-                payload
-           FROM relay_fold($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+                CASE WHEN n > 1 THEN payload END AS payload
+           FROM relay_fold($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) WITH ORDINALITY AS f(
+                action, branch_id, lsn, prev_lsn, base_lsn, parent_branch, rewound_to,
+                created_at, payload, n)
+          ORDER BY n",
     )
     .bind(key.tenant.as_str())
     .bind(key.run.as_str())
@@ -154,13 +159,14 @@ pub async fn fold<P: Projection>(
             "relay_fold returned no verdict".into(),
         ))
     })?;
+    let released = u32::try_from(steps.len()).unwrap_or(u32::MAX);
     let outcome = match verdict.action.as_str() {
         "apply" => {
             projection
                 .apply(tx, event)
                 .await
                 .map_err(FoldError::Projection)?;
-            FoldOutcome::Applied { released: 0 }
+            FoldOutcome::Applied { released }
         }
         "undo" => {
             let notice = RewindNotice {
@@ -173,7 +179,7 @@ pub async fn fold<P: Projection>(
                 .rewind(tx, &notice)
                 .await
                 .map_err(FoldError::Projection)?;
-            FoldOutcome::Rewound { released: 0 }
+            FoldOutcome::Rewound { released }
         }
         "hold" => FoldOutcome::Parked,
         "duplicate" => FoldOutcome::Duplicate,
@@ -185,7 +191,7 @@ pub async fn fold<P: Projection>(
             .into());
         }
     };
-    let mut released = 0;
+    // Intents held back earlier that this delivery released, in the order to apply them.
     for step in steps {
         let released_event = OutboxEvent {
             key: EventKey {
@@ -207,33 +213,23 @@ pub async fn fold<P: Projection>(
             .apply(tx, &released_event)
             .await
             .map_err(FoldError::Projection)?;
-        released += 1;
     }
-    Ok(match outcome {
-        FoldOutcome::Applied { .. } => FoldOutcome::Applied { released },
-        FoldOutcome::Rewound { .. } => FoldOutcome::Rewound { released },
-        other => other,
-    })
+    Ok(outcome)
 }
 
 /// `relay_fold`'s refusal of a broken chain (RL200) as [`Error::BrokenChain`].
 fn fold_refusal(err: sqlx::Error, event: &OutboxEvent) -> Error {
-    let applied = match &err {
-        sqlx::Error::Database(db) if db.code().as_deref() == Some("RL200") => db
-            .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
-            .and_then(|db| db.detail())
-            .and_then(|detail| detail.strip_prefix("applied_lsn="))
-            .and_then(|applied| applied.parse().ok()),
-        _ => None,
-    };
-    match applied {
-        Some(applied) => Error::BrokenChain {
+    match (
+        sql_state(&err).as_deref(),
+        detail_value(&err, "applied_lsn"),
+    ) {
+        (Some("RL200"), Some(applied)) => Error::BrokenChain {
             branch: event.key.branch.clone(),
             lsn: event.key.lsn,
             prev: event.prev_lsn,
             applied: Lsn::from_db(applied),
         },
-        None => Error::Database(err),
+        _ => Error::Database(err),
     }
 }
 

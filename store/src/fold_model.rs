@@ -1,7 +1,8 @@
 //! WIRE.md's consumer rules ("What a consumer must do") as an in-memory state machine, written
-//! from the text alone: no database, no I/O. It is the oracle the real fold ([`crate::fold`])
-//! is tested against (`store/tests/fold_model.rs`: the same deliveries, the same outcome for
-//! each, the same projection), and a fold for consumers that keep their state in memory.
+//! from the text alone: no database, no I/O. It is the oracle the real fold (`relay_fold`,
+//! through [`crate::fold`]) is tested against (`store/tests/rewind_fold.rs`: the same
+//! deliveries, the same outcome for each, the same projection), and a fold for consumers that
+//! keep their state in memory.
 //!
 //! Each numbered rule of WIRE.md is one branch of [`FoldModel::deliver`], in the text's order;
 //! "catch up" and "hand over" are [`FoldModel::catch_up`].

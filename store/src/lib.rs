@@ -83,10 +83,12 @@ pub const MIGRATIONS_TABLE: &str = "relay_migrations";
 
 /// The embedded migrations (`store/migrations`), compiled in: no database is needed to build.
 /// Tracked in [`MIGRATIONS_TABLE`]. Hosts with another migration tool can apply the same SQL
-/// (`MIGRATOR.iter()`, or the files in `store/migrations`, in order).
+/// (`MIGRATOR.iter()` or `distribution sql`: the files in `store/migrations` in order, then
+/// `store/fold_migrations/0002_fold_function.sql`).
 ///
-/// Its last version is the fold's SQL function ([`FOLD_FUNCTION_SQL`]), the very file the fold
-/// migrations of a consumer's own database apply, so a database with the outbox folds too.
+/// Version 4 is the fold's SQL function (`relay_fold`), the very file the fold migrations of a
+/// consumer's own database apply, so a database with the outbox folds too. The next file in
+/// `store/migrations` is therefore `0005_*`.
 pub static MIGRATOR: std::sync::LazyLock<sqlx::migrate::Migrator> =
     std::sync::LazyLock::new(|| {
         let mut migrator = sqlx::migrate!("./migrations");
@@ -105,7 +107,7 @@ pub static MIGRATOR: std::sync::LazyLock<sqlx::migrate::Migrator> =
 
 /// The fold's rules as one SQL function, `relay_fold` (`store/fold_migrations/0002_fold_function.sql`):
 /// what a consumer in any language calls once per delivery (see WIRE.md).
-pub const FOLD_FUNCTION_SQL: &str = include_str!("../fold_migrations/0002_fold_function.sql");
+const FOLD_FUNCTION_SQL: &str = include_str!("../fold_migrations/0002_fold_function.sql");
 
 /// Brings the database schema up to date. Safe to run concurrently and repeatedly, beside a
 /// host's own sqlx migrations, in either order.

@@ -13,6 +13,7 @@
 //! The write functions and `relay_fold` are `SECURITY DEFINER` (they act as the objects'
 //! owner), so the roles need no privilege on the tables behind them. PostgreSQL grants EXECUTE on
 //! every new function to PUBLIC; the script revokes that for the relay's functions.
+use crate::schema::identifier;
 use crate::{Error, Schema};
 
 /// The roles to grant to; each must already exist (`CREATE ROLE ... LOGIN`).
@@ -38,21 +39,7 @@ pub enum RolesFor {
 const HOST_FUNCTIONS: &[&str] = &["relay_open_run", "relay_append", "relay_rewind"];
 
 fn role(kind: &'static str, name: &str) -> Result<String, Error> {
-    let invalid = |reason| Error::InvalidId {
-        kind,
-        reason,
-        value: name.chars().take(80).collect(),
-    };
-    let mut bytes = name.bytes();
-    if !matches!(bytes.next(), Some(b'a'..=b'z' | b'_')) {
-        return Err(invalid("must start with a lowercase letter or _"));
-    }
-    if !bytes.all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'_')) || name.len() > 63 {
-        return Err(invalid("1 to 63 lowercase letters, digits and _"));
-    }
-    if name.starts_with("pg_") || name == "public" {
-        return Err(invalid("reserved by PostgreSQL"));
-    }
+    identifier(kind, name, &["public"])?;
     Ok(name.to_owned())
 }
 

@@ -17,25 +17,7 @@ impl Schema {
     /// Validates `name`.
     pub fn new(name: impl AsRef<str>) -> Result<Self, Error> {
         let name = name.as_ref();
-        let invalid = |reason| Error::InvalidId {
-            kind: "schema",
-            reason,
-            value: name.chars().take(80).collect(),
-        };
-        let mut bytes = name.bytes();
-        match bytes.next() {
-            Some(b'a'..=b'z' | b'_') => {}
-            _ => return Err(invalid("must start with a lowercase letter or _")),
-        }
-        if !bytes.all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'_')) {
-            return Err(invalid("only lowercase letters, digits and _"));
-        }
-        if name.len() > 63 {
-            return Err(invalid("at most 63 bytes"));
-        }
-        if name.starts_with("pg_") || name == "information_schema" {
-            return Err(invalid("reserved by PostgreSQL"));
-        }
+        identifier("schema", name, &["information_schema"])?;
         Ok(Self(name.to_owned()))
     }
 
@@ -74,6 +56,32 @@ impl Schema {
         }
         out
     }
+}
+
+/// Checks that `name` is a PostgreSQL identifier that never needs quoting: lowercase ASCII
+/// letters, digits and `_`, starting with a letter or `_`, at most 63 bytes, not `pg_*` and
+/// none of `reserved`. A refusal names `kind`.
+pub(crate) fn identifier(kind: &'static str, name: &str, reserved: &[&str]) -> Result<(), Error> {
+    let invalid = |reason| Error::InvalidId {
+        kind,
+        reason,
+        value: name.chars().take(80).collect(),
+    };
+    let mut bytes = name.bytes();
+    match bytes.next() {
+        Some(b'a'..=b'z' | b'_') => {}
+        _ => return Err(invalid("must start with a lowercase letter or _")),
+    }
+    if !bytes.all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'_')) {
+        return Err(invalid("only lowercase letters, digits and _"));
+    }
+    if name.len() > 63 {
+        return Err(invalid("at most 63 bytes"));
+    }
+    if name.starts_with("pg_") || reserved.contains(&name) {
+        return Err(invalid("reserved by PostgreSQL"));
+    }
+    Ok(())
 }
 
 impl std::fmt::Display for Schema {

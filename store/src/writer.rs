@@ -17,6 +17,7 @@ use std::borrow::Cow;
 
 use sqlx::PgConnection;
 
+use crate::error::{detail_value, sql_state};
 use crate::{BranchId, BranchKey, Error, Lsn, Schema};
 
 /// Default largest payload, 256 KiB: far below RabbitMQ's 128 MiB `max_message_size` and small
@@ -189,27 +190,6 @@ impl IntentWriter {
             abandoned: abandoned.max(0) as u64,
         })
     }
-}
-
-fn sql_state(err: &sqlx::Error) -> Option<String> {
-    match err {
-        sqlx::Error::Database(db) => db.code().map(|code| code.into_owned()),
-        _ => None,
-    }
-}
-
-/// The value of `name` in a refusal's DETAIL (`name=value` pairs, space-separated).
-fn detail_value(err: &sqlx::Error, name: &str) -> Option<i64> {
-    let sqlx::Error::Database(db) = err else {
-        return None;
-    };
-    let detail = db
-        .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()?
-        .detail()?;
-    detail.split_whitespace().find_map(|pair| {
-        let (key, value) = pair.split_once('=')?;
-        (key == name).then(|| value.parse().ok()).flatten()
-    })
 }
 
 /// The write functions' refusals (their SQLSTATEs, see `0003_write_api.sql`) as typed errors;

@@ -98,17 +98,7 @@ pub async fn empty_database(label: &str) -> (PgPool, String) {
 
 /// A fresh, migrated database with a host state table; returns its pool and URL.
 pub async fn fresh_database(label: &str) -> (PgPool, String) {
-    let url = std::env::var("DATABASE_URL").expect("DATABASE_URL (set in .cargo/config.toml)");
-    let name = unique(&format!("relay_it_{label}"));
-    let mut admin = PgConnection::connect(&url).await.unwrap();
-    sweep_stale_databases(&mut admin).await;
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-        .execute(&mut admin)
-        .await
-        .unwrap();
-    let server = url.rsplit_once('/').unwrap().0;
-    let url = format!("{server}/{name}");
-    let pool = PgPool::connect(&url).await.unwrap();
+    let (pool, url) = empty_database(label).await;
     store::migrate(&pool).await.unwrap();
     sqlx::query("CREATE TABLE host_state (tenant text, run text, step bigint, note text)")
         .execute(&pool)
@@ -462,6 +452,19 @@ impl Folding {
 }
 
 /// Removes a test's queues and exchange.
+/// Declares `topology` on the real broker (what the relay declares when it connects), so
+/// consumers can subscribe before any relay runs.
+pub async fn declare_topology(topology: &Topology) {
+    let connection =
+        lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default())
+            .await
+            .unwrap();
+    topology
+        .declare(&connection.create_channel().await.unwrap())
+        .await
+        .unwrap();
+}
+
 pub async fn drop_topology(topology: &Topology) {
     let connection =
         lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default())

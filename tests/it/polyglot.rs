@@ -16,7 +16,8 @@ use sqlx::PgPool;
 use tokio::process::{Child, Command};
 
 use crate::harness::{
-    amqp_url, drop_topology, empty_database, fresh_database, relay_config, unique, wait_until,
+    amqp_url, declare_topology, drop_topology, empty_database, fresh_database, relay_config,
+    unique, wait_until,
 };
 
 fn example(name: &str) -> PathBuf {
@@ -159,15 +160,7 @@ async fn a_typescript_host_and_a_python_consumer_get_exactly_the_live_history() 
 
     let outcome = std::panic::AssertUnwindSafe(async {
         // The topology first, so the consumer's queues exist before any relay runs.
-        let connection =
-            lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default())
-                .await
-                .unwrap();
-        rabbit
-            .topology
-            .declare(&connection.create_channel().await.unwrap())
-            .await
-            .unwrap();
+        declare_topology(&rabbit.topology).await;
 
         // A consumer that crashes after its 10th write, before committing it.
         let mut crashing = consumer(&script, &fold_url, &topology, 10);
@@ -320,15 +313,7 @@ async fn the_relay_and_both_examples_run_under_least_privilege_roles() {
     let rabbit = config.rabbit_config().unwrap();
 
     let outcome = std::panic::AssertUnwindSafe(async {
-        let connection =
-            lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default())
-                .await
-                .unwrap();
-        rabbit
-            .topology
-            .declare(&connection.create_channel().await.unwrap())
-            .await
-            .unwrap();
+        declare_topology(&rabbit.topology).await;
         let relay = Relay::start(config.clone()).await.unwrap();
         let mut steady = consumer(&script, &consumer_url, &topology, 0);
         run_host(&host, &host_url, "ts-least").await;

@@ -59,6 +59,18 @@ async function inTransaction<T>(client: pg.PoolClient, work: () => Promise<T>): 
   }
 }
 
+/** One step of an agent: its own state and its export intent, in one transaction. */
+async function writeStep(client: pg.PoolClient, run: string, branch: string, step: number) {
+  await inTransaction(client, async () => {
+    await client.query("UPDATE ts_host_state SET step = $3 WHERE tenant = $1 AND run = $2", [
+      tenant, run, step,
+    ]);
+    await client.query(`SELECT ${fn("relay_append")}($1, $2, $3, $4, $5)`, [
+      tenant, run, branch, step, payload(run, branch, step),
+    ]);
+  });
+}
+
 async function main() {
   const pool = new pg.Pool({ connectionString: setting("DATABASE_URL"), max: 2 });
   const client = await pool.connect();
@@ -75,15 +87,7 @@ async function main() {
     // Interleave the runs step by step, as concurrent agents would.
     for (let step = 1; step <= steps; step++) {
       for (const run of runIds) {
-        await inTransaction(client, async () => {
-          await client.query(
-            "UPDATE ts_host_state SET step = $3 WHERE tenant = $1 AND run = $2",
-            [tenant, run, step],
-          );
-          await client.query(`SELECT ${fn("relay_append")}($1, $2, 'main', $3, $4)`, [
-            tenant, run, step, payload(run, "main", step),
-          ]);
-        });
+        await writeStep(client, run, "main", step);
       }
     }
     for (const run of runIds) {
@@ -103,15 +107,7 @@ async function main() {
     }
     for (let step = fork + 1; step <= fork + retrySteps; step++) {
       for (const run of runIds) {
-        await inTransaction(client, async () => {
-          await client.query(
-            "UPDATE ts_host_state SET step = $3 WHERE tenant = $1 AND run = $2",
-            [tenant, run, step],
-          );
-          await client.query(`SELECT ${fn("relay_append")}($1, $2, 'retry', $3, $4)`, [
-            tenant, run, step, payload(run, "retry", step),
-          ]);
-        });
+        await writeStep(client, run, "retry", step);
       }
     }
     // A refusal, handled: the old branch was abandoned by the rewind (SQLSTATE RL105). Inside

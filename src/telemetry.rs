@@ -93,7 +93,7 @@ pub fn describe_metrics(publishers: u16) {
     );
     describe_counter!(
         "relay_consumer_dead_letters_total",
-        "Messages a consumer dead-lettered, per reason (contract, broken_chain, handler)."
+        "Messages a consumer dead-lettered, per reason (contract, broken_chain, retired, handler)."
     );
     describe_counter!(
         "relay_consumer_retries_total",

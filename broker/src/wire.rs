@@ -11,6 +11,8 @@ pub const WIRE_VERSION: i64 = 2;
 pub(crate) const TYPE_INTENT: &str = "outbox.intent";
 /// AMQP `type` of a rewind marker.
 pub(crate) const TYPE_REWIND: &str = "outbox.rewind";
+/// AMQP `type` of an end marker (a closed run's last message).
+pub(crate) const TYPE_END: &str = "outbox.end";
 
 use crate::WireError;
 
@@ -62,12 +64,14 @@ pub(crate) fn properties(event: &OutboxEvent) -> BasicProperties {
             );
             TYPE_REWIND
         }
+        EventKind::End => TYPE_END,
     };
     headers.insert(
         "kind".into(),
         AMQPValue::LongString(LongString::from(match &event.kind {
             EventKind::Intent => "intent",
             EventKind::Rewind { .. } => "rewind",
+            EventKind::End => "end",
         })),
     );
     if let Some(parent) = &event.parent {
@@ -130,6 +134,7 @@ pub fn decode(properties: &BasicProperties, body: &[u8]) -> Result<OutboxEvent, 
         Some(AMQPValue::LongString(kind)) if kind.as_bytes() == b"rewind" => EventKind::Rewind {
             to: id(headers, "rewound_to", |s| BranchId::new(s))?,
         },
+        Some(AMQPValue::LongString(kind)) if kind.as_bytes() == b"end" => EventKind::End,
         Some(_) => return Err(WireError::Header("kind")),
     };
     let parent = match headers.inner().get("parent_branch") {
@@ -198,6 +203,15 @@ mod tests {
         let props = properties(&marker);
         assert_eq!(props.kind().as_ref().unwrap().as_str(), TYPE_REWIND);
         assert_eq!(decode(&props, b"").unwrap(), marker);
+
+        // So does an end marker.
+        let end = OutboxEvent {
+            kind: EventKind::End,
+            ..marker.clone()
+        };
+        let props = properties(&end);
+        assert_eq!(props.kind().as_ref().unwrap().as_str(), TYPE_END);
+        assert_eq!(decode(&props, b"").unwrap(), end);
 
         // A version 1 message (no kind, no parent) is an intent.
         let v2 = properties(&event);

@@ -52,6 +52,9 @@ pub struct FoldStats {
     pub rejected: u64,
     /// Rewind markers folded.
     pub rewinds: u64,
+    /// End markers folded (runs complete) when delivered in order; one released from being
+    /// held back is not counted here.
+    pub ended: u64,
     /// Sessions lost (broker gone, channel failed) and opened again.
     pub reconnects: u64,
 }
@@ -66,6 +69,7 @@ impl FoldStats {
             }
             FoldOutcome::Duplicate | FoldOutcome::Abandoned => self.duplicates += 1,
             FoldOutcome::Parked => self.parked += 1,
+            FoldOutcome::Ended => self.ended += 1,
         }
     }
 
@@ -77,6 +81,7 @@ impl FoldStats {
             parked: self.parked + other.parked,
             rejected: self.rejected + other.rejected,
             rewinds: self.rewinds + other.rewinds,
+            ended: self.ended + other.ended,
             reconnects: self.reconnects + other.reconnects,
         }
     }
@@ -102,6 +107,11 @@ pub struct ConsumerConfig {
     /// client vanished and releases its locks. Default 60 s. Keep your projection's state in
     /// its transaction: a cancelled fold leaves nothing else behind.
     pub fold_timeout: Duration,
+    /// Retire the fold's state of runs whose end marker was folded longer than
+    /// `retention.keep` ago (`store::retire_folded_runs`), checked every quarter of it
+    /// (between 100 ms and 60 s); a later delivery of such a run is dead-lettered as
+    /// `retired`, never applied twice. Default `None`: the fold keeps every run's state.
+    pub retention: Option<store::Retention>,
 }
 
 impl ConsumerConfig {
@@ -113,6 +123,7 @@ impl ConsumerConfig {
             prefetch: 256,
             retry: RetryPolicy::default(),
             fold_timeout: Duration::from_secs(60),
+            retention: None,
         }
     }
 
@@ -222,10 +233,33 @@ where
             };
             tasks.spawn(serve.run(stop_rx.clone()));
         }
+        if let Some(retention) = self.config.retention {
+            tasks.spawn(retire_loop(self.pool.clone(), retention, stop_rx.clone()));
+        }
         stop.await;
         let _ = stop_tx.send(true);
         while tasks.join_next().await.is_some() {}
         Ok(totals(&self.progress))
+    }
+}
+
+/// Retires completed runs' fold state every quarter of the retention until `stop`; a failure
+/// is logged and tried again at the next tick.
+async fn retire_loop(pool: PgPool, retention: store::Retention, mut stop: watch::Receiver<bool>) {
+    let every = (retention.keep / 4).clamp(Duration::from_millis(100), Duration::from_secs(60));
+    let mut ticks = tokio::time::interval(every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = ticks.tick() => {}
+            _ = stop.wait_for(|stopped| *stopped) => return,
+        }
+        match store::retire_folded_runs(&pool, retention).await {
+            Ok(runs) => metrics::counter!("relay_fold_runs_retired_total").increment(runs),
+            Err(err) => {
+                tracing::warn!(error = %err, "retiring completed runs' fold state failed; trying again later")
+            }
+        }
     }
 }
 
@@ -499,6 +533,9 @@ fn verdict<E: std::fmt::Display>(
         Ok(outcome) => Verdict::Folded(outcome),
         Err(FoldError::Store(err @ store::Error::BrokenChain { .. })) => {
             Verdict::DeadLetter(format!("broken_chain: {err}"))
+        }
+        Err(FoldError::Store(err @ store::Error::RetiredRun { .. })) => {
+            Verdict::DeadLetter(format!("retired: {err}"))
         }
         Err(FoldError::Store(err)) if err.is_transient() => {
             Verdict::Retry(format!("database: {err}"))

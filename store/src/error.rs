@@ -61,6 +61,40 @@ pub enum Error {
         /// The run.
         run: crate::RunId,
     },
+    /// The run was closed ([`crate::IntentWriter::close_run`]): nothing more is appended or
+    /// rewound. Nothing was written.
+    #[error("run {tenant}/{run} was closed at lsn {head}")]
+    RunClosed {
+        /// Tenant of the run.
+        tenant: crate::TenantId,
+        /// The run.
+        run: crate::RunId,
+        /// The live branch's last intent before the end marker.
+        head: Lsn,
+    },
+    /// The run was never opened (or was retired after it closed). Nothing was written.
+    #[error("run {tenant}/{run} does not exist (open it first)")]
+    UnknownRun {
+        /// Tenant of the run.
+        tenant: crate::TenantId,
+        /// The run.
+        run: crate::RunId,
+    },
+    /// A delivery of a run the fold has retired (`relay_fold_retire`): a redelivery after the
+    /// retention, or an event held up for longer than it. Never applied: dead-letter it.
+    #[error(
+        "event {lsn} on {branch} belongs to a retired run (written at {created_at}, retired through {retired_through})"
+    )]
+    RetiredRun {
+        /// The branch.
+        branch: BranchKey,
+        /// The event's Lsn.
+        lsn: Lsn,
+        /// When the host wrote it.
+        created_at: chrono::DateTime<chrono::Utc>,
+        /// The latest end marker of a retired run.
+        retired_through: chrono::DateTime<chrono::Utc>,
+    },
     /// A rewind named a branch id the run already uses. Nothing was written.
     #[error("branch {branch} already exists")]
     BranchExists {
@@ -108,6 +142,10 @@ pub enum Error {
         /// The branch.
         branch: BranchKey,
     },
+    /// A retention longer than PostgreSQL's interval holds, or a batch of 0 or above
+    /// 2,147,483,647 runs.
+    #[error("retention out of range: keep at most about 292,000 years, batch 1 to 2147483647 runs")]
+    RetentionOutOfRange,
     /// Applying the migrations failed.
     #[error("migrating the outbox schema failed: {0}")]
     Migrate(#[source] sqlx::migrate::MigrateError),
@@ -134,6 +172,10 @@ impl Error {
     /// Whether retrying the same call later may succeed (the database, not the input, failed).
     pub fn is_transient(&self) -> bool {
         match self {
+            // The relay's own refusals (SQLSTATE class RL) judge the input: they repeat.
+            Error::Database(err) if sql_state(err).is_some_and(|code| code.starts_with("RL")) => {
+                false
+            }
             Error::Database(err) => !matches!(
                 err,
                 sqlx::Error::ColumnDecode { .. }

@@ -47,6 +47,9 @@ pub enum FoldOutcome {
     },
     /// An intent above the fork point of a branch whose marker was folded: never applied.
     Abandoned,
+    /// The run's end marker, folded after all of the run: the run is complete
+    /// ([`Projection::end`] was called). Nothing of it was held back, so nothing was released.
+    Ended,
 }
 
 /// A rewind, as the fold hands it to a [`Projection`].
@@ -82,6 +85,18 @@ pub trait Projection: Send {
         tx: &mut PgConnection,
         rewind: &RewindNotice,
     ) -> impl Future<Output = Result<(), Self::Error>> + Send;
+
+    /// The run `end.key.branch`'s tenant and run was closed, and everything of it has been
+    /// applied: `end` is its end marker (no payload). Called once per run, after its last
+    /// intent; a projection may finalise the run here. Default: nothing.
+    fn end(
+        &mut self,
+        tx: &mut PgConnection,
+        end: &OutboxEvent,
+    ) -> impl Future<Output = Result<(), Self::Error>> + Send {
+        let _ = (tx, end);
+        async { Ok(()) }
+    }
 
     /// Whether `error` will fail again however often the delivery is retried. A consumer
     /// dead-letters such a delivery (the branch waits behind it) and retries any other error
@@ -129,6 +144,7 @@ pub async fn fold<P: Projection>(
     let (kind, rewound_to) = match &event.kind {
         EventKind::Intent => ("intent", None),
         EventKind::Rewind { to } => ("rewind", Some(to.as_str())),
+        EventKind::End => ("end", None),
     };
     // The verdict's row is the delivery itself: its body is not sent back (n = 1).
     let steps: Vec<Step> = sqlx::query_as(
@@ -159,7 +175,13 @@ pub async fn fold<P: Projection>(
             "relay_fold returned no verdict".into(),
         ))
     })?;
-    let released = u32::try_from(steps.len()).unwrap_or(u32::MAX);
+    // Released intents (an end marker released with them is not counted).
+    let released = steps
+        .as_slice()
+        .iter()
+        .filter(|step| step.action == "apply")
+        .count();
+    let released = u32::try_from(released).unwrap_or(u32::MAX);
     let outcome = match verdict.action.as_str() {
         "apply" => {
             projection
@@ -180,6 +202,13 @@ pub async fn fold<P: Projection>(
                 .await
                 .map_err(FoldError::Projection)?;
             FoldOutcome::Rewound { released }
+        }
+        "end" => {
+            projection
+                .end(tx, event)
+                .await
+                .map_err(FoldError::Projection)?;
+            FoldOutcome::Ended
         }
         "hold" => FoldOutcome::Parked,
         "duplicate" => FoldOutcome::Duplicate,
@@ -206,28 +235,45 @@ pub async fn fold<P: Projection>(
             base_lsn: Lsn::from_db(step.base_lsn),
             payload: step.payload.unwrap_or_default(),
             created_at: step.created_at.unwrap_or(event.created_at),
-            kind: EventKind::Intent,
+            kind: if step.action == "end" {
+                EventKind::End
+            } else {
+                EventKind::Intent
+            },
             parent: step.parent_branch.map(BranchId::new).transpose()?,
         };
-        projection
-            .apply(tx, &released_event)
-            .await
-            .map_err(FoldError::Projection)?;
+        if released_event.is_end() {
+            projection.end(tx, &released_event).await
+        } else {
+            projection.apply(tx, &released_event).await
+        }
+        .map_err(FoldError::Projection)?;
     }
     Ok(outcome)
 }
 
-/// `relay_fold`'s refusal of a broken chain (RL200) as [`Error::BrokenChain`].
+/// `relay_fold`'s refusals of a broken chain (RL200) and of a retired run (RL202) as
+/// [`Error::BrokenChain`] and [`Error::RetiredRun`].
 fn fold_refusal(err: sqlx::Error, event: &OutboxEvent) -> Error {
-    match (
-        sql_state(&err).as_deref(),
-        detail_value(&err, "applied_lsn"),
-    ) {
-        (Some("RL200"), Some(applied)) => Error::BrokenChain {
-            branch: event.key.branch.clone(),
-            lsn: event.key.lsn,
-            prev: event.prev_lsn,
-            applied: Lsn::from_db(applied),
+    let micros = |name| detail_value(&err, name).and_then(DateTime::from_timestamp_micros);
+    match sql_state(&err).as_deref() {
+        Some("RL200") => match detail_value(&err, "applied_lsn") {
+            Some(applied) => Error::BrokenChain {
+                branch: event.key.branch.clone(),
+                lsn: event.key.lsn,
+                prev: event.prev_lsn,
+                applied: Lsn::from_db(applied),
+            },
+            None => Error::Database(err),
+        },
+        Some("RL202") => match micros("retired_through_us") {
+            Some(retired_through) => Error::RetiredRun {
+                branch: event.key.branch.clone(),
+                lsn: event.key.lsn,
+                created_at: event.created_at,
+                retired_through,
+            },
+            None => Error::Database(err),
         },
         _ => Error::Database(err),
     }

@@ -40,6 +40,8 @@ pub struct FoldModel {
     branches: HashMap<BranchKey, BranchState>,
     /// What was applied and not undone, in the order it was applied.
     projection: Vec<(EventKey, Vec<u8>)>,
+    /// The live branches whose end marker was folded (their runs are complete), in that order.
+    ended: Vec<BranchKey>,
 }
 
 impl FoldModel {
@@ -51,6 +53,11 @@ impl FoldModel {
     /// The projection: every intent applied and not undone, in the order it was applied.
     pub fn projection(&self) -> &[(EventKey, Vec<u8>)] {
         &self.projection
+    }
+
+    /// The runs folded to their end marker, as their live branch, in the order they completed.
+    pub fn ended(&self) -> &[BranchKey] {
+        &self.ended
     }
 
     /// How many intents are held back, over every branch.
@@ -109,17 +116,22 @@ impl FoldModel {
             state.held.insert(lsn, event.clone());
             return Ok(FoldOutcome::Parked);
         }
-        // Rule 6: apply, then catch up.
+        // Rule 6: apply, then catch up. An end marker applies nothing: its run is complete.
         state.applied = lsn;
+        if event.is_end() {
+            self.ended.push(key.clone());
+            return Ok(FoldOutcome::Ended);
+        }
         self.projection
             .push((event.key.clone(), event.payload.clone()));
         let released = self.catch_up(key.clone());
         Ok(FoldOutcome::Applied { released })
     }
 
-    /// "Catch up" `branch` (a started branch): applies its held-back successors, then hands
-    /// over to the branch it was rewound to once it is applied up to its fork, and so on down
-    /// a chain of rewinds. Returns how many held-back intents it applied.
+    /// "Catch up" `branch` (a started branch): applies its held-back successors (an end marker
+    /// among them completes the run), then hands over to the branch it was rewound to once it
+    /// is applied up to its fork, and so on down a chain of rewinds. Returns how many held-back
+    /// intents it applied.
     fn catch_up(&mut self, branch: BranchKey) -> u32 {
         let mut released = 0;
         let mut branch = branch;
@@ -136,8 +148,12 @@ impl FoldModel {
             {
                 let event = state.held.remove(&next).expect("found just above");
                 state.applied = next;
-                self.projection.push((event.key, event.payload));
-                released += 1;
+                if event.is_end() {
+                    self.ended.push(event.key.branch);
+                } else {
+                    self.projection.push((event.key, event.payload));
+                    released += 1;
+                }
             }
             let (Some(fork), Some(to)) = (state.abandoned_at, state.rewound_to.clone()) else {
                 return released;

@@ -11,6 +11,8 @@
 //! - `fold`: the consumer's exactly-once fold ([`FoldStore`]): idempotent on `(BranchKey, Lsn)`
 //!   and proving Lsn order per branch.
 //! - `fold_model`: [`FoldModel`], WIRE.md's consumer rules in memory (the fold's oracle).
+//! - `retention`: retirement of closed runs in the host's and the consumers' databases
+//!   ([`retire_runs`], [`retire_folded_runs`]).
 //! - `roles`: least-privilege grants for host, relay and consumer roles ([`roles_sql`]).
 //! - `error`: the one [`Error`] type.
 //! - `fixtures` (feature `fixtures`): bulk backlogs for benchmarks.
@@ -24,6 +26,7 @@ mod fold_model;
 mod key;
 mod lease;
 mod outbox;
+mod retention;
 mod roles;
 mod schema;
 mod wakeup;
@@ -64,12 +67,16 @@ pub use outbox::EventKind;
 pub use outbox::Outbox;
 pub use outbox::OutboxEvent;
 pub use outbox::ParkedBranch;
+pub use retention::Retention;
+pub use retention::retire_folded_runs;
+pub use retention::retire_runs;
 pub use roles::Roles;
 pub use roles::RolesFor;
 pub use roles::roles_sql;
 pub use schema::Schema;
 pub use schema::create_schema;
 pub use wakeup::Wakeups;
+pub use writer::Closed;
 pub use writer::DEFAULT_MAX_PAYLOAD_BYTES;
 pub use writer::IntentWriter;
 pub use writer::Rewound;
@@ -83,31 +90,44 @@ pub const MIGRATIONS_TABLE: &str = "relay_migrations";
 
 /// The embedded migrations (`store/migrations`), compiled in: no database is needed to build.
 /// Tracked in [`MIGRATIONS_TABLE`]. Hosts with another migration tool can apply the same SQL
-/// (`MIGRATOR.iter()` or `distribution sql`: the files in `store/migrations` in order, then
-/// `store/fold_migrations/0002_fold_function.sql`).
+/// (`MIGRATOR.iter()` or `distribution sql`, in version order).
 ///
-/// Version 4 is the fold's SQL function (`relay_fold`), the very file the fold migrations of a
-/// consumer's own database apply, so a database with the outbox folds too. The next file in
-/// `store/migrations` is therefore `0005_*`.
+/// Versions 4 and 6 are the fold's SQL (`relay_fold`, then end markers and `relay_fold_retire`),
+/// the very files the fold migrations of a consumer's own database apply, so a database with the
+/// outbox folds too. The next file in `store/migrations` is therefore `0007_*`.
 pub static MIGRATOR: std::sync::LazyLock<sqlx::migrate::Migrator> =
     std::sync::LazyLock::new(|| {
         let mut migrator = sqlx::migrate!("./migrations");
         migrator.dangerous_set_table_name(MIGRATIONS_TABLE);
         let mut migrations = migrator.migrations.into_owned();
-        migrations.push(sqlx::migrate::Migration::new(
-            4,
-            "fold function".into(),
-            sqlx::migrate::MigrationType::Simple,
-            sqlx::SqlStr::from_static(FOLD_FUNCTION_SQL),
-            false,
-        ));
+        for (version, description, sql) in FOLD_IN_OUTBOX {
+            migrations.push(sqlx::migrate::Migration::new(
+                version,
+                description.into(),
+                sqlx::migrate::MigrationType::Simple,
+                sqlx::SqlStr::from_static(sql),
+                false,
+            ));
+        }
+        migrations.sort_by_key(|migration| migration.version);
         migrator.migrations = migrations.into();
         migrator
     });
 
-/// The fold's rules as one SQL function, `relay_fold` (`store/fold_migrations/0002_fold_function.sql`):
-/// what a consumer in any language calls once per delivery (see WIRE.md).
-const FOLD_FUNCTION_SQL: &str = include_str!("../fold_migrations/0002_fold_function.sql");
+/// The fold's SQL in the outbox's migrations: (outbox version, description, the fold file).
+/// `relay_fold` is what a consumer in any language calls once per delivery (see WIRE.md).
+const FOLD_IN_OUTBOX: [(i64, &str, &str); 2] = [
+    (
+        4,
+        "fold function",
+        include_str!("../fold_migrations/0002_fold_function.sql"),
+    ),
+    (
+        6,
+        "fold end and retire",
+        include_str!("../fold_migrations/0003_end_and_retire.sql"),
+    ),
+];
 
 /// Brings the database schema up to date. Safe to run concurrently and repeatedly, beside a
 /// host's own sqlx migrations, in either order.
@@ -128,6 +148,9 @@ const REQUIRED_OBJECTS: &[(&str, &str)] = &[
     ("function", "relay_ack_and_drain"),
     ("function", "relay_append"),
     ("function", "relay_fold"),
+    ("function", "relay_close_run"),
+    ("function", "relay_retire_runs"),
+    ("function", "relay_fold_retire"),
 ];
 
 /// Checks that the schema the relay needs is there, without changing anything: for a relay

@@ -18,6 +18,9 @@ pub enum EventKind {
         /// The new live branch.
         to: BranchId,
     },
+    /// An end marker: the run was closed after `prev_lsn` ([`crate::IntentWriter::close_run`]);
+    /// written after every intent of the run's live branch, it is the run's last message.
+    End,
 }
 
 /// One committed export intent, as the relay ships it.
@@ -29,11 +32,11 @@ pub struct OutboxEvent {
     pub prev_lsn: Lsn,
     /// Where the branch starts: 0 for a run's first branch, the fork point after a rewind.
     pub base_lsn: Lsn,
-    /// The host's bytes, unchanged (empty for a rewind marker).
+    /// The host's bytes, unchanged (empty for a rewind or end marker).
     pub payload: Vec<u8>,
     /// When the host wrote the intent (clock time inside its transaction).
     pub created_at: DateTime<Utc>,
-    /// An intent or a rewind marker.
+    /// An intent, a rewind marker or an end marker.
     pub kind: EventKind,
     /// For a branch forked by a rewind: the branch it was forked from (at `base_lsn`).
     pub parent: Option<BranchId>,
@@ -43,6 +46,11 @@ impl OutboxEvent {
     /// Whether this is a rewind marker.
     pub fn is_rewind(&self) -> bool {
         matches!(self.kind, EventKind::Rewind { .. })
+    }
+
+    /// Whether this is the end marker of a closed run.
+    pub fn is_end(&self) -> bool {
+        matches!(self.kind, EventKind::End)
     }
 }
 
@@ -511,6 +519,7 @@ fn events_of(tenant: &TenantId, rows: Vec<EventRow>) -> Result<Vec<OutboxEvent>,
                     (1, Some(to)) => EventKind::Rewind {
                         to: BranchId::new(to)?,
                     },
+                    (2, _) => EventKind::End,
                     _ => EventKind::Intent,
                 };
                 Ok(OutboxEvent {

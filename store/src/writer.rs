@@ -5,8 +5,9 @@
 //! own implicit transaction.
 //!
 //! Every call is one call of the SQL write API (`relay_open_run`, `relay_append`,
-//! `relay_rewind`, in `store/migrations/0003_write_api.sql`), the one implementation of the
-//! rules, which hosts in any language call too. Refusals come back as typed [`Error`]s:
+//! `relay_rewind`, `relay_close_run`, in `store/migrations/0003_write_api.sql` and
+//! `0005_close_and_retire.sql`), the one implementation of the rules, which hosts in any
+//! language call too. Refusals come back as typed [`Error`]s:
 //! - input this writer can judge alone (an Lsn out of range, a payload above the limit) is
 //!   refused before any SQL runs, and the host's transaction stays usable;
 //! - a refusal only the database can judge (unknown or abandoned branch, Lsn not above the
@@ -18,7 +19,7 @@ use std::borrow::Cow;
 use sqlx::PgConnection;
 
 use crate::error::{detail_value, sql_state};
-use crate::{BranchId, BranchKey, Error, Lsn, Schema};
+use crate::{BranchId, BranchKey, Error, Lsn, RunId, Schema, TenantId};
 
 /// Default largest payload, 256 KiB: far below RabbitMQ's 128 MiB `max_message_size` and small
 /// enough that a relay batch of 1,000 intents stays bounded in memory.
@@ -31,6 +32,15 @@ pub struct Rewound {
     pub live: BranchKey,
     /// How many unshipped intents of the old branch's tail were abandoned (never exported).
     pub abandoned: u64,
+}
+
+/// What closing a run did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Closed {
+    /// The live branch the end marker follows.
+    pub live: BranchKey,
+    /// The end marker's Lsn (one above the live branch's last intent).
+    pub end: Lsn,
 }
 
 /// Writes export intents in the host's transaction.
@@ -154,6 +164,39 @@ impl IntentWriter {
         Ok(())
     }
 
+    /// Closes the run `(tenant, run)` in the host's transaction (`relay_close_run`): later
+    /// appends and rewinds are refused ([`Error::RunClosed`]), and an end marker is written after
+    /// the live branch's last intent, so consumers learn that the run is complete once they have
+    /// folded all of it. A closed run is retired (its branches removed, here and at the fold)
+    /// after the retention the relay and the consumers are given (`RELAY_RETENTION_SECS`,
+    /// `relay_fold_retire`); its ids must not be used again.
+    pub async fn close_run(
+        &self,
+        conn: &mut PgConnection,
+        tenant: &TenantId,
+        run: &RunId,
+    ) -> Result<Closed, Error> {
+        let (branch, end): (String, i64) =
+            sqlx::query_as(self.sql("SELECT branch_id, end_lsn FROM relay_close_run($1, $2, $3)"))
+                .bind(tenant.as_str())
+                .bind(run.as_str())
+                .bind(self.notify)
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(|err| match sql_state(&err).as_deref() {
+                    Some("RL104") => Error::UnknownRun {
+                        tenant: tenant.clone(),
+                        run: run.clone(),
+                    },
+                    Some("RL110") => closed(&err, tenant, run),
+                    _ => Error::Database(err),
+                })?;
+        Ok(Closed {
+            live: BranchKey::new(tenant.clone(), run.clone(), BranchId::new(branch)?),
+            end: Lsn::from_db(end),
+        })
+    }
+
     /// Rewinds: forks a new live branch `new_branch` from the live branch `from` at Lsn `at`.
     /// The old branch's intents after `at` that are not yet shipped are abandoned (deleted, never
     /// exported); its intents up to `at` stay on live history and still ship under its key.
@@ -229,7 +272,17 @@ fn refusal(err: sqlx::Error, key: &BranchKey, lsn: Option<Lsn>) -> Error {
         Some("RL109") => Some(Error::NoRoomForMarker {
             branch: key.clone(),
         }),
+        Some("RL110") => Some(closed(&err, &key.tenant, &key.run)),
         _ => None,
     };
     known.unwrap_or(Error::Database(err))
+}
+
+/// `RL110`, a closed run, as [`Error::RunClosed`].
+fn closed(err: &sqlx::Error, tenant: &TenantId, run: &RunId) -> Error {
+    Error::RunClosed {
+        tenant: tenant.clone(),
+        run: run.clone(),
+        head: Lsn::from_db(detail_value(err, "head_lsn").unwrap_or(0)),
+    }
 }

@@ -74,6 +74,34 @@ impl Projection for Journal {
         .await?;
         Ok(())
     }
+
+    async fn end(&mut self, tx: &mut PgConnection, end: &OutboxEvent) -> Result<(), store::Error> {
+        let key = &end.key.branch;
+        sqlx::query(
+            "INSERT INTO journal (tenant, run, branch, lsn, op) VALUES ($1, $2, $3, $4, 'end')",
+        )
+        .bind(key.tenant.as_str())
+        .bind(key.run.as_str())
+        .bind(key.branch.as_str())
+        .bind(end.key.lsn.get() as i64)
+        .execute(&mut *tx)
+        .await?;
+        Ok(())
+    }
+}
+
+/// The runs whose end the projection was told of, each with whether it came after everything
+/// else of its run in the journal (it must), in journal order.
+async fn ends(pool: &PgPool, tenant: &TenantId) -> Vec<(String, bool)> {
+    sqlx::query_as(
+        "SELECT e.run, NOT EXISTS (SELECT 1 FROM journal l WHERE l.tenant = e.tenant
+                                     AND l.run = e.run AND l.seq > e.seq)
+           FROM journal e WHERE e.tenant = $1 AND e.op = 'end' ORDER BY e.seq",
+    )
+    .bind(tenant.as_str())
+    .fetch_all(pool)
+    .await
+    .unwrap()
 }
 
 async fn fold_one(pool: &PgPool, event: &OutboxEvent) -> FoldOutcome {
@@ -96,7 +124,7 @@ async fn effective(pool: &PgPool, tenant: &TenantId) -> Vec<(String, String, u64
     for (run, branch, lsn, op) in rows {
         if op == "apply" {
             live.push((run, branch, lsn as u64));
-        } else {
+        } else if op == "undo" {
             live.retain(|(r, b, l)| !(r == &run && b == &branch && *l > lsn as u64));
         }
     }
@@ -261,6 +289,8 @@ struct History {
     lengths: Vec<u64>,
     forks: Vec<u64>,
     in_flight: Vec<bool>,
+    /// Whether the host closed the run at the end (an end marker after the live branch).
+    closed: bool,
 }
 
 fn histories() -> impl Strategy<Value = History> {
@@ -270,9 +300,10 @@ fn histories() -> impl Strategy<Value = History> {
                 prop::collection::vec(0u64..5, branches),
                 prop::collection::vec(0u64..100, branches - 1),
                 prop::collection::vec(any::<bool>(), 12),
+                any::<bool>(),
             )
         })
-        .prop_map(|(lengths, fork_picks, in_flight)| {
+        .prop_map(|(lengths, fork_picks, in_flight, closed)| {
             let mut forks = Vec::new();
             let mut base = 0;
             for (i, pick) in fork_picks.iter().enumerate() {
@@ -290,6 +321,7 @@ fn histories() -> impl Strategy<Value = History> {
                 lengths,
                 forks,
                 in_flight,
+                closed,
             }
         })
 }
@@ -331,6 +363,13 @@ fn messages(
                 NAMES[i + 1],
             ));
             base = fork;
+        } else if history.closed {
+            // The live branch, closed after its last intent.
+            all.push(OutboxEvent {
+                kind: EventKind::End,
+                payload: Vec::new(),
+                ..intent(&branch, base + length + 1, base + length, base, parent)
+            });
         }
     }
     (all, live)
@@ -411,6 +450,11 @@ fn wire_rules_alone_give_the_live_history_under_any_delivery_sequence() {
             prop_assert_eq!(per_run(&got, run), per_run(&live, run), "{}: live history, in order", run);
         }
         prop_assert_eq!(model.held_back(), 0);
+        let mut ended: Vec<String> = model.ended().iter().map(|key| key.run.to_string()).collect();
+        ended.sort();
+        let closed: Vec<String> = [("r1", &h1), ("r2", &h2)].iter()
+            .filter(|(_, h)| h.closed).map(|(run, _)| run.to_string()).collect();
+        prop_assert_eq!(ended, closed, "every closed run ends, once");
     });
 }
 
@@ -455,6 +499,18 @@ fn the_fold_and_the_wire_rules_agree_on_every_delivery_of_any_sequence() {
             want.sort();
             assert_eq!(table, want);
             assert_eq!(fold.parked(&tenant).await.unwrap(), 0);
+            // Each closed run ended once, after everything else of it, as the model says.
+            let ends = ends(&pool, &tenant).await;
+            let mut ended: Vec<String> = ends.iter().map(|(run, _)| run.clone()).collect();
+            ended.sort();
+            let mut modelled_ends: Vec<String> = model.ended().iter().map(|key| key.run.to_string()).collect();
+            modelled_ends.sort();
+            assert_eq!(ended, modelled_ends, "the same runs ended");
+            assert!(ends.iter().all(|(_, last)| *last), "an end comes after all of its run: {ends:?}");
+            let cursors: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM relay_fold_cursor WHERE tenant_id = $1 AND ended_at IS NOT NULL")
+                .bind(tenant.as_str()).fetch_one(&pool).await.unwrap();
+            assert_eq!(cursors as usize, ended.len(), "the cursors say which runs ended");
         });
     });
 }

@@ -432,14 +432,7 @@ impl Folding {
         let progress = self.progress.lock().unwrap();
         progress
             .iter()
-            .fold(FoldStats::default(), |sum, stats| FoldStats {
-                applied: sum.applied + stats.applied,
-                duplicates: sum.duplicates + stats.duplicates,
-                parked: sum.parked + stats.parked,
-                rejected: sum.rejected + stats.rejected,
-                rewinds: sum.rewinds + stats.rewinds,
-                reconnects: sum.reconnects + stats.reconnects,
-            })
+            .fold(FoldStats::default(), |sum, stats| sum.plus(*stats))
     }
 
     pub async fn stop(mut self) -> FoldStats {

@@ -454,3 +454,99 @@ async fn an_append_waiting_on_a_rewind_is_refused_once_it_commits(pool: PgPool) 
     .unwrap();
     assert_eq!(intents, 3);
 }
+
+/// A close waits for an append in progress on the live branch (the branch's lock), then puts
+/// its end marker above it: the end marker never sits below an intent of the run.
+#[sqlx::test(migrator = "store::MIGRATOR")]
+async fn a_close_waiting_on_an_append_ends_the_run_after_it(pool: PgPool) {
+    let branch = key("t", "r", "main");
+    appended(&pool, &branch, 1..=3).await;
+    let writer = IntentWriter::default().with_notify(false);
+    let mut append = pool.begin().await.unwrap();
+    writer
+        .append(&mut append, &branch, Lsn::new(4), b"4")
+        .await
+        .unwrap();
+    let close = tokio::spawn({
+        let (pool, writer, branch) = (pool.clone(), writer.clone(), branch.clone());
+        async move {
+            let mut conn = pool.acquire().await.unwrap();
+            writer
+                .close_run(&mut conn, &branch.tenant, &branch.run)
+                .await
+        }
+    });
+    blocked_on_lock(&pool, "relay_close_run").await;
+    append.commit().await.unwrap();
+    let closed = close.await.unwrap().unwrap();
+    assert_eq!(closed.end, Lsn::new(5));
+    let rows: Vec<(i64, i64, i16)> =
+        sqlx::query_as("SELECT lsn, prev_lsn, kind FROM relay_outbox ORDER BY seq")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        rows.last(),
+        Some(&(5, 4, 2)),
+        "the end marker follows lsn 4"
+    );
+}
+
+/// Retirement never waits for anyone: a host transaction holding an open run's branch, and
+/// another holding a closed run's, leave it free to retire every other due run at once; the
+/// held run goes in a later pass, once it is free.
+#[sqlx::test(migrator = "store::MIGRATOR")]
+async fn retirement_skips_what_others_hold_and_never_waits_for_a_host(pool: PgPool) {
+    let writer = IntentWriter::default().with_notify(false);
+    for run in ["a", "b", "c", "open"] {
+        appended(&pool, &key("t", run, "main"), 1..=1).await;
+    }
+    let mut conn = pool.acquire().await.unwrap();
+    for run in ["a", "b", "c"] {
+        let tenant = TenantId::new("t").unwrap();
+        writer
+            .close_run(&mut conn, &tenant, &RunId::new(run).unwrap())
+            .await
+            .unwrap();
+    }
+    sqlx::query("DELETE FROM relay_outbox")
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE relay_branch SET closed_at = closed_at - interval '1 hour'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    // The host appends to its open run and holds the branch; someone holds closed run b's row.
+    let mut host = pool.begin().await.unwrap();
+    writer
+        .append(&mut host, &key("t", "open", "main"), Lsn::new(2), b"2")
+        .await
+        .unwrap();
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM relay_branch WHERE run_id = 'b' FOR UPDATE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let retention = store::Retention {
+        keep: Duration::from_secs(600),
+        batch: 100,
+    };
+    // A retirement that waited on a lock would not return while both transactions are open.
+    let retired = tokio::time::timeout(
+        Duration::from_secs(30),
+        store::retire_runs(&pool, retention),
+    )
+    .await
+    .expect("retirement waited on a lock")
+    .unwrap();
+    assert_eq!(retired, 2, "a and c; b is held");
+    host.commit().await.unwrap();
+    holder.commit().await.unwrap();
+    assert_eq!(store::retire_runs(&pool, retention).await.unwrap(), 1, "b");
+    let runs: Vec<String> = sqlx::query_scalar("SELECT run_id FROM relay_branch ORDER BY run_id")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(runs, ["open"]);
+}

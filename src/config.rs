@@ -73,6 +73,10 @@ pub struct RelayConfig {
     /// `distribution run` does not apply the schema (the host applies `distribution sql` with
     /// its own migration tool). Env `RELAY_SKIP_MIGRATE`; default false.
     pub skip_migrate: bool,
+    /// Retire closed runs (their branches and parked rows; `store::retire_runs`) once they were
+    /// closed this long ago and every row of them shipped, checked every quarter of it (between
+    /// 100 ms and 60 s). Env `RELAY_RETENTION_SECS`; default none (closed runs are kept).
+    pub retention: Option<Duration>,
 }
 
 /// Reads a PEM file that must hold a `-----BEGIN ...{kind}-----` block.
@@ -224,6 +228,10 @@ pub struct Settings {
     #[arg(long, env = "RELAY_READY_MAX_PARKED", default_value_t = defaults().ready_max_parked,
           value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
     pub ready_max_parked: u32,
+    /// Retire closed and shipped runs this many seconds after they closed (default: never).
+    #[arg(long, env = "RELAY_RETENTION_SECS",
+          value_parser = clap::value_parser!(u64).range(1..=3_153_600_000))]
+    pub retention_secs: Option<u64>,
 }
 
 impl Settings {
@@ -255,6 +263,7 @@ impl Settings {
         config.ready_max_parked = self.ready_max_parked;
         config.schema = self.schema;
         config.skip_migrate = self.skip_migrate;
+        config.retention = self.retention_secs.map(Duration::from_secs);
         if let Some(path) = &self.amqp_ca_file {
             let pem = pem_file("RELAY_AMQP_CA_FILE", path, "CERTIFICATE")?;
             config.amqp_tls.ca_pem = Some(String::from_utf8_lossy(&pem).into_owned());
@@ -328,6 +337,7 @@ impl RelayConfig {
             amqp_tls: broker::AmqpTls::default(),
             schema: None,
             skip_migrate: false,
+            retention: None,
         }
     }
 

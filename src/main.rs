@@ -69,6 +69,23 @@ enum Command {
         /// Only this branch of the run.
         branch: Option<String>,
     },
+    /// Retire closed runs now: in the outbox's database, runs closed longer than --retention-secs
+    /// ago whose every row shipped; with --fold, a consumer's fold state of runs whose end
+    /// marker it folded longer ago than that (for cron; a relay with RELAY_RETENTION_SECS does
+    /// the former itself).
+    Retire {
+        #[command(flatten)]
+        database: Database,
+        /// Keep closed runs this many seconds.
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..=3_153_600_000))]
+        retention_secs: u64,
+        /// Most runs retired per transaction.
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+        batch: u32,
+        /// DATABASE_URL is a consumer's database: retire the fold's state.
+        #[arg(long)]
+        fold: bool,
+    },
     /// The broker-down walk, end to end, on this machine's PostgreSQL and RabbitMQ.
     Demo,
     /// Print the schema's SQL (every migration, in order) for hosts with another migration
@@ -191,6 +208,12 @@ fn main() -> ExitCode {
                 run,
                 branch,
             } => release(&database, tenant, run, branch).await,
+            Command::Retire {
+                database,
+                retention_secs,
+                batch,
+                fold,
+            } => retire(&database, retention_secs, batch, fold).await,
             Command::Demo => demo::run().await,
             Command::Sql { fold } => {
                 print_sql(fold);
@@ -314,6 +337,22 @@ async fn migrate_in(url: &str, schema: Option<&store::Schema>) -> Result<()> {
 async fn migrate(database: &Database) -> Result<()> {
     migrate_in(&database.database_url, database.schema.as_ref()).await?;
     println!("outbox schema is up to date");
+    Ok(())
+}
+
+async fn retire(database: &Database, retention_secs: u64, batch: u32, fold: bool) -> Result<()> {
+    let pool = connect(&database.database_url, database.schema.as_ref()).await?;
+    let retention = store::Retention {
+        keep: std::time::Duration::from_secs(retention_secs),
+        batch,
+    };
+    if fold {
+        let runs = store::retire_folded_runs(&pool, retention).await?;
+        println!("retired the fold state of {runs} completed runs");
+    } else {
+        let runs = store::retire_runs(&pool, retention).await?;
+        println!("retired {runs} closed runs");
+    }
     Ok(())
 }
 

@@ -179,6 +179,13 @@ async fn run_tree(
         }
     };
     let _ = ready.send(Ok(()));
+    // Retirement runs beside the tree, on the relay's runtime; it ends with this function.
+    let _retiring = config.retention.map(|keep| {
+        AbortOnDrop(tokio::spawn(retire_loop(
+            pool.clone(),
+            store::Retention::new(keep),
+        )))
+    });
     let mut backoff = Backoff::new(config.supervisor.restart);
     loop {
         let args = SupervisorArgs {
@@ -216,6 +223,33 @@ async fn run_tree(
                 let delay = backoff.next_delay();
                 tracing::error!(retry_in_ms = delay.as_millis() as u64, "relay supervisor ended; restarting the tree");
                 tokio::time::sleep(delay).await;
+            }
+        }
+    }
+}
+
+/// Aborts its task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Retires closed and shipped runs every quarter of the retention (between 100 ms and 60 s).
+/// Every relay runs it; batches skip what another holds, so they never contend. A failure is
+/// logged and tried again at the next tick.
+async fn retire_loop(pool: sqlx::PgPool, retention: store::Retention) {
+    let every = (retention.keep / 4).clamp(Duration::from_millis(100), Duration::from_secs(60));
+    let mut ticks = tokio::time::interval(every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticks.tick().await;
+        match store::retire_runs(&pool, retention).await {
+            Ok(runs) => metrics::counter!("relay_runs_retired_total").increment(runs),
+            Err(err) => {
+                tracing::warn!(error = %err, "retiring closed runs failed; trying again later")
             }
         }
     }

@@ -92,6 +92,14 @@ pub fn describe_metrics(publishers: u16) {
         "Times a branch was parked, per tenant."
     );
     describe_counter!(
+        "relay_runs_retired_total",
+        "Closed and shipped runs whose branches this relay removed after RELAY_RETENTION_SECS."
+    );
+    describe_counter!(
+        "relay_fold_runs_retired_total",
+        "Completed runs whose fold state a consumer removed after its retention."
+    );
+    describe_counter!(
         "relay_consumer_dead_letters_total",
         "Messages a consumer dead-lettered, per reason (contract, broken_chain, retired, handler)."
     );

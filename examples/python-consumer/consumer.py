@@ -2,7 +2,7 @@
 live-history order, through the fold's SQL function `relay_fold` (see broker/WIRE.md). It
 re-implements none of the fold's rules: per delivery, in one transaction, it calls `relay_fold`
 with the message's headers and body, applies what it returns ("apply" rows in order, "undo" for a
-rewind), commits, and only then acks.
+rewind, "end" once a closed run is complete), commits, and only then acks.
 
     AMQP_URL=amqp://guest:guest@127.0.0.1:5672/%2f DATABASE_URL=postgres://... \
       TOPOLOGY=outbox PARTITIONS=4 python3 consumer.py
@@ -49,6 +49,9 @@ def main():
                seq bigserial, tenant text, run text, branch text, lsn bigint, body bytea,
                PRIMARY KEY (tenant, run, branch, lsn))"""
     )
+    db.execute(
+        "CREATE TABLE IF NOT EXISTS py_runs_done (tenant text, run text, PRIMARY KEY (tenant, run))"
+    )
     writes = 0
 
     def handle(channel, method, properties, body):
@@ -86,13 +89,20 @@ def main():
                             " WHERE tenant = %s AND run = %s AND branch = %s AND lsn > %s",
                             (tenant, run, branch, lsn),
                         )
+                    elif action == "end":
+                        # The run is complete: everything of it is applied. Once per run.
+                        db.execute(
+                            "INSERT INTO py_runs_done (tenant, run) VALUES (%s, %s)",
+                            (tenant, run),
+                        )
                 writes += 1
                 if crash_after and writes >= crash_after:
                     print(f"crashing before commit, after {writes} writes", flush=True)
                     os._exit(3)
         except psycopg.Error as error:
-            if error.sqlstate in ("RL200", "RL201", "RL100"):
-                # A broken producer or a malformed message: it will fail again; dead-letter it.
+            if error.sqlstate in ("RL200", "RL201", "RL202", "RL100"):
+                # A broken producer, a malformed message or a run retired after its retention:
+                # it will fail again; dead-letter it.
                 print(f"dead-lettering {properties.message_id}: {error}", flush=True)
                 channel.basic_nack(method.delivery_tag, requeue=False)
                 return

@@ -2,13 +2,14 @@
 //! (`distribution roles` prints them).
 //!
 //! - the **host** role may only call the write API (`relay_open_run`, `relay_append`,
-//!   `relay_rewind`): no privilege on any table, so it cannot read, drain, ack or delete
-//!   outbox rows;
+//!   `relay_rewind`, `relay_close_run`): no privilege on any table, so it cannot read, drain,
+//!   ack or delete outbox rows;
 //! - the **relay** role may drain and ack (`relay_ack_and_drain`, reading and deleting outbox
-//!   rows), park branches and hold leases, and nothing else: it cannot write intents or
-//!   change branches, and needs neither superuser nor owner rights (run it with
-//!   `RELAY_SKIP_MIGRATE=true`; the owner migrates);
-//! - the **consumer** role may only call `relay_fold` (and own its projection's tables).
+//!   rows), park branches, hold leases and retire closed runs (`relay_retire_runs`), and
+//!   nothing else: it cannot write intents or change branches, and needs neither superuser nor
+//!   owner rights (run it with `RELAY_SKIP_MIGRATE=true`; the owner migrates);
+//! - the **consumer** role may only call `relay_fold` and `relay_fold_retire` (and own its
+//!   projection's tables).
 //!
 //! The write functions and `relay_fold` are `SECURITY DEFINER` (they act as the objects'
 //! owner), so the roles need no privilege on the tables behind them. PostgreSQL grants EXECUTE on
@@ -36,7 +37,14 @@ pub enum RolesFor {
     Fold,
 }
 
-const HOST_FUNCTIONS: &[&str] = &["relay_open_run", "relay_append", "relay_rewind"];
+const HOST_FUNCTIONS: &[&str] = &[
+    "relay_open_run",
+    "relay_append",
+    "relay_rewind",
+    "relay_close_run",
+];
+const RELAY_FUNCTIONS: &[&str] = &["relay_ack_and_drain", "relay_retire_runs"];
+const CONSUMER_FUNCTIONS: &[&str] = &["relay_fold", "relay_fold_retire"];
 
 fn role(kind: &'static str, name: &str) -> Result<String, Error> {
     identifier(kind, name, &["public"])?;
@@ -82,11 +90,14 @@ pub fn roles_sql(roles: &Roles, on: RolesFor, schema: Option<&Schema>) -> Result
             "relay_open_run",
             "relay_append",
             "relay_rewind",
+            "relay_close_run",
             "relay_require_id",
             "relay_ack_and_drain",
+            "relay_retire_runs",
             "relay_fold",
+            "relay_fold_retire",
         ],
-        RolesFor::Fold => &["relay_fold"],
+        RolesFor::Fold => CONSUMER_FUNCTIONS,
     };
     sql.push_str(&format!(
         "REVOKE EXECUTE ON FUNCTION {} FROM PUBLIC;\n",
@@ -108,12 +119,12 @@ pub fn roles_sql(roles: &Roles, on: RolesFor, schema: Option<&Schema>) -> Result
         }
         if let Some(relay) = &relay {
             sql.push_str(&format!(
-                "-- The relay: drain and ack, park branches, hold leases.\n\
+                "-- The relay: drain and ack, park branches, hold leases, retire closed runs.\n\
                  GRANT EXECUTE ON FUNCTION {} TO {relay};\n\
                  GRANT SELECT, DELETE ON {} TO {relay};\n\
                  GRANT SELECT, INSERT, UPDATE, DELETE ON {} TO {relay};\n\
                  GRANT SELECT, UPDATE ON {} TO {relay};\n",
-                names(&["relay_ack_and_drain"]),
+                names(RELAY_FUNCTIONS),
                 names(&["relay_outbox"]),
                 names(&["relay_parked_branch", "relay_member"]),
                 names(&["relay_lease"]),
@@ -125,7 +136,7 @@ pub fn roles_sql(roles: &Roles, on: RolesFor, schema: Option<&Schema>) -> Result
         sql.push_str(&format!(
             "-- A consumer: the fold only; it owns its projection's tables.\n\
              GRANT EXECUTE ON FUNCTION {} TO {consumer};\n",
-            names(&["relay_fold"])
+            names(CONSUMER_FUNCTIONS)
         ));
         usage(&mut sql, consumer);
     }
@@ -150,7 +161,9 @@ mod tests {
             .collect();
         assert_eq!(
             host,
-            ["GRANT EXECUTE ON FUNCTION relay_open_run, relay_append, relay_rewind TO app_host;"]
+            [
+                "GRANT EXECUTE ON FUNCTION relay_open_run, relay_append, relay_rewind, relay_close_run TO app_host;"
+            ]
         );
         assert!(!sql.contains("ON relay_outbox TO app_host"));
         assert!(sql.contains("GRANT SELECT, DELETE ON relay_outbox TO relay_runner;"));
@@ -162,8 +175,12 @@ mod tests {
             ..Roles::default()
         };
         let sql = roles_sql(&fold, RolesFor::Fold, Some(&schema)).unwrap();
-        assert!(sql.contains("REVOKE EXECUTE ON FUNCTION ops.relay_fold FROM PUBLIC;"));
-        assert!(sql.contains("GRANT EXECUTE ON FUNCTION ops.relay_fold TO relay_projector;"));
+        assert!(sql.contains(
+            "REVOKE EXECUTE ON FUNCTION ops.relay_fold, ops.relay_fold_retire FROM PUBLIC;"
+        ));
+        assert!(sql.contains(
+            "GRANT EXECUTE ON FUNCTION ops.relay_fold, ops.relay_fold_retire TO relay_projector;"
+        ));
         assert!(sql.contains("GRANT USAGE ON SCHEMA ops TO relay_projector;"));
         assert!(!sql.contains("relay_append"));
     }

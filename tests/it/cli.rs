@@ -282,7 +282,7 @@ fn the_printed_fold_sql_folds_and_roles_refuse_bad_names() {
         output(relay().args(["roles", "--consumer", "app_fold", "--fold-database"]));
     assert_eq!(code, 0, "{stderr}");
     assert!(
-        grants.contains("GRANT EXECUTE ON FUNCTION relay_fold TO app_fold;"),
+        grants.contains("GRANT EXECUTE ON FUNCTION relay_fold, relay_fold_retire TO app_fold;"),
         "{grants}"
     );
     let (code, _, stderr) = output(relay().arg("roles"));

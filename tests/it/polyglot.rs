@@ -104,6 +104,10 @@ async fn run_host(host: &Path, database_url: &str, tenant: &str) {
         stdout.contains(r#""refused":"RL105: branch"#),
         "an append to the abandoned branch is refused with RL105:\n{stdout}"
     );
+    assert!(
+        stdout.contains(r#""closed":"ts-r3","branch":"retry","end":23"#),
+        "each run is closed after its last step:\n{stdout}"
+    );
 }
 
 /// The live history of each tenant as the host wrote it: per run, `main` 1..=12, then `retry`
@@ -200,6 +204,29 @@ async fn a_typescript_host_and_a_python_consumer_get_exactly_the_live_history() 
                 .await
                 .unwrap();
         assert_eq!(states, vec![("retry".to_owned(), 22); 6]);
+        // Every run was closed by the host, and ended at the consumer once, after all of it.
+        let want: Vec<(String, String)> = ["ts-a", "ts-b"]
+            .iter()
+            .flat_map(|t| ["ts-r1", "ts-r2", "ts-r3"].map(|r| (t.to_string(), r.to_owned())))
+            .collect();
+        wait_until(
+            "every run to end at the Python consumer",
+            Duration::from_secs(60),
+            || async {
+                sqlx::query_as::<_, (String, String)>(
+                    "SELECT tenant, run FROM py_runs_done ORDER BY tenant, run",
+                )
+                .fetch_all(&fold_pool)
+                .await
+                .unwrap_or_default()
+                    == want
+            },
+        )
+        .await;
+        // Ended after all of it: the projection is still exactly the live history.
+        for tenant in ["ts-a", "ts-b"] {
+            assert_eq!(projected(&fold_pool, tenant).await, live_history());
+        }
         steady.kill().await.unwrap();
         relay.shutdown().await;
     })
@@ -327,6 +354,26 @@ async fn the_relay_and_both_examples_run_under_least_privilege_roles() {
         steady.kill().await.unwrap();
         relay.shutdown().await;
 
+        // The host closed its runs; retirement works under the relay's and the consumer's roles
+        // (nothing is due yet: the retention is an hour).
+        let hour = distribution::store::Retention::new(Duration::from_secs(3600));
+        let relay_pool = PgPool::connect(&relay_url).await.unwrap();
+        assert_eq!(
+            distribution::store::retire_runs(&relay_pool, hour)
+                .await
+                .unwrap(),
+            0
+        );
+        let consumer_pool = PgPool::connect(&consumer_url).await.unwrap();
+        assert_eq!(
+            distribution::store::retire_folded_runs(&consumer_pool, hour)
+                .await
+                .unwrap(),
+            0
+        );
+        relay_pool.close().await;
+        consumer_pool.close().await;
+
         // Each role is refused what is not its part.
         for sql in [
             "SELECT count(*) FROM relay_outbox",
@@ -335,12 +382,14 @@ async fn the_relay_and_both_examples_run_under_least_privilege_roles() {
              1000000, '{}', '{}', '{}')",
             "UPDATE relay_branch SET head_lsn = 0",
             "UPDATE relay_lease SET owner = 'me'",
+            "SELECT relay_retire_runs('1 second', 10)",
         ] {
             assert!(refused(&host_url, sql).await, "the host role: {sql}");
         }
         for sql in [
             "SELECT relay_append('ts-least', 'ts-r1', 'retry', 99, '\\x00')",
             "SELECT relay_open_run('ts-least', 'x', 'main')",
+            "SELECT relay_close_run('ts-least', 'ts-r1')",
             "UPDATE relay_branch SET head_lsn = 0",
             "INSERT INTO relay_outbox (tenant_id, run_id, branch_id, lsn, prev_lsn, base_lsn, \
              payload) VALUES ('a', 'b', 'c', 1, 0, 0, '')",
@@ -350,6 +399,7 @@ async fn the_relay_and_both_examples_run_under_least_privilege_roles() {
         for sql in [
             "SELECT count(*) FROM relay_fold_cursor",
             "DELETE FROM relay_fold_parked",
+            "DELETE FROM relay_fold_horizon",
         ] {
             assert!(
                 refused(&consumer_url, sql).await,

@@ -1,7 +1,8 @@
 // A host in TypeScript: each step writes the host's own state and its export intent in ONE
 // transaction, through the relay's SQL write API (`relay_open_run`, `relay_append`,
-// `relay_rewind`). Nothing here knows the relay's tables or its lock protocol: the functions
-// carry every rule, and refuse bad calls with documented SQLSTATEs (RL100..RL109).
+// `relay_rewind`, `relay_close_run`). Nothing here knows the relay's tables or its lock
+// protocol: the functions carry every rule, and refuse bad calls with documented SQLSTATEs
+// (RL100..RL110).
 //
 //   DATABASE_URL=postgres://postgres@127.0.0.1:5432/test TENANT=acme RUNS=2 STEPS=20 FORK=12 \
 //     RETRY_STEPS=8 node dist/host.js
@@ -127,6 +128,18 @@ async function main() {
       }
     });
     console.log(JSON.stringify({ refused }));
+    // The runs end: later appends are refused (RL110) and consumers get an end marker after
+    // each run's last intent.
+    for (const run of runIds) {
+      const closed = await inTransaction(client, async () => {
+        const result = await client.query(
+          `SELECT branch_id, end_lsn FROM ${fn("relay_close_run")}($1, $2)`,
+          [tenant, run],
+        );
+        return result.rows[0] as { branch_id: string; end_lsn: string };
+      });
+      console.log(JSON.stringify({ closed: run, branch: closed.branch_id, end: Number(closed.end_lsn) }));
+    }
   } finally {
     client.release();
     await pool.end();

@@ -7,6 +7,7 @@
 //! - `broker_faults`: node restarts, alarms and size limits on private RabbitMQ nodes;
 //! - `handover`, `scale_out`: several relays on one outbox, every delivery counted;
 //! - `polyglot`: a TypeScript host and a Python consumer through the SQL API (and its roles);
+//! - `retention`: closed runs retired by the relay and the consumer while open runs go on;
 //! - `consumer`, `poison`, `fairness`, `database_faults`, `schema`, `tls`, `cli`, `publisher`:
 //!   one surface each.
 //!
@@ -33,6 +34,7 @@ mod outbox_relay;
 mod poison;
 mod polyglot;
 mod publisher;
+mod retention;
 mod scale_out;
 mod schema;
 mod tls;

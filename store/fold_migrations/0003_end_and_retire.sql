@@ -16,10 +16,10 @@ CREATE INDEX IF NOT EXISTS relay_fold_cursor_ended ON relay_fold_cursor (ended_a
     WHERE ended_at IS NOT NULL;
 
 CREATE TABLE IF NOT EXISTS relay_fold_horizon (
-    only_row        boolean     PRIMARY KEY DEFAULT true CHECK (only_row),
+    tenant_id       text        PRIMARY KEY,
     retired_through timestamptz NOT NULL
 );
-COMMENT ON TABLE relay_fold_horizon IS 'One row: the latest end_created_at of a run relay_fold_retire removed. A delivery with no fold state written no later than it belongs to a retired run (RL202).';
+COMMENT ON TABLE relay_fold_horizon IS 'Per tenant (one row each, not one per run): the latest end_created_at of its runs relay_fold_retire removed. A delivery of the tenant with no fold state, written no later than it, belongs to a retired run (RL202).';
 
 -- relay_fold of 0002, with end markers and retired runs. What it returns, in order:
 --   row 1, the verdict on this delivery: 'apply', 'undo', 'hold', 'duplicate', 'abandoned' (as
@@ -27,8 +27,8 @@ COMMENT ON TABLE relay_fold_horizon IS 'One row: the latest end_created_at of a 
 --     nothing, the run is complete (a projection may finalise it);
 --   then any number of 'apply' rows (and at most one 'end' row, last): what this delivery
 --   released, in the order to apply it.
--- A delivery whose branch has no fold state and that was written no later than the latest end
--- marker retired raises RL202 (a redelivery of a retired run): dead-letter it.
+-- A delivery whose branch has no fold state and that was written no later than its tenant's
+-- latest end marker retired raises RL202 (a redelivery of a retired run): dead-letter it.
 CREATE OR REPLACE FUNCTION relay_fold(
     p_tenant text, p_run text, p_branch text, p_kind text, p_lsn bigint, p_prev_lsn bigint,
     p_base_lsn bigint, p_parent_branch text, p_rewound_to text, p_created_at timestamptz,
@@ -84,11 +84,13 @@ BEGIN
     IF v_new = 1 AND p_created_at IS NOT NULL THEN
         -- No state for this branch: a first delivery, or a run retired by relay_fold_retire.
         -- Every message of a retired run was written no later than its end marker, and the
-        -- horizon is the latest end marker retired: at or before it, this is a redelivery
-        -- (or an event held up for longer than the retention). Refused, never applied twice.
-        SELECT h.retired_through INTO v_horizon FROM relay_fold_horizon h;
+        -- horizon is the tenant's latest end marker retired: at or before it, this is a
+        -- redelivery (or an event of the tenant held up for longer than the retention).
+        -- Refused, never applied twice.
+        SELECT h.retired_through INTO v_horizon FROM relay_fold_horizon h
+         WHERE h.tenant_id = p_tenant;
         IF v_horizon IS NOT NULL AND p_created_at <= v_horizon THEN
-            RAISE EXCEPTION 'delivery %/%/%@% was written at % and its branch has no fold state: its run was retired (end markers up to % are), so this is a redelivery after the retention, or an event delayed past it',
+            RAISE EXCEPTION 'delivery %/%/%@% was written at % and its branch has no fold state: its run was retired (the tenant''s end markers up to % are), so this is a redelivery after the retention, or an event delayed past it',
                 p_tenant, p_run, p_branch, p_lsn, p_created_at, v_horizon
                 USING ERRCODE = 'RL202',
                       DETAIL = format('created_at_us=%s retired_through_us=%s',
@@ -221,7 +223,6 @@ LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 AS $$
 DECLARE
     v_runs integer;
-    v_through timestamptz;
 BEGIN
     IF p_retention IS NULL OR p_retention < interval '0' OR p_limit IS NULL OR p_limit < 1 THEN
         RAISE EXCEPTION 'retention % and batch % : need a retention >= 0 and a batch >= 1',
@@ -241,13 +242,15 @@ BEGIN
     ), parked AS (
         DELETE FROM relay_fold_parked p USING due
          WHERE p.tenant_id = due.tenant_id AND p.run_id = due.run_id
+    ), horizon AS (
+        INSERT INTO relay_fold_horizon AS h (tenant_id, retired_through)
+        SELECT due.tenant_id, max(due.end_created_at) FROM due
+         WHERE due.end_created_at IS NOT NULL
+         GROUP BY due.tenant_id
+        ON CONFLICT (tenant_id) DO UPDATE
+           SET retired_through = greatest(h.retired_through, excluded.retired_through)
     )
-    SELECT count(*), max(due.end_created_at) INTO v_runs, v_through FROM due;
-    IF v_through IS NOT NULL THEN
-        INSERT INTO relay_fold_horizon AS h (only_row, retired_through) VALUES (true, v_through)
-        ON CONFLICT (only_row) DO UPDATE
-           SET retired_through = greatest(h.retired_through, excluded.retired_through);
-    END IF;
+    SELECT count(*) INTO v_runs FROM due;
     RETURN v_runs;
 END
 $$;

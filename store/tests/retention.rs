@@ -277,7 +277,8 @@ fn event(branch: &BranchKey, lsn: u64, kind: EventKind) -> OutboxEvent {
 
 /// At the fold: inside the retention a redelivery of a completed run is a duplicate; after it
 /// the run's cursors and held-back events are gone and any delivery of it is refused
-/// (`RetiredRun`, RL202), never applied again. Runs written after the retired ones fold as ever.
+/// (`RetiredRun`, RL202), never applied again. Runs written after the retired ones, and other
+/// tenants' runs, fold as ever.
 #[sqlx::test(migrator = "store::MIGRATOR")]
 async fn the_fold_retires_completed_runs_and_refuses_their_redeliveries(pool: PgPool) {
     let fold = FoldStore::new(pool.clone());
@@ -286,6 +287,7 @@ async fn the_fold_retires_completed_runs_and_refuses_their_redeliveries(pool: Pg
     // Messages carry the time the host wrote them: a redelivery is as old as the original.
     let early = event(&open, 1, EventKind::Intent);
     let again = event(&done, 2, EventKind::Intent);
+    let other_tenant = event(&key("u", "slow", "main"), 1, EventKind::Intent);
     // `done`: 1, 2, an end marker held back behind 3, then 3 releases it.
     fold.apply(&event(&done, 1, EventKind::Intent))
         .await
@@ -334,6 +336,11 @@ async fn the_fold_retires_completed_runs_and_refuses_their_redeliveries(pool: Pg
         );
         assert!(!refused.unwrap_err().is_transient());
     }
+    // The horizon is the tenant's: another tenant's event as old folds as ever.
+    assert_eq!(
+        fold.apply(&other_tenant).await.unwrap(),
+        FoldOutcome::Applied { released: 0 }
+    );
     let folded = fold.folded(&done.tenant).await.unwrap();
     assert_eq!(folded.len(), 3, "done@1..=3 once each");
     // What is written now folds as ever.

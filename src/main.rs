@@ -5,6 +5,8 @@
 //!   SIGTERM).
 //! - `status`: backlog and lag per tenant, and parked branches.
 //! - `release`: drain parked branches again now.
+//! - `retire`: retire closed runs now (outbox or fold).
+//! - `dead`: the dead-letter queue: list, show, replay, purge.
 //! - `demo`: the whole walk on this machine (broker down during a run, then everything ships).
 //!
 //! Exit codes: 0 success (help and version included), 1 a failure while running (database or
@@ -17,6 +19,7 @@ use clap::{Parser, Subcommand};
 use distribution::store::{self, Outbox};
 use distribution::{LogFormat, Relay, RelayConfig, Settings};
 
+mod dead_cli;
 mod demo;
 // The demo takes "the broker" down with the same proxy the tests use, compiled in privately.
 #[allow(dead_code)]
@@ -56,8 +59,22 @@ enum Command {
     Migrate(Database),
     /// Run the relay until Ctrl-C or SIGTERM.
     Run(Box<Settings>),
-    /// Backlog and lag per tenant, and parked branches.
-    Status(Database),
+    /// Backlog and lag per tenant, parked branches, and (with AMQP_URL) the dead-letter queue.
+    Status {
+        #[command(flatten)]
+        database: Database,
+        /// RabbitMQ, to count the dead letters (`<topology>.dead`); without it they are not shown.
+        #[arg(long, env = "AMQP_URL", hide_env_values = true)]
+        amqp_url: Option<String>,
+        /// Exchange name.
+        #[arg(long, env = "RELAY_TOPOLOGY", default_value = "outbox")]
+        topology: String,
+    },
+    /// The dead-letter queue (`<topology>.dead`): what consumers could not fold.
+    Dead {
+        #[command(subcommand)]
+        action: dead_cli::DeadAction,
+    },
     /// Drain parked branches again now (all of a tenant, of a run, or one branch).
     Release {
         #[command(flatten)]
@@ -201,7 +218,12 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Migrate(database) => migrate(&database).await,
             Command::Run(_) => run(config.expect("parsed above")).await,
-            Command::Status(database) => status(&database).await,
+            Command::Status {
+                database,
+                amqp_url,
+                topology,
+            } => status(&database, amqp_url, topology).await,
+            Command::Dead { action } => dead_cli::run(action).await,
             Command::Release {
                 database,
                 tenant,
@@ -421,7 +443,7 @@ async fn run(config: RelayConfig) -> Result<()> {
     Ok(())
 }
 
-async fn status(database: &Database) -> Result<()> {
+async fn status(database: &Database, amqp_url: Option<String>, topology: String) -> Result<()> {
     let outbox = Outbox::new(connect(&database.database_url, database.schema.as_ref()).await?);
     let backlog = outbox
         .backlog()
@@ -447,6 +469,28 @@ async fn status(database: &Database) -> Result<()> {
                 branch.retry_in.as_secs_f64(),
                 branch.pending
             );
+        }
+    }
+    if let Some(amqp_url) = amqp_url {
+        let broker = dead_cli::Broker {
+            amqp_url,
+            topology,
+            partitions: 1,
+        };
+        let rabbit = broker.rabbit()?;
+        let queue = rabbit.topology.dead_letter_queue();
+        let depth = async {
+            distribution::broker::DeadLetters::open(&rabbit)
+                .await?
+                .depth()
+                .await
+        };
+        match depth.await {
+            Ok(0) => println!("no dead letters in {queue}"),
+            Ok(depth) => {
+                println!("{depth} dead letter(s) in {queue}: `distribution dead list` shows them")
+            }
+            Err(err) => println!("dead letters in {queue}: unknown ({err})"),
         }
     }
     Ok(())

@@ -91,6 +91,10 @@ pub fn describe_metrics(publishers: u16) {
         "relay_branches_parked_total",
         "Times a branch was parked, per tenant."
     );
+    describe_gauge!(
+        "relay_dead_letters",
+        "Messages in a dead-letter queue, read every 10 s by each consumer (`distribution dead list` shows them)."
+    );
     describe_counter!(
         "relay_runs_retired_total",
         "Closed and shipped runs whose branches this relay removed after RELAY_RETENTION_SECS."

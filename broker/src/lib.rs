@@ -3,6 +3,7 @@
 //!
 //! - `topology`: exchange, partition queues and the stable `(TenantId, RunId)` -> partition map.
 //! - `wire`: the wire contract: message id, headers, body (see `broker/WIRE.md`).
+//! - `dead`: the dead-letter queue read back ([`DeadLetters`]: list, replay, purge).
 //! - `port`: the [`Publisher`] port the actors drive, and its [`PublishReport`].
 //! - `rabbit`: the RabbitMQ adapter ([`RabbitPublisher`]): lazy connect, confirms, pipelining.
 //! - `probe`: [`CallProbe`], records which threads call the broker client.
@@ -12,6 +13,7 @@
 
 mod backoff;
 mod connect;
+mod dead;
 mod error;
 mod health;
 mod port;
@@ -25,6 +27,10 @@ pub use backoff::RetryPolicy;
 pub use connect::AmqpTls;
 pub use connect::DEFAULT_FRAME_MAX;
 pub use connect::quiet_lapin_payload_logs_on_this_thread;
+pub use dead::DEAD_LETTER_REASON;
+pub use dead::DeadFilter;
+pub use dead::DeadLetter;
+pub use dead::DeadLetters;
 pub use error::Error;
 pub use error::WireError;
 pub use health::BrokerHealth;

@@ -36,8 +36,7 @@ use tokio::sync::watch;
 
 use broker::{Backoff, Error, Partition, RabbitConfig, RetryPolicy, open, within};
 
-/// Header naming why a message was dead-lettered.
-pub const DEAD_LETTER_REASON: &str = "x-relay-dead-letter-reason";
+pub use broker::DEAD_LETTER_REASON;
 
 /// What a consumer did (per partition, or summed).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -236,6 +235,10 @@ where
         if let Some(retention) = self.config.retention {
             tasks.spawn(retire_loop(self.pool.clone(), retention, stop_rx.clone()));
         }
+        tasks.spawn(dead_letter_depth(
+            self.config.rabbit.clone(),
+            stop_rx.clone(),
+        ));
         stop.await;
         let _ = stop_tx.send(true);
         while tasks.join_next().await.is_some() {}
@@ -259,6 +262,35 @@ async fn retire_loop(pool: PgPool, retention: store::Retention, mut stop: watch:
             Err(err) => {
                 tracing::warn!(error = %err, "retiring completed runs' fold state failed; trying again later")
             }
+        }
+    }
+}
+
+/// How often the dead-letter depth gauge is read.
+const DEAD_DEPTH_EVERY: Duration = Duration::from_secs(10);
+
+/// Sets `relay_dead_letters{queue}` to the dead-letter queue's depth every 10 s until `stop`
+/// (on a connection of its own, opened again after a failure).
+async fn dead_letter_depth(rabbit: broker::RabbitConfig, mut stop: watch::Receiver<bool>) {
+    let queue = rabbit.topology.dead_letter_queue().to_string();
+    let mut ticks = tokio::time::interval(DEAD_DEPTH_EVERY);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut session: Option<broker::DeadLetters> = None;
+    loop {
+        tokio::select! {
+            _ = ticks.tick() => {}
+            _ = stop.wait_for(|stopped| *stopped) => return,
+        }
+        if session.is_none() {
+            session = broker::DeadLetters::open(&rabbit).await.ok();
+        }
+        let Some(dead) = &session else { continue };
+        match dead.depth().await {
+            Ok(depth) => {
+                metrics::gauge!("relay_dead_letters", "queue" => queue.clone())
+                    .set(f64::from(depth));
+            }
+            Err(_) => session = None,
         }
     }
 }

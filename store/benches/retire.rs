@@ -11,6 +11,10 @@
 //! (a consumer's). A retirer calls `retire_runs` and `retire_folded_runs` with a retention of
 //! 2 s every 500 ms. Every `BENCH_REPORT` runs written, one line: rates over that slice and the
 //! rows and on-disk sizes of the tables that hold per-run state.
+//!
+//! Every table here is delete-heavy; PostgreSQL reclaims their space by (auto)vacuum. When
+//! autovacuum is off on the server (it is on this machine), the bench vacuums those tables
+//! itself every BENCH_VACUUM_SECS (default 10), as autovacuum would; it says which it did.
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -183,6 +187,23 @@ async fn folder(
     }
 }
 
+/// Stands in for autovacuum when the server has it off: VACUUM of the per-run tables.
+async fn vacuumer(outbox: PgPool, fold: PgPool, every: Duration, stop: Arc<AtomicBool>) {
+    let mut ticks = tokio::time::interval(every);
+    ticks.tick().await;
+    while !stop.load(Ordering::Acquire) {
+        ticks.tick().await;
+        sqlx::raw_sql("VACUUM relay_branch, relay_outbox, relay_parked_branch")
+            .execute(&outbox)
+            .await
+            .expect("vacuum outbox");
+        sqlx::raw_sql("VACUUM relay_fold_cursor, relay_fold_parked")
+            .execute(&fold)
+            .await
+            .expect("vacuum fold");
+    }
+}
+
 async fn retirer(outbox: PgPool, fold: PgPool, stop: Arc<AtomicBool>, counters: Arc<Counters>) {
     let retention = Retention {
         keep: Duration::from_secs(2),
@@ -252,8 +273,18 @@ fn main() {
     runtime.block_on(async {
         let (outbox, outbox_name) = database("retire", false).await;
         let (fold, fold_name) = database("retire_fold", true).await;
+        let autovacuum: String = sqlx::query_scalar("SHOW autovacuum")
+            .fetch_one(&outbox)
+            .await
+            .expect("autovacuum setting");
+        let vacuum_every = Duration::from_secs(setting("BENCH_VACUUM_SECS", 10));
         println!(
-            "# {runs} runs by {writers} writers (2 intents and an end marker each), retention 2 s"
+            "# {runs} runs by {writers} writers (2 intents and an end marker each), retention 2 s; autovacuum {autovacuum}{}",
+            if autovacuum == "off" {
+                format!(", so the bench vacuums the per-run tables every {} s", vacuum_every.as_secs())
+            } else {
+                String::new()
+            }
         );
         report_sizes("baseline", &outbox, &fold).await;
         let counters = Arc::new(Counters::default());
@@ -280,6 +311,14 @@ fn main() {
             )));
             pipeline.push(tokio::spawn(folder(fold.clone(), tenant, rx, counters.clone())));
         }
+        let vacuuming = (autovacuum == "off").then(|| {
+            tokio::spawn(vacuumer(
+                outbox.clone(),
+                fold.clone(),
+                vacuum_every,
+                stop.clone(),
+            ))
+        });
         let retiring = tokio::spawn(retirer(
             outbox.clone(),
             fold.clone(),
@@ -334,6 +373,9 @@ fn main() {
         }
         stop.store(true, Ordering::Release);
         retiring.await.expect("retirer");
+        if let Some(vacuuming) = vacuuming {
+            vacuuming.await.expect("vacuumer");
+        }
         println!(
             "# all {total} runs written, shipped and folded in {:.0} s; all retired {:.1} s later",
             written_in.as_secs_f64(),

@@ -8,6 +8,7 @@
 //! - `handover`, `scale_out`: several relays on one outbox, every delivery counted;
 //! - `polyglot`: a TypeScript host and a Python consumer through the SQL API (and its roles);
 //! - `retention`: closed runs retired by the relay and the consumer while open runs go on;
+//! - `dead_letters`: the dead-letter queue listed, replayed through the fold, purged;
 //! - `consumer`, `poison`, `fairness`, `database_faults`, `schema`, `tls`, `cli`, `publisher`:
 //!   one surface each.
 //!
@@ -27,6 +28,7 @@ mod broker_faults;
 mod cli;
 mod consumer;
 mod database_faults;
+mod dead_letters;
 mod fairness;
 mod handover;
 mod outbox_faults;

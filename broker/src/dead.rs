@@ -1,0 +1,272 @@
+//! The dead-letter queue (`<topology>.dead`), read back: list and show what a consumer could not
+//! fold, replay it into its partition (through the fold's rules again, in its original order),
+//! or purge it. `distribution dead` is the command line over this.
+//!
+//! Every operation takes messages with `basic.get` on a channel of its own and never acks one it
+//! does not act on: when the channel closes, the broker puts every unacked message back where it
+//! was, so a listing (or an operation that stops half-way) changes nothing else. A replayed
+//! message is acked in the dead-letter queue only after its partition's queue confirmed it, so
+//! a crash between the two leaves it in both (a duplicate, which the fold ignores), never in
+//! neither.
+use lapin::options::{
+    BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions,
+    QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
+use store::{OutboxEvent, RunId, TenantId};
+
+use crate::{Error, RabbitConfig, WireError, within};
+
+/// Header naming why a message was dead-lettered (a consumer sets it).
+pub const DEAD_LETTER_REASON: &str = "x-relay-dead-letter-reason";
+
+/// One message of the dead-letter queue.
+#[derive(Debug)]
+pub struct DeadLetter {
+    /// Its position in the queue, from 1 (at the time it was read).
+    pub position: u64,
+    /// Its `message_id` (`tenant/run/branch/lsn`), if it has one.
+    pub message_id: Option<String>,
+    /// Why it was dead-lettered (`x-relay-dead-letter-reason`).
+    pub reason: Option<String>,
+    /// The event it carries, or why it is not one (a message that broke the contract).
+    pub event: Result<OutboxEvent, WireError>,
+    /// The message's headers, as delivered.
+    pub headers: FieldTable,
+    /// The body, as delivered.
+    pub body: Vec<u8>,
+}
+
+/// Which dead letters an operation takes: all of them, or those of a tenant, a run of it, or one
+/// message id. Messages that are not events (broken contract) only match `All` and `MessageId`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DeadFilter {
+    /// Every dead letter.
+    All,
+    /// The dead letters of a tenant, or of one run of it.
+    Tenant(TenantId, Option<RunId>),
+    /// The one with this `message_id`.
+    MessageId(String),
+}
+
+impl DeadFilter {
+    /// Whether `letter` is taken.
+    pub fn matches(&self, letter: &DeadLetter) -> bool {
+        match self {
+            DeadFilter::All => true,
+            DeadFilter::MessageId(id) => letter.message_id.as_deref() == Some(id.as_str()),
+            DeadFilter::Tenant(tenant, run) => letter.event.as_ref().is_ok_and(|event| {
+                let branch = &event.key.branch;
+                branch.tenant == *tenant && run.as_ref().is_none_or(|run| branch.run == *run)
+            }),
+        }
+    }
+}
+
+/// A session on the dead-letter queue of a topology.
+#[derive(Debug)]
+pub struct DeadLetters {
+    config: RabbitConfig,
+    connection: Connection,
+}
+
+impl DeadLetters {
+    /// Connects (under the config's timeouts, TLS as configured). Declares nothing: the queue
+    /// must exist (a consumer or the relay declared the topology).
+    pub async fn open(config: &RabbitConfig) -> Result<Self, Error> {
+        let properties =
+            ConnectionProperties::default().with_connection_name("outbox-relay-dead".into());
+        let connection = match tokio::time::timeout(
+            config.connect_timeout,
+            crate::connect::connect(&config.uri, &config.tls, properties),
+        )
+        .await
+        {
+            Ok(connection) => connection?,
+            Err(_) => {
+                return Err(Error::Unreachable(format!(
+                    "no connection within {} ms",
+                    config.connect_timeout.as_millis()
+                )));
+            }
+        };
+        Ok(Self {
+            config: config.clone(),
+            connection,
+        })
+    }
+
+    async fn channel(&self) -> Result<Channel, Error> {
+        within(
+            "channel.open",
+            self.config.connect_timeout,
+            self.connection.create_channel(),
+        )
+        .await
+    }
+
+    /// How many messages the dead-letter queue holds (ready, not counting any a client holds).
+    pub async fn depth(&self) -> Result<u32, Error> {
+        let channel = self.channel().await?;
+        let queue = within(
+            "queue.declare",
+            self.config.connect_timeout,
+            channel.queue_declare(
+                self.config.topology.dead_letter_queue(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            ),
+        )
+        .await?;
+        let _ = channel.close(200, "done".into()).await;
+        Ok(queue.message_count())
+    }
+
+    /// The first `limit` dead letters, in queue order; nothing is removed.
+    pub async fn list(&self, limit: u64) -> Result<Vec<DeadLetter>, Error> {
+        let channel = self.channel().await?;
+        let mut letters = Vec::new();
+        while (letters.len() as u64) < limit {
+            let Some((letter, _)) = self.next(&channel, letters.len() as u64 + 1).await? else {
+                break;
+            };
+            letters.push(letter);
+        }
+        // Closing the channel puts every message read back, in place.
+        let _ = channel.close(200, "listed".into()).await;
+        Ok(letters)
+    }
+
+    /// Publishes every dead letter `filter` takes back to its partition's queue, in queue order
+    /// (the order it was dead-lettered), without the dead-letter reason; each is removed from
+    /// the dead-letter queue once its partition confirmed it. The consumer then folds it again:
+    /// duplicates are ignored, held-back successors released, as for any delivery. Returns how
+    /// many were replayed. A message that is not an event cannot be routed and is left.
+    pub async fn replay(&self, filter: &DeadFilter) -> Result<u64, Error> {
+        let publish = self.channel().await?;
+        within(
+            "confirm.select",
+            self.config.connect_timeout,
+            publish.confirm_select(ConfirmSelectOptions::default()),
+        )
+        .await?;
+        let replayed = self
+            .take(filter, async |letter, properties| {
+                let Ok(event) = &letter.event else {
+                    return Ok(false);
+                };
+                let topology = &self.config.topology;
+                let partition =
+                    topology.partition_of(&event.key.branch.tenant, &event.key.branch.run);
+                let confirm = within(
+                    "basic.publish",
+                    self.config.connect_timeout,
+                    publish.basic_publish(
+                        topology.exchange().clone(),
+                        topology.routing_key(partition),
+                        BasicPublishOptions {
+                            mandatory: true,
+                            ..BasicPublishOptions::default()
+                        },
+                        &letter.body,
+                        properties,
+                    ),
+                )
+                .await?;
+                match within("publish confirm", self.config.confirm_timeout, confirm).await? {
+                    Confirmation::Ack(None) => Ok(true),
+                    other => Err(Error::Unreachable(format!(
+                        "the partition queue did not take the replayed message: {other:?}"
+                    ))),
+                }
+            })
+            .await?;
+        let _ = publish.close(200, "replayed".into()).await;
+        Ok(replayed)
+    }
+
+    /// Removes every dead letter `filter` takes, for good. Returns how many.
+    pub async fn purge(&self, filter: &DeadFilter) -> Result<u64, Error> {
+        self.take(filter, async |_, _| Ok(true)).await
+    }
+
+    /// Reads the whole queue once (as many messages as it held when this started), hands each
+    /// message `filter` takes to `act` with its properties minus the dead-letter reason, acks it
+    /// when `act` says so; every other message goes back in place when the channel closes.
+    async fn take(
+        &self,
+        filter: &DeadFilter,
+        act: impl AsyncFn(&DeadLetter, BasicProperties) -> Result<bool, Error>,
+    ) -> Result<u64, Error> {
+        let held = u64::from(self.depth().await?);
+        let channel = self.channel().await?;
+        let mut taken = 0;
+        for position in 1..=held {
+            let Some((letter, delivery)) = self.next(&channel, position).await? else {
+                break;
+            };
+            if !filter.matches(&letter) {
+                continue;
+            }
+            let mut headers = letter.headers.inner().clone();
+            headers.remove(DEAD_LETTER_REASON);
+            let headers = FieldTable::from(headers);
+            let properties = delivery.properties.clone().with_headers(headers);
+            if act(&letter, properties).await? {
+                within(
+                    "basic.ack",
+                    self.config.connect_timeout,
+                    delivery.ack(BasicAckOptions::default()),
+                )
+                .await?;
+                taken += 1;
+            }
+        }
+        let _ = channel.close(200, "done".into()).await;
+        Ok(taken)
+    }
+
+    async fn next(
+        &self,
+        channel: &Channel,
+        position: u64,
+    ) -> Result<Option<(DeadLetter, lapin::message::Delivery)>, Error> {
+        let got = within(
+            "basic.get",
+            self.config.connect_timeout,
+            channel.basic_get(
+                self.config.topology.dead_letter_queue(),
+                BasicGetOptions { no_ack: false },
+            ),
+        )
+        .await?;
+        let Some(got) = got else {
+            return Ok(None);
+        };
+        let delivery = got.delivery;
+        let headers = delivery.properties.headers().clone().unwrap_or_default();
+        let reason = match headers.inner().get(DEAD_LETTER_REASON) {
+            Some(AMQPValue::LongString(reason)) => {
+                Some(String::from_utf8_lossy(reason.as_bytes()).into_owned())
+            }
+            _ => None,
+        };
+        let letter = DeadLetter {
+            position,
+            message_id: delivery
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|id| id.to_string()),
+            reason,
+            event: crate::decode(&delivery.properties, &delivery.data),
+            headers,
+            body: delivery.data.clone(),
+        };
+        Ok(Some((letter, delivery)))
+    }
+}

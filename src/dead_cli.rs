@@ -1,0 +1,188 @@
+//! `distribution dead`: the dead-letter queue read back (list, show, replay, purge), over
+//! `broker::DeadLetters`.
+use anyhow::{Context, Result};
+use clap::{Args, Subcommand};
+use distribution::RelayConfig;
+use distribution::broker::{DeadFilter, DeadLetter, DeadLetters, RabbitConfig};
+use distribution::store::{EventKind, RunId, TenantId};
+
+/// The broker and topology whose dead letters are read.
+#[derive(Clone, Debug, Args)]
+pub struct Broker {
+    /// RabbitMQ (`amqps://` for TLS).
+    #[arg(long, env = "AMQP_URL", hide_env_values = true)]
+    pub amqp_url: String,
+    /// Exchange name; the dead-letter queue is `<topology>.dead`.
+    #[arg(long, env = "RELAY_TOPOLOGY", default_value = "outbox")]
+    pub topology: String,
+    /// Broker partitions (a replayed message goes to its run's partition).
+    #[arg(long, env = "RELAY_PARTITIONS", default_value_t = 8,
+          value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub partitions: u16,
+}
+
+impl Broker {
+    pub fn rabbit(&self) -> Result<RabbitConfig> {
+        let mut config = RelayConfig::new("", self.amqp_url.clone());
+        config.topology = self.topology.clone();
+        config.partitions = self.partitions;
+        Ok(config.rabbit_config()?)
+    }
+}
+
+#[derive(Debug, Subcommand)]
+pub enum DeadAction {
+    /// List the dead letters in queue order (nothing is removed).
+    List {
+        #[command(flatten)]
+        broker: Broker,
+        /// Show at most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: u64,
+    },
+    /// One dead letter, whole: its headers, why it was dead-lettered, its body.
+    Show {
+        #[command(flatten)]
+        broker: Broker,
+        /// Its message id (`tenant/run/branch/lsn`, as `list` prints it).
+        message_id: String,
+    },
+    /// Publish dead letters back to their partitions, in their order, for the consumers to
+    /// fold again (duplicates are ignored, held-back successors released); each leaves the
+    /// dead-letter queue once its partition confirmed it.
+    Replay {
+        #[command(flatten)]
+        broker: Broker,
+        #[command(flatten)]
+        selection: Selection,
+    },
+    /// Remove dead letters for good.
+    Purge {
+        #[command(flatten)]
+        broker: Broker,
+        #[command(flatten)]
+        selection: Selection,
+    },
+}
+
+/// Which dead letters: name them (at least one of these).
+#[derive(Clone, Debug, Args)]
+#[group(required = true, multiple = true)]
+pub struct Selection {
+    /// Every dead letter.
+    #[arg(long, conflicts_with_all = ["tenant", "message_id"])]
+    pub all: bool,
+    /// Those of this tenant.
+    #[arg(long, conflicts_with = "message_id")]
+    pub tenant: Option<String>,
+    /// Only this run of the tenant.
+    #[arg(long, requires = "tenant")]
+    pub run: Option<String>,
+    /// The one with this message id.
+    #[arg(long)]
+    pub message_id: Option<String>,
+}
+
+impl Selection {
+    fn filter(&self) -> Result<DeadFilter> {
+        if self.all {
+            return Ok(DeadFilter::All);
+        }
+        if let Some(id) = &self.message_id {
+            return Ok(DeadFilter::MessageId(id.clone()));
+        }
+        let tenant = TenantId::new(self.tenant.clone().unwrap_or_default())?;
+        let run = self.run.clone().map(RunId::new).transpose()?;
+        Ok(DeadFilter::Tenant(tenant, run))
+    }
+}
+
+fn kind(letter: &DeadLetter) -> &'static str {
+    match &letter.event {
+        Ok(event) => match event.kind {
+            EventKind::Intent => "intent",
+            EventKind::Rewind { .. } => "rewind",
+            EventKind::End => "end",
+        },
+        Err(_) => "not an event",
+    }
+}
+
+pub async fn run(action: DeadAction) -> Result<()> {
+    let broker = match &action {
+        DeadAction::List { broker, .. }
+        | DeadAction::Show { broker, .. }
+        | DeadAction::Replay { broker, .. }
+        | DeadAction::Purge { broker, .. } => broker,
+    };
+    let rabbit = broker.rabbit()?;
+    let queue = rabbit.topology.dead_letter_queue();
+    let dead = DeadLetters::open(&rabbit)
+        .await
+        .context("cannot reach the broker (AMQP_URL)")?;
+    match action {
+        DeadAction::List { limit, .. } => {
+            let depth = dead
+                .depth()
+                .await
+                .with_context(|| format!("cannot read {queue} (has a consumer declared it?)"))?;
+            let letters = dead.list(limit).await?;
+            println!(
+                "{depth} dead letter(s) in {queue}{}",
+                if u64::from(depth) > limit {
+                    format!(" (the first {limit})")
+                } else {
+                    String::new()
+                }
+            );
+            for letter in &letters {
+                println!(
+                    "{:>5}  {:<48} {:<12} {}",
+                    letter.position,
+                    letter.message_id.as_deref().unwrap_or("(no message id)"),
+                    kind(letter),
+                    letter.reason.as_deref().unwrap_or("(no reason)")
+                );
+            }
+        }
+        DeadAction::Show { message_id, .. } => {
+            let depth = u64::from(dead.depth().await?);
+            let letter = dead
+                .list(depth)
+                .await?
+                .into_iter()
+                .find(|letter| letter.message_id.as_deref() == Some(message_id.as_str()))
+                .with_context(|| {
+                    format!("no dead letter with message id {message_id} in {queue}")
+                })?;
+            println!("position: {}", letter.position);
+            println!("message_id: {message_id}");
+            println!("kind: {}", kind(&letter));
+            println!("reason: {}", letter.reason.as_deref().unwrap_or("(none)"));
+            if let Err(err) = &letter.event {
+                println!("not an event: {err}");
+            }
+            for (name, value) in letter.headers.inner() {
+                println!("header {name}: {value:?}");
+            }
+            match std::str::from_utf8(&letter.body) {
+                Ok(text) => println!("body ({} bytes, UTF-8):\n{text}", letter.body.len()),
+                Err(_) => {
+                    let hex: String = letter.body.iter().map(|b| format!("{b:02x}")).collect();
+                    println!("body ({} bytes, hex):\n{hex}", letter.body.len());
+                }
+            }
+        }
+        DeadAction::Replay { selection, .. } => {
+            let replayed = dead.replay(&selection.filter()?).await?;
+            println!(
+                "replayed {replayed} dead letter(s) to their partitions; the consumers fold them again"
+            );
+        }
+        DeadAction::Purge { selection, .. } => {
+            let purged = dead.purge(&selection.filter()?).await?;
+            println!("purged {purged} dead letter(s) from {queue}");
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,217 @@
+//! Failed work, read back and replayed: a consumer whose handler refuses some events for good
+//! dead-letters them (their branches wait behind them at the fold); `distribution dead list`
+//! shows them with their reasons and removes nothing; once the handler is fixed, a replay of one
+//! tenant's dead letters sends them back through the fold's rules, and that tenant's projection
+//! becomes exactly its live history; the other tenant's dead letter stays until it is purged.
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use distribution::Relay;
+use distribution::broker::{DeadFilter, DeadLetters};
+use distribution::consumer::{Consumer, ConsumerConfig};
+use futures_util::FutureExt;
+use sqlx::PgConnection;
+use store::{
+    BranchId, BranchKey, EventTable, FoldStore, IntentWriter, Lsn, OutboxEvent, Projection,
+    RewindNotice, RunId, TenantId,
+};
+
+use crate::harness::{
+    Expected, amqp_url, assert_folded_exactly, declare_topology, drop_topology, fresh_database,
+    relay_config, unique, wait_until,
+};
+
+/// Why the handler refused an event.
+#[derive(Debug)]
+enum Refused {
+    Poison,
+    Store(store::Error),
+}
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Refused::Poison => write!(f, "poison: the handler cannot take this event yet"),
+            Refused::Store(err) => write!(f, "{err}"),
+        }
+    }
+}
+
+impl std::error::Error for Refused {}
+
+/// The project's event table, refusing (permanently) events whose body starts with `poison`
+/// while `refusing` is set: a handler bug, fixed later.
+#[derive(Clone)]
+struct Picky {
+    refusing: Arc<AtomicBool>,
+}
+
+impl Projection for Picky {
+    type Error = Refused;
+
+    fn is_permanent(error: &Refused) -> bool {
+        matches!(error, Refused::Poison)
+    }
+
+    async fn apply(&mut self, tx: &mut PgConnection, event: &OutboxEvent) -> Result<(), Refused> {
+        if self.refusing.load(Ordering::SeqCst) && event.payload.starts_with(b"poison") {
+            return Err(Refused::Poison);
+        }
+        EventTable.apply(tx, event).await.map_err(Refused::Store)
+    }
+
+    async fn rewind(
+        &mut self,
+        tx: &mut PgConnection,
+        rewind: &RewindNotice,
+    ) -> Result<(), Refused> {
+        EventTable.rewind(tx, rewind).await.map_err(Refused::Store)
+    }
+}
+
+fn run_of(tenant: &str) -> BranchKey {
+    BranchKey::new(
+        TenantId::new(tenant).unwrap(),
+        RunId::new("r").unwrap(),
+        BranchId::new("main").unwrap(),
+    )
+}
+
+/// Writes lsn 1..=6 on `branch`, poisoned at `poison`; returns the live history.
+async fn write(pool: &sqlx::PgPool, branch: &BranchKey, poison: &[u64]) -> Expected {
+    let writer = IntentWriter::default();
+    let mut conn = pool.acquire().await.unwrap();
+    writer.open_run(&mut conn, branch).await.unwrap();
+    let mut expected = Expected::new();
+    for lsn in 1..=6 {
+        let body = if poison.contains(&lsn) {
+            format!("poison {lsn}")
+        } else {
+            format!("fine {lsn}")
+        };
+        writer
+            .append(&mut conn, branch, Lsn::new(lsn), body.as_bytes())
+            .await
+            .unwrap();
+        expected
+            .entry(branch.clone())
+            .or_default()
+            .push((Lsn::new(lsn), body.into_bytes()));
+    }
+    expected
+}
+
+fn cli() -> tokio::process::Command {
+    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_distribution"));
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        if name.starts_with("RELAY_") || name == "AMQP_URL" {
+            command.env_remove(name.as_ref());
+        }
+    }
+    command
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dead_letters_are_listed_replayed_in_order_through_the_fold_and_purged() {
+    let (pool, url) = fresh_database("dead").await;
+    let topology = unique("dead");
+    let config = relay_config(&url, &amqp_url(), &topology);
+    let rabbit = config.rabbit_config().unwrap();
+    let refusing = Arc::new(AtomicBool::new(true));
+
+    let outcome = std::panic::AssertUnwindSafe(async {
+        declare_topology(&rabbit.topology).await;
+        let relay = Relay::start(config.clone()).await.unwrap();
+        let consumer = Consumer::new(
+            ConsumerConfig::new(rabbit.clone()),
+            pool.clone(),
+            Picky {
+                refusing: refusing.clone(),
+            },
+        );
+        let progress = consumer.progress();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let consuming = tokio::spawn(consumer.run(async {
+            let _ = stopped.await;
+        }));
+
+        let (a, b) = (run_of("dead-a"), run_of("dead-b"));
+        let expected_a = write(&pool, &a, &[2, 4]).await;
+        write(&pool, &b, &[3]).await;
+        let dead = DeadLetters::open(&rabbit).await.unwrap();
+        wait_until("two dead letters", Duration::from_secs(30), || async {
+            dead.depth().await.unwrap() == 2 && progress.totals().rejected == 2
+        })
+        .await;
+        // The branches wait behind their dead letters (a@4, poisoned too, is held behind a@2,
+        // not refused): a@1 and b@1..2 only.
+        let fold = FoldStore::new(pool.clone());
+        assert_eq!(fold.folded(&a.tenant).await.unwrap().len(), 1);
+        assert_eq!(fold.folded(&b.tenant).await.unwrap().len(), 2);
+
+        // `dead list`: in order, with the reason; listing removes nothing.
+        let listed = cli()
+            .args(["dead", "list", "--topology", &topology, "--partitions", "4"])
+            .env("AMQP_URL", amqp_url())
+            .output()
+            .await
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&listed.stdout).into_owned();
+        assert!(
+            listed.status.success(),
+            "{stdout}{}",
+            String::from_utf8_lossy(&listed.stderr)
+        );
+        assert!(
+            stdout.starts_with(&format!("2 dead letter(s) in {topology}.dead")),
+            "{stdout}"
+        );
+        let ids: Vec<&str> = stdout
+            .lines()
+            .skip(1)
+            .filter_map(|line| line.split_whitespace().nth(1))
+            .collect();
+        let mut sorted = ids.clone();
+        sorted.sort();
+        assert_eq!(sorted, ["dead-a/r/main/2", "dead-b/r/main/3"], "{stdout}");
+        assert!(stdout.contains("handler: poison"), "{stdout}");
+        assert_eq!(dead.depth().await.unwrap(), 2);
+
+        // The handler is fixed; tenant a's dead letter goes back through the fold, which
+        // applies it and releases what waited behind it (a@4 too, now accepted), in order.
+        refusing.store(false, Ordering::SeqCst);
+        let tenant_a = DeadFilter::Tenant(a.tenant.clone(), None);
+        assert_eq!(dead.replay(&tenant_a).await.unwrap(), 1);
+        let fold_ref = &fold;
+        wait_until(
+            "tenant a's live history",
+            Duration::from_secs(30),
+            || async { fold_ref.folded(&a.tenant).await.unwrap().len() == 6 },
+        )
+        .await;
+        assert_folded_exactly(&fold, &expected_a).await;
+        // Tenant b's dead letter stayed; purged by message id, the queue is empty.
+        let left = dead.list(10).await.unwrap();
+        let left: Vec<String> = left.into_iter().filter_map(|l| l.message_id).collect();
+        assert_eq!(left, ["dead-b/r/main/3"]);
+        assert_eq!(
+            dead.purge(&DeadFilter::MessageId("dead-b/r/main/3".into()))
+                .await
+                .unwrap(),
+            1
+        );
+        assert_eq!(dead.depth().await.unwrap(), 0);
+
+        let _ = stop.send(());
+        consuming.await.unwrap().unwrap();
+        relay.shutdown().await;
+    })
+    .catch_unwind()
+    .await;
+    drop_topology(&rabbit.topology).await;
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic);
+    }
+}

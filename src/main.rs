@@ -86,6 +86,22 @@ enum Command {
         /// Only this branch of the run.
         branch: Option<String>,
     },
+    /// Discard a parked branch's waiting events for good: it is rewound at its last shipped Lsn
+    /// to a new branch, so consumers get a rewind marker (never a silent gap), and the host's
+    /// later appends to it are refused as abandoned (it goes on on the new branch).
+    Discard {
+        #[command(flatten)]
+        database: Database,
+        /// Tenant of the parked branch.
+        tenant: String,
+        /// Its run.
+        run: String,
+        /// The parked branch.
+        branch: String,
+        /// The new live branch (default `discarded-<branch>`, cut to 64 bytes).
+        #[arg(long)]
+        to: Option<String>,
+    },
     /// Retire closed runs now: in the outbox's database, runs closed longer than --retention-secs
     /// ago whose every row shipped; with --fold, a consumer's fold state of runs whose end
     /// marker it folded longer ago than that (for cron; a relay with RELAY_RETENTION_SECS does
@@ -230,6 +246,13 @@ fn main() -> ExitCode {
                 run,
                 branch,
             } => release(&database, tenant, run, branch).await,
+            Command::Discard {
+                database,
+                tenant,
+                run,
+                branch,
+                to,
+            } => discard(&database, tenant, run, branch, to).await,
             Command::Retire {
                 database,
                 retention_secs,
@@ -359,6 +382,37 @@ async fn migrate_in(url: &str, schema: Option<&store::Schema>) -> Result<()> {
 async fn migrate(database: &Database) -> Result<()> {
     migrate_in(&database.database_url, database.schema.as_ref()).await?;
     println!("outbox schema is up to date");
+    Ok(())
+}
+
+async fn discard(
+    database: &Database,
+    tenant: String,
+    run: String,
+    branch: String,
+    to: Option<String>,
+) -> Result<()> {
+    use distribution::store::{BranchId, BranchKey, RunId, TenantId};
+    let key = BranchKey::new(
+        TenantId::new(tenant)?,
+        RunId::new(run)?,
+        BranchId::new(branch)?,
+    );
+    let outbox = Outbox::new(connect(&database.database_url, database.schema.as_ref()).await?);
+    let to = match to {
+        Some(to) => BranchId::new(to)?,
+        None => BranchId::new(
+            format!("discarded-{}", key.branch)
+                .chars()
+                .take(64)
+                .collect::<String>(),
+        )?,
+    };
+    let discarded = outbox.discard_branch(&key, &to).await?;
+    println!(
+        "discarded {} waiting intent(s) of {key}: its live history ends at lsn {}; consumers get a rewind marker; the run goes on on {}",
+        discarded.discarded, discarded.fork, discarded.live
+    );
     Ok(())
 }
 

@@ -95,6 +95,13 @@ pub enum Error {
         /// The latest end marker of a retired run.
         retired_through: chrono::DateTime<chrono::Utc>,
     },
+    /// Only a parked live branch with events waiting can be discarded
+    /// ([`crate::Outbox::discard_branch`]). Nothing was changed.
+    #[error("branch {branch} is not parked with events waiting: nothing to discard")]
+    NotParked {
+        /// The branch.
+        branch: BranchKey,
+    },
     /// A rewind named a branch id the run already uses. Nothing was written.
     #[error("branch {branch} already exists")]
     BranchExists {

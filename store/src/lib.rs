@@ -62,6 +62,7 @@ pub use lease::LeaseStore;
 pub use lease::RelayId;
 pub use lease::bucket_of;
 pub use outbox::Backlog;
+pub use outbox::Discarded;
 pub use outbox::DrainLimit;
 pub use outbox::EventKind;
 pub use outbox::Outbox;
@@ -94,7 +95,7 @@ pub const MIGRATIONS_TABLE: &str = "relay_migrations";
 ///
 /// Versions 4 and 6 are the fold's SQL (`relay_fold`, then end markers and `relay_fold_retire`),
 /// the very files the fold migrations of a consumer's own database apply, so a database with the
-/// outbox folds too. The next file in `store/migrations` is therefore `0007_*`.
+/// outbox folds too. The next file in `store/migrations` after `0007_*` is `0008_*`.
 pub static MIGRATOR: std::sync::LazyLock<sqlx::migrate::Migrator> =
     std::sync::LazyLock::new(|| {
         let mut migrator = sqlx::migrate!("./migrations");
@@ -151,6 +152,7 @@ const REQUIRED_OBJECTS: &[(&str, &str)] = &[
     ("function", "relay_close_run"),
     ("function", "relay_retire_runs"),
     ("function", "relay_fold_retire"),
+    ("function", "relay_discard_branch"),
 ];
 
 /// Checks that the schema the relay needs is there, without changing anything: for a relay

@@ -66,6 +66,17 @@ impl std::fmt::Debug for OutboxEvent {
     }
 }
 
+/// What discarding a parked branch did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Discarded {
+    /// The new live branch the run goes on on.
+    pub live: crate::BranchKey,
+    /// The last shipped Lsn of the discarded branch: live history ends there on it.
+    pub fork: Lsn,
+    /// How many waiting intents were discarded (never exported).
+    pub discarded: u64,
+}
+
 /// Backlog of one tenant: what the relay still has to ship.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Backlog {
@@ -341,6 +352,54 @@ impl Outbox {
         .await?
         .rows_affected();
         Ok(released)
+    }
+
+    /// Discards the waiting events of the parked live branch `branch` for good
+    /// (`relay_discard_branch`), never as a silent gap: it is rewound at its last shipped Lsn to
+    /// the new live branch `to`, so consumers get a rewind marker (undoing nothing they applied)
+    /// and the run goes on on `to` (closed again if it was closed). The host's later appends
+    /// to `branch` are refused as abandoned. Refused with [`Error::NotParked`] unless the
+    /// branch is parked with events waiting.
+    pub async fn discard_branch(
+        &self,
+        branch: &crate::BranchKey,
+        to: &BranchId,
+    ) -> Result<Discarded, Error> {
+        let (fork, discarded): (i64, i64) =
+            sqlx::query_as("SELECT fork_lsn, discarded FROM relay_discard_branch($1, $2, $3, $4)")
+                .bind(branch.tenant.as_str())
+                .bind(branch.run.as_str())
+                .bind(branch.branch.as_str())
+                .bind(to.as_str())
+                .fetch_one(&self.pool)
+                .await
+                .map_err(|err| match crate::error::sql_state(&err).as_deref() {
+                    Some("RL111") => Error::NotParked {
+                        branch: branch.clone(),
+                    },
+                    Some("RL104") => Error::UnknownBranch {
+                        branch: branch.clone(),
+                    },
+                    Some("RL105") => Error::BranchAbandoned {
+                        branch: branch.clone(),
+                        at: Lsn::from_db(
+                            crate::error::detail_value(&err, "abandoned_at_lsn").unwrap_or(0),
+                        ),
+                    },
+                    Some("RL107") | Some("23505") => Error::BranchExists {
+                        branch: crate::BranchKey::new(
+                            branch.tenant.clone(),
+                            branch.run.clone(),
+                            to.clone(),
+                        ),
+                    },
+                    _ => Error::Database(err),
+                })?;
+        Ok(Discarded {
+            live: crate::BranchKey::new(branch.tenant.clone(), branch.run.clone(), to.clone()),
+            fork: Lsn::from_db(fork),
+            discarded: discarded.max(0) as u64,
+        })
     }
 
     /// Every parked branch, with its reason, age and pending events.

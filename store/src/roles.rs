@@ -11,6 +11,8 @@
 //! - the **consumer** role may only call `relay_fold` and `relay_fold_retire` (and own its
 //!   projection's tables).
 //!
+//! `relay_discard_branch` is the operator's (the objects' owner): no role is granted it.
+//!
 //! The write functions and `relay_fold` are `SECURITY DEFINER` (they act as the objects'
 //! owner), so the roles need no privilege on the tables behind them. PostgreSQL grants EXECUTE on
 //! every new function to PUBLIC; the script revokes that for the relay's functions.
@@ -94,6 +96,7 @@ pub fn roles_sql(roles: &Roles, on: RolesFor, schema: Option<&Schema>) -> Result
             "relay_require_id",
             "relay_ack_and_drain",
             "relay_retire_runs",
+            "relay_discard_branch",
             "relay_fold",
             "relay_fold_retire",
         ],

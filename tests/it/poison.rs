@@ -36,8 +36,10 @@ async fn poisoned_relay(label: &str, park_retry: Duration) -> Poisoned {
     let rabbit = config.rabbit_config().unwrap();
     let factory = {
         let (bad_branch, poisoned) = (bad_branch.clone(), poisoned.clone());
+        // The bad branch's intents (its markers are empty: the broker takes them).
         let refuse: Refuse = Arc::new(move |event| {
             poisoned.load(Ordering::SeqCst)
+                && !event.is_rewind()
                 && bad_branch.lock().unwrap().as_ref() == Some(&event.key.branch)
         });
         Arc::new(move |_shard| {
@@ -204,6 +206,87 @@ fn a_parked_branch_is_tried_again_after_its_retry_and_unparks_itself() {
         assert_eq!(pending(&outbox).await, 0);
         relay.shutdown().await;
         folding.stop().await;
+        drop_topology(&config.rabbit_config().unwrap().topology).await;
+    });
+}
+
+/// A branch the broker will never take is discarded by the operator (`Outbox::discard_branch`,
+/// `distribution discard`): its waiting events go, consumers get a rewind marker at its last
+/// shipped Lsn (no silent gap), and the run goes on on a new branch that ships as ever. The fold
+/// ends with exactly that live history.
+#[test]
+fn a_parked_branch_discarded_for_good_ends_on_the_wire_and_its_run_goes_on() {
+    host_runtime().block_on(async {
+        let Poisoned {
+            pool,
+            config,
+            fold,
+            folding,
+            relay,
+            outbox,
+            bad_branch,
+            poisoned: _,
+        } = poisoned_relay("poisondiscard", Duration::from_secs(600)).await;
+        let first = Workload::new("discard", 1, 2, 1).run(&pool).await;
+        let bad = first.live[0].0.clone();
+        let mut live = first.expected.clone();
+        wait_until("the first step folded", Duration::from_secs(30), || async {
+            folded_count(&fold, &live).await == count(&live)
+        })
+        .await;
+        *bad_branch.lock().unwrap() = Some(bad.clone());
+        let more = Workload::new("discard", 1, 2, 5)
+            .steps(&pool, first.live.clone(), 2..=5)
+            .await;
+        wait_until("the bad branch parked", Duration::from_secs(30), || async {
+            !outbox.parked_branches().await.unwrap().is_empty()
+        })
+        .await;
+
+        let to = distribution::store::BranchId::new("after").unwrap();
+        let discarded = outbox.discard_branch(&bad, &to).await.unwrap();
+        assert_eq!(
+            discarded.fork.get(),
+            1,
+            "only step 1 of the bad branch shipped"
+        );
+        assert_eq!(discarded.discarded, 4);
+        // The host goes on on the new branch.
+        let writer = distribution::store::IntentWriter::default();
+        let mut conn = pool.acquire().await.unwrap();
+        for lsn in 2..=3 {
+            let payload = format!("after@{lsn}").into_bytes();
+            writer
+                .append(
+                    &mut conn,
+                    &discarded.live,
+                    distribution::store::Lsn::new(lsn),
+                    &payload,
+                )
+                .await
+                .unwrap();
+            live.entry(discarded.live.clone())
+                .or_default()
+                .push((distribution::store::Lsn::new(lsn), payload));
+        }
+        let mut others = more.expected.clone();
+        others.remove(&bad);
+        merge(&mut live, &others);
+        wait_until(
+            "the live history folded",
+            Duration::from_secs(30),
+            || async { folded_count(&fold, &live).await == count(&live) },
+        )
+        .await;
+        assert_folded_exactly(&fold, &live).await;
+        let stats = folding.stop().await;
+        assert!(
+            stats.rewinds >= 1,
+            "the consumers got the marker: {stats:?}"
+        );
+        assert!(outbox.parked_branches().await.unwrap().is_empty());
+        assert_eq!(pending(&outbox).await, 0);
+        relay.shutdown().await;
         drop_topology(&config.rabbit_config().unwrap().topology).await;
     });
 }

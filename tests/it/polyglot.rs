@@ -383,6 +383,7 @@ async fn the_relay_and_both_examples_run_under_least_privilege_roles() {
             "UPDATE relay_branch SET head_lsn = 0",
             "UPDATE relay_lease SET owner = 'me'",
             "SELECT relay_retire_runs('1 second', 10)",
+            "SELECT * FROM relay_discard_branch('ts-least', 'ts-r1', 'retry', 'x')",
         ] {
             assert!(refused(&host_url, sql).await, "the host role: {sql}");
         }
@@ -390,6 +391,7 @@ async fn the_relay_and_both_examples_run_under_least_privilege_roles() {
             "SELECT relay_append('ts-least', 'ts-r1', 'retry', 99, '\\x00')",
             "SELECT relay_open_run('ts-least', 'x', 'main')",
             "SELECT relay_close_run('ts-least', 'ts-r1')",
+            "SELECT * FROM relay_discard_branch('ts-least', 'ts-r1', 'retry', 'x')",
             "UPDATE relay_branch SET head_lsn = 0",
             "INSERT INTO relay_outbox (tenant_id, run_id, branch_id, lsn, prev_lsn, base_lsn, \
              payload) VALUES ('a', 'b', 'c', 1, 0, 0, '')",

@@ -2,7 +2,8 @@
 //! dead-letters them (their branches wait behind them at the fold); `distribution dead list`
 //! shows them with their reasons and removes nothing; once the handler is fixed, a replay of one
 //! tenant's dead letters sends them back through the fold's rules, and that tenant's projection
-//! becomes exactly its live history; the other tenant's dead letter stays until it is purged.
+//! becomes exactly its live history, the dead letters applied in the order they were
+//! dead-lettered; the other tenant's dead letter stays until it is purged.
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -70,12 +71,28 @@ impl Projection for Picky {
     }
 }
 
-fn run_of(tenant: &str) -> BranchKey {
+fn run_of(tenant: &str, run: &str) -> BranchKey {
     BranchKey::new(
         TenantId::new(tenant).unwrap(),
-        RunId::new("r").unwrap(),
+        RunId::new(run).unwrap(),
         BranchId::new("main").unwrap(),
     )
+}
+
+/// The order in which the fold applied `keys` (by `relay_fold_event.applied_seq`).
+async fn applied_order(pool: &sqlx::PgPool, keys: &[String]) -> Vec<String> {
+    let rows: Vec<(String, String, i64)> = sqlx::query_as(
+        "SELECT tenant_id, run_id, lsn FROM relay_fold_event
+          WHERE tenant_id || '/' || run_id || '/' || branch_id || '/' || lsn = ANY($1)
+          ORDER BY applied_seq",
+    )
+    .bind(keys)
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    rows.into_iter()
+        .map(|(tenant, run, lsn)| format!("{tenant}/{run}/main/{lsn}"))
+        .collect()
 }
 
 /// Writes lsn 1..=6 on `branch`, poisoned at `poison`; returns the live history.
@@ -137,18 +154,27 @@ async fn dead_letters_are_listed_replayed_in_order_through_the_fold_and_purged()
             let _ = stopped.await;
         }));
 
-        let (a, b) = (run_of("dead-a"), run_of("dead-b"));
-        let expected_a = write(&pool, &a, &[2, 4]).await;
+        // Tenant a: two runs on one partition (so one consumer sees both, in queue order).
+        let a = run_of("dead-a", "r");
+        let partition = rabbit.topology.partition_of(&a.tenant, &a.run);
+        let a2 = (0..)
+            .map(|n| run_of("dead-a", &format!("s{n}")))
+            .find(|key| rabbit.topology.partition_of(&key.tenant, &key.run) == partition)
+            .unwrap();
+        let b = run_of("dead-b", "r");
+        let mut expected_a = write(&pool, &a, &[2, 4]).await;
+        let more = write(&pool, &a2, &[2]).await;
+        expected_a.extend(more);
         write(&pool, &b, &[3]).await;
         let dead = DeadLetters::open(&rabbit).await.unwrap();
-        wait_until("two dead letters", Duration::from_secs(30), || async {
-            dead.depth().await.unwrap() == 2 && progress.totals().rejected == 2
+        wait_until("three dead letters", Duration::from_secs(30), || async {
+            dead.depth().await.unwrap() == 3 && progress.totals().rejected == 3
         })
         .await;
         // The branches wait behind their dead letters (a@4, poisoned too, is held behind a@2,
-        // not refused): a@1 and b@1..2 only.
+        // not refused): a@1, a2@1 and b@1..2 only.
         let fold = FoldStore::new(pool.clone());
-        assert_eq!(fold.folded(&a.tenant).await.unwrap().len(), 1);
+        assert_eq!(fold.folded(&a.tenant).await.unwrap().len(), 2);
         assert_eq!(fold.folded(&b.tenant).await.unwrap().len(), 2);
 
         // `dead list`: in order, with the reason; listing removes nothing.
@@ -165,7 +191,7 @@ async fn dead_letters_are_listed_replayed_in_order_through_the_fold_and_purged()
             String::from_utf8_lossy(&listed.stderr)
         );
         assert!(
-            stdout.starts_with(&format!("2 dead letter(s) in {topology}.dead")),
+            stdout.starts_with(&format!("3 dead letter(s) in {topology}.dead")),
             "{stdout}"
         );
         let ids: Vec<&str> = stdout
@@ -173,25 +199,36 @@ async fn dead_letters_are_listed_replayed_in_order_through_the_fold_and_purged()
             .skip(1)
             .filter_map(|line| line.split_whitespace().nth(1))
             .collect();
+        let a2_id = format!("dead-a/{}/main/2", a2.run);
         let mut sorted = ids.clone();
         sorted.sort();
-        assert_eq!(sorted, ["dead-a/r/main/2", "dead-b/r/main/3"], "{stdout}");
+        let mut want = vec!["dead-a/r/main/2", a2_id.as_str(), "dead-b/r/main/3"];
+        want.sort();
+        assert_eq!(sorted, want, "{stdout}");
         assert!(stdout.contains("handler: poison"), "{stdout}");
-        assert_eq!(dead.depth().await.unwrap(), 2);
+        assert_eq!(dead.depth().await.unwrap(), 3);
+        // The order tenant a's two were dead-lettered in (the order the consumer met them).
+        let dead_order: Vec<String> = ids
+            .iter()
+            .filter(|id| id.starts_with("dead-a/"))
+            .map(|id| id.to_string())
+            .collect();
 
         // The handler is fixed; tenant a's dead letter goes back through the fold, which
         // applies it and releases what waited behind it (a@4 too, now accepted), in order.
         refusing.store(false, Ordering::SeqCst);
         let tenant_a = DeadFilter::Tenant(a.tenant.clone(), None);
-        assert_eq!(dead.replay(&tenant_a).await.unwrap(), 1);
+        assert_eq!(dead.replay(&tenant_a).await.unwrap(), 2);
         let fold_ref = &fold;
         wait_until(
             "tenant a's live history",
             Duration::from_secs(30),
-            || async { fold_ref.folded(&a.tenant).await.unwrap().len() == 6 },
+            || async { fold_ref.folded(&a.tenant).await.unwrap().len() == 12 },
         )
         .await;
         assert_folded_exactly(&fold, &expected_a).await;
+        // Replayed in their original order: the fold applied them in the order they died in.
+        assert_eq!(applied_order(&pool, &dead_order).await, dead_order);
         // Tenant b's dead letter stayed; purged by message id, the queue is empty.
         let left = dead.list(10).await.unwrap();
         let left: Vec<String> = left.into_iter().filter_map(|l| l.message_id).collect();

@@ -146,15 +146,9 @@ pub async fn run(action: DeadAction) -> Result<()> {
             }
         }
         DeadAction::Show { message_id, .. } => {
-            let depth = u64::from(dead.depth().await?);
-            let letter = dead
-                .list(depth)
-                .await?
-                .into_iter()
-                .find(|letter| letter.message_id.as_deref() == Some(message_id.as_str()))
-                .with_context(|| {
-                    format!("no dead letter with message id {message_id} in {queue}")
-                })?;
+            let letter = dead.find(&message_id).await?.with_context(|| {
+                format!("no dead letter with message id {message_id} in {queue}")
+            })?;
             println!("position: {}", letter.position);
             println!("message_id: {message_id}");
             println!("kind: {}", kind(&letter));

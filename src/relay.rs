@@ -241,8 +241,7 @@ impl Drop for AbortOnDrop {
 /// Every relay runs it; batches skip what another holds, so they never contend. A failure is
 /// logged and tried again at the next tick.
 async fn retire_loop(pool: sqlx::PgPool, retention: store::Retention) {
-    let every = (retention.keep / 4).clamp(Duration::from_millis(100), Duration::from_secs(60));
-    let mut ticks = tokio::time::interval(every);
+    let mut ticks = tokio::time::interval(retention.every());
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticks.tick().await;

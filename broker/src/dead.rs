@@ -141,6 +141,25 @@ impl DeadLetters {
         Ok(letters)
     }
 
+    /// The first dead letter with `message_id`, scanning the queue once and keeping only it in
+    /// memory; nothing is removed.
+    pub async fn find(&self, message_id: &str) -> Result<Option<DeadLetter>, Error> {
+        let held = u64::from(self.depth().await?);
+        let channel = self.channel().await?;
+        let mut found = None;
+        for position in 1..=held {
+            let Some((letter, _)) = self.next(&channel, position).await? else {
+                break;
+            };
+            if letter.message_id.as_deref() == Some(message_id) {
+                found = Some(letter);
+                break;
+            }
+        }
+        let _ = channel.close(200, "found".into()).await;
+        Ok(found)
+    }
+
     /// Publishes every dead letter `filter` takes back to its partition's queue, in queue order
     /// (the order it was dead-lettered), without the dead-letter reason; each is removed from
     /// the dead-letter queue once its partition confirmed it. The consumer then folds it again:

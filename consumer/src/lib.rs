@@ -249,8 +249,7 @@ where
 /// Retires completed runs' fold state every quarter of the retention until `stop`; a failure
 /// is logged and tried again at the next tick.
 async fn retire_loop(pool: PgPool, retention: store::Retention, mut stop: watch::Receiver<bool>) {
-    let every = (retention.keep / 4).clamp(Duration::from_millis(100), Duration::from_secs(60));
-    let mut ticks = tokio::time::interval(every);
+    let mut ticks = tokio::time::interval(retention.every());
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {

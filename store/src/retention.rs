@@ -34,6 +34,12 @@ impl Retention {
         Self { keep, batch: 1_000 }
     }
 
+    /// How often a retirer checks for due runs: a quarter of the retention, between 100 ms and
+    /// 60 s (the relay's and the consumer's loops both use it).
+    pub fn every(&self) -> Duration {
+        (self.keep / 4).clamp(Duration::from_millis(100), Duration::from_secs(60))
+    }
+
     fn interval(&self) -> Result<PgInterval, Error> {
         let micros =
             i64::try_from(self.keep.as_micros()).map_err(|_| Error::RetentionOutOfRange)?;

@@ -206,6 +206,19 @@ async fn dead_letters_are_listed_replayed_in_order_through_the_fold_and_purged()
         want.sort();
         assert_eq!(sorted, want, "{stdout}");
         assert!(stdout.contains("handler: poison"), "{stdout}");
+        // `dead show`: one letter whole, its body included; nothing is removed either.
+        let shown = cli()
+            .args(["dead", "show", "dead-b/r/main/3", "--topology", &topology])
+            .env("AMQP_URL", amqp_url())
+            .output()
+            .await
+            .unwrap();
+        let shown = String::from_utf8_lossy(&shown.stdout).into_owned();
+        assert!(
+            shown.contains("body (8 bytes, UTF-8):\npoison 3"),
+            "{shown}"
+        );
+        assert!(shown.contains("reason: handler: poison"), "{shown}");
         assert_eq!(dead.depth().await.unwrap(), 3);
         // The order tenant a's two were dead-lettered in (the order the consumer met them).
         let dead_order: Vec<String> = ids

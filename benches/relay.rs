@@ -183,6 +183,7 @@ fn synthetic_events(n: usize) -> Vec<OutboxEvent> {
                 created_at: chrono::Utc::now(),
                 kind: EventKind::Intent,
                 parent: None,
+                meta: Default::default(),
             }
         })
         .collect()

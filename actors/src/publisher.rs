@@ -330,6 +330,7 @@ mod tests {
             created_at: Utc::now(),
             kind: EventKind::Intent,
             parent: None,
+            meta: Default::default(),
         }
     }
 

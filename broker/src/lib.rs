@@ -51,5 +51,7 @@ pub use rabbit::{open, within};
 pub use topology::Partition;
 pub use topology::QueueType;
 pub use topology::Topology;
+pub use wire::CLOUDEVENTS_PREFIX;
 pub use wire::WIRE_VERSION;
+pub use wire::WireMode;
 pub use wire::decode;

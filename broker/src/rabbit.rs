@@ -54,6 +54,9 @@ pub struct RabbitConfig {
     pub redeclare_on_return: bool,
     /// Extra TLS trust and a client certificate for `amqps://`. Default none.
     pub tls: AmqpTls,
+    /// What the relay writes beside the contract: nothing more, or CloudEvents attributes too.
+    /// Default [`crate::WireMode::Plain`].
+    pub wire_mode: crate::WireMode,
 }
 
 impl RabbitConfig {
@@ -79,6 +82,7 @@ impl RabbitConfig {
             confirm_timeout: Duration::from_secs(10),
             redeclare_on_return: true,
             tls: AmqpTls::default(),
+            wire_mode: crate::WireMode::Plain,
         })
     }
 }
@@ -416,6 +420,7 @@ impl RabbitPublisher {
         }
         let n_events = events.len();
         let topology = self.config.topology.clone();
+        let wire_mode = self.config.wire_mode;
         let (connect_timeout, confirm_timeout) =
             (self.config.connect_timeout, self.config.confirm_timeout);
         if !fence.is_open() {
@@ -464,7 +469,7 @@ impl RabbitPublisher {
                 topology.routing_key(partition),
                 options,
                 &event.payload,
-                wire::properties(event),
+                wire::properties(event, wire_mode),
             );
             // A write blocked midway waits for the unblock: lapin keeps its frames and would
             // write them then, so the event must stay this session's until its verdict.

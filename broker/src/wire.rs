@@ -2,10 +2,33 @@
 use chrono::{DateTime, Utc};
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use store::{BranchId, BranchKey, EventKey, EventKind, Lsn, OutboxEvent, RunId, TenantId};
+use store::{
+    BranchId, BranchKey, EventKey, EventKind, EventType, Lsn, Metadata, OutboxEvent, RunId,
+    TenantId,
+};
 
 /// The contract version this relay writes (header `wire_version`).
-pub const WIRE_VERSION: i64 = 2;
+pub const WIRE_VERSION: i64 = 3;
+
+/// The default content type: the payload's bytes, unchanged, of a type the host did not say.
+pub(crate) const OCTET_STREAM: &str = "application/octet-stream";
+
+/// Prefix of the CloudEvents attributes in opt-in CloudEvents mode (binary content mode of the
+/// CloudEvents AMQP protocol binding 1.0: attributes as application properties named
+/// `cloudEvents:<attribute>`; AMQP 0-9-1 carries them as headers).
+pub const CLOUDEVENTS_PREFIX: &str = "cloudEvents:";
+
+/// How events are written beside the contract's own properties and headers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WireMode {
+    /// The contract alone (WIRE.md).
+    #[default]
+    Plain,
+    /// The contract plus CloudEvents attributes (`cloudEvents:specversion`, `id`, `source`,
+    /// `type`, `time`, `subject`), so CloudEvents SDKs read the message as an event in binary
+    /// content mode. Opt-in (`RELAY_CLOUDEVENTS=true`).
+    CloudEvents,
+}
 
 /// AMQP `type` of an export intent.
 pub(crate) const TYPE_INTENT: &str = "outbox.intent";
@@ -23,9 +46,27 @@ pub(crate) fn message_id(key: &EventKey) -> ShortString {
 }
 
 /// The properties of an event's message. The body is the payload, unchanged.
-pub(crate) fn properties(event: &OutboxEvent) -> BasicProperties {
+pub(crate) fn properties(event: &OutboxEvent, mode: WireMode) -> BasicProperties {
     let branch = &event.key.branch;
+    let meta = &event.meta;
     let mut headers = FieldTable::default();
+    let text_header = |headers: &mut FieldTable, name: &str, value: &str| {
+        headers.insert(name.into(), AMQPValue::LongString(LongString::from(value)));
+    };
+    // The host's headers first: their names never clash with the contract's (the writer and
+    // `relay_append` refuse reserved names), so the contract's below cannot be overwritten.
+    for (name, value) in &meta.headers {
+        text_header(&mut headers, name, value);
+    }
+    for (name, value) in [
+        ("causation_id", &meta.causation_id),
+        ("traceparent", &meta.traceparent),
+        ("tracestate", &meta.tracestate),
+    ] {
+        if let Some(value) = value {
+            text_header(&mut headers, name, value);
+        }
+    }
     headers.insert(
         "tenant".into(),
         AMQPValue::LongString(LongString::from(branch.tenant.as_str())),
@@ -80,12 +121,81 @@ pub(crate) fn properties(event: &OutboxEvent) -> BasicProperties {
             AMQPValue::LongString(LongString::from(parent.as_str())),
         );
     }
-    BasicProperties::default()
-        .with_message_id(message_id(&event.key))
+    let kind = match (&event.kind, &meta.event_type) {
+        (EventKind::Intent, Some(event_type)) => event_type.as_str(),
+        _ => kind,
+    };
+    let id = message_id(&event.key);
+    if mode == WireMode::CloudEvents {
+        let time = event
+            .created_at
+            .to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+        for (attribute, value) in [
+            ("specversion", "1.0"),
+            ("id", id.as_str()),
+            ("source", &format!("/{}/{}", branch.tenant, branch.run)),
+            ("type", kind),
+            ("time", &time),
+            ("subject", branch.branch.as_str()),
+        ] {
+            text_header(&mut headers, &format!("{CLOUDEVENTS_PREFIX}{attribute}"), value);
+        }
+    }
+    let mut properties = BasicProperties::default()
+        .with_message_id(id)
         .with_type(kind.into())
-        .with_content_type("application/octet-stream".into())
+        .with_content_type(meta.content_type_or_default().into())
         .with_delivery_mode(2)
-        .with_headers(headers)
+        .with_headers(headers);
+    if let Some(correlation) = &meta.correlation_id {
+        properties = properties.with_correlation_id(correlation.as_str().into());
+    }
+    properties
+}
+
+/// Names a version 3 decoder does not take for host headers: the contract's own, RabbitMQ's
+/// and the relay's (`x-`), CloudEvents attributes.
+fn host_header(name: &str) -> bool {
+    let lower = name.to_ascii_lowercase();
+    !store::RESERVED_HEADERS.contains(&lower.as_str())
+        && !lower.starts_with("x-")
+        && !lower.starts_with("cloudevents")
+}
+
+/// The metadata a message carries (empty for a version 1 or 2 message).
+fn metadata(properties: &BasicProperties, headers: &FieldTable, kind: &EventKind) -> Metadata {
+    let short = |value: &Option<ShortString>| value.as_ref().map(|v| v.as_str().to_owned());
+    let long = |name: &str| match headers.inner().get(name) {
+        Some(AMQPValue::LongString(value)) => Some(String::from_utf8_lossy(value.as_bytes()).into_owned()),
+        _ => None,
+    };
+    let event_type = match kind {
+        EventKind::Intent => properties
+            .kind()
+            .as_ref()
+            .and_then(|t| EventType::new(t.as_str()).ok()),
+        _ => None,
+    };
+    Metadata {
+        event_type,
+        content_type: short(properties.content_type()).filter(|c| c != OCTET_STREAM),
+        correlation_id: short(properties.correlation_id()),
+        causation_id: long("causation_id"),
+        headers: headers
+            .inner()
+            .iter()
+            .filter(|(name, _)| host_header(name.as_str()))
+            .filter_map(|(name, value)| match value {
+                AMQPValue::LongString(value) => Some((
+                    name.to_string(),
+                    String::from_utf8_lossy(value.as_bytes()).into_owned(),
+                )),
+                _ => None,
+            })
+            .collect(),
+        traceparent: long("traceparent"),
+        tracestate: long("tracestate"),
+    }
 }
 
 fn text<'a>(headers: &'a FieldTable, name: &'static str) -> Result<&'a [u8], WireError> {
@@ -137,6 +247,7 @@ pub fn decode(properties: &BasicProperties, body: &[u8]) -> Result<OutboxEvent, 
         Some(AMQPValue::LongString(kind)) if kind.as_bytes() == b"end" => EventKind::End,
         Some(_) => return Err(WireError::Header("kind")),
     };
+    let meta = metadata(properties, headers, &kind);
     let parent = match headers.inner().get("parent_branch") {
         None => None,
         Some(_) => Some(id(headers, "parent_branch", |s| BranchId::new(s))?),
@@ -152,6 +263,7 @@ pub fn decode(properties: &BasicProperties, body: &[u8]) -> Result<OutboxEvent, 
         created_at,
         kind,
         parent,
+        meta,
     })
 }
 
@@ -177,8 +289,9 @@ mod tests {
             created_at: DateTime::from_timestamp_micros(1_700_000_000_123_456).unwrap(),
             kind: EventKind::Intent,
             parent: Some(BranchId::new("root").unwrap()),
+            meta: Default::default(),
         };
-        let props = properties(&event);
+        let props = properties(&event, WireMode::Plain);
         assert_eq!(
             props.message_id().as_ref().unwrap().as_str(),
             "acme/run-7/main/42"
@@ -197,10 +310,11 @@ mod tests {
                 to: BranchId::new("retry-1").unwrap(),
             },
             parent: None,
+            meta: Default::default(),
             payload: Vec::new(),
             ..event.clone()
         };
-        let props = properties(&marker);
+        let props = properties(&marker, WireMode::Plain);
         assert_eq!(props.kind().as_ref().unwrap().as_str(), TYPE_REWIND);
         assert_eq!(decode(&props, b"").unwrap(), marker);
 
@@ -209,12 +323,12 @@ mod tests {
             kind: EventKind::End,
             ..marker.clone()
         };
-        let props = properties(&end);
+        let props = properties(&end, WireMode::Plain);
         assert_eq!(props.kind().as_ref().unwrap().as_str(), TYPE_END);
         assert_eq!(decode(&props, b"").unwrap(), end);
 
         // A version 1 message (no kind, no parent) is an intent.
-        let v2 = properties(&event);
+        let v2 = properties(&event, WireMode::Plain);
         let mut headers = FieldTable::default();
         for (name, value) in v2.headers().as_ref().unwrap().inner() {
             if !["kind", "parent_branch", "wire_version"].contains(&name.as_str()) {
@@ -225,5 +339,79 @@ mod tests {
         let decoded = decode(&v1, &event.payload).unwrap();
         assert_eq!(decoded.kind, EventKind::Intent);
         assert_eq!(decoded.parent, None);
+    }
+
+    /// Version 3: every metadata field travels where WIRE.md says and reads back unchanged;
+    /// CloudEvents mode adds its attributes, which are not taken for host headers.
+    #[test]
+    fn metadata_travels_as_properties_and_headers() {
+        let meta = Metadata {
+            event_type: Some(EventType::new("order.created").unwrap()),
+            content_type: Some("application/json".into()),
+            correlation_id: Some("req-42".into()),
+            causation_id: Some("cmd-7".into()),
+            headers: [("region".to_owned(), "eu".to_owned())].into(),
+            traceparent: Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into()),
+            tracestate: Some("congo=t61rcWkgMzE".into()),
+        };
+        let event = OutboxEvent {
+            key: EventKey {
+                branch: BranchKey::new(
+                    TenantId::new("acme").unwrap(),
+                    RunId::new("run-7").unwrap(),
+                    BranchId::new("main").unwrap(),
+                ),
+                lsn: Lsn::new(1),
+            },
+            prev_lsn: Lsn::new(0),
+            base_lsn: Lsn::new(0),
+            payload: b"{}".to_vec(),
+            created_at: DateTime::from_timestamp_micros(1_700_000_000_123_456).unwrap(),
+            kind: EventKind::Intent,
+            parent: None,
+            meta: meta.clone(),
+        };
+        for mode in [WireMode::Plain, WireMode::CloudEvents] {
+            let props = properties(&event, mode);
+            assert_eq!(props.kind().as_ref().unwrap().as_str(), "order.created");
+            assert_eq!(
+                props.content_type().as_ref().unwrap().as_str(),
+                "application/json"
+            );
+            assert_eq!(props.correlation_id().as_ref().unwrap().as_str(), "req-42");
+            let headers = props.headers().as_ref().unwrap().inner();
+            for name in ["region", "causation_id", "traceparent", "tracestate"] {
+                assert!(headers.contains_key(name), "{name}");
+            }
+            assert_eq!(headers.get("wire_version"), Some(&AMQPValue::LongLongInt(3)));
+            assert_eq!(
+                headers.contains_key("cloudEvents:type"),
+                mode == WireMode::CloudEvents
+            );
+            assert_eq!(decode(&props, b"{}").unwrap(), event, "{mode:?}");
+        }
+        let ce = properties(&event, WireMode::CloudEvents);
+        let ce = ce.headers().as_ref().unwrap().inner();
+        let text = |name: &str| match ce.get(name) {
+            Some(AMQPValue::LongString(v)) => String::from_utf8(v.as_bytes().to_vec()).unwrap(),
+            other => panic!("{name}: {other:?}"),
+        };
+        assert_eq!(text("cloudEvents:specversion"), "1.0");
+        assert_eq!(text("cloudEvents:id"), "acme/run-7/main/1");
+        assert_eq!(text("cloudEvents:source"), "/acme/run-7");
+        assert_eq!(text("cloudEvents:time"), "2023-11-14T22:13:20.123456Z");
+        // An intent without metadata is exactly a version 2 intent but for `wire_version`.
+        let plain = OutboxEvent {
+            meta: Metadata::default(),
+            ..event
+        };
+        let props = properties(&plain, WireMode::Plain);
+        assert_eq!(props.kind().as_ref().unwrap().as_str(), TYPE_INTENT);
+        assert_eq!(
+            props.content_type().as_ref().unwrap().as_str(),
+            OCTET_STREAM
+        );
+        assert_eq!(props.correlation_id(), &None);
+        assert_eq!(decode(&props, b"{}").unwrap(), plain);
     }
 }

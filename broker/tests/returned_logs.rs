@@ -59,6 +59,7 @@ async fn a_returned_payload_never_reaches_a_log() {
         created_at: Utc::now(),
         kind: EventKind::Intent,
         parent: None,
+        meta: Default::default(),
     };
     assert_eq!(
         publisher.publish(&[event(1, "warm-up")]).await.accepted(),

@@ -15,6 +15,15 @@ pub enum Error {
         /// The offending value (truncated).
         value: String,
     },
+    /// An intent's metadata breaks a rule of [`crate::Metadata`] (SQLSTATE `RL112` from
+    /// `relay_append`). Nothing was written.
+    #[error("invalid metadata {field}: {reason}")]
+    InvalidMetadata {
+        /// The field (`type`, `content_type`, `header <name>`, `traceparent`, ...).
+        field: String,
+        /// Why it was refused.
+        reason: String,
+    },
     /// The payload is larger than the configured maximum. Nothing was written.
     #[error("payload of {size} bytes exceeds the maximum of {max} bytes")]
     PayloadTooLarge {
@@ -216,4 +225,27 @@ pub(crate) fn detail_value(err: &sqlx::Error, name: &str) -> Option<i64> {
         let (key, value) = pair.split_once('=')?;
         (key == name).then(|| value.parse().ok()).flatten()
     })
+}
+
+/// The text of a refusal's DETAIL when it is the one pair `name=<text>` (the text may hold
+/// spaces: `field=header colour`).
+pub(crate) fn detail_text(err: &sqlx::Error, name: &str) -> Option<String> {
+    let sqlx::Error::Database(db) = err else {
+        return None;
+    };
+    let detail = db
+        .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()?
+        .detail()?;
+    detail
+        .strip_prefix(name)?
+        .strip_prefix('=')
+        .map(str::to_owned)
+}
+
+/// The database's own message of an error (no SQLSTATE, no detail).
+pub(crate) fn database_message(err: &sqlx::Error) -> String {
+    match err {
+        sqlx::Error::Database(db) => db.message().to_owned(),
+        other => other.to_string(),
+    }
 }

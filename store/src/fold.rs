@@ -25,7 +25,9 @@ use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, PgPool};
 
 use crate::error::{detail_value, sql_state};
-use crate::{BranchId, BranchKey, Error, EventKey, EventKind, Lsn, OutboxEvent, TenantId};
+use crate::{
+    BranchId, BranchKey, Error, EventKey, EventKind, Lsn, Metadata, OutboxEvent, TenantId,
+};
 
 /// What folding one delivery did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -130,6 +132,7 @@ struct Step {
     rewound_to: Option<String>,
     created_at: Option<DateTime<Utc>>,
     payload: Option<Vec<u8>>,
+    meta: Option<sqlx::types::Json<Metadata>>,
 }
 
 /// Folds one delivered event in `tx` (see the module docs): one call of the SQL function
@@ -149,10 +152,10 @@ pub async fn fold<P: Projection>(
     // The verdict's row is the delivery itself: its body is not sent back (n = 1).
     let steps: Vec<Step> = sqlx::query_as(
         "SELECT action, branch_id, lsn, prev_lsn, base_lsn, parent_branch, rewound_to, created_at,
-                CASE WHEN n > 1 THEN payload END AS payload
-           FROM relay_fold($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) WITH ORDINALITY AS f(
+                CASE WHEN n > 1 THEN payload END AS payload, CASE WHEN n > 1 THEN meta END AS meta
+           FROM relay_fold($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) WITH ORDINALITY AS f(
                 action, branch_id, lsn, prev_lsn, base_lsn, parent_branch, rewound_to,
-                created_at, payload, n)
+                created_at, payload, meta, n)
           ORDER BY n",
     )
     .bind(key.tenant.as_str())
@@ -166,6 +169,7 @@ pub async fn fold<P: Projection>(
     .bind(rewound_to)
     .bind(event.created_at)
     .bind(&event.payload)
+    .bind((!event.meta.is_empty()).then_some(sqlx::types::Json(&event.meta)))
     .fetch_all(&mut *tx)
     .await
     .map_err(|err| fold_refusal(err, event))?;
@@ -241,6 +245,7 @@ pub async fn fold<P: Projection>(
                 EventKind::Intent
             },
             parent: step.parent_branch.map(BranchId::new).transpose()?,
+            meta: step.meta.map(|json| json.0).unwrap_or_default(),
         };
         if released_event.is_end() {
             projection.end(tx, &released_event).await

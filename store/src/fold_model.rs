@@ -203,6 +203,7 @@ mod tests {
             created_at: Utc::now(),
             kind: EventKind::Intent,
             parent: parent.map(|parent| BranchId::new(parent).unwrap()),
+            meta: Default::default(),
         }
     }
 

@@ -25,10 +25,12 @@ mod fold;
 mod fold_model;
 mod key;
 mod lease;
+mod meta;
 mod outbox;
 mod retention;
 mod roles;
 mod schema;
+mod trace;
 mod wakeup;
 mod writer;
 
@@ -61,6 +63,12 @@ pub use lease::LeaseStep;
 pub use lease::LeaseStore;
 pub use lease::RelayId;
 pub use lease::bucket_of;
+pub use meta::EventType;
+pub use meta::Intent;
+pub use meta::MAX_HEADER_BYTES;
+pub use meta::MAX_HEADERS;
+pub use meta::Metadata;
+pub use meta::RESERVED_HEADERS;
 pub use outbox::Backlog;
 pub use outbox::Discarded;
 pub use outbox::DrainLimit;
@@ -93,9 +101,9 @@ pub const MIGRATIONS_TABLE: &str = "relay_migrations";
 /// Tracked in [`MIGRATIONS_TABLE`]. Hosts with another migration tool can apply the same SQL
 /// (`MIGRATOR.iter()` or `distribution sql`, in version order).
 ///
-/// Versions 4 and 6 are the fold's SQL (`relay_fold`, then end markers and `relay_fold_retire`),
+/// Versions 4, 6 and 9 are the fold's SQL (`relay_fold`, end markers and `relay_fold_retire`, then metadata),
 /// the very files the fold migrations of a consumer's own database apply, so a database with the
-/// outbox folds too. The next file in `store/migrations` after `0007_*` is `0008_*`.
+/// outbox folds too. The next file in `store/migrations` after `0008_*` is `0010_*` (version 9 is the fold's).
 pub static MIGRATOR: std::sync::LazyLock<sqlx::migrate::Migrator> =
     std::sync::LazyLock::new(|| {
         let mut migrator = sqlx::migrate!("./migrations");
@@ -117,7 +125,7 @@ pub static MIGRATOR: std::sync::LazyLock<sqlx::migrate::Migrator> =
 
 /// The fold's SQL in the outbox's migrations: (outbox version, description, the fold file).
 /// `relay_fold` is what a consumer in any language calls once per delivery (see WIRE.md).
-const FOLD_IN_OUTBOX: [(i64, &str, &str); 2] = [
+const FOLD_IN_OUTBOX: [(i64, &str, &str); 3] = [
     (
         4,
         "fold function",
@@ -127,6 +135,11 @@ const FOLD_IN_OUTBOX: [(i64, &str, &str); 2] = [
         6,
         "fold end and retire",
         include_str!("../fold_migrations/0003_end_and_retire.sql"),
+    ),
+    (
+        9,
+        "fold metadata",
+        include_str!("../fold_migrations/0004_metadata.sql"),
     ),
 ];
 

@@ -4,7 +4,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 
-use crate::{BranchId, Error, EventKey, Fence, Lsn, TenantId};
+use crate::{BranchId, Error, EventKey, Fence, Lsn, Metadata, TenantId};
 
 /// What an outbox row carries.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -40,6 +40,8 @@ pub struct OutboxEvent {
     pub kind: EventKind,
     /// For a branch forked by a rewind: the branch it was forked from (at `base_lsn`).
     pub parent: Option<BranchId>,
+    /// The intent's metadata (empty for markers and for intents appended without it).
+    pub meta: Metadata,
 }
 
 impl OutboxEvent {
@@ -61,6 +63,7 @@ impl std::fmt::Debug for OutboxEvent {
             .field("key", &self.key)
             .field("prev_lsn", &self.prev_lsn)
             .field("kind", &self.kind)
+            .field("event_type", &self.meta.event_type)
             .field("payload_bytes", &self.payload.len())
             .finish_non_exhaustive()
     }
@@ -153,13 +156,14 @@ type EventRow = (
     i16,
     Option<String>,
     Option<String>,
+    Option<sqlx::types::Json<Metadata>>,
 );
 
 /// Columns of [`EventRow`], in order.
 macro_rules! event_columns {
     () => {
         "run_id, branch_id, lsn, prev_lsn, base_lsn, payload, created_at, kind, \
-         parent_branch_id, rewound_to"
+         parent_branch_id, rewound_to, meta"
     };
 }
 
@@ -573,7 +577,7 @@ fn fenced_or(err: sqlx::Error, fence: &Fence) -> Error {
 fn events_of(tenant: &TenantId, rows: Vec<EventRow>) -> Result<Vec<OutboxEvent>, Error> {
     rows.into_iter()
         .map(
-            |(run, branch, lsn, prev_lsn, base_lsn, payload, created_at, kind, parent, to)| {
+            |(run, branch, lsn, prev_lsn, base_lsn, payload, created_at, kind, parent, to, meta)| {
                 let kind = match (kind, to) {
                     (1, Some(to)) => EventKind::Rewind {
                         to: BranchId::new(to)?,
@@ -589,6 +593,7 @@ fn events_of(tenant: &TenantId, rows: Vec<EventRow>) -> Result<Vec<OutboxEvent>,
                     created_at,
                     kind,
                     parent: parent.map(BranchId::new).transpose()?,
+                    meta: meta.map(|json| json.0).unwrap_or_default(),
                 })
             },
         )

@@ -94,6 +94,7 @@ pub fn roles_sql(roles: &Roles, on: RolesFor, schema: Option<&Schema>) -> Result
             "relay_rewind",
             "relay_close_run",
             "relay_require_id",
+            "relay_require_meta",
             "relay_ack_and_drain",
             "relay_retire_runs",
             "relay_discard_branch",

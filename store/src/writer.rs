@@ -18,8 +18,8 @@ use std::borrow::Cow;
 
 use sqlx::PgConnection;
 
-use crate::error::{detail_value, sql_state};
-use crate::{BranchId, BranchKey, Error, Lsn, RunId, Schema, TenantId};
+use crate::error::{database_message, detail_text, detail_value, sql_state};
+use crate::{BranchId, BranchKey, Error, Intent, Lsn, RunId, Schema, TenantId};
 
 /// Default largest payload, 256 KiB: far below RabbitMQ's 128 MiB `max_message_size` and small
 /// enough that a relay batch of 1,000 intents stays bounded in memory.
@@ -143,6 +143,40 @@ impl IntentWriter {
         lsn: Lsn,
         payload: &[u8],
     ) -> Result<(), Error> {
+        self.append_intent(conn, key, lsn, Intent::new(payload))
+            .await
+    }
+
+    /// Appends `(key, lsn)` with `intent`'s payload and metadata (event type, content type,
+    /// correlation and causation ids, headers, trace context; see [`Intent`]), in the host's
+    /// transaction, like [`IntentWriter::append`].
+    ///
+    /// Metadata that breaks a rule ([`crate::Metadata::validate`]) is refused with
+    /// [`Error::InvalidMetadata`] before any SQL runs: nothing is written and the host's
+    /// transaction stays usable. With the cargo feature `otel`, an intent without a
+    /// `traceparent` gets the OpenTelemetry context of the current `tracing` span, if it has one.
+    ///
+    /// ```no_run
+    /// use store::{BranchKey, EventType, Intent, IntentWriter, Lsn};
+    ///
+    /// # async fn host(pool: sqlx::PgPool, branch: BranchKey) -> Result<(), Box<dyn std::error::Error>> {
+    /// let mut tx = pool.begin().await?;
+    /// let intent = Intent::new(br#"{"order":7}"#)
+    ///     .event_type(EventType::new("order.created")?)
+    ///     .content_type("application/json")
+    ///     .correlation_id("req-42");
+    /// IntentWriter::default().append_intent(&mut tx, &branch, Lsn::new(2), intent).await?;
+    /// tx.commit().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn append_intent(
+        &self,
+        conn: &mut PgConnection,
+        key: &BranchKey,
+        lsn: Lsn,
+        mut intent: Intent<'_>,
+    ) -> Result<(), Error> {
+        let payload = intent.payload();
         if payload.len() > self.max_payload_bytes {
             return Err(Error::PayloadTooLarge {
                 size: payload.len(),
@@ -150,7 +184,11 @@ impl IntentWriter {
             });
         }
         let lsn_db = lsn.to_db()?;
-        sqlx::query(self.sql("SELECT relay_append($1, $2, $3, $4, $5, $6, $7)"))
+        crate::trace::fill_from_current_span(intent.metadata_mut());
+        let meta = intent.metadata();
+        meta.validate()?;
+        let meta = (!meta.is_empty()).then_some(sqlx::types::Json(meta));
+        sqlx::query(self.sql("SELECT relay_append($1, $2, $3, $4, $5, $6, $7, $8)"))
             .bind(key.tenant.as_str())
             .bind(key.run.as_str())
             .bind(key.branch.as_str())
@@ -158,6 +196,7 @@ impl IntentWriter {
             .bind(payload)
             .bind(self.notify)
             .bind(i64::try_from(self.max_payload_bytes).unwrap_or(i64::MAX))
+            .bind(meta)
             .execute(&mut *conn)
             .await
             .map_err(|err| refusal(err, key, Some(lsn)))?;
@@ -273,6 +312,10 @@ fn refusal(err: sqlx::Error, key: &BranchKey, lsn: Option<Lsn>) -> Error {
             branch: key.clone(),
         }),
         Some("RL110") => Some(closed(&err, &key.tenant, &key.run)),
+        Some("RL112") => Some(Error::InvalidMetadata {
+            field: detail_text(&err, "field").unwrap_or_else(|| "meta".to_owned()),
+            reason: database_message(&err),
+        }),
         _ => None,
     };
     known.unwrap_or(Error::Database(err))

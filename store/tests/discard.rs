@@ -107,6 +107,7 @@ async fn a_discarded_branch_ends_at_its_last_shipped_lsn_on_the_wire(pool: PgPoo
             created_at: chrono::Utc::now(),
             kind: EventKind::Intent,
             parent: None,
+            meta: Default::default(),
         })
         .collect();
     for event in &delivered {

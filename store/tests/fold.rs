@@ -70,6 +70,7 @@ fn events_of(tenant: &TenantId, chain: &Chain) -> Vec<OutboxEvent> {
                 created_at: Utc::now(),
                 kind: EventKind::Intent,
                 parent: None,
+                meta: Default::default(),
             };
             prev = lsn;
             event

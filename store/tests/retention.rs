@@ -272,6 +272,7 @@ fn event(branch: &BranchKey, lsn: u64, kind: EventKind) -> OutboxEvent {
         created_at: Utc::now(),
         kind,
         parent: None,
+        meta: Default::default(),
     }
 }
 
@@ -310,6 +311,7 @@ async fn the_fold_retires_completed_runs_and_refuses_their_redeliveries(pool: Pg
     // An abandoned branch's late event, held for ever: retired with its run.
     let stray = OutboxEvent {
         parent: Some(BranchId::new("main").unwrap()),
+        meta: Default::default(),
         ..event(&key("t", "done", "stray"), 9, EventKind::Intent)
     };
     assert_eq!(fold.apply(&stray).await.unwrap(), FoldOutcome::Parked);

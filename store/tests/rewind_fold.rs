@@ -143,6 +143,7 @@ fn intent(branch: &BranchKey, lsn: u64, prev: u64, base: u64, parent: Option<&st
         created_at: Utc::now(),
         kind: EventKind::Intent,
         parent: parent.map(|p| BranchId::new(p).unwrap()),
+        meta: Default::default(),
     }
 }
 

@@ -181,6 +181,7 @@ mod outbox {
                         created_at: chrono::Utc::now(),
                         kind: distribution::store::EventKind::Intent,
                         parent: None,
+                        meta: Default::default(),
                     };
                     reference.apply(&event).await.unwrap();
                     prev = *lsn;

@@ -26,6 +26,7 @@ fn event(lsn: u64) -> OutboxEvent {
         created_at: chrono::Utc::now(),
         kind: EventKind::Intent,
         parent: None,
+        meta: Default::default(),
     }
 }
 

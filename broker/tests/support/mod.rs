@@ -44,6 +44,7 @@ pub fn events(tenant: &str, run: &str, branch: &str, lsns: &[u64]) -> Vec<Outbox
                 created_at: Utc::now(),
                 kind: EventKind::Intent,
                 parent: None,
+                meta: Default::default(),
             };
             prev = lsn;
             event

@@ -59,6 +59,14 @@ pub struct RelayConfig {
     pub probe: Option<CallProbe>,
     /// Classic or quorum (replicated) queues. Env `RELAY_QUEUE_TYPE`, default classic.
     pub queue_type: QueueType,
+    /// Consumer groups whose queues the relay declares at start and after a returned message
+    /// (comma-separated names; `default` is the unnamed group of `<topology>.p<N>`). Empty:
+    /// only the exchange; each group's consumer (or `distribution group create`) declares its
+    /// own. Env `RELAY_GROUPS`, default `default`.
+    pub groups: Vec<broker::Group>,
+    /// Also write CloudEvents attributes (`cloudEvents:*` headers, binary content mode). Env
+    /// `RELAY_CLOUDEVENTS`, default false.
+    pub cloudevents: bool,
     /// `/readyz` fails when more branches than this are parked. Env `RELAY_READY_MAX_PARKED`,
     /// default 100.
     pub ready_max_parked: u32,
@@ -127,6 +135,13 @@ pub struct Settings {
     /// Queue type: classic, or quorum (replicated; production RabbitMQ).
     #[arg(long, env = "RELAY_QUEUE_TYPE", value_enum, default_value_t = QueueType::Classic)]
     pub queue_type: QueueType,
+    /// Consumer groups whose queues the relay declares (comma-separated; `default`: the
+    /// unnamed group's `<topology>.p<N>`; `none`: the exchange only).
+    #[arg(long, env = "RELAY_GROUPS", default_value = "default", value_delimiter = ',')]
+    pub groups: Vec<String>,
+    /// Also write CloudEvents attributes (`cloudEvents:*` headers, binary content mode).
+    #[arg(long, env = "RELAY_CLOUDEVENTS", action = clap::ArgAction::Set, default_value_t = false)]
+    pub cloudevents: bool,
     /// Publisher shards (one AMQP connection each).
     #[arg(long, env = "RELAY_SHARDS", default_value_t = defaults().supervisor.shards,
           value_parser = clap::value_parser!(u16).range(1..=256))]
@@ -234,6 +249,25 @@ pub struct Settings {
     pub retention_secs: Option<u64>,
 }
 
+/// `RELAY_GROUPS`: `none`, or group names.
+fn groups(names: &[String]) -> Result<Vec<broker::Group>, ConfigError> {
+    if let [only] = names
+        && only.trim() == "none"
+    {
+        return Ok(Vec::new());
+    }
+    names
+        .iter()
+        .map(|name| {
+            broker::Group::parse(name.trim()).map_err(|err| ConfigError::Invalid {
+                var: "RELAY_GROUPS",
+                value: names.join(","),
+                reason: err.to_string(),
+            })
+        })
+        .collect()
+}
+
 impl Settings {
     /// The configuration these settings describe, validated (cross-field rules included).
     pub fn into_config(self) -> Result<RelayConfig, ConfigError> {
@@ -241,6 +275,8 @@ impl Settings {
         config.topology = self.topology;
         config.partitions = self.partitions;
         config.queue_type = self.queue_type;
+        config.groups = groups(&self.groups)?;
+        config.cloudevents = self.cloudevents;
         let supervisor = &mut config.supervisor;
         supervisor.shards = self.shards;
         supervisor.drainer.batch_size = self.batch_size;
@@ -333,6 +369,8 @@ impl RelayConfig {
             amqp_confirm_timeout: Duration::from_secs(10),
             probe: None,
             queue_type: QueueType::Classic,
+            groups: vec![broker::Group::Default],
+            cloudevents: false,
             ready_max_parked: 100,
             amqp_tls: broker::AmqpTls::default(),
             schema: None,
@@ -490,7 +528,13 @@ impl RelayConfig {
                 reason: err.to_string(),
             }
         })?;
-        rabbit.topology = rabbit.topology.with_queue_type(self.queue_type);
+        rabbit.topology = rabbit
+            .topology
+            .with_queue_type(self.queue_type)
+            .declaring(self.groups.clone());
+        if self.cloudevents {
+            rabbit.wire_mode = broker::WireMode::CloudEvents;
+        }
         rabbit.tls = self.amqp_tls.clone();
         rabbit.connect_timeout = self.amqp_connect_timeout;
         rabbit.confirm_timeout = self.amqp_confirm_timeout;

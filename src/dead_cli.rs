@@ -3,7 +3,7 @@
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 use distribution::RelayConfig;
-use distribution::broker::{DeadFilter, DeadLetter, DeadLetters, RabbitConfig};
+use distribution::broker::{DeadFilter, DeadLetter, DeadLetters, Group, RabbitConfig};
 use distribution::store::{EventKind, RunId, TenantId};
 
 /// The broker and topology whose dead letters are read.
@@ -19,6 +19,10 @@ pub struct Broker {
     #[arg(long, env = "RELAY_PARTITIONS", default_value_t = 8,
           value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub partitions: u16,
+    /// The consumer group (`default`: the unnamed group's `<topology>.p<N>` and
+    /// `<topology>.dead`; a name: `<topology>.<group>.p<N>` and `<topology>.<group>.dead`).
+    #[arg(long, env = "RELAY_GROUP", default_value = "default")]
+    pub group: String,
 }
 
 impl Broker {
@@ -26,7 +30,10 @@ impl Broker {
         let mut config = RelayConfig::new("", self.amqp_url.clone());
         config.topology = self.topology.clone();
         config.partitions = self.partitions;
-        Ok(config.rabbit_config()?)
+        let group = Group::parse(&self.group).context("--group / RELAY_GROUP")?;
+        let mut rabbit = config.rabbit_config()?;
+        rabbit.topology = rabbit.topology.with_group(group);
+        Ok(rabbit)
     }
 }
 

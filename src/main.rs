@@ -20,6 +20,7 @@ use distribution::store::{self, Outbox};
 use distribution::{LogFormat, Relay, RelayConfig, Settings};
 
 mod dead_cli;
+mod group_cli;
 mod demo;
 // The demo takes "the broker" down with the same proxy the tests use, compiled in privately.
 #[allow(dead_code)]
@@ -74,6 +75,11 @@ enum Command {
     Dead {
         #[command(subcommand)]
         action: dead_cli::DeadAction,
+    },
+    /// Consumer groups: each reads the whole history from its own queues.
+    Group {
+        #[command(subcommand)]
+        action: group_cli::GroupAction,
     },
     /// Drain parked branches again now (all of a tenant, of a run, or one branch).
     Release {
@@ -240,6 +246,7 @@ fn main() -> ExitCode {
                 topology,
             } => status(&database, amqp_url, topology).await,
             Command::Dead { action } => dead_cli::run(action).await,
+            Command::Group { action } => group_cli::run(action).await,
             Command::Release {
                 database,
                 tenant,

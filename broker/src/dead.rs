@@ -184,9 +184,11 @@ impl DeadLetters {
                 let confirm = within(
                     "basic.publish",
                     self.config.connect_timeout,
+                    // Straight to this group's queue of the partition (the default exchange):
+                    // other consumer groups folded the message already.
                     publish.basic_publish(
-                        topology.exchange().clone(),
-                        topology.routing_key(partition),
+                        "".into(),
+                        topology.queue(partition),
                         BasicPublishOptions {
                             mandatory: true,
                             ..BasicPublishOptions::default()

@@ -48,6 +48,7 @@ pub use rabbit::RabbitConfig;
 pub use rabbit::RabbitPublisher;
 pub use rabbit::preflight;
 pub use rabbit::{open, within};
+pub use topology::Group;
 pub use topology::Partition;
 pub use topology::QueueType;
 pub use topology::Topology;

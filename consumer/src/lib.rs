@@ -18,6 +18,7 @@
 //!   the cause is fixed and the branch resumes in order.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
+use std::collections::BTreeSet;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -30,8 +31,8 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Channel, Confirmation, Connection};
-use sqlx::PgPool;
-use store::{EventTable, FoldError, FoldOutcome, FoldStore, OutboxEvent, Projection};
+use sqlx::{PgConnection, PgPool};
+use store::{EventTable, EventType, FoldError, FoldOutcome, FoldStore, OutboxEvent, Projection};
 use tokio::sync::watch;
 
 use broker::{Backoff, Error, Partition, RabbitConfig, RetryPolicy, open, within};
@@ -111,6 +112,11 @@ pub struct ConsumerConfig {
     /// (between 100 ms and 60 s); a later delivery of such a run is dead-lettered as
     /// `retired`, never applied twice. Default `None`: the fold keeps every run's state.
     pub retention: Option<store::Retention>,
+    /// Event types this consumer's projection is given; `None` (the default): every intent.
+    /// Intents of other types, and untyped ones, are still folded (their branch's chain
+    /// advances, so nothing waits behind them) but not handed to [`Projection::apply`];
+    /// rewinds and run ends are always handed over. For a consumer group that reads a subset.
+    pub event_types: Option<BTreeSet<EventType>>,
 }
 
 impl ConsumerConfig {
@@ -123,6 +129,7 @@ impl ConsumerConfig {
             retry: RetryPolicy::default(),
             fold_timeout: Duration::from_secs(60),
             retention: None,
+            event_types: None,
         }
     }
 
@@ -505,7 +512,11 @@ where
             Ok(tx) => tx,
             Err(err) => return Verdict::Retry(format!("database: {err}")),
         };
-        let folded = store::fold(&mut tx, event, &mut self.projection).await;
+        let mut projection = Subscribed {
+            inner: &mut self.projection,
+            types: self.config.event_types.as_ref(),
+        };
+        let folded = store::fold(&mut tx, event, &mut projection).await;
         match verdict(folded, P::is_permanent) {
             Verdict::Folded(outcome) => match tx.commit().await {
                 Ok(()) => Verdict::Folded(outcome),
@@ -576,6 +587,46 @@ fn verdict<E: std::fmt::Display>(
             Verdict::DeadLetter(format!("handler: {err}"))
         }
         Err(FoldError::Projection(err)) => Verdict::Retry(format!("handler: {err}")),
+    }
+}
+
+/// The user's projection, given only the subscribed event types' intents
+/// ([`ConsumerConfig::event_types`]); the fold's bookkeeping sees every delivery.
+struct Subscribed<'a, P> {
+    inner: &'a mut P,
+    types: Option<&'a BTreeSet<EventType>>,
+}
+
+impl<P: Projection> Projection for Subscribed<'_, P> {
+    type Error = P::Error;
+
+    async fn apply(&mut self, tx: &mut PgConnection, event: &OutboxEvent) -> Result<(), P::Error> {
+        let wanted = match (self.types, &event.meta.event_type) {
+            (None, _) => true,
+            (Some(types), Some(event_type)) => types.contains(event_type),
+            (Some(_), None) => false,
+        };
+        if !wanted {
+            metrics::counter!("relay_consumer_skipped_total").increment(1);
+            return Ok(());
+        }
+        self.inner.apply(tx, event).await
+    }
+
+    async fn rewind(
+        &mut self,
+        tx: &mut PgConnection,
+        rewind: &store::RewindNotice,
+    ) -> Result<(), P::Error> {
+        self.inner.rewind(tx, rewind).await
+    }
+
+    async fn end(&mut self, tx: &mut PgConnection, end: &OutboxEvent) -> Result<(), P::Error> {
+        self.inner.end(tx, end).await
+    }
+
+    fn is_permanent(error: &P::Error) -> bool {
+        P::is_permanent(error)
     }
 }
 

@@ -537,6 +537,7 @@ async fn status(database: &Database, amqp_url: Option<String>, topology: String)
             amqp_url,
             topology,
             partitions: 1,
+            group: "default".to_owned(),
         };
         let rabbit = broker.rabbit()?;
         let queue = rabbit.topology.dead_letter_queue();

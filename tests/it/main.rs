@@ -30,6 +30,7 @@ mod consumer;
 mod database_faults;
 mod dead_letters;
 mod fairness;
+mod groups;
 mod handover;
 mod outbox_faults;
 mod outbox_relay;

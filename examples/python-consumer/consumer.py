@@ -1,7 +1,7 @@
 """A consumer in Python: projects the relay's events into its own table, exactly once and in
 live-history order, through the fold's SQL function `relay_fold` (see broker/WIRE.md). It
 re-implements none of the fold's rules: per delivery, in one transaction, it calls `relay_fold`
-with the message's headers and body, applies what it returns ("apply" rows in order, "undo" for a
+with the message's headers, body and metadata (WIRE.md, version 3), applies what it returns ("apply" rows in order, "undo" for a
 rewind, "end" once a closed run is complete), commits, and only then acks.
 
     AMQP_URL=amqp://guest:guest@127.0.0.1:5672/%2f DATABASE_URL=postgres://... \
@@ -18,9 +18,41 @@ import sys
 
 import pika
 import psycopg
+from psycopg.types.json import Jsonb
 
-FOLD = """SELECT action, branch_id, lsn, prev_lsn, rewound_to, payload
-            FROM relay_fold(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"""
+FOLD = """SELECT action, branch_id, lsn, prev_lsn, rewound_to, payload, meta
+            FROM relay_fold(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"""
+
+# WIRE.md, "Metadata": the contract's own headers, and the prefixes that are not the host's.
+CONTRACT_HEADERS = {
+    "wire_version", "kind", "tenant", "run", "branch", "lsn", "prev_lsn", "base_lsn",
+    "parent_branch", "rewound_to", "created_at_us", "causation_id", "traceparent", "tracestate",
+}
+
+
+def metadata(properties, headers):
+    """An intent's metadata as WIRE.md (version 3) says it travels; None when it has none."""
+    meta = {}
+    if headers.get("kind", "intent") == "intent" and properties.type \
+            and not properties.type.startswith("outbox."):
+        meta["type"] = properties.type
+    if properties.content_type and properties.content_type != "application/octet-stream":
+        meta["content_type"] = properties.content_type
+    if properties.correlation_id:
+        meta["correlation_id"] = properties.correlation_id
+    for name in ("causation_id", "traceparent", "tracestate"):
+        if headers.get(name) is not None:
+            meta[name] = text(headers[name])
+    own = {
+        name: text(value)
+        for name, value in headers.items()
+        if name.lower() not in CONTRACT_HEADERS
+        and not name.lower().startswith(("x-", "cloudevents"))
+        and isinstance(value, (str, bytes))
+    }
+    if own:
+        meta["headers"] = own
+    return meta or None
 
 
 def setting(name, default=None):
@@ -47,7 +79,7 @@ def main():
     db.execute(
         """CREATE TABLE IF NOT EXISTS py_projection (
                seq bigserial, tenant text, run text, branch text, lsn bigint, body bytea,
-               PRIMARY KEY (tenant, run, branch, lsn))"""
+               meta jsonb, PRIMARY KEY (tenant, run, branch, lsn))"""
     )
     db.execute(
         "CREATE TABLE IF NOT EXISTS py_runs_done (tenant text, run text, PRIMARY KEY (tenant, run))"
@@ -64,6 +96,7 @@ def main():
             else None
         )
         tenant, run = text(h.get("tenant")), text(h.get("run"))
+        meta = metadata(properties, h)
         try:
             with db.transaction():
                 rows = db.execute(
@@ -72,16 +105,17 @@ def main():
                         tenant, run, text(h.get("branch")), text(h.get("kind")),
                         h.get("lsn"), h.get("prev_lsn"), h.get("base_lsn"),
                         text(h.get("parent_branch")), text(h.get("rewound_to")),
-                        created_at, body,
+                        created_at, body, meta and Jsonb(meta),
                     ),
                 ).fetchall()
-                for action, branch, lsn, _prev, _to, payload in rows:
+                for action, branch, lsn, _prev, _to, payload, row_meta in rows:
                     if action == "apply":
-                        # A plain INSERT: a second apply of one (branch, lsn) would fail here.
+                        # Each row brings its body and metadata (those of a held-back intent
+                        # as relay_fold kept them). A plain INSERT: a second apply of one (branch, lsn) would fail here.
                         db.execute(
-                            "INSERT INTO py_projection (tenant, run, branch, lsn, body)"
-                            " VALUES (%s, %s, %s, %s, %s)",
-                            (tenant, run, branch, lsn, payload),
+                            "INSERT INTO py_projection (tenant, run, branch, lsn, body, meta)"
+                            " VALUES (%s, %s, %s, %s, %s, %s)",
+                            (tenant, run, branch, lsn, payload, row_meta and Jsonb(row_meta)),
                         )
                     elif action == "undo":
                         db.execute(

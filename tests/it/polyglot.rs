@@ -110,15 +110,27 @@ async fn run_host(host: &Path, database_url: &str, tenant: &str) {
     );
 }
 
+type Projected = Vec<(String, String, i64, Vec<u8>, serde_json::Value)>;
+
 /// The live history of each tenant as the host wrote it: per run, `main` 1..=12, then `retry`
-/// 13..=22, with the host's JSON bodies.
-fn live_history() -> Vec<(String, String, i64, Vec<u8>)> {
+/// 13..=22, with the host's JSON bodies and the metadata it set (`metadata` in
+/// `examples/typescript-host/src/host.ts`), as the Python consumer read it off the wire.
+fn live_history() -> Projected {
     let mut live = Vec::new();
     for run in ["ts-r1", "ts-r2", "ts-r3"] {
         for (branch, steps) in [("main", 1..=12), ("retry", 13..=22)] {
             for step in steps {
                 let body = format!(r#"{{"run":"{run}","branch":"{branch}","step":{step}}}"#);
-                live.push((run.to_owned(), branch.to_owned(), step, body.into_bytes()));
+                let meta = serde_json::json!({
+                    "type": "agent.step",
+                    "content_type": "application/json",
+                    "correlation_id": format!("{run}-{step}"),
+                    "causation_id": format!("{branch}-{}", step - 1),
+                    "headers": {"agent-step": step.to_string()},
+                    "traceparent": format!("00-{:032x}-{:016x}-01", 0x1000 + step, step + 1),
+                    "tracestate": "host=ts",
+                });
+                live.push((run.to_owned(), branch.to_owned(), step, body.into_bytes(), meta));
             }
         }
     }
@@ -126,9 +138,10 @@ fn live_history() -> Vec<(String, String, i64, Vec<u8>)> {
 }
 
 /// The Python consumer's table for `tenant`, each run in the order it was built.
-async fn projected(pool: &PgPool, tenant: &str) -> Vec<(String, String, i64, Vec<u8>)> {
+async fn projected(pool: &PgPool, tenant: &str) -> Projected {
     sqlx::query_as(
-        "SELECT run, branch, lsn, body FROM py_projection WHERE tenant = $1 ORDER BY run, seq",
+        "SELECT run, branch, lsn, body, coalesce(meta, 'null') FROM py_projection
+          WHERE tenant = $1 ORDER BY run, seq",
     )
     .bind(tenant)
     .fetch_all(pool)

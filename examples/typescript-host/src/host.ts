@@ -2,7 +2,7 @@
 // transaction, through the relay's SQL write API (`relay_open_run`, `relay_append`,
 // `relay_rewind`, `relay_close_run`). Nothing here knows the relay's tables or its lock
 // protocol: the functions carry every rule, and refuse bad calls with documented SQLSTATEs
-// (RL100..RL110).
+// (RL100..RL112).
 //
 //   DATABASE_URL=postgres://postgres@127.0.0.1:5432/test TENANT=acme RUNS=2 STEPS=20 FORK=12 \
 //     RETRY_STEPS=8 node dist/host.js
@@ -60,14 +60,31 @@ async function inTransaction<T>(client: pg.PoolClient, work: () => Promise<T>): 
   }
 }
 
+/**
+ * The intent's metadata (wire version 3, `store::Metadata`'s JSON): what the event is, its
+ * media type, the request it belongs to, what caused it, a header of the host's own and the
+ * W3C trace context of the step. `relay_append` validates it (RL112) and the relay ships it
+ * as AMQP properties and headers.
+ */
+const metadata = (run: string, branch: string, step: number) => ({
+  type: "agent.step",
+  content_type: "application/json",
+  correlation_id: `${run}-${step}`,
+  causation_id: `${branch}-${step - 1}`,
+  headers: { "agent-step": String(step) },
+  traceparent: `00-${(0x1000 + step).toString(16).padStart(32, "0")}-${(step + 1).toString(16).padStart(16, "0")}-01`,
+  tracestate: "host=ts",
+});
+
 /** One step of an agent: its own state and its export intent, in one transaction. */
 async function writeStep(client: pg.PoolClient, run: string, branch: string, step: number) {
   await inTransaction(client, async () => {
     await client.query("UPDATE ts_host_state SET step = $3 WHERE tenant = $1 AND run = $2", [
       tenant, run, step,
     ]);
-    await client.query(`SELECT ${fn("relay_append")}($1, $2, $3, $4, $5)`, [
+    await client.query(`SELECT ${fn("relay_append")}($1, $2, $3, $4, $5, p_meta => $6::jsonb)`, [
       tenant, run, branch, step, payload(run, branch, step),
+      JSON.stringify(metadata(run, branch, step)),
     ]);
   });
 }

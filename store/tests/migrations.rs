@@ -70,3 +70,102 @@ async fn a_legacy_database_is_adopted() {
     host.run(&pool).await.expect("the host runs cleanly now");
     store::migrate(&pool).await.expect("and again");
 }
+
+/// Upgrading a database whose roles were granted (`distribution roles`) keeps the grants:
+/// version 8 and the fold's version 9 drop and create `relay_append`, `relay_ack_and_drain` and
+/// `relay_fold` again with new signatures, and PostgreSQL drops a function's grants with it.
+#[tokio::test]
+async fn an_upgrade_keeps_the_roles_grants() {
+    let pool = empty_database("mig_grants").await;
+    let mut before = Migrator {
+        migrations: store::MIGRATOR
+            .iter()
+            .filter(|migration| migration.version <= 7)
+            .cloned()
+            .collect::<Vec<_>>()
+            .into(),
+        ..Migrator::DEFAULT
+    };
+    before.dangerous_set_table_name(store::MIGRATIONS_TABLE);
+    before.run(&pool).await.unwrap();
+    let suffix = std::process::id();
+    let [host, relay, consumer, other] =
+        ["host", "relay", "consumer", "other"].map(|role| format!("mig_{role}_{suffix}"));
+    for role in [&host, &relay, &consumer, &other] {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE ROLE {role}")))
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+    let roles = store::Roles {
+        host: Some(host.clone()),
+        relay: Some(relay.clone()),
+        consumer: Some(consumer.clone()),
+    };
+    // The script as the version 7 relay printed it (no relay_require_meta yet).
+    let grants = store::roles_sql(&roles, store::RolesFor::Outbox, None)
+        .unwrap()
+        .replace("relay_require_meta, ", "");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(grants))
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    store::migrate(&pool).await.unwrap();
+    let may = |role: &str, function: &str| {
+        let pool = pool.clone();
+        let (role, function) = (role.to_owned(), function.to_owned());
+        async move {
+            sqlx::query_scalar::<_, bool>("SELECT has_function_privilege($1, $2, 'EXECUTE')")
+                .bind(role)
+                .bind(function)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let append = "relay_append(text, text, text, bigint, bytea, boolean, bigint, jsonb)";
+    let drain = "relay_ack_and_drain(integer, text, bigint, text, text[], text[], bigint[], bigint, bigint, text[], text[], bigint[])";
+    let fold = "relay_fold(text, text, text, text, bigint, bigint, bigint, text, text, timestamptz, bytea, jsonb)";
+    let outcome = async {
+        for (role, function, expected) in [
+            (&host, append, true),
+            (&relay, append, false),
+            (&other, append, false),
+            (&relay, drain, true),
+            (&host, drain, false),
+            (&other, drain, false),
+            (&consumer, fold, true),
+            (&other, fold, false),
+        ] {
+            assert_eq!(may(role, function).await, expected, "{role} on {function}");
+        }
+    };
+    let checked = futures_catch(outcome).await;
+    for role in [&host, &relay, &consumer, &other] {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "DROP OWNED BY {role}; DROP ROLE {role}"
+        )))
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    if let Err(panic) = checked {
+        std::panic::resume_unwind(panic);
+    }
+}
+
+/// Runs `future`, catching a panic so the caller can clean up first.
+async fn futures_catch<F: std::future::Future<Output = ()>>(
+    future: F,
+) -> Result<(), Box<dyn std::any::Any + Send>> {
+    let mut future = std::pin::pin!(future);
+    std::future::poll_fn(|cx| {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| future.as_mut().poll(cx))) {
+            Ok(std::task::Poll::Ready(())) => std::task::Poll::Ready(Ok(())),
+            Ok(std::task::Poll::Pending) => std::task::Poll::Pending,
+            Err(panic) => std::task::Poll::Ready(Err(panic)),
+        }
+    })
+    .await
+}

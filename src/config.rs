@@ -137,7 +137,12 @@ pub struct Settings {
     pub queue_type: QueueType,
     /// Consumer groups whose queues the relay declares (comma-separated; `default`: the
     /// unnamed group's `<topology>.p<N>`; `none`: the exchange only).
-    #[arg(long, env = "RELAY_GROUPS", default_value = "default", value_delimiter = ',')]
+    #[arg(
+        long,
+        env = "RELAY_GROUPS",
+        default_value = "default",
+        value_delimiter = ','
+    )]
     pub groups: Vec<String>,
     /// Also write CloudEvents attributes (`cloudEvents:*` headers, binary content mode).
     #[arg(long, env = "RELAY_CLOUDEVENTS", action = clap::ArgAction::Set, default_value_t = false)]

@@ -20,8 +20,10 @@ use distribution::store::{self, Outbox};
 use distribution::{LogFormat, Relay, RelayConfig, Settings};
 
 mod dead_cli;
-mod group_cli;
 mod demo;
+mod group_cli;
+#[cfg(feature = "otlp")]
+mod otlp;
 // The demo takes "the broker" down with the same proxy the tests use, compiled in privately.
 #[allow(dead_code)]
 mod proxy;
@@ -181,17 +183,29 @@ fn main() -> ExitCode {
     } else {
         "warn,lapin=off,sqlx=warn"
     };
-    let logs = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| default_filter.into()),
-        )
+    use tracing_subscriber::prelude::*;
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| default_filter.into());
+    let logs = tracing_subscriber::fmt::layer()
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
-    match cli.log_format {
-        LogFormat::Text => logs.init(),
-        LogFormat::Json => logs.json().init(),
-    }
+    let logs = match cli.log_format {
+        LogFormat::Text => logs.boxed(),
+        LogFormat::Json => logs.json().boxed(),
+    };
+    let registry = tracing_subscriber::registry().with(logs.with_filter(filter));
+    #[cfg(feature = "otlp")]
+    let (registry, _traces) = {
+        let (provider, layer) = match otlp::layer() {
+            Ok(traces) => traces.unzip(),
+            Err(err) => {
+                eprintln!("error: {err:#}");
+                return ExitCode::from(2);
+            }
+        };
+        (registry.with(layer), FlushOnDrop(provider))
+    };
+    registry.init();
     for variable in unknown {
         tracing::warn!(%variable, "unknown RELAY_* variable ignored (a typo?); see `distribution run --help`");
     }
@@ -574,4 +588,17 @@ async fn release(
         .await?;
     println!("released {released} parked branch(es); relays drain them on their next poll");
     Ok(())
+}
+
+/// Flushes the OTLP exporter's last spans when `main` returns.
+#[cfg(feature = "otlp")]
+struct FlushOnDrop(Option<opentelemetry_sdk::trace::SdkTracerProvider>);
+
+#[cfg(feature = "otlp")]
+impl Drop for FlushOnDrop {
+    fn drop(&mut self) {
+        if let Some(provider) = self.0.take() {
+            let _ = provider.shutdown();
+        }
+    }
 }

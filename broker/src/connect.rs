@@ -115,6 +115,23 @@ pub fn quiet_lapin_payload_logs_on_this_thread() {
     std::mem::forget(tracing::dispatcher::set_default(&quiet));
 }
 
+/// The process's global dispatcher, once one is set (cached). A span that a subscriber's
+/// extensions must reach (`tracing-opentelemetry`'s `set_parent`) is created under it
+/// directly: the quiet dispatcher of this module forwards calls, not downcasts.
+pub(crate) fn global_dispatch() -> Option<&'static Dispatch> {
+    static GLOBAL: OnceLock<Dispatch> = OnceLock::new();
+    if let Some(global) = GLOBAL.get() {
+        return Some(global);
+    }
+    if !tracing::dispatcher::has_been_set() {
+        return None;
+    }
+    let found = std::thread::spawn(|| tracing::dispatcher::get_default(Dispatch::clone))
+        .join()
+        .ok()?;
+    Some(GLOBAL.get_or_init(|| found))
+}
+
 /// Forwards to the process's global dispatcher, except lapin's events that carry payloads.
 struct WithoutReturnedMessages {
     /// The global dispatcher, once one is set (found on a fresh thread: on this one the

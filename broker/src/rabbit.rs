@@ -414,7 +414,41 @@ impl RabbitPublisher {
         Ok(self.session.as_ref().expect("session is open"))
     }
 
+    /// Writes one batch inside its span `relay.publish`: with feature `otel`, a child of the
+    /// first traced event's trace and linked to every other one's, so a host's trace shows
+    /// where its event was shipped.
     async fn send_batch(&mut self, events: &[OutboxEvent], fence: &Fence, done: OnReport) {
+        use tracing::Instrument;
+        // A root span (no parent from the actor's span: its parent is the host's trace), made
+        // under the global dispatcher itself (see `connect::global_dispatch`).
+        let make = || {
+            tracing::info_span!(
+                parent: None,
+                "relay.publish",
+                events = events.len(),
+                tenant = events.first().map(|e| e.key.branch.tenant.as_str()).unwrap_or_default(),
+            )
+        };
+        let span = match crate::connect::global_dispatch() {
+            Some(global) => tracing::dispatcher::with_default(global, make),
+            None => make(),
+        };
+        #[cfg(feature = "otel")]
+        if !span.is_disabled() {
+            use opentelemetry::trace::TraceContextExt;
+            use tracing_opentelemetry::OpenTelemetrySpanExt;
+            let mut traced = events.iter().filter_map(|e| store::remote_context(&e.meta));
+            if let Some(first) = traced.next() {
+                let _ = span.set_parent(first);
+            }
+            for context in traced {
+                span.add_link(context.span().span_context().clone());
+            }
+        }
+        self.write_batch(events, fence, done).instrument(span).await
+    }
+
+    async fn write_batch(&mut self, events: &[OutboxEvent], fence: &Fence, done: OnReport) {
         if let Some(probe) = &self.probe {
             probe.record();
         }

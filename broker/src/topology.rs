@@ -328,7 +328,10 @@ mod tests {
         let search = topology.clone().with_group(Group::parse("search").unwrap());
         assert_eq!(search.queue(Partition(1)).as_str(), "relay.search.p1");
         assert_eq!(search.dead_letter_queue().as_str(), "relay.search.dead");
-        assert_eq!(search.routing_key(Partition(1)), topology.routing_key(Partition(1)));
+        assert_eq!(
+            search.routing_key(Partition(1)),
+            topology.routing_key(Partition(1))
+        );
         assert_eq!(Group::parse("default").unwrap(), Group::Default);
         for bad in ["", "Search", "a.b", "dead", "p7", &"g".repeat(65)] {
             assert!(Group::parse(bad).is_err(), "{bad:?}");

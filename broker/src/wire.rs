@@ -138,7 +138,11 @@ pub(crate) fn properties(event: &OutboxEvent, mode: WireMode) -> BasicProperties
             ("time", &time),
             ("subject", branch.branch.as_str()),
         ] {
-            text_header(&mut headers, &format!("{CLOUDEVENTS_PREFIX}{attribute}"), value);
+            text_header(
+                &mut headers,
+                &format!("{CLOUDEVENTS_PREFIX}{attribute}"),
+                value,
+            );
         }
     }
     let mut properties = BasicProperties::default()
@@ -166,7 +170,9 @@ fn host_header(name: &str) -> bool {
 fn metadata(properties: &BasicProperties, headers: &FieldTable, kind: &EventKind) -> Metadata {
     let short = |value: &Option<ShortString>| value.as_ref().map(|v| v.as_str().to_owned());
     let long = |name: &str| match headers.inner().get(name) {
-        Some(AMQPValue::LongString(value)) => Some(String::from_utf8_lossy(value.as_bytes()).into_owned()),
+        Some(AMQPValue::LongString(value)) => {
+            Some(String::from_utf8_lossy(value.as_bytes()).into_owned())
+        }
         _ => None,
     };
     let event_type = match kind {
@@ -383,7 +389,10 @@ mod tests {
             for name in ["region", "causation_id", "traceparent", "tracestate"] {
                 assert!(headers.contains_key(name), "{name}");
             }
-            assert_eq!(headers.get("wire_version"), Some(&AMQPValue::LongLongInt(3)));
+            assert_eq!(
+                headers.get("wire_version"),
+                Some(&AMQPValue::LongLongInt(3))
+            );
             assert_eq!(
                 headers.contains_key("cloudEvents:type"),
                 mode == WireMode::CloudEvents

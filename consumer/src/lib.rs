@@ -34,6 +34,7 @@ use lapin::{Channel, Confirmation, Connection};
 use sqlx::{PgConnection, PgPool};
 use store::{EventTable, EventType, FoldError, FoldOutcome, FoldStore, OutboxEvent, Projection};
 use tokio::sync::watch;
+use tracing::Instrument;
 
 use broker::{Backoff, Error, Partition, RabbitConfig, RetryPolicy, open, within};
 
@@ -443,7 +444,8 @@ where
         let verdict = match broker::decode(&delivery.properties, &delivery.data) {
             Err(err) => Verdict::DeadLetter(format!("contract: {err}")),
             Ok(event) => loop {
-                match self.fold(&event).await {
+                let span = fold_span(&event);
+                match self.fold(&event).instrument(span).await {
                     Verdict::Retry(why) => {
                         let delay = retry.next_delay();
                         if retry.failures().is_power_of_two() {
@@ -588,6 +590,26 @@ fn verdict<E: std::fmt::Display>(
         }
         Err(FoldError::Projection(err)) => Verdict::Retry(format!("handler: {err}")),
     }
+}
+
+/// The span of one delivery's fold, `relay.fold`: a child (feature `otel`) of the trace the
+/// event carries, so one trace shows the host's write, the relay's publish and this fold.
+fn fold_span(event: &OutboxEvent) -> tracing::Span {
+    let key = &event.key.branch;
+    let span = tracing::info_span!(
+        "relay.fold",
+        tenant = key.tenant.as_str(),
+        run = key.run.as_str(),
+        branch = key.branch.as_str(),
+        lsn = event.key.lsn.get(),
+        event_type = event.meta.event_type.as_ref().map(EventType::as_str),
+    );
+    #[cfg(feature = "otel")]
+    if let Some(parent) = store::remote_context(&event.meta) {
+        use tracing_opentelemetry::OpenTelemetrySpanExt;
+        let _ = span.set_parent(parent);
+    }
+    span
 }
 
 /// The user's projection, given only the subscribed event types' intents

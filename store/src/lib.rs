@@ -84,6 +84,8 @@ pub use roles::RolesFor;
 pub use roles::roles_sql;
 pub use schema::Schema;
 pub use schema::create_schema;
+#[cfg(feature = "otel")]
+pub use trace::remote_context;
 pub use wakeup::Wakeups;
 pub use writer::Closed;
 pub use writer::DEFAULT_MAX_PAYLOAD_BYTES;

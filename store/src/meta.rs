@@ -199,9 +199,7 @@ fn check_content_type(value: &str) -> Result<(), Error> {
     let token = |t: &str| !t.is_empty() && visible(t) && !t.contains('/') && !t.contains(';');
     let essence = value.split(';').next().unwrap_or_default();
     let shaped = matches!(essence.trim_end().split_once('/'), Some((kind, sub)) if token(kind) && token(sub));
-    if value.len() > MAX_FIELD_BYTES
-        || !value.bytes().all(|b| (0x20..0x7f).contains(&b))
-        || !shaped
+    if value.len() > MAX_FIELD_BYTES || !value.bytes().all(|b| (0x20..0x7f).contains(&b)) || !shaped
     {
         return Err(invalid(
             "content_type",
@@ -246,7 +244,9 @@ fn check_headers(headers: &BTreeMap<String, String>) -> Result<(), Error> {
 /// an all-zero trace id and an all-zero parent id are invalid. Version `00` has exactly these
 /// four fields; a later version may append more (`-...`), as the specification allows.
 fn check_traceparent(value: &str) -> Result<(), Error> {
-    let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+    let hex = |s: &str, n: usize| {
+        s.len() == n && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+    };
     let mut parts = value.splitn(5, '-');
     let (version, trace, parent, flags, rest) = (
         parts.next().unwrap_or_default(),
@@ -279,19 +279,20 @@ fn check_tracestate(value: &str) -> Result<(), Error> {
         .map(|m| m.trim_matches([' ', '\t']))
         .filter(|m| !m.is_empty())
         .collect();
-    let member = |m: &str| match m.split_once('=') {
-        Some((key, value)) => {
-            !key.is_empty()
+    let member =
+        |m: &str| match m.split_once('=') {
+            Some((key, value)) => !key.is_empty()
                 && key.len() <= 256
-                && key
-                    .bytes()
-                    .all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'_' | b'-' | b'*' | b'/' | b'@'))
+                && key.bytes().all(
+                    |b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'_' | b'-' | b'*' | b'/' | b'@'),
+                )
                 && !value.is_empty()
                 && value.len() <= 256
-                && value.bytes().all(|b| (0x20..0x7f).contains(&b) && b != b',' && b != b'=')
-        }
-        None => false,
-    };
+                && value
+                    .bytes()
+                    .all(|b| (0x20..0x7f).contains(&b) && b != b',' && b != b'='),
+            None => false,
+        };
     if value.len() > MAX_TRACESTATE_BYTES
         || members.is_empty()
         || members.len() > 32

@@ -577,7 +577,19 @@ fn fenced_or(err: sqlx::Error, fence: &Fence) -> Error {
 fn events_of(tenant: &TenantId, rows: Vec<EventRow>) -> Result<Vec<OutboxEvent>, Error> {
     rows.into_iter()
         .map(
-            |(run, branch, lsn, prev_lsn, base_lsn, payload, created_at, kind, parent, to, meta)| {
+            |(
+                run,
+                branch,
+                lsn,
+                prev_lsn,
+                base_lsn,
+                payload,
+                created_at,
+                kind,
+                parent,
+                to,
+                meta,
+            )| {
                 let kind = match (kind, to) {
                     (1, Some(to)) => EventKind::Rewind {
                         to: BranchId::new(to)?,

@@ -270,11 +270,27 @@ async fn bad_metadata_is_refused_by_the_writer_and_by_the_sql_alike(pool: PgPool
 
     // Only SQL sees shapes Rust cannot build: unknown fields, non-strings, a bad event type.
     for (case, json, field) in [
-        ("unknown field", serde_json::json!({"colour": "red"}), "colour"),
+        (
+            "unknown field",
+            serde_json::json!({"colour": "red"}),
+            "colour",
+        ),
         ("type not a string", serde_json::json!({"type": 7}), "type"),
-        ("reserved type", serde_json::json!({"type": "outbox.intent"}), "type"),
-        ("type with a space", serde_json::json!({"type": "a b"}), "type"),
-        ("header not a string", serde_json::json!({"headers": {"a": 1}}), "header a"),
+        (
+            "reserved type",
+            serde_json::json!({"type": "outbox.intent"}),
+            "type",
+        ),
+        (
+            "type with a space",
+            serde_json::json!({"type": "a b"}),
+            "type",
+        ),
+        (
+            "header not a string",
+            serde_json::json!({"headers": {"a": 1}}),
+            "header a",
+        ),
         ("not an object", serde_json::json!(["type"]), "meta"),
     ] {
         let err = sqlx::query("SELECT relay_append('t', 'r', 'main', 2, 'x', false, 262144, $1)")
@@ -317,7 +333,11 @@ struct Seen(Vec<(u64, Metadata)>);
 impl Projection for Seen {
     type Error = Error;
 
-    async fn apply(&mut self, _: &mut sqlx::PgConnection, event: &OutboxEvent) -> Result<(), Error> {
+    async fn apply(
+        &mut self,
+        _: &mut sqlx::PgConnection,
+        event: &OutboxEvent,
+    ) -> Result<(), Error> {
         self.0.push((event.key.lsn.get(), event.meta.clone()));
         Ok(())
     }

@@ -29,7 +29,11 @@ struct WithMetadata;
 impl Projection for WithMetadata {
     type Error = sqlx::Error;
 
-    async fn apply(&mut self, tx: &mut PgConnection, event: &OutboxEvent) -> Result<(), sqlx::Error> {
+    async fn apply(
+        &mut self,
+        tx: &mut PgConnection,
+        event: &OutboxEvent,
+    ) -> Result<(), sqlx::Error> {
         let key = &event.key.branch;
         sqlx::query(
             "INSERT INTO seen (tenant, run, branch, lsn, payload, meta) VALUES ($1, $2, $3, $4, $5, $6)",
@@ -45,7 +49,11 @@ impl Projection for WithMetadata {
         Ok(())
     }
 
-    async fn rewind(&mut self, tx: &mut PgConnection, rewind: &RewindNotice) -> Result<(), sqlx::Error> {
+    async fn rewind(
+        &mut self,
+        tx: &mut PgConnection,
+        rewind: &RewindNotice,
+    ) -> Result<(), sqlx::Error> {
         let key = &rewind.branch;
         sqlx::query("DELETE FROM seen WHERE tenant = $1 AND run = $2 AND branch = $3 AND lsn > $4")
             .bind(key.tenant.as_str())
@@ -59,9 +67,17 @@ impl Projection for WithMetadata {
 }
 
 type Seen = Vec<(BranchKey, u64, Vec<u8>, Metadata)>;
+type SeenRow = (
+    String,
+    String,
+    String,
+    i64,
+    Vec<u8>,
+    sqlx::types::Json<Metadata>,
+);
 
 async fn seen(pool: &PgPool) -> Seen {
-    let rows: Vec<(String, String, String, i64, Vec<u8>, sqlx::types::Json<Metadata>)> =
+    let rows: Vec<SeenRow> =
         sqlx::query_as("SELECT tenant, run, branch, lsn, payload, meta FROM seen")
             .fetch_all(pool)
             .await
@@ -84,7 +100,11 @@ async fn seen(pool: &PgPool) -> Seen {
 /// The metadata of typed step `step` on `branch`: every field, so the handler's copy shows
 /// that each one travelled.
 fn metadata_of(branch: &BranchKey, step: u64) -> Metadata {
-    let kind = if step % 2 == 0 { "order.paid" } else { "order.placed" };
+    let kind = if step.is_multiple_of(2) {
+        "order.paid"
+    } else {
+        "order.placed"
+    };
     Intent::new(b"")
         .event_type(EventType::new(kind).unwrap())
         .content_type("application/json")
@@ -101,7 +121,11 @@ fn metadata_of(branch: &BranchKey, step: u64) -> Metadata {
 }
 
 /// Writes `steps` typed steps on each live branch; returns the expected events.
-async fn typed_steps(pool: &PgPool, live: &mut [(BranchKey, u64)], steps: std::ops::RangeInclusive<u64>) -> Vec<(BranchKey, u64, Vec<u8>, Metadata)> {
+async fn typed_steps(
+    pool: &PgPool,
+    live: &mut [(BranchKey, u64)],
+    steps: std::ops::RangeInclusive<u64>,
+) -> Vec<(BranchKey, u64, Vec<u8>, Metadata)> {
     let writer = IntentWriter::default();
     let mut written = Vec::new();
     for step in steps {
@@ -111,7 +135,12 @@ async fn typed_steps(pool: &PgPool, live: &mut [(BranchKey, u64)], steps: std::o
             let meta = metadata_of(branch, step);
             let mut tx = pool.begin().await.unwrap();
             writer
-                .append_intent(&mut tx, branch, Lsn::new(*head), Intent::new(&payload).with_metadata(meta.clone()))
+                .append_intent(
+                    &mut tx,
+                    branch,
+                    Lsn::new(*head),
+                    Intent::new(&payload).with_metadata(meta.clone()),
+                )
                 .await
                 .unwrap();
             tx.commit().await.unwrap();
@@ -137,7 +166,10 @@ async fn group_database(label: &str) -> PgPool {
 fn as_expected(events: &[(BranchKey, u64, Vec<u8>, Metadata)]) -> Expected {
     let mut expected = Expected::new();
     for (branch, lsn, payload, _) in events {
-        expected.entry(branch.clone()).or_default().push((Lsn::new(*lsn), payload.clone()));
+        expected
+            .entry(branch.clone())
+            .or_default()
+            .push((Lsn::new(*lsn), payload.clone()));
     }
     expected
 }
@@ -209,25 +241,34 @@ async fn groups_each_fold_their_share_of_one_history_exactly_once() {
         merge(&mut everything, &as_expected(&typed));
 
         let outbox = Outbox::new(pool.clone());
-        wait_until("relay drained", Duration::from_secs(60), || async { pending(&outbox).await == 0 }).await;
+        wait_until("relay drained", Duration::from_secs(60), || async {
+            pending(&outbox).await == 0
+        })
+        .await;
         for fold in &folds {
-            wait_until("a whole-history group folded everything", Duration::from_secs(60), || async {
-                folded_count(fold, &everything).await == count(&everything)
-            })
+            wait_until(
+                "a whole-history group folded everything",
+                Duration::from_secs(60),
+                || async { folded_count(fold, &everything).await == count(&everything) },
+            )
             .await;
             assert_folded_exactly(fold, &everything).await;
         }
         let paid: Seen = typed
             .iter()
-            .filter(|(_, _, _, meta)| meta.event_type.as_ref().map(EventType::as_str) == Some("order.paid"))
+            .filter(|(_, _, _, meta)| {
+                meta.event_type.as_ref().map(EventType::as_str) == Some("order.paid")
+            })
             .cloned()
             .collect();
         assert_eq!(paid.len(), 6 * 6, "half of 12 typed steps on 6 runs");
         let mut paid_sorted = paid.clone();
         paid_sorted.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
-        wait_until("the billing group folded its type", Duration::from_secs(60), || async {
-            seen(&billing_db).await.len() >= paid_sorted.len()
-        })
+        wait_until(
+            "the billing group folded its type",
+            Duration::from_secs(60),
+            || async { seen(&billing_db).await.len() >= paid_sorted.len() },
+        )
         .await;
         // Exactly the live order.paid events, each with every field the host set.
         let got = seen(&billing_db).await;
@@ -243,37 +284,51 @@ async fn groups_each_fold_their_share_of_one_history_exactly_once() {
             .fetch_one(&billing_db)
             .await
             .unwrap();
-        assert_eq!(parked, 0, "skipped types advance the chain: nothing waits behind them");
+        assert_eq!(
+            parked, 0,
+            "skipped types advance the chain: nothing waits behind them"
+        );
 
         // The search service is retired: its queues go, with what they hold.
         folding.pop().unwrap().stop().await;
-        let connection = lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default())
-            .await
-            .unwrap();
+        let connection =
+            lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default())
+                .await
+                .unwrap();
         base.topology
             .delete_group(&connection.create_channel().await.unwrap(), &search)
             .await
             .unwrap();
         let more = typed_steps(&pool, &mut live, 13..=16).await;
         merge(&mut everything, &as_expected(&more));
-        wait_until("relay drained after a group was deleted", Duration::from_secs(30), || async {
-            pending(&outbox).await == 0
-        })
+        wait_until(
+            "relay drained after a group was deleted",
+            Duration::from_secs(30),
+            || async { pending(&outbox).await == 0 },
+        )
         .await;
-        wait_until("the projection group folded the rest", Duration::from_secs(60), || async {
-            folded_count(&folds[0], &everything).await == count(&everything)
-        })
+        wait_until(
+            "the projection group folded the rest",
+            Duration::from_secs(60),
+            || async { folded_count(&folds[0], &everything).await == count(&everything) },
+        )
         .await;
         assert_folded_exactly(&folds[0], &everything).await;
         let parked_branches = outbox.parked_branches().await.unwrap();
-        assert!(parked_branches.is_empty(), "no branch parked: {parked_branches:?}");
+        assert!(
+            parked_branches.is_empty(),
+            "no branch parked: {parked_branches:?}"
+        );
         let deleted = connection
             .create_channel()
             .await
             .unwrap()
             .queue_declare(
                 search_queue(&base.topology, &search),
-                lapin::options::QueueDeclareOptions { passive: true, ..Default::default() },
+                lapin::options::QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
                 Default::default(),
             )
             .await;

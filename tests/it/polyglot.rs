@@ -130,7 +130,13 @@ fn live_history() -> Projected {
                     "traceparent": format!("00-{:032x}-{:016x}-01", 0x1000 + step, step + 1),
                     "tracestate": "host=ts",
                 });
-                live.push((run.to_owned(), branch.to_owned(), step, body.into_bytes(), meta));
+                live.push((
+                    run.to_owned(),
+                    branch.to_owned(),
+                    step,
+                    body.into_bytes(),
+                    meta,
+                ));
             }
         }
     }

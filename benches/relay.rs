@@ -15,11 +15,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use distribution::broker::{
-    BoxFuture, OnReport, Partition, Publisher, RabbitConfig, RabbitPublisher, Topology,
+    BoxFuture, Group, OnReport, Partition, Publisher, RabbitConfig, RabbitPublisher, Topology,
 };
 use distribution::store::{
-    self, BranchId, BranchKey, EventKey, EventKind, Fence, IntentWriter, Lsn, Outbox, OutboxEvent,
-    RunId, TenantId,
+    self, BranchId, BranchKey, EventKey, EventKind, EventType, Fence, Intent, IntentWriter, Lsn,
+    Metadata, Outbox, OutboxEvent, RunId, TenantId,
 };
 use distribution::{Relay, RelayConfig};
 use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
@@ -144,17 +144,22 @@ async fn drop_topology(amqp: &str, topology: &Topology) -> Result<()> {
     let connection =
         lapin::Connection::connect(amqp, lapin::ConnectionProperties::default()).await?;
     let channel = connection.create_channel().await?;
-    for index in 0..topology.partitions() {
+    for group in topology.declared_groups() {
+        for index in 0..topology.partitions() {
+            channel
+                .queue_delete(
+                    topology.queue_of(group, Partition(index)),
+                    QueueDeleteOptions::default(),
+                )
+                .await?;
+        }
         channel
             .queue_delete(
-                topology.queue(Partition(index)),
+                topology.dead_letter_queue_of(group),
                 QueueDeleteOptions::default(),
             )
             .await?;
     }
-    channel
-        .queue_delete(topology.dead_letter_queue(), QueueDeleteOptions::default())
-        .await?;
     channel
         .exchange_delete(
             topology.exchange().clone(),
@@ -704,6 +709,8 @@ struct Load {
     hot_backlog: u32,
     /// Batches this small take the express lane (0: no lane).
     express_max_events: u32,
+    /// Consumer groups bound (each its own queues); 0: the unnamed group alone.
+    groups: u16,
 }
 
 impl Load {
@@ -716,6 +723,7 @@ impl Load {
             rate: latency_rate(),
             hot_backlog: 0,
             express_max_events: 32,
+            groups: 0,
         }
     }
 
@@ -728,8 +736,19 @@ impl Load {
             rate: 200,
             hot_backlog,
             express_max_events,
+            groups: 0,
         }
     }
+}
+
+/// `n` named consumer groups (`g0`..), or the unnamed group alone for 0.
+fn groups(n: u16) -> Vec<Group> {
+    if n == 0 {
+        return vec![Group::Default];
+    }
+    (0..n)
+        .map(|g| Group::parse(&format!("g{g}")).expect("valid group"))
+        .collect()
 }
 
 /// Latency from each host commit to its broker confirm, for the writers of `load`, and the
@@ -737,7 +756,8 @@ impl Load {
 /// hot tenant's intents still waiting when the writers finished (it must still be draining).
 async fn latency(env: &mut Env, mode: &Mode, wake: Wake, load: &Load) -> Result<(Latency, i64)> {
     let (pool, url) = env.database("latency").await?;
-    let rabbit = env.rabbit("latency", 8)?;
+    let mut rabbit = env.rabbit("latency", 8)?;
+    rabbit.topology = rabbit.topology.declaring(groups(load.groups));
     if load.hot_backlog > 0 {
         store::fixtures::fill_backlog(&pool, "hot", 1, 20, load.hot_backlog / 20, PAYLOAD_BYTES)
             .await?;
@@ -746,6 +766,7 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake, load: &Load) -> Result<
     let (factory_rabbit, factory_confirmed) = (rabbit.clone(), confirmed.clone());
     let mut config = env.relay_config(&url, &rabbit);
     config.supervisor.drainer.express_max_events = load.express_max_events;
+    config.groups = groups(load.groups);
     let relay = Relay::start_with(
         config,
         Arc::new(move |_| {
@@ -899,6 +920,191 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake, load: &Load) -> Result<
         },
         hot_left,
     ))
+}
+
+/// Full metadata, as a host that uses every field sets it (about 300 bytes of JSON).
+fn full_metadata(step: u64) -> Metadata {
+    Intent::new(b"")
+        .event_type(EventType::new("order.created").expect("valid type"))
+        .content_type("application/json")
+        .correlation_id(format!("req-{step}"))
+        .causation_id(format!("cmd-{step}"))
+        .header("region", "eu-west-1")
+        .header("actor", "agent-7")
+        .header("schema", "v3")
+        .trace(
+            format!(
+                "00-{:032x}-{:016x}-01",
+                0x4bf9_2f35_77b3_4da6_u128 + u128::from(step),
+                step + 1
+            ),
+            Some("vendor=t61rcWkgMzE".into()),
+        )
+        .metadata()
+        .clone()
+}
+
+/// Section 12a: host commits/s of `writers` writers appending one intent per transaction for
+/// `seconds`, with full metadata or payload only (no relay runs: the host's own cost).
+async fn append_rate(env: &mut Env, with_meta: bool, writers: u32, seconds: u64) -> Result<f64> {
+    let (pool, _) = env
+        .database(if with_meta {
+            "appendmeta"
+        } else {
+            "appendplain"
+        })
+        .await?;
+    env.checkpoint().await?;
+    let deadline = Instant::now() + Duration::from_secs(seconds);
+    let mut tasks = Vec::new();
+    for w in 0..writers {
+        let pool = pool.clone();
+        tasks.push(tokio::spawn(async move {
+            let writer = IntentWriter::default().with_notify(false);
+            let key = BranchKey::new(
+                TenantId::new(format!("a{w}")).expect("valid id"),
+                RunId::new("r").expect("valid id"),
+                BranchId::new("main").expect("valid id"),
+            );
+            let mut conn = pool.acquire().await.expect("connection");
+            writer.open_run(&mut conn, &key).await.expect("open");
+            let payload = vec![b'x'; PAYLOAD_BYTES as usize];
+            let mut lsn = 0u64;
+            while Instant::now() < deadline {
+                lsn += 1;
+                let intent = if with_meta {
+                    Intent::new(&payload).with_metadata(full_metadata(lsn))
+                } else {
+                    Intent::new(&payload)
+                };
+                let mut tx = pool.begin().await.expect("begin");
+                writer
+                    .append_intent(&mut tx, &key, Lsn::new(lsn), intent)
+                    .await
+                    .expect("append");
+                tx.commit().await.expect("commit");
+            }
+            lsn
+        }));
+    }
+    let mut commits = 0;
+    for task in tasks {
+        commits += task.await?;
+    }
+    pool.close().await;
+    Ok(commits as f64 / seconds as f64)
+}
+
+/// Section 12b/c: backlog drain rate of a relay (`per_run x 1000` intents, 50 tenants x 20
+/// runs), with full metadata on every intent or none, into `bound` consumer groups.
+async fn drain_rate(env: &mut Env, per_run: u32, with_meta: bool, bound: u16) -> Result<f64> {
+    let (pool, url) = env.database("drainmeta").await?;
+    let mut rabbit = env.rabbit("drainmeta", 8)?;
+    rabbit.topology = rabbit.topology.declaring(groups(bound));
+    let written = store::fixtures::fill_backlog(&pool, "t", 50, 20, per_run, PAYLOAD_BYTES).await?;
+    if with_meta {
+        sqlx::query("UPDATE relay_outbox SET meta = $1")
+            .bind(sqlx::types::Json(full_metadata(1)))
+            .execute(&pool)
+            .await?;
+        sqlx::raw_sql("VACUUM ANALYZE relay_outbox")
+            .execute(&pool)
+            .await?;
+    }
+    env.checkpoint().await?;
+    let outbox = Outbox::new(pool.clone());
+    let mut config = env.relay_config(&url, &rabbit);
+    config.groups = groups(bound);
+    let started = Instant::now();
+    let relay = Relay::start(config).await?;
+    wait_drained(&outbox, Duration::from_secs(900)).await?;
+    let rate = written as f64 / started.elapsed().as_secs_f64();
+    relay.shutdown().await;
+    drop_topology(&env.amqp, &rabbit.topology).await?;
+    pool.close().await;
+    Ok(rate)
+}
+
+/// Section 12: what metadata and consumer groups cost, each pair side by side in one run,
+/// alternated (A B A B ...) and the median of 3 taken.
+async fn metadata_and_groups(
+    env: &mut Env,
+    mode: &Mode,
+    row: &mut impl FnMut(&str, String, &str),
+) -> Result<()> {
+    let seconds = mode.latency_secs.min(10);
+    let (mut plain, mut meta) = (Vec::new(), Vec::new());
+    for _ in 0..3 {
+        plain.push(append_rate(env, false, 8, seconds).await?);
+        meta.push(append_rate(env, true, 8, seconds).await?);
+    }
+    let (plain, meta) = (min_median_max(plain).1, min_median_max(meta).1);
+    row(
+        "12. host append, payload only",
+        format!("{plain:.0} commits/s"),
+        "8 writers, one intent per transaction, no NOTIFY; median of 3",
+    );
+    row(
+        "12. host append, full metadata",
+        format!("{meta:.0} commits/s"),
+        "type, content type, correlation and causation ids, 3 headers, traceparent and tracestate",
+    );
+    row(
+        "12. append ratio metadata/plain",
+        format!("{:.2}", meta / plain),
+        "same run, alternated",
+    );
+    let per_run = (mode.backlog_per_run / 4).max(1);
+    let (mut plain, mut meta) = (Vec::new(), Vec::new());
+    for _ in 0..3 {
+        plain.push(drain_rate(env, per_run, false, 0).await?);
+        meta.push(drain_rate(env, per_run, true, 0).await?);
+    }
+    let (plain, meta) = (min_median_max(plain).1, min_median_max(meta).1);
+    let events = u64::from(per_run) * 1000;
+    row(
+        "12. backlog drain, no metadata",
+        format!("{plain:.0} ev/s"),
+        &format!("{events} events, median of 3"),
+    );
+    row(
+        "12. backlog drain, full metadata",
+        format!("{meta:.0} ev/s"),
+        "the same backlog with every field set",
+    );
+    row(
+        "12. drain ratio metadata/plain",
+        format!("{:.2}", meta / plain),
+        "target >= 0.9",
+    );
+    let (mut one, mut three) = (Vec::new(), Vec::new());
+    for _ in 0..3 {
+        one.push(drain_rate(env, per_run, false, 1).await?);
+        three.push(drain_rate(env, per_run, false, 3).await?);
+    }
+    let (one, three) = (min_median_max(one).1, min_median_max(three).1);
+    row(
+        "12. backlog drain, 1 group bound",
+        format!("{one:.0} ev/s"),
+        "median of 3",
+    );
+    row(
+        "12. backlog drain, 3 groups bound",
+        format!("{three:.0} ev/s"),
+        &format!(
+            "ratio {:.2}: the broker copies each message into 3 queues",
+            three / one
+        ),
+    );
+    for bound in [1, 3] {
+        let load = Load {
+            groups: bound,
+            ..Load::busy()
+        };
+        let (measured, _) = latency(env, mode, Wake::Notify, &load).await?;
+        latency_rows(row, &format!("NOTIFY, {bound} group(s) bound"), &measured);
+    }
+    Ok(())
 }
 
 /// Section 8: what one refresh of the lag gauges costs with `per_run x 1000` intents pending
@@ -1386,6 +1592,11 @@ async fn run(mode: &Mode) -> Result<String> {
         env.cleanup().await;
         return Ok(table);
     }
+    if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "meta") {
+        metadata_and_groups(&mut env, mode, &mut row).await?;
+        env.cleanup().await;
+        return Ok(table);
+    }
     if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "latency") {
         for (wake, label) in [(Wake::Notify, "NOTIFY"), (Wake::Waker, "in-process waker")] {
             let (measured, _) = latency(&mut env, mode, wake, &Load::busy()).await?;
@@ -1516,6 +1727,7 @@ async fn run(mode: &Mode) -> Result<String> {
 
     payload_sizes(&mut env, mode, &mut row).await?;
     scale(&mut env, mode, &mut row).await?;
+    metadata_and_groups(&mut env, mode, &mut row).await?;
 
     let (qps, cpu) = idle(&mut env, mode.idle_tenants, mode.idle_secs).await?;
     let tenants = mode.idle_tenants;

@@ -58,8 +58,15 @@ fn parse_schema(name: &str) -> Result<store::Schema, String> {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Create or update the outbox schema in the database.
-    Migrate(Database),
+    /// Create or update the outbox schema in the database (with --fold: only the fold's tables
+    /// and `relay_fold`, for a consumer's own database).
+    Migrate {
+        #[command(flatten)]
+        database: Database,
+        /// Only the fold's tables and functions (a consumer's own database).
+        #[arg(long)]
+        fold: bool,
+    },
     /// Run the relay until Ctrl-C or SIGTERM.
     Run(Box<Settings>),
     /// Backlog and lag per tenant, parked branches, and (with AMQP_URL) the dead-letter queue.
@@ -252,7 +259,7 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
-            Command::Migrate(database) => migrate(&database).await,
+            Command::Migrate { database, fold } => migrate(&database, fold).await,
             Command::Run(_) => run(config.expect("parsed above")).await,
             Command::Status {
                 database,
@@ -400,7 +407,16 @@ async fn migrate_in(url: &str, schema: Option<&store::Schema>) -> Result<()> {
     Ok(())
 }
 
-async fn migrate(database: &Database) -> Result<()> {
+async fn migrate(database: &Database, fold: bool) -> Result<()> {
+    if fold {
+        let pool = connect(&database.database_url, database.schema.as_ref()).await?;
+        if let Some(schema) = &database.schema {
+            store::create_schema(&pool, schema).await?;
+        }
+        store::migrate_fold(&pool).await?;
+        println!("fold schema is up to date");
+        return Ok(());
+    }
     migrate_in(&database.database_url, database.schema.as_ref()).await?;
     println!("outbox schema is up to date");
     Ok(())

@@ -7,7 +7,7 @@ rewind, "end" once a closed run is complete), commits, and only then acks.
     AMQP_URL=amqp://guest:guest@127.0.0.1:5672/%2f DATABASE_URL=postgres://... \
       TOPOLOGY=outbox PARTITIONS=4 python3 consumer.py
 
-Its database needs the fold's tables and function (`distribution migrate-fold`, or
+Its database needs the fold's tables and function (`distribution migrate --fold`, or
 `store::migrate_fold`). CRASH_AFTER_WRITES=N makes it exit hard after writing its N-th delivery
 and before committing it: the write is rolled back, the delivery redelivered.
 """

@@ -315,11 +315,33 @@ async fn bad_metadata_is_refused_by_the_writer_and_by_the_sql_alike(pool: PgPool
             "{bad:?}"
         );
     }
+    // Unusual but valid metadata, outside the SQL's fast path, is accepted by both.
+    let unusual = [
+        with(|m| m.traceparent = Some(format!("01{}-more", &TRACEPARENT[2..]))),
+        with(|m| {
+            m.traceparent = Some(TRACEPARENT.into());
+            m.tracestate = Some(" a=b ,, c=d\t".into());
+        }),
+        with(|m| {
+            m.headers.insert("h".repeat(64), "é".repeat(100));
+        }),
+        with(|m| m.content_type = Some("text/plain ; charset=utf-8".into())),
+    ];
+    for (lsn, meta) in (3..).zip(unusual) {
+        assert!(meta.validate().is_ok(), "{meta:?}");
+        let json = serde_json::to_value(&meta).unwrap();
+        sqlx::query("SELECT relay_append('t', 'r', 'main', $1, 'x', false, 262144, $2)")
+            .bind(lsn)
+            .bind(&json)
+            .execute(&pool)
+            .await
+            .unwrap_or_else(|err| panic!("{meta:?}: {err}"));
+    }
     // And the limits are inclusive: exactly MAX_HEADERS headers of MAX_HEADER_BYTES in all pass.
     let at_limit = with(|m| m.headers = headers(MAX_HEADERS, MAX_HEADER_BYTES / MAX_HEADERS - 3));
     assert!(at_limit.validate().is_ok());
     let json = serde_json::to_value(&at_limit).unwrap();
-    sqlx::query("SELECT relay_append('t', 'r', 'main', 2, 'x', false, 262144, $1)")
+    sqlx::query("SELECT relay_append('t', 'r', 'main', 10, 'x', false, 262144, $1)")
         .bind(&json)
         .execute(&pool)
         .await

@@ -354,3 +354,95 @@ async fn groups_each_fold_their_share_of_one_history_exactly_once() {
 fn search_queue(topology: &Topology, group: &Group) -> lapin::types::ShortString {
     topology.queue_of(group, Partition(0))
 }
+
+/// `distribution group create` declares a group's queues bound to the exchange (a message
+/// routed to `p2` lands in the group's `p2`), `group delete` removes them with what they
+/// hold, and a bad group name is refused with a line that says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_group_commands_create_and_delete_a_groups_queues() {
+    let name = unique("relay-groupcli");
+    let topology = Topology::new(&name, 4).unwrap();
+    let search = Group::parse("search").unwrap();
+    let cli = |args: &[&str]| {
+        let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_distribution"));
+        command
+            .args(args)
+            .args(["--topology", &name, "--partitions", "4"])
+            .env("AMQP_URL", amqp_url())
+            .env_remove("RELAY_GROUP")
+            .stdin(std::process::Stdio::null());
+        command
+    };
+    let outcome = std::panic::AssertUnwindSafe(async {
+        let created = cli(&["group", "create", "search"]).output().await.unwrap();
+        assert!(created.status.success(), "{created:?}");
+        let connection =
+            lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default())
+                .await
+                .unwrap();
+        let channel = connection.create_channel().await.unwrap();
+        channel
+            .basic_publish(
+                topology.exchange().clone(),
+                topology.routing_key(Partition(2)),
+                lapin::options::BasicPublishOptions::default(),
+                b"routed",
+                lapin::BasicProperties::default(),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        let passive = lapin::options::QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let depth = |queue: lapin::types::ShortString| {
+            let connection = &connection;
+            async move {
+                let channel = connection.create_channel().await.unwrap();
+                channel
+                    .queue_declare(queue, passive, Default::default())
+                    .await
+                    .map(|queue| queue.message_count())
+            }
+        };
+        wait_until(
+            "the message routed into the group's p2",
+            Duration::from_secs(10),
+            || async { depth(topology.queue_of(&search, Partition(2))).await.ok() == Some(1) },
+        )
+        .await;
+        assert_eq!(
+            depth(topology.dead_letter_queue_of(&search)).await.ok(),
+            Some(0)
+        );
+
+        let deleted = cli(&["group", "delete", "search"]).output().await.unwrap();
+        assert!(deleted.status.success(), "{deleted:?}");
+        assert!(
+            String::from_utf8_lossy(&deleted.stdout).contains("1 messages"),
+            "{deleted:?}"
+        );
+        for index in 0..4 {
+            assert!(
+                depth(topology.queue_of(&search, Partition(index)))
+                    .await
+                    .is_err()
+            );
+        }
+
+        let refused = cli(&["group", "create", "Search!"]).output().await.unwrap();
+        assert!(!refused.status.success());
+        assert!(
+            String::from_utf8_lossy(&refused.stderr).contains("consumer group \"Search!\""),
+            "{refused:?}"
+        );
+    })
+    .catch_unwind()
+    .await;
+    drop_topology(&topology.clone().with_group(search)).await;
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic);
+    }
+}

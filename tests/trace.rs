@@ -134,6 +134,20 @@ mod trace {
                     untraced, 1,
                     "the untraced intent's fold has a trace of its own"
                 );
+                // Committed together, the two traced intents were drained into one batch: its
+                // span is a child of the first's trace and links to the second's.
+                let (first, second) = (hosts[0].0, hosts[1].0);
+                let joined = spans.iter().any(|s| {
+                    s.name == "relay.publish"
+                        && s.span_context.trace_id() == first
+                        && s.links
+                            .iter()
+                            .any(|link| link.span_context.trace_id() == second)
+                });
+                assert!(
+                    joined,
+                    "one publish span is in the first trace and links to the second"
+                );
             })
             .catch_unwind()
             .await;

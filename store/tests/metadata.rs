@@ -170,6 +170,27 @@ fn bad_cases() -> Vec<(&'static str, Metadata, &'static str)> {
     ]
 }
 
+/// `relay_append` called directly with `json` refuses it with RL112 naming `field`.
+async fn refused_by_sql(
+    conn: &mut sqlx::PgConnection,
+    json: &serde_json::Value,
+    case: &str,
+    field: &str,
+) {
+    let err = sqlx::query("SELECT relay_append('t', 'r', 'main', 2, 'x', false, 262144, $1)")
+        .bind(json)
+        .execute(conn)
+        .await
+        .expect_err(case);
+    let db = err.as_database_error().expect(case);
+    assert_eq!(db.code().as_deref(), Some("RL112"), "{case}: {db}");
+    let detail = db
+        .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+        .and_then(|pg| pg.detail())
+        .map(str::to_owned);
+    assert_eq!(detail, Some(format!("field={field}")), "{case}");
+}
+
 async fn outbox_rows(pool: &PgPool) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM relay_outbox")
         .fetch_one(pool)
@@ -241,18 +262,7 @@ async fn bad_metadata_is_refused_by_the_writer_and_by_the_sql_alike(pool: PgPool
         // The same metadata straight into the SQL function.
         let json = serde_json::to_value(&meta).unwrap();
         let mut savepoint = (&mut *tx).begin().await.unwrap();
-        let err = sqlx::query("SELECT relay_append('t', 'r', 'main', 1, 'x', false, 262144, $1)")
-            .bind(&json)
-            .execute(&mut *savepoint)
-            .await
-            .expect_err(case);
-        let db = err.as_database_error().expect(case);
-        assert_eq!(db.code().as_deref(), Some("RL112"), "{case}: {db}");
-        let detail = db
-            .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
-            .and_then(|pg| pg.detail())
-            .map(str::to_owned);
-        assert_eq!(detail, Some(format!("field={field}")), "{case}");
+        refused_by_sql(&mut savepoint, &json, case, field).await;
         savepoint.rollback().await.unwrap();
     }
     // The writer's refusals left the transaction usable: a good append still commits.
@@ -293,18 +303,7 @@ async fn bad_metadata_is_refused_by_the_writer_and_by_the_sql_alike(pool: PgPool
         ),
         ("not an object", serde_json::json!(["type"]), "meta"),
     ] {
-        let err = sqlx::query("SELECT relay_append('t', 'r', 'main', 2, 'x', false, 262144, $1)")
-            .bind(&json)
-            .execute(&pool)
-            .await
-            .expect_err(case);
-        let db = err.as_database_error().expect(case);
-        assert_eq!(db.code().as_deref(), Some("RL112"), "{case}: {db}");
-        let detail = db
-            .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
-            .and_then(|pg| pg.detail())
-            .map(str::to_owned);
-        assert_eq!(detail, Some(format!("field={field}")), "{case}");
+        refused_by_sql(&mut pool.acquire().await.unwrap(), &json, case, field).await;
     }
     assert_eq!(outbox_rows(&pool).await, 1, "no refusal wrote anything");
 

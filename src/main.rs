@@ -79,6 +79,14 @@ enum Command {
         /// Exchange name.
         #[arg(long, env = "RELAY_TOPOLOGY", default_value = "outbox")]
         topology: String,
+        /// Consumer groups whose dead letters are counted (as the relay's `RELAY_GROUPS`).
+        #[arg(
+            long,
+            env = "RELAY_GROUPS",
+            default_value = "default",
+            value_delimiter = ','
+        )]
+        groups: Vec<String>,
     },
     /// The dead-letter queue (`<topology>.dead`): what consumers could not fold.
     Dead {
@@ -169,7 +177,7 @@ const USAGE: u8 = 2;
 
 fn main() -> ExitCode {
     // Before parsing: a typo'd variable is often why parsing fails.
-    let unknown = distribution::unknown_relay_variables(&["RELAY_LOG_FORMAT"]);
+    let unknown = distribution::unknown_relay_variables(&["RELAY_LOG_FORMAT", "RELAY_GROUP"]);
     for variable in &unknown {
         eprintln!("warning: {variable} is not a setting of this relay and is ignored (a typo?)");
     }
@@ -265,7 +273,8 @@ fn main() -> ExitCode {
                 database,
                 amqp_url,
                 topology,
-            } => status(&database, amqp_url, topology).await,
+                groups,
+            } => status(&database, amqp_url, topology, groups).await,
             Command::Dead { action } => dead_cli::run(action).await,
             Command::Group { action } => group_cli::run(action).await,
             Command::Release {
@@ -534,7 +543,12 @@ async fn run(config: RelayConfig) -> Result<()> {
     Ok(())
 }
 
-async fn status(database: &Database, amqp_url: Option<String>, topology: String) -> Result<()> {
+async fn status(
+    database: &Database,
+    amqp_url: Option<String>,
+    topology: String,
+    groups: Vec<String>,
+) -> Result<()> {
     let outbox = Outbox::new(connect(&database.database_url, database.schema.as_ref()).await?);
     let backlog = outbox
         .backlog()
@@ -562,12 +576,16 @@ async fn status(database: &Database, amqp_url: Option<String>, topology: String)
             );
         }
     }
-    if let Some(amqp_url) = amqp_url {
+    let Some(amqp_url) = amqp_url else {
+        return Ok(());
+    };
+    let groups = groups.into_iter().filter(|group| group.trim() != "none");
+    for group in groups {
         let broker = dead_cli::Broker {
-            amqp_url,
-            topology,
+            amqp_url: amqp_url.clone(),
+            topology: topology.clone(),
             partitions: 1,
-            group: "default".to_owned(),
+            group: group.trim().to_owned(),
         };
         let rabbit = broker.rabbit()?;
         let queue = rabbit.topology.dead_letter_queue();
@@ -577,10 +595,16 @@ async fn status(database: &Database, amqp_url: Option<String>, topology: String)
                 .depth()
                 .await
         };
+        let list = match rabbit.topology.group() {
+            distribution::broker::Group::Default => "`distribution dead list`".to_owned(),
+            named => format!("`distribution dead list --group {named}`"),
+        };
         match depth.await {
             Ok(0) => println!("no dead letters in {queue}"),
-            Ok(depth) => {
-                println!("{depth} dead letter(s) in {queue}: `distribution dead list` shows them")
+            Ok(depth) => println!("{depth} dead letter(s) in {queue}: {list} shows them"),
+            // RabbitMQ's answer to a passive declare of a queue that is not there.
+            Err(err) if err.to_string().contains("NOT_FOUND") => {
+                println!("{queue} does not exist: no consumer of the group declared its queues")
             }
             Err(err) => println!("dead letters in {queue}: unknown ({err})"),
         }

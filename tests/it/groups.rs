@@ -418,10 +418,45 @@ async fn the_group_commands_create_and_delete_a_groups_queues() {
             Some(0)
         );
 
+        // `status` counts each group's dead letters (RELAY_GROUPS, as the relay reads it).
+        channel
+            .basic_publish(
+                "".into(),
+                topology.dead_letter_queue_of(&search),
+                lapin::options::BasicPublishOptions::default(),
+                b"dead",
+                lapin::BasicProperties::default(),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        let (_pool, url) = fresh_database("groupstatus").await;
+        let status = tokio::process::Command::new(env!("CARGO_BIN_EXE_distribution"))
+            .args(["status", "--topology", &name])
+            .env("AMQP_URL", amqp_url())
+            .env("DATABASE_URL", &url)
+            .env("RELAY_GROUPS", "default,search")
+            .output()
+            .await
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&status.stdout).into_owned();
+        assert!(status.status.success(), "{status:?}");
+        assert!(
+            stdout.contains(&format!("{name}.dead does not exist")),
+            "the unnamed group was never declared: {stdout}"
+        );
+        assert!(
+            stdout.contains(&format!(
+                "1 dead letter(s) in {name}.search.dead: `distribution dead list --group search`"
+            )),
+            "{stdout}"
+        );
+
         let deleted = cli(&["group", "delete", "search"]).output().await.unwrap();
         assert!(deleted.status.success(), "{deleted:?}");
         assert!(
-            String::from_utf8_lossy(&deleted.stdout).contains("1 messages"),
+            String::from_utf8_lossy(&deleted.stdout).contains("2 messages"),
             "{deleted:?}"
         );
         for index in 0..4 {

@@ -61,7 +61,8 @@ DECLARE
 BEGIN
     -- The ids' rule of the write API (a consumer's own database has no relay_require_id).
     FOREACH v_id IN ARRAY ARRAY[p_tenant, p_run, p_branch] LOOP
-        IF v_id IS NULL OR v_id !~ '^[A-Za-z0-9._:-]{1,64}$' THEN
+        -- `+` and a length test: `{1,64}` costs about 5 us per check (PostgreSQL's regex engine).
+        IF v_id IS NULL OR v_id !~ '^[A-Za-z0-9._:-]+$' OR octet_length(v_id) > 64 THEN
             RAISE EXCEPTION 'invalid id %: 1 to 64 bytes of ASCII letters, digits and - _ . :',
                 coalesce(quote_literal(left(v_id, 80)), 'NULL') USING ERRCODE = 'RL100';
         END IF;

@@ -1705,6 +1705,17 @@ async fn run(mode: &Mode) -> Result<String> {
         env.cleanup().await;
         return Ok(table);
     }
+    if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "drainmeta") {
+        // One drain with full metadata, for a profiler.
+        let rate = drain_rate(&mut env, (mode.backlog_per_run / 4).max(1), true, 0).await?;
+        row(
+            "12. backlog drain, full metadata (one run)",
+            format!("{rate:.0} ev/s"),
+            "",
+        );
+        env.cleanup().await;
+        return Ok(table);
+    }
     if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "meta") {
         metadata_and_groups(&mut env, mode, &mut row).await?;
         env.cleanup().await;

@@ -979,55 +979,12 @@ fn full_metadata(step: u64) -> Metadata {
         .clone()
 }
 
-/// The properties the relay writes for an intent (WIRE.md), with `meta`'s fields or without.
+/// The properties the relay writes for an intent (`broker::encode`), with `meta`'s fields or
+/// without.
 fn wire_like_properties(meta: Option<&Metadata>) -> lapin::BasicProperties {
-    use lapin::types::{AMQPValue, FieldTable, LongString};
-    let mut headers = FieldTable::default();
-    let text = |v: &str| AMQPValue::LongString(LongString::from(v));
-    for (name, value) in [
-        ("tenant", "t0"),
-        ("run", "r0"),
-        ("branch", "main"),
-        ("kind", "intent"),
-    ] {
-        headers.insert(name.into(), text(value));
-    }
-    for name in [
-        "lsn",
-        "prev_lsn",
-        "base_lsn",
-        "created_at_us",
-        "wire_version",
-    ] {
-        headers.insert(name.into(), AMQPValue::LongLongInt(1_700_000_000));
-    }
-    let mut properties = lapin::BasicProperties::default()
-        .with_type("outbox.intent".into())
-        .with_content_type("application/octet-stream".into());
-    if let Some(meta) = meta {
-        for (name, value) in &meta.headers {
-            headers.insert(name.as_str().into(), text(value));
-        }
-        for (name, value) in [
-            ("causation_id", &meta.causation_id),
-            ("traceparent", &meta.traceparent),
-            ("tracestate", &meta.tracestate),
-        ] {
-            if let Some(value) = value {
-                headers.insert(name.into(), text(value));
-            }
-        }
-        properties = properties
-            .with_type(
-                meta.event_type
-                    .as_ref()
-                    .map_or("x", EventType::as_str)
-                    .into(),
-            )
-            .with_content_type(meta.content_type_or_default().into())
-            .with_correlation_id(meta.correlation_id.as_deref().unwrap_or("x").into());
-    }
-    properties.with_headers(headers)
+    let mut event = synthetic_events(1).remove(0);
+    event.meta = meta.cloned().unwrap_or_default();
+    distribution::broker::encode(&event, distribution::broker::WireMode::Plain)
 }
 
 /// Section 12a: host commits/s of `writers` writers appending one intent per transaction for

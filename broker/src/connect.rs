@@ -107,15 +107,14 @@ pub fn quiet_lapin_payload_logs_on_this_thread() {
     if QUIET.with(|quiet| quiet.replace(true)) {
         return;
     }
-    let quiet = Dispatch::new(WithoutReturnedMessages {
-        global: OnceLock::new(),
-    });
+    let quiet = Dispatch::new(WithoutReturnedMessages);
     // The guard would restore the previous default when dropped; this thread keeps the quiet
     // dispatcher for its whole life.
     std::mem::forget(tracing::dispatcher::set_default(&quiet));
 }
 
-/// The process's global dispatcher, once one is set (cached). A span that a subscriber's
+/// The process's global dispatcher, once one is set (found on a fresh thread: on a quiet one
+/// the thread-local default is the quiet dispatcher itself; cached). A span that a subscriber's
 /// extensions must reach (`tracing-opentelemetry`'s `set_parent`) is created under it
 /// directly: the quiet dispatcher of this module forwards calls, not downcasts.
 pub(crate) fn global_dispatch() -> Option<&'static Dispatch> {
@@ -133,26 +132,13 @@ pub(crate) fn global_dispatch() -> Option<&'static Dispatch> {
 }
 
 /// Forwards to the process's global dispatcher, except lapin's events that carry payloads.
-struct WithoutReturnedMessages {
-    /// The global dispatcher, once one is set (found on a fresh thread: on this one the
-    /// thread-local default is this very dispatcher).
-    global: OnceLock<Dispatch>,
-}
+struct WithoutReturnedMessages;
 
 impl WithoutReturnedMessages {
     /// The global dispatcher, or none (events dropped) while no global one is set.
     fn inner(&self) -> &Dispatch {
         static NONE: LazyLock<Dispatch> = LazyLock::new(Dispatch::none);
-        if let Some(global) = self.global.get() {
-            return global;
-        }
-        if !tracing::dispatcher::has_been_set() {
-            return &NONE;
-        }
-        let found = std::thread::spawn(|| tracing::dispatcher::get_default(Dispatch::clone))
-            .join()
-            .unwrap_or_else(|_| Dispatch::none());
-        self.global.get_or_init(|| found)
+        global_dispatch().unwrap_or(&NONE)
     }
 }
 

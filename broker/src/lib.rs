@@ -56,3 +56,4 @@ pub use wire::CLOUDEVENTS_PREFIX;
 pub use wire::WIRE_VERSION;
 pub use wire::WireMode;
 pub use wire::decode;
+pub use wire::properties as encode;

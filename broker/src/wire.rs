@@ -45,8 +45,9 @@ pub(crate) fn message_id(key: &EventKey) -> ShortString {
     ShortString::from(format!("{}/{}", key.branch, key.lsn))
 }
 
-/// The properties of an event's message. The body is the payload, unchanged.
-pub(crate) fn properties(event: &OutboxEvent, mode: WireMode) -> BasicProperties {
+/// The properties of an event's message (WIRE.md); the body is the payload, unchanged. What
+/// the relay publishes, and [`decode`]'s inverse.
+pub fn properties(event: &OutboxEvent, mode: WireMode) -> BasicProperties {
     let branch = &event.key.branch;
     let meta = &event.meta;
     let mut headers = FieldTable::default();
@@ -157,15 +158,6 @@ pub(crate) fn properties(event: &OutboxEvent, mode: WireMode) -> BasicProperties
     properties
 }
 
-/// Names a version 3 decoder does not take for host headers: the contract's own, RabbitMQ's
-/// and the relay's (`x-`), CloudEvents attributes.
-fn host_header(name: &str) -> bool {
-    let lower = name.to_ascii_lowercase();
-    !store::RESERVED_HEADERS.contains(&lower.as_str())
-        && !lower.starts_with("x-")
-        && !lower.starts_with("cloudevents")
-}
-
 /// The metadata a message carries (empty for a version 1 or 2 message).
 fn metadata(properties: &BasicProperties, headers: &FieldTable, kind: &EventKind) -> Metadata {
     let short = |value: &Option<ShortString>| value.as_ref().map(|v| v.as_str().to_owned());
@@ -190,7 +182,7 @@ fn metadata(properties: &BasicProperties, headers: &FieldTable, kind: &EventKind
         headers: headers
             .inner()
             .iter()
-            .filter(|(name, _)| host_header(name.as_str()))
+            .filter(|(name, _)| !store::is_reserved_header(name.as_str()))
             .filter_map(|(name, value)| match value {
                 AMQPValue::LongString(value) => Some((
                     name.to_string(),

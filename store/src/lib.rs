@@ -69,6 +69,7 @@ pub use meta::MAX_HEADER_BYTES;
 pub use meta::MAX_HEADERS;
 pub use meta::Metadata;
 pub use meta::RESERVED_HEADERS;
+pub use meta::is_reserved_header;
 pub use outbox::Backlog;
 pub use outbox::Discarded;
 pub use outbox::DrainLimit;

@@ -46,6 +46,16 @@ pub const RESERVED_HEADERS: &[&str] = &[
     "tracestate",
 ];
 
+/// Whether `name` is the wire contract's, not a host's: one of [`RESERVED_HEADERS`] (without
+/// case), or starting with `x-` or `cloudevents`. The writer refuses such host headers, and a
+/// decoder takes every other long-string header for one of the host's.
+pub fn is_reserved_header(name: &str) -> bool {
+    let lower = name.to_ascii_lowercase();
+    RESERVED_HEADERS.contains(&lower.as_str())
+        || lower.starts_with("x-")
+        || lower.starts_with("cloudevents")
+}
+
 /// What an event is, in the host's words (`order.created`): 1 to 128 bytes of
 /// `[A-Za-z0-9._:/-]`, and not starting with `outbox.` (the relay's own types for markers and
 /// untyped intents). The AMQP `type` of its message; consumer groups filter on it.
@@ -222,11 +232,7 @@ fn check_headers(headers: &BTreeMap<String, String>) -> Result<(), Error> {
                 "names are 1 to 64 bytes of A-Z a-z 0-9 . _ -",
             ));
         }
-        let lower = name.to_ascii_lowercase();
-        if RESERVED_HEADERS.contains(&lower.as_str())
-            || lower.starts_with("x-")
-            || lower.starts_with("cloudevents")
-        {
+        if is_reserved_header(name) {
             return Err(invalid(
                 format!("header {name}"),
                 "is reserved by the wire contract",

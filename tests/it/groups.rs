@@ -418,19 +418,38 @@ async fn the_group_commands_create_and_delete_a_groups_queues() {
             Some(0)
         );
 
-        // `status` counts each group's dead letters (RELAY_GROUPS, as the relay reads it).
+        // A dead letter of the search group: what a relay published, as the consumer dead-lettered it.
+        let letter = OutboxEvent {
+            key: store::EventKey {
+                branch: BranchKey::new(
+                    store::TenantId::new("t").unwrap(),
+                    store::RunId::new("r").unwrap(),
+                    store::BranchId::new("main").unwrap(),
+                ),
+                lsn: Lsn::new(1),
+            },
+            prev_lsn: Lsn::new(0),
+            base_lsn: Lsn::new(0),
+            payload: b"dead".to_vec(),
+            created_at: chrono::Utc::now(),
+            kind: store::EventKind::Intent,
+            parent: None,
+            meta: Metadata::default(),
+        };
+        let partition = topology.partition_of(&letter.key.branch.tenant, &letter.key.branch.run);
         channel
             .basic_publish(
                 "".into(),
                 topology.dead_letter_queue_of(&search),
                 lapin::options::BasicPublishOptions::default(),
-                b"dead",
-                lapin::BasicProperties::default(),
+                &letter.payload,
+                distribution::broker::encode(&letter, distribution::broker::WireMode::Plain),
             )
             .await
             .unwrap()
             .await
             .unwrap();
+        // `status` counts each group's dead letters (RELAY_GROUPS, as the relay reads it).
         let (_pool, url) = fresh_database("groupstatus").await;
         let status = tokio::process::Command::new(env!("CARGO_BIN_EXE_distribution"))
             .args(["status", "--topology", &name])
@@ -451,6 +470,34 @@ async fn the_group_commands_create_and_delete_a_groups_queues() {
                 "1 dead letter(s) in {name}.search.dead: `distribution dead list --group search`"
             )),
             "{stdout}"
+        );
+
+        // Replaying the search group's dead letters puts them back into its own partition
+        // queue only: another group, which folded the message already, gets no second copy.
+        let other = Group::parse("other").unwrap();
+        let created = cli(&["group", "create", "other"]).output().await.unwrap();
+        assert!(created.status.success(), "{created:?}");
+        let before = depth(topology.queue_of(&search, partition)).await.unwrap();
+        let replayed = cli(&["dead", "replay", "--all", "--group", "search"])
+            .output()
+            .await
+            .unwrap();
+        assert!(replayed.status.success(), "{replayed:?}");
+        wait_until(
+            "the replayed letter in search's queue",
+            Duration::from_secs(10),
+            || async {
+                depth(topology.queue_of(&search, partition)).await.ok() == Some(before + 1)
+            },
+        )
+        .await;
+        assert_eq!(
+            depth(topology.dead_letter_queue_of(&search)).await.ok(),
+            Some(0)
+        );
+        assert_eq!(
+            depth(topology.queue_of(&other, partition)).await.ok(),
+            Some(0)
         );
 
         let deleted = cli(&["group", "delete", "search"]).output().await.unwrap();
@@ -477,6 +524,7 @@ async fn the_group_commands_create_and_delete_a_groups_queues() {
     .catch_unwind()
     .await;
     drop_topology(&topology.clone().with_group(search)).await;
+    drop_topology(&topology.clone().with_group(Group::parse("other").unwrap())).await;
     if let Err(panic) = outcome {
         std::panic::resume_unwind(panic);
     }

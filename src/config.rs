@@ -2,7 +2,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use broker::{CallProbe, QueueType, RabbitConfig, Topology};
+use broker::{CallProbe, QueueType, RabbitConfig, StreamRetention, Topology};
 use supervisor::SupervisorConfig;
 
 /// A configuration value that cannot be used. One readable line, naming the variable.
@@ -57,8 +57,15 @@ pub struct RelayConfig {
     pub amqp_confirm_timeout: Duration,
     /// Records which threads call the broker client (instrumentation; default none).
     pub probe: Option<CallProbe>,
-    /// Classic or quorum (replicated) queues. Env `RELAY_QUEUE_TYPE`, default classic.
+    /// Classic, quorum (replicated) or stream (replicated, replayable) queues. Env
+    /// `RELAY_QUEUE_TYPE`, default classic.
     pub queue_type: QueueType,
+    /// What a stream partition keeps (streams only). Env `RELAY_STREAM_MAX_AGE` (e.g. `7D`),
+    /// `RELAY_STREAM_MAX_BYTES`, `RELAY_STREAM_SEGMENT_BYTES`; default: everything.
+    pub stream_retention: StreamRetention,
+    /// Redeliveries a quorum queue allows one message before dead-lettering it to the group's
+    /// dead-letter queue. Env `RELAY_DELIVERY_LIMIT`, default 20.
+    pub delivery_limit: u32,
     /// Consumer groups whose queues the relay declares at start and after a returned message
     /// (comma-separated names; `default` is the unnamed group of `<topology>.p<N>`). Empty:
     /// only the exchange; each group's consumer (or `distribution group create`) declares its
@@ -132,9 +139,9 @@ pub struct Settings {
     #[arg(long, env = "RELAY_PARTITIONS", default_value_t = defaults().partitions,
           value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub partitions: u16,
-    /// Queue type: classic, or quorum (replicated; production RabbitMQ).
-    #[arg(long, env = "RELAY_QUEUE_TYPE", value_enum, default_value_t = QueueType::Classic)]
-    pub queue_type: QueueType,
+    /// Queue type, stream retention and the quorum delivery limit.
+    #[command(flatten)]
+    pub queues: QueueSettings,
     /// Consumer groups whose queues the relay declares (comma-separated; `default`: the
     /// unnamed group's `<topology>.p<N>`; `none`: the exchange only).
     #[arg(
@@ -273,13 +280,80 @@ fn groups(names: &[String]) -> Result<Vec<broker::Group>, ConfigError> {
         .collect()
 }
 
+/// How the topology's queues are declared: the relay's, and the commands' that declare or
+/// read them (`group`, `dead`), so that every declare agrees.
+#[derive(Clone, Debug, clap::Args)]
+pub struct QueueSettings {
+    /// Queue type: classic, quorum (replicated) or stream (replicated, replayable by
+    /// consumer groups from an offset kept in their fold database).
+    #[arg(long, env = "RELAY_QUEUE_TYPE", value_enum, default_value_t = QueueType::Classic)]
+    pub queue_type: QueueType,
+    /// Streams: the longest a partition keeps a message (a number and one of Y M D h m s).
+    #[arg(long, env = "RELAY_STREAM_MAX_AGE")]
+    pub stream_max_age: Option<String>,
+    /// Streams: the most bytes a partition keeps.
+    #[arg(long, env = "RELAY_STREAM_MAX_BYTES", value_parser = clap::value_parser!(u64).range(1..))]
+    pub stream_max_bytes: Option<u64>,
+    /// Streams: the segment size retention removes whole (RabbitMQ's default 500 MB).
+    #[arg(long, env = "RELAY_STREAM_SEGMENT_BYTES", value_parser = clap::value_parser!(u64).range(1..))]
+    pub stream_segment_bytes: Option<u64>,
+    /// Quorum queues: redeliveries of one message before the broker dead-letters it to the
+    /// group's dead-letter queue (never dropped).
+    #[arg(long, env = "RELAY_DELIVERY_LIMIT", default_value_t = broker::DEFAULT_DELIVERY_LIMIT,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub delivery_limit: u32,
+}
+
+impl Default for QueueSettings {
+    /// Classic queues, the defaults above.
+    fn default() -> Self {
+        Self {
+            queue_type: QueueType::Classic,
+            stream_max_age: None,
+            stream_max_bytes: None,
+            stream_segment_bytes: None,
+            delivery_limit: broker::DEFAULT_DELIVERY_LIMIT,
+        }
+    }
+}
+
+impl QueueSettings {
+    /// Writes these settings into `config`, refusing retention a stream would not take (and
+    /// retention given for another queue type, which would be silently ignored).
+    pub fn apply(&self, config: &mut RelayConfig) -> Result<(), ConfigError> {
+        let retention = StreamRetention {
+            max_age: self.stream_max_age.clone(),
+            max_bytes: self.stream_max_bytes,
+            segment_bytes: self.stream_segment_bytes,
+        };
+        retention.validate().map_err(|err| ConfigError::Invalid {
+            var: "RELAY_STREAM_MAX_AGE",
+            value: self.stream_max_age.clone().unwrap_or_default(),
+            reason: err.to_string(),
+        })?;
+        if retention != StreamRetention::default() && self.queue_type != QueueType::Stream {
+            return Err(ConfigError::Invalid {
+                var: "RELAY_QUEUE_TYPE",
+                value: format!("{:?}", self.queue_type).to_lowercase(),
+                reason: "RELAY_STREAM_* retention applies to streams only: set \
+                         RELAY_QUEUE_TYPE=stream or unset them"
+                    .into(),
+            });
+        }
+        config.queue_type = self.queue_type;
+        config.stream_retention = retention;
+        config.delivery_limit = self.delivery_limit;
+        Ok(())
+    }
+}
+
 impl Settings {
     /// The configuration these settings describe, validated (cross-field rules included).
     pub fn into_config(self) -> Result<RelayConfig, ConfigError> {
         let mut config = RelayConfig::new(self.database_url, self.amqp_url);
         config.topology = self.topology;
         config.partitions = self.partitions;
-        config.queue_type = self.queue_type;
+        self.queues.apply(&mut config)?;
         config.groups = groups(&self.groups)?;
         config.cloudevents = self.cloudevents;
         let supervisor = &mut config.supervisor;
@@ -374,6 +448,8 @@ impl RelayConfig {
             amqp_confirm_timeout: Duration::from_secs(10),
             probe: None,
             queue_type: QueueType::Classic,
+            stream_retention: StreamRetention::default(),
+            delivery_limit: broker::DEFAULT_DELIVERY_LIMIT,
             groups: vec![broker::Group::Default],
             cloudevents: false,
             ready_max_parked: 100,
@@ -536,6 +612,8 @@ impl RelayConfig {
         rabbit.topology = rabbit
             .topology
             .with_queue_type(self.queue_type)
+            .with_stream_retention(self.stream_retention.clone())
+            .with_delivery_limit(self.delivery_limit)
             .declaring(self.groups.clone());
         if self.cloudevents {
             rabbit.wire_mode = broker::WireMode::CloudEvents;

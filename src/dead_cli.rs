@@ -23,6 +23,9 @@ pub struct Broker {
     /// `<topology>.dead`; a name: `<topology>.<group>.p<N>` and `<topology>.<group>.dead`).
     #[arg(long, env = "RELAY_GROUP", default_value = "default")]
     pub group: String,
+    /// How the topology's queues are declared (as the relay's settings).
+    #[command(flatten)]
+    pub queues: distribution::QueueSettings,
 }
 
 impl Broker {
@@ -30,6 +33,7 @@ impl Broker {
         let mut config = RelayConfig::new("", self.amqp_url.clone());
         config.topology = self.topology.clone();
         config.partitions = self.partitions;
+        self.queues.apply(&mut config)?;
         let group = Group::parse(&self.group).context("--group / RELAY_GROUP")?;
         let mut rabbit = config.rabbit_config()?;
         rabbit.topology = rabbit.topology.with_group(group);

@@ -1,5 +1,5 @@
-//! `distribution group`: create a consumer group's queues before its service first runs, or
-//! delete them when the service is retired.
+//! `distribution group`: create a consumer group's queues before its service first runs,
+//! delete them when the service is retired, or reset its fold to rebuild its projection.
 use anyhow::{Context, Result};
 use clap::Subcommand;
 use distribution::broker::{self, Group};
@@ -24,6 +24,23 @@ pub enum GroupAction {
         broker: Broker,
         /// The group.
         name: String,
+    },
+    /// Rebuild a group's projection from the start (streams): forget what its fold database
+    /// knows (branch cursors, held-back events, stream offsets) and empty the projection
+    /// tables named by --truncate, in one transaction. Stop the group's consumers first;
+    /// started again, they replay the streams from the first retained offset.
+    Reset {
+        /// The group's fold database (DATABASE_URL).
+        #[command(flatten)]
+        database: crate::Database,
+        /// A projection table to empty in the same transaction (`table` or `schema.table`;
+        /// repeat for each).
+        #[arg(long = "truncate", value_name = "TABLE")]
+        tables: Vec<String>,
+        /// Reset the fold's state alone: the projection is the fold's own event table, or is
+        /// emptied another way.
+        #[arg(long, conflicts_with = "tables")]
+        fold_only: bool,
     },
 }
 
@@ -62,6 +79,58 @@ pub async fn run(action: GroupAction) -> Result<()> {
             let _ = connection.close(200, "done".into()).await;
             println!("group {group}: deleted its queues and {messages} messages in them");
         }
+        GroupAction::Reset {
+            database,
+            tables,
+            fold_only,
+        } => {
+            if tables.is_empty() && !fold_only {
+                anyhow::bail!(
+                    "name the projection's tables to empty with --truncate TABLE (or pass \
+                     --fold-only): a fold reset without them applies every event to them twice"
+                );
+            }
+            let names = tables
+                .iter()
+                .map(|table| quoted_table(table))
+                .collect::<Result<Vec<_>>>()?;
+            let pool = crate::connect(&database.database_url, database.schema.as_ref()).await?;
+            let mut tx = pool.begin().await?;
+            let branches = distribution::store::reset_fold(&mut tx)
+                .await
+                .context("resetting the fold (has `distribution migrate --fold` run?)")?;
+            for name in &names {
+                sqlx::raw_sql(sqlx::AssertSqlSafe(format!("TRUNCATE {name}")))
+                    .execute(&mut *tx)
+                    .await
+                    .with_context(|| format!("emptying {name}"))?;
+            }
+            tx.commit().await?;
+            println!(
+                "reset: forgot {branches} branches and every stream offset{}; start the group's \
+                 consumers to replay from the first retained offset",
+                if names.is_empty() {
+                    String::new()
+                } else {
+                    format!(", emptied {}", names.join(", "))
+                }
+            );
+        }
     }
     Ok(())
+}
+
+/// `table` or `schema.table`, each part a lowercase identifier, quoted for SQL.
+fn quoted_table(name: &str) -> Result<String> {
+    name.split('.')
+        .map(|part| {
+            distribution::store::Schema::new(part)
+                .map(|_| format!("\"{part}\""))
+                .map_err(|err| anyhow::anyhow!("--truncate {name}: {err}"))
+        })
+        .collect::<Result<Vec<_>>>()
+        .and_then(|parts| match parts.len() {
+            1 | 2 => Ok(parts.join(".")),
+            _ => anyhow::bail!("--truncate {name}: give `table` or `schema.table`"),
+        })
 }

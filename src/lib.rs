@@ -22,6 +22,7 @@ pub use actors::PublisherFactory;
 pub use actors::ShardId;
 pub use broker;
 pub use config::ConfigError;
+pub use config::QueueSettings;
 pub use config::RelayConfig;
 pub use config::Settings;
 pub use config::unknown_relay_variables;

@@ -586,6 +586,7 @@ async fn status(
             topology: topology.clone(),
             partitions: 1,
             group: group.trim().to_owned(),
+            queues: distribution::QueueSettings::default(),
         };
         let rabbit = broker.rabbit()?;
         let queue = rabbit.topology.dead_letter_queue();

@@ -28,6 +28,22 @@ pub enum Error {
     /// The fold's store failed.
     #[error("fold store: {0}")]
     Store(#[from] store::Error),
+    /// A stream consumer's stored offset fell out of the stream's retention: the messages from
+    /// `expected` up to `first` were removed before this consumer read them. It does not go
+    /// on past the gap on its own.
+    #[error(
+        "stream {queue}: offsets {expected} to {first} were removed by the stream's retention \
+         before this consumer folded them; rebuild the group from the first retained offset \
+         (`distribution group reset`) or store a later offset (relay_fold_save_offset)"
+    )]
+    OffsetLost {
+        /// The stream queue.
+        queue: String,
+        /// The offset the consumer stored (the next it had to read).
+        expected: u64,
+        /// The first offset the stream delivered.
+        first: u64,
+    },
 }
 
 impl Error {
@@ -35,7 +51,7 @@ impl Error {
     pub fn is_transient(&self) -> bool {
         match self {
             Error::Unreachable(_) | Error::Timeout { .. } | Error::Channel(_) => true,
-            Error::InvalidConfig(_) | Error::Refused(_) => false,
+            Error::InvalidConfig(_) | Error::Refused(_) | Error::OffsetLost { .. } => false,
             Error::Store(err) => err.is_transient(),
         }
     }

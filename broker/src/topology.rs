@@ -22,9 +22,80 @@ pub enum QueueType {
     /// A classic queue (declared without `x-queue-type`, as earlier versions did).
     #[default]
     Classic,
-    /// A quorum queue (`x-queue-type: quorum`): replicated across a RabbitMQ cluster.
+    /// A quorum queue (`x-queue-type: quorum`): replicated across a RabbitMQ cluster. A
+    /// message redelivered more than [`Topology::with_delivery_limit`] times (a consumer that
+    /// crashes on it over and over) is dead-lettered by the broker to the group's dead-letter
+    /// queue (at-least-once), never dropped.
     Quorum,
+    /// A stream (`x-queue-type: stream`): a replicated, append-only log that consumers read
+    /// from an offset they keep themselves (in the fold's database), so a group can replay
+    /// history. Kept as [`StreamRetention`] says. Dead-letter queues are quorum queues.
+    Stream,
 }
+
+/// How much history a stream partition keeps. RabbitMQ removes whole segments, oldest first,
+/// when a segment fills: what is kept is at least the limits (the newest segment always stays).
+/// `None` everywhere (the default): a stream keeps everything.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StreamRetention {
+    /// `x-max-age`: a number and a unit of `Y M D h m s`, e.g. `7D` or `12h`.
+    pub max_age: Option<String>,
+    /// `x-max-length-bytes`: the most bytes a partition keeps.
+    pub max_bytes: Option<u64>,
+    /// `x-stream-max-segment-size-bytes`: the unit retention removes (RabbitMQ's default is
+    /// 500 MB).
+    pub segment_bytes: Option<u64>,
+}
+
+impl StreamRetention {
+    /// Refuses a `max_age` RabbitMQ would not take, and zero sizes.
+    pub fn validate(&self) -> Result<(), Error> {
+        if let Some(age) = &self.max_age {
+            let (digits, unit) = age.split_at(age.len().saturating_sub(1));
+            let number_ok = !digits.is_empty()
+                && digits.len() <= 9
+                && digits.bytes().all(|b| b.is_ascii_digit())
+                && digits.bytes().any(|b| b != b'0');
+            if !number_ok || !matches!(unit, "Y" | "M" | "D" | "h" | "m" | "s") {
+                return Err(Error::InvalidConfig(format!(
+                    "stream max age {age:?} must be a positive number and one of Y M D h m s \
+                     (e.g. 7D)"
+                )));
+            }
+        }
+        if self.max_bytes == Some(0) || self.segment_bytes == Some(0) {
+            return Err(Error::InvalidConfig(
+                "stream max bytes and segment bytes must be at least 1".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn arguments(&self, arguments: &mut FieldTable) {
+        if let Some(age) = &self.max_age {
+            arguments.insert(
+                "x-max-age".into(),
+                AMQPValue::LongString(age.as_str().into()),
+            );
+        }
+        if let Some(bytes) = self.max_bytes {
+            arguments.insert(
+                "x-max-length-bytes".into(),
+                AMQPValue::LongLongInt(i64::try_from(bytes).unwrap_or(i64::MAX)),
+            );
+        }
+        if let Some(bytes) = self.segment_bytes {
+            arguments.insert(
+                "x-stream-max-segment-size-bytes".into(),
+                AMQPValue::LongLongInt(i64::try_from(bytes).unwrap_or(i64::MAX)),
+            );
+        }
+    }
+}
+
+/// Redeliveries of one message a quorum queue allows before it dead-letters it (RabbitMQ 4's
+/// default, declared explicitly so that every version behaves the same).
+pub const DEFAULT_DELIVERY_LIMIT: u32 = 20;
 
 /// A consumer group: one consumer service's own copy of the history. Each group has its own
 /// partition queues, bound to the topology's exchange with the same routing keys (so order per
@@ -81,6 +152,8 @@ pub struct Topology {
     exchange: ShortString,
     partitions: u16,
     queue_type: QueueType,
+    stream: StreamRetention,
+    delivery_limit: u32,
     /// The group whose queues [`Topology::queue`] and [`Topology::dead_letter_queue`] name.
     group: Group,
     /// The groups whose queues [`Topology::declare`] creates.
@@ -110,6 +183,8 @@ impl Topology {
             exchange: ShortString::from(name),
             partitions,
             queue_type: QueueType::Classic,
+            stream: StreamRetention::default(),
+            delivery_limit: DEFAULT_DELIVERY_LIMIT,
             group: Group::Default,
             declared: vec![Group::Default],
         })
@@ -151,10 +226,67 @@ impl Topology {
         self.queue_type
     }
 
-    /// Arguments every queue of the topology is declared with.
-    fn queue_arguments(&self) -> FieldTable {
+    /// The same topology whose stream partitions keep `retention` (streams only; it must
+    /// pass [`StreamRetention::validate`]). Changing it on existing streams fails the declare
+    /// (`PRECONDITION_FAILED`): use a RabbitMQ policy for that.
+    pub fn with_stream_retention(mut self, retention: StreamRetention) -> Self {
+        self.stream = retention;
+        self
+    }
+
+    /// The same topology whose quorum queues dead-letter a message after `limit` redeliveries
+    /// (quorum queues only; default [`DEFAULT_DELIVERY_LIMIT`]; at least 1).
+    pub fn with_delivery_limit(mut self, limit: u32) -> Self {
+        self.delivery_limit = limit.max(1);
+        self
+    }
+
+    /// What a stream partition keeps.
+    pub fn stream_retention(&self) -> &StreamRetention {
+        &self.stream
+    }
+
+    /// The arguments of `group`'s partition queues.
+    fn partition_arguments(&self, group: &Group) -> FieldTable {
         let mut arguments = FieldTable::default();
-        if self.queue_type == QueueType::Quorum {
+        let text = |value: &str| AMQPValue::LongString(value.into());
+        match self.queue_type {
+            QueueType::Classic => {}
+            QueueType::Quorum => {
+                arguments.insert("x-queue-type".into(), text("quorum"));
+                arguments.insert(
+                    "x-delivery-limit".into(),
+                    AMQPValue::LongLongInt(i64::from(self.delivery_limit)),
+                );
+                // Past the limit, to the group's own dead-letter queue, confirmed by it
+                // (at-least-once needs `reject-publish`): RabbitMQ 4 would drop it otherwise.
+                arguments.insert("x-dead-letter-exchange".into(), text(""));
+                arguments.insert(
+                    "x-dead-letter-routing-key".into(),
+                    text(self.dead_letter_queue_of(group).as_str()),
+                );
+                arguments.insert("x-dead-letter-strategy".into(), text("at-least-once"));
+                arguments.insert("x-overflow".into(), text("reject-publish"));
+            }
+            QueueType::Stream => {
+                arguments.insert("x-queue-type".into(), text("stream"));
+                self.stream.arguments(&mut arguments);
+                // No single-active-consumer: RabbitMQ 3.x takes it on streams only over the
+                // stream protocol. Each consumer keeps its own offset; overlaps are safe.
+                return arguments;
+            }
+        }
+        // One active consumer per partition: a second fold instance waits as a hot standby
+        // instead of interleaving a partition's deliveries.
+        arguments.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
+        arguments
+    }
+
+    /// The arguments of a dead-letter queue: a quorum queue unless the topology is classic
+    /// (a stream cannot be taken from one message at a time).
+    fn dead_letter_arguments(&self) -> FieldTable {
+        let mut arguments = FieldTable::default();
+        if self.queue_type != QueueType::Classic {
             arguments.insert(
                 "x-queue-type".into(),
                 AMQPValue::LongString("quorum".into()),
@@ -199,8 +331,14 @@ impl Topology {
         self.queue_of(&self.group, partition)
     }
 
-    /// The queue of a partition in `group`.
+    /// The queue of a partition in `group`. On streams every group reads the same partition
+    /// streams (`<name>.p<N>`), each from the offset its fold database keeps: that is what
+    /// lets a group created later replay the history.
     pub fn queue_of(&self, group: &Group, partition: Partition) -> ShortString {
+        let group = match self.queue_type {
+            QueueType::Stream => &Group::Default,
+            _ => group,
+        };
         ShortString::from(format!("{}p{}", self.prefix(group), partition.0))
     }
 
@@ -247,10 +385,7 @@ impl Topology {
     /// Declares `group`'s partition queues, bound to the exchange (which must exist), and its
     /// dead-letter queue. Idempotent.
     pub async fn declare_group(&self, channel: &Channel, group: &Group) -> Result<(), Error> {
-        // One active consumer per partition: a second fold instance waits as a hot standby
-        // instead of interleaving a partition's deliveries.
-        let mut arguments = self.queue_arguments();
-        arguments.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
+        let arguments = self.partition_arguments(group);
         let options = QueueDeclareOptions {
             durable: true,
             ..QueueDeclareOptions::default()
@@ -275,17 +410,21 @@ impl Topology {
             .queue_declare(
                 self.dead_letter_queue_of(group),
                 options,
-                self.queue_arguments(),
+                self.dead_letter_arguments(),
             )
             .await?;
         Ok(())
     }
 
     /// Deletes `group`'s partition queues and dead-letter queue, with what they hold. Other
-    /// groups are untouched; a relay goes on publishing to them.
+    /// groups are untouched; a relay goes on publishing to them. On streams, whose partitions
+    /// every group shares, only the group's dead-letter queue goes (its offsets live in its
+    /// fold database).
     pub async fn delete_group(&self, channel: &Channel, group: &Group) -> Result<u32, Error> {
         let mut messages = 0;
+        let shared = self.queue_type == QueueType::Stream;
         let queues = (0..self.partitions)
+            .filter(|_| !shared)
             .map(|index| self.queue_of(group, Partition(index)))
             .chain([self.dead_letter_queue_of(group)]);
         for queue in queues {
@@ -337,6 +476,71 @@ mod tests {
             assert!(Group::parse(bad).is_err(), "{bad:?}");
         }
         assert!(Group::parse("p").is_ok() && Group::parse("p7x").is_ok());
+    }
+
+    /// On streams every group reads the same partitions, each with its own dead-letter
+    /// queue; a stream's arguments carry its retention and no single-active-consumer; a
+    /// quorum queue dead-letters past its delivery limit into its own group's queue.
+    #[test]
+    fn stream_groups_share_partitions_and_quorum_queues_dead_letter_past_the_limit() {
+        let search = Group::parse("search").unwrap();
+        let streams = Topology::new("relay", 2)
+            .unwrap()
+            .with_queue_type(QueueType::Stream)
+            .with_stream_retention(StreamRetention {
+                max_age: Some("7D".into()),
+                max_bytes: Some(1 << 30),
+                segment_bytes: None,
+            });
+        assert_eq!(streams.queue_of(&search, Partition(1)).as_str(), "relay.p1");
+        assert_eq!(
+            streams.dead_letter_queue_of(&search).as_str(),
+            "relay.search.dead"
+        );
+        let arguments = streams.partition_arguments(&search);
+        let get = |arguments: &FieldTable, name: &str| arguments.inner().get(name).cloned();
+        assert_eq!(
+            get(&arguments, "x-queue-type"),
+            Some(AMQPValue::LongString("stream".into()))
+        );
+        assert_eq!(
+            get(&arguments, "x-max-age"),
+            Some(AMQPValue::LongString("7D".into()))
+        );
+        assert_eq!(
+            get(&arguments, "x-max-length-bytes"),
+            Some(AMQPValue::LongLongInt(1 << 30))
+        );
+        assert_eq!(get(&arguments, "x-single-active-consumer"), None);
+        let quorum = Topology::new("relay", 2)
+            .unwrap()
+            .with_queue_type(QueueType::Quorum)
+            .with_delivery_limit(5);
+        let arguments = quorum.partition_arguments(&search);
+        assert_eq!(
+            get(&arguments, "x-delivery-limit"),
+            Some(AMQPValue::LongLongInt(5))
+        );
+        assert_eq!(
+            get(&arguments, "x-dead-letter-routing-key"),
+            Some(AMQPValue::LongString("relay.search.dead".into()))
+        );
+        assert_eq!(
+            get(&arguments, "x-dead-letter-strategy"),
+            Some(AMQPValue::LongString("at-least-once".into()))
+        );
+        assert_eq!(
+            quorum.queue_of(&search, Partition(1)).as_str(),
+            "relay.search.p1"
+        );
+        for bad in ["", "7", "D", "0D", "7d", "7 D", "-1h"] {
+            let retention = StreamRetention {
+                max_age: Some(bad.into()),
+                ..StreamRetention::default()
+            };
+            assert!(retention.validate().is_err(), "{bad:?}");
+        }
+        assert!(StreamRetention::default().validate().is_ok());
     }
 
     /// Bad configuration fails fast with a readable message.

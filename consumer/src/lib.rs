@@ -36,7 +36,7 @@ use store::{EventTable, EventType, FoldError, FoldOutcome, FoldStore, OutboxEven
 use tokio::sync::watch;
 use tracing::Instrument;
 
-use broker::{Backoff, Error, Partition, RabbitConfig, RetryPolicy, open, within};
+use broker::{Backoff, Error, Partition, QueueType, RabbitConfig, RetryPolicy, open, within};
 
 pub use broker::DEAD_LETTER_REASON;
 
@@ -58,6 +58,10 @@ pub struct FoldStats {
     pub ended: u64,
     /// Sessions lost (broker gone, channel failed) and opened again.
     pub reconnects: u64,
+    /// Times a stream partition stopped at a gap: messages its stored offset pointed at were
+    /// removed by the stream's retention before it read them (metric
+    /// `relay_consumer_offset_lost_total`). Nothing past the gap is folded.
+    pub gaps: u64,
 }
 
 impl FoldStats {
@@ -84,6 +88,7 @@ impl FoldStats {
             rewinds: self.rewinds + other.rewinds,
             ended: self.ended + other.ended,
             reconnects: self.reconnects + other.reconnects,
+            gaps: self.gaps + other.gaps,
         }
     }
 }
@@ -118,6 +123,74 @@ pub struct ConsumerConfig {
     /// advances, so nothing waits behind them) but not handed to [`Projection::apply`];
     /// rewinds and run ends are always handed over. For a consumer group that reads a subset.
     pub event_types: Option<BTreeSet<EventType>>,
+    /// Where a stream partition (`QueueType::Stream`) is first read when the fold's database
+    /// holds no offset for it (a new group, or one just reset). Default
+    /// [`StreamStart::First`]: the whole retained history is replayed. Once an offset is
+    /// stored the consumer always resumes there. Ignored for classic and quorum queues.
+    pub stream_start: StreamStart,
+}
+
+/// Where a consumer group with no stored offset starts reading a stream.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum StreamStart {
+    /// The first retained message: replay the history the stream keeps.
+    #[default]
+    First,
+    /// The next message published: only what comes after the consumer attaches.
+    Next,
+    /// The first message published at or after this time (RabbitMQ's resolution: a chunk,
+    /// so a few earlier messages may come too; the fold absorbs them).
+    At(std::time::SystemTime),
+}
+
+impl StreamStart {
+    /// `basic.consume`'s `x-stream-offset` argument for this start.
+    fn argument(self) -> AMQPValue {
+        match self {
+            StreamStart::First => AMQPValue::LongString("first".into()),
+            StreamStart::Next => AMQPValue::LongString("next".into()),
+            StreamStart::At(at) => AMQPValue::Timestamp(
+                at.duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |since| since.as_secs()),
+            ),
+        }
+    }
+}
+
+/// What a stream consumer does with a delivery at `offset` when it expects `expected` next
+/// (pure). RabbitMQ's stream offsets are not dense: every segment after the first begins with
+/// a tracking chunk that takes one offset and is never delivered (seen on 3.10). So one offset
+/// missing is a segment boundary, and two or more are messages the stream's retention removed
+/// before this consumer read them: the first retained segment begins with a tracking chunk,
+/// so a removed message is always followed by a gap of at least two.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum StreamStep {
+    /// Already folded (the broker started before the stored offset): ack it, nothing else.
+    Skip,
+    /// The next message: fold it and store `offset + 1` with the fold.
+    Fold,
+    /// Messages were lost to retention: stop and say so.
+    Lost,
+}
+
+fn stream_step(expected: Option<u64>, offset: u64) -> StreamStep {
+    match expected {
+        None => StreamStep::Fold,
+        Some(expected) if offset < expected => StreamStep::Skip,
+        Some(expected) if offset <= expected + 1 => StreamStep::Fold,
+        Some(_) => StreamStep::Lost,
+    }
+}
+
+/// The offset RabbitMQ gives a stream delivery (header `x-stream-offset`).
+fn delivery_offset(delivery: &Delivery) -> Option<u64> {
+    let headers = delivery.properties.headers().as_ref()?;
+    match headers.inner().get("x-stream-offset")? {
+        AMQPValue::LongLongInt(offset) => u64::try_from(*offset).ok(),
+        AMQPValue::LongUInt(offset) => Some(u64::from(*offset)),
+        AMQPValue::LongInt(offset) => u64::try_from(*offset).ok(),
+        _ => None,
+    }
 }
 
 impl ConsumerConfig {
@@ -131,6 +204,7 @@ impl ConsumerConfig {
             fold_timeout: Duration::from_secs(60),
             retention: None,
             event_types: None,
+            stream_start: StreamStart::default(),
         }
     }
 
@@ -237,6 +311,7 @@ where
                 progress: self.progress.clone(),
                 index,
                 observer: self.observer.clone(),
+                stream: None,
             };
             tasks.spawn(serve.run(stop_rx.clone()));
         }
@@ -338,6 +413,15 @@ struct Serve<P> {
     progress: Arc<Mutex<Vec<FoldStats>>>,
     index: usize,
     observer: Option<Observer>,
+    /// On a stream: the queue and the offset expected next (`None`: nothing stored yet).
+    stream: Option<StreamCursor>,
+}
+
+/// Where a stream consumer is: its queue (the key of its stored offset) and the offset it
+/// expects next, the same as the one stored in the fold's database.
+struct StreamCursor {
+    queue: String,
+    expected: Option<u64>,
 }
 
 struct Session {
@@ -361,7 +445,10 @@ where
                 Err(err) => {
                     self.record(|stats| stats.reconnects += 1);
                     let delay = backoff.next_delay();
-                    if backoff.failures().is_power_of_two() {
+                    if matches!(err, Error::OffsetLost { .. }) {
+                        // Never skipped silently: said on every attempt until an operator acts.
+                        tracing::error!(partition, error = %err, retry_in_ms = delay.as_millis() as u64, "stream consumer stopped at a gap");
+                    } else if backoff.failures().is_power_of_two() {
                         tracing::warn!(partition, error = %err, retry_in_ms = delay.as_millis() as u64, "consumer session failed; reconnecting");
                     }
                     tokio::select! {
@@ -406,14 +493,30 @@ where
         let session = self.open().await?;
         let rabbit = &self.config.rabbit;
         let queue = rabbit.topology.queue(self.partition);
+        let mut arguments = FieldTable::default();
+        if rabbit.topology.queue_type() == QueueType::Stream {
+            // Resume exactly after what the fold committed: the offset is stored with it.
+            let stored = {
+                let mut conn = self.pool.acquire().await.map_err(store::Error::from)?;
+                store::stream_offset(&mut conn, queue.as_str()).await?
+            };
+            let start = stored.map_or(self.config.stream_start.argument(), |next| {
+                AMQPValue::LongLongInt(i64::try_from(next).unwrap_or(i64::MAX))
+            });
+            arguments.insert("x-stream-offset".into(), start);
+            self.stream = Some(StreamCursor {
+                queue: queue.to_string(),
+                expected: stored,
+            });
+        }
         let mut deliveries = within(
             "basic.consume",
-            rabbit.connect_timeout,
+            self.config.rabbit.connect_timeout,
             session.channel.basic_consume(
                 queue,
                 "".into(),
                 BasicConsumeOptions::default(),
-                FieldTable::default(),
+                arguments,
             ),
         )
         .await?;
@@ -426,7 +529,39 @@ where
                 },
             };
             backoff.reset();
-            self.handle(&session, delivery, stop).await?;
+            let offset = match &self.stream {
+                None => None,
+                Some(cursor) => {
+                    let Some(offset) = delivery_offset(&delivery) else {
+                        return Err(Error::Refused(format!(
+                            "stream {} delivered a message without x-stream-offset",
+                            cursor.queue
+                        )));
+                    };
+                    match stream_step(cursor.expected, offset) {
+                        StreamStep::Fold => Some(offset),
+                        StreamStep::Skip => {
+                            let limit = self.config.rabbit.connect_timeout;
+                            within("basic.ack", limit, delivery.ack(BasicAckOptions::default()))
+                                .await?;
+                            continue;
+                        }
+                        StreamStep::Lost => {
+                            let (queue, expected) =
+                                (cursor.queue.clone(), cursor.expected.unwrap_or(0));
+                            metrics::counter!("relay_consumer_offset_lost_total", "queue" => queue.clone())
+                                .increment(1);
+                            self.record(|stats| stats.gaps += 1);
+                            return Err(Error::OffsetLost {
+                                queue,
+                                expected,
+                                first: offset,
+                            });
+                        }
+                    }
+                }
+            };
+            self.handle(&session, delivery, offset, stop).await?;
         }
     }
 
@@ -436,6 +571,7 @@ where
         &mut self,
         session: &Session,
         delivery: Delivery,
+        offset: Option<u64>,
         stop: &watch::Receiver<bool>,
     ) -> Result<(), Error> {
         let limit = self.config.rabbit.connect_timeout;
@@ -445,7 +581,7 @@ where
             Err(err) => Verdict::DeadLetter(format!("contract: {err}")),
             Ok(event) => loop {
                 let span = fold_span(&event);
-                match self.fold(&event).instrument(span).await {
+                match self.fold(&event, offset).instrument(span).await {
                     Verdict::Retry(why) => {
                         let delay = retry.next_delay();
                         if retry.failures().is_power_of_two() {
@@ -471,6 +607,9 @@ where
                 tracing::error!(partition, reason = %reason, bytes = delivery.data.len(), "dead-lettering a message");
                 let label = reason.split(':').next().unwrap_or("other").to_owned();
                 self.dead_letter(session, &delivery, &reason).await?;
+                if let Some(offset) = offset {
+                    self.save_offset_alone(offset).await?;
+                }
                 metrics::counter!("relay_consumer_dead_letters_total", "reason" => label)
                     .increment(1);
                 self.record(|stats| stats.rejected += 1);
@@ -479,6 +618,21 @@ where
         }
         // Invariant: acked only after the fold committed (or the dead letter was confirmed).
         within("basic.ack", limit, delivery.ack(BasicAckOptions::default())).await?;
+        if let (Some(cursor), Some(offset)) = (&mut self.stream, offset) {
+            cursor.expected = Some(offset + 1);
+        }
+        Ok(())
+    }
+
+    /// Stores a stream offset past a dead-lettered message (its dead letter is confirmed), in
+    /// a transaction of its own; a failure ends the session, and the message is dead-lettered
+    /// again after the reconnect (a duplicate in the dead-letter queue, never a loss).
+    async fn save_offset_alone(&self, offset: u64) -> Result<(), Error> {
+        let Some(cursor) = &self.stream else {
+            return Ok(());
+        };
+        let mut conn = self.pool.acquire().await.map_err(store::Error::from)?;
+        store::save_stream_offset(&mut conn, &cursor.queue, offset + 1).await?;
         Ok(())
     }
 
@@ -496,14 +650,14 @@ where
         }
     }
 
-    async fn fold(&mut self, event: &OutboxEvent) -> Verdict {
+    async fn fold(&mut self, event: &OutboxEvent, offset: Option<u64>) -> Verdict {
         let limit = self.config.fold_timeout;
-        tokio::time::timeout(limit, self.fold_once(event))
+        tokio::time::timeout(limit, self.fold_once(event, offset))
             .await
             .unwrap_or_else(|_| Verdict::Retry(format!("database: no answer within {limit:?}")))
     }
 
-    async fn fold_once(&mut self, event: &OutboxEvent) -> Verdict {
+    async fn fold_once(&mut self, event: &OutboxEvent, offset: Option<u64>) -> Verdict {
         // Should this connection vanish mid-fold (a network losing it without a reset),
         // PostgreSQL ends the orphaned transaction after the same limit and releases the
         // branch's cursor lock; else every retry would wait on that lock until the server
@@ -520,10 +674,19 @@ where
         };
         let folded = store::fold(&mut tx, event, &mut projection).await;
         match verdict(folded, P::is_permanent) {
-            Verdict::Folded(outcome) => match tx.commit().await {
-                Ok(()) => Verdict::Folded(outcome),
-                Err(err) => Verdict::Retry(format!("commit: {err}")),
-            },
+            Verdict::Folded(outcome) => {
+                // On a stream, where to resume is part of what this transaction commits.
+                if let (Some(cursor), Some(offset)) = (&self.stream, offset)
+                    && let Err(err) =
+                        store::save_stream_offset(&mut tx, &cursor.queue, offset + 1).await
+                {
+                    return Verdict::Retry(format!("database: {err}"));
+                }
+                match tx.commit().await {
+                    Ok(()) => Verdict::Folded(outcome),
+                    Err(err) => Verdict::Retry(format!("commit: {err}")),
+                }
+            }
             refused => refused,
         }
     }
@@ -535,7 +698,23 @@ where
         reason: &str,
     ) -> Result<(), Error> {
         let rabbit = &self.config.rabbit;
-        let mut headers = delivery.properties.headers().clone().unwrap_or_default();
+        // The broker's own delivery headers do not belong to the message.
+        let mut headers: FieldTable = delivery
+            .properties
+            .headers()
+            .as_ref()
+            .map(|headers| {
+                headers
+                    .inner()
+                    .iter()
+                    .filter(|(name, _)| {
+                        !matches!(name.as_str(), "x-stream-offset" | "x-delivery-count")
+                    })
+                    .map(|(name, value)| (name.clone(), value.clone()))
+                    .collect::<std::collections::BTreeMap<_, _>>()
+                    .into()
+            })
+            .unwrap_or_default();
         headers.insert(
             DEAD_LETTER_REASON.into(),
             AMQPValue::LongString(LongString::from(reason)),
@@ -768,6 +947,30 @@ mod tests {
         assert_eq!(
             verdict(later, permanent),
             Verdict::Retry("handler: handler says later".into())
+        );
+    }
+
+    /// A stream consumer folds the message it expects and the one after it (a segment's
+    /// tracking chunk takes one offset), skips what it already folded, and stops at a gap of
+    /// two or more (retention removed messages it never read). With nothing stored, whatever
+    /// comes first is folded.
+    #[test]
+    fn a_stream_gap_of_two_or_more_is_a_loss_never_skipped() {
+        assert_eq!(stream_step(None, 0), StreamStep::Fold);
+        assert_eq!(stream_step(None, 1_850), StreamStep::Fold);
+        assert_eq!(stream_step(Some(10), 10), StreamStep::Fold);
+        assert_eq!(stream_step(Some(77), 78), StreamStep::Fold);
+        assert_eq!(stream_step(Some(10), 9), StreamStep::Skip);
+        assert_eq!(stream_step(Some(10), 0), StreamStep::Skip);
+        assert_eq!(stream_step(Some(10), 12), StreamStep::Lost);
+        assert_eq!(stream_step(Some(0), 1_850), StreamStep::Lost);
+        assert_eq!(
+            StreamStart::At(std::time::UNIX_EPOCH + Duration::from_secs(1_700_000_000)).argument(),
+            AMQPValue::Timestamp(1_700_000_000)
+        );
+        assert_eq!(
+            StreamStart::default().argument(),
+            AMQPValue::LongString("first".into())
         );
     }
 }

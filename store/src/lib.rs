@@ -26,6 +26,7 @@ mod fold_model;
 mod key;
 mod lease;
 mod meta;
+mod offset;
 mod outbox;
 mod retention;
 mod roles;
@@ -70,6 +71,9 @@ pub use meta::MAX_HEADERS;
 pub use meta::Metadata;
 pub use meta::RESERVED_HEADERS;
 pub use meta::is_reserved_header;
+pub use offset::reset_fold;
+pub use offset::save_stream_offset;
+pub use offset::stream_offset;
 pub use outbox::Backlog;
 pub use outbox::Discarded;
 pub use outbox::DrainLimit;
@@ -104,9 +108,10 @@ pub const MIGRATIONS_TABLE: &str = "relay_migrations";
 /// Tracked in [`MIGRATIONS_TABLE`]. Hosts with another migration tool can apply the same SQL
 /// (`MIGRATOR.iter()` or `distribution sql`, in version order).
 ///
-/// Versions 4, 6 and 9 are the fold's SQL (`relay_fold`, end markers and `relay_fold_retire`, then metadata),
-/// the very files the fold migrations of a consumer's own database apply, so a database with the
-/// outbox folds too. The next file in `store/migrations` after `0008_*` is `0010_*` (version 9 is the fold's).
+/// Versions 4, 6, 9 and 10 are the fold's SQL (`relay_fold`, end markers and
+/// `relay_fold_retire`, metadata, stream offsets), the very files the fold migrations of a
+/// consumer's own database apply, so a database with the outbox folds too. The next file in
+/// `store/migrations` after `0008_*` is `0011_*` (versions 9 and 10 are the fold's).
 pub static MIGRATOR: std::sync::LazyLock<sqlx::migrate::Migrator> =
     std::sync::LazyLock::new(|| {
         let mut migrator = sqlx::migrate!("./migrations");
@@ -128,7 +133,7 @@ pub static MIGRATOR: std::sync::LazyLock<sqlx::migrate::Migrator> =
 
 /// The fold's SQL in the outbox's migrations: (outbox version, description, the fold file).
 /// `relay_fold` is what a consumer in any language calls once per delivery (see WIRE.md).
-const FOLD_IN_OUTBOX: [(i64, &str, &str); 3] = [
+const FOLD_IN_OUTBOX: [(i64, &str, &str); 4] = [
     (
         4,
         "fold function",
@@ -143,6 +148,11 @@ const FOLD_IN_OUTBOX: [(i64, &str, &str); 3] = [
         9,
         "fold metadata",
         include_str!("../fold_migrations/0004_metadata.sql"),
+    ),
+    (
+        10,
+        "fold stream offsets",
+        include_str!("../fold_migrations/0005_stream_offsets.sql"),
     ),
 ];
 

@@ -8,7 +8,8 @@
 //!   rows), park branches, hold leases and retire closed runs (`relay_retire_runs`), and
 //!   nothing else: it cannot write intents or change branches, and needs neither superuser nor
 //!   owner rights (run it with `RELAY_SKIP_MIGRATE=true`; the owner migrates);
-//! - the **consumer** role may only call `relay_fold` and `relay_fold_retire` (and own its
+//! - the **consumer** role may only call `relay_fold`, `relay_fold_retire` and the stream
+//!   offset functions (`relay_fold_offset`, `relay_fold_save_offset`, `relay_fold_reset`) (and own its
 //!   projection's tables).
 //!
 //! `relay_discard_branch` is the operator's (the objects' owner): no role is granted it.
@@ -46,7 +47,13 @@ const HOST_FUNCTIONS: &[&str] = &[
     "relay_close_run",
 ];
 const RELAY_FUNCTIONS: &[&str] = &["relay_ack_and_drain", "relay_retire_runs"];
-const CONSUMER_FUNCTIONS: &[&str] = &["relay_fold", "relay_fold_retire"];
+const CONSUMER_FUNCTIONS: &[&str] = &[
+    "relay_fold",
+    "relay_fold_retire",
+    "relay_fold_offset",
+    "relay_fold_save_offset",
+    "relay_fold_reset",
+];
 
 fn role(kind: &'static str, name: &str) -> Result<String, Error> {
     identifier(kind, name, &["public"])?;
@@ -100,6 +107,9 @@ pub fn roles_sql(roles: &Roles, on: RolesFor, schema: Option<&Schema>) -> Result
             "relay_discard_branch",
             "relay_fold",
             "relay_fold_retire",
+            "relay_fold_offset",
+            "relay_fold_save_offset",
+            "relay_fold_reset",
         ],
         RolesFor::Fold => CONSUMER_FUNCTIONS,
     };
@@ -180,10 +190,10 @@ mod tests {
         };
         let sql = roles_sql(&fold, RolesFor::Fold, Some(&schema)).unwrap();
         assert!(sql.contains(
-            "REVOKE EXECUTE ON FUNCTION ops.relay_fold, ops.relay_fold_retire FROM PUBLIC;"
+            "REVOKE EXECUTE ON FUNCTION ops.relay_fold, ops.relay_fold_retire, ops.relay_fold_offset, ops.relay_fold_save_offset, ops.relay_fold_reset FROM PUBLIC;"
         ));
         assert!(sql.contains(
-            "GRANT EXECUTE ON FUNCTION ops.relay_fold, ops.relay_fold_retire TO relay_projector;"
+            "GRANT EXECUTE ON FUNCTION ops.relay_fold, ops.relay_fold_retire, ops.relay_fold_offset, ops.relay_fold_save_offset, ops.relay_fold_reset TO relay_projector;"
         ));
         assert!(sql.contains("GRANT USAGE ON SCHEMA ops TO relay_projector;"));
         assert!(!sql.contains("relay_append"));

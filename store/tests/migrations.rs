@@ -73,7 +73,8 @@ async fn a_legacy_database_is_adopted() {
 
 /// Upgrading a database whose roles were granted (`distribution roles`) keeps the grants:
 /// version 8 and the fold's version 9 drop and create `relay_append`, `relay_ack_and_drain` and
-/// `relay_fold` again with new signatures, and PostgreSQL drops a function's grants with it.
+/// `relay_fold` again with new signatures, and PostgreSQL drops a function's grants with it;
+/// version 10's stream offset functions get `relay_fold`'s grantees, not PUBLIC.
 #[tokio::test]
 async fn an_upgrade_keeps_the_roles_grants() {
     let pool = empty_database("mig_grants").await;
@@ -102,10 +103,16 @@ async fn an_upgrade_keeps_the_roles_grants() {
         relay: Some(relay.clone()),
         consumer: Some(consumer.clone()),
     };
-    // The script as the version 7 relay printed it (no relay_require_meta yet).
+    // The script as the version 7 relay printed it (no relay_require_meta nor stream offset
+    // functions yet).
     let grants = store::roles_sql(&roles, store::RolesFor::Outbox, None)
         .unwrap()
-        .replace("relay_require_meta, ", "");
+        .replace("relay_require_meta, ", "")
+        .replace(
+            ", relay_fold_offset, relay_fold_save_offset, relay_fold_reset",
+            "",
+        );
+    assert!(!grants.contains("relay_fold_offset"), "{grants}");
     sqlx::raw_sql(sqlx::AssertSqlSafe(grants))
         .execute(&pool)
         .await
@@ -137,6 +144,11 @@ async fn an_upgrade_keeps_the_roles_grants() {
             (&other, drain, false),
             (&consumer, fold, true),
             (&other, fold, false),
+            // Functions that came after the grants follow relay_fold's.
+            (&consumer, "relay_fold_reset()", true),
+            (&consumer, "relay_fold_save_offset(text, bigint)", true),
+            (&host, "relay_fold_reset()", false),
+            (&other, "relay_fold_offset(text)", false),
         ] {
             assert_eq!(may(role, function).await, expected, "{role} on {function}");
         }

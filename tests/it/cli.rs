@@ -164,9 +164,33 @@ fn bad_settings_exit_2_naming_the_variable() {
     );
     let mut command = relay();
     base(&mut command);
-    let (code, _, stderr) = output(command.env("RELAY_QUEUE_TYPE", "stream"));
+    let (code, _, stderr) = output(command.env("RELAY_QUEUE_TYPE", "lazy"));
     assert_eq!(code, 2, "{stderr}");
-    assert!(stderr.contains("classic, quorum"), "{stderr}");
+    assert!(stderr.contains("classic, quorum, stream"), "{stderr}");
+
+    // Stream retention a stream would not take, or given to another queue type.
+    let mut command = relay();
+    base(&mut command);
+    let (code, _, stderr) = output(
+        command
+            .env("RELAY_QUEUE_TYPE", "stream")
+            .env("RELAY_STREAM_MAX_AGE", "7days"),
+    );
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("RELAY_STREAM_MAX_AGE=\"7days\" is invalid")
+            && stderr.contains("Y M D h m s"),
+        "{stderr}"
+    );
+    let mut command = relay();
+    base(&mut command);
+    let (code, _, stderr) = output(command.env("RELAY_STREAM_MAX_BYTES", "1000000"));
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("RELAY_QUEUE_TYPE=\"classic\" is invalid")
+            && stderr.contains("streams only"),
+        "{stderr}"
+    );
 }
 
 #[test]
@@ -282,7 +306,7 @@ fn the_printed_fold_sql_folds_and_roles_refuse_bad_names() {
         output(relay().args(["roles", "--consumer", "app_fold", "--fold-database"]));
     assert_eq!(code, 0, "{stderr}");
     assert!(
-        grants.contains("GRANT EXECUTE ON FUNCTION relay_fold, relay_fold_retire TO app_fold;"),
+        grants.contains("GRANT EXECUTE ON FUNCTION relay_fold, relay_fold_retire, relay_fold_offset, relay_fold_save_offset, relay_fold_reset TO app_fold;"),
         "{grants}"
     );
     let (code, _, stderr) = output(relay().arg("roles"));

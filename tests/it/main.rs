@@ -9,6 +9,7 @@
 //! - `polyglot`: a TypeScript host and a Python consumer through the SQL API (and its roles);
 //! - `retention`: closed runs retired by the relay and the consumer while open runs go on;
 //! - `dead_letters`: the dead-letter queue listed, replayed through the fold, purged;
+//! - `streams`: replay by a group created later, resume at a stored offset, reset, retention;
 //! - `consumer`, `poison`, `fairness`, `database_faults`, `schema`, `tls`, `cli`, `publisher`:
 //!   one surface each.
 //!
@@ -40,4 +41,5 @@ mod publisher;
 mod retention;
 mod scale_out;
 mod schema;
+mod streams;
 mod tls;

@@ -21,6 +21,19 @@ use crate::{Error, RabbitConfig, WireError, within};
 /// Header naming why a message was dead-lettered (a consumer sets it).
 pub const DEAD_LETTER_REASON: &str = "x-relay-dead-letter-reason";
 
+/// Headers RabbitMQ adds when it dead-letters or redelivers a message; a replay leaves them out.
+const BROKER_HEADERS: &[&str] = &[
+    "x-death",
+    "x-first-death-exchange",
+    "x-first-death-queue",
+    "x-first-death-reason",
+    "x-last-death-exchange",
+    "x-last-death-queue",
+    "x-last-death-reason",
+    "x-delivery-count",
+    "x-stream-offset",
+];
+
 /// One message of the dead-letter queue.
 #[derive(Debug)]
 pub struct DeadLetter {
@@ -28,7 +41,8 @@ pub struct DeadLetter {
     pub position: u64,
     /// Its `message_id` (`tenant/run/branch/lsn`), if it has one.
     pub message_id: Option<String>,
-    /// Why it was dead-lettered (`x-relay-dead-letter-reason`).
+    /// Why it was dead-lettered: the consumer's `x-relay-dead-letter-reason`, else the
+    /// broker's `x-first-death-reason` (`broker: delivery_limit ...`).
     pub reason: Option<String>,
     /// The event it carries, or why it is not one (a message that broke the contract).
     pub event: Result<OutboxEvent, WireError>,
@@ -234,6 +248,8 @@ impl DeadLetters {
                 continue;
             }
             let mut headers = letter.headers.inner().clone();
+            // What the consumer or the broker added when it dead-lettered the message.
+            headers.retain(|name, _| !BROKER_HEADERS.contains(&name.as_str()));
             headers.remove(DEAD_LETTER_REASON);
             let headers = FieldTable::from(headers);
             let properties = delivery.properties.clone().with_headers(headers);
@@ -270,12 +286,21 @@ impl DeadLetters {
         };
         let delivery = got.delivery;
         let headers = delivery.properties.headers().clone().unwrap_or_default();
-        let reason = match headers.inner().get(DEAD_LETTER_REASON) {
-            Some(AMQPValue::LongString(reason)) => {
-                Some(String::from_utf8_lossy(reason.as_bytes()).into_owned())
+        let text = |name: &str| match headers.inner().get(name) {
+            Some(AMQPValue::LongString(text)) => {
+                Some(String::from_utf8_lossy(text.as_bytes()).into_owned())
             }
             _ => None,
         };
+        // The consumer's reason, else the broker's (a quorum queue past its delivery limit).
+        let reason = text(DEAD_LETTER_REASON).or_else(|| {
+            text("x-first-death-reason").map(|why| match why.as_str() {
+                "delivery_limit" => "broker: delivery_limit (redelivered past the queue's \
+                                     delivery limit: a consumer kept failing on it)"
+                    .to_owned(),
+                other => format!("broker: {other}"),
+            })
+        });
         let letter = DeadLetter {
             position,
             message_id: delivery

@@ -38,6 +38,7 @@ mod outbox_relay;
 mod poison;
 mod polyglot;
 mod publisher;
+mod quorum;
 mod retention;
 mod scale_out;
 mod schema;

@@ -66,6 +66,9 @@ pub struct RelayConfig {
     /// Redeliveries a quorum queue allows one message before dead-lettering it to the group's
     /// dead-letter queue. Env `RELAY_DELIVERY_LIMIT`, default 20.
     pub delivery_limit: u32,
+    /// Members each quorum queue or stream starts with. Env `RELAY_QUEUE_REPLICAS`; default
+    /// RabbitMQ's (every node of the cluster).
+    pub replicas: Option<u16>,
     /// Consumer groups whose queues the relay declares at start and after a returned message
     /// (comma-separated names; `default` is the unnamed group of `<topology>.p<N>`). Empty:
     /// only the exchange; each group's consumer (or `distribution group create`) declares its
@@ -302,6 +305,9 @@ pub struct QueueSettings {
     #[arg(long, env = "RELAY_DELIVERY_LIMIT", default_value_t = broker::DEFAULT_DELIVERY_LIMIT,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub delivery_limit: u32,
+    /// Quorum queues and streams: members each starts with (default: every node).
+    #[arg(long, env = "RELAY_QUEUE_REPLICAS", value_parser = clap::value_parser!(u16).range(1..=9))]
+    pub queue_replicas: Option<u16>,
 }
 
 impl Default for QueueSettings {
@@ -313,6 +319,7 @@ impl Default for QueueSettings {
             stream_max_bytes: None,
             stream_segment_bytes: None,
             delivery_limit: broker::DEFAULT_DELIVERY_LIMIT,
+            queue_replicas: None,
         }
     }
 }
@@ -343,6 +350,7 @@ impl QueueSettings {
         config.queue_type = self.queue_type;
         config.stream_retention = retention;
         config.delivery_limit = self.delivery_limit;
+        config.replicas = self.queue_replicas;
         Ok(())
     }
 }
@@ -450,6 +458,7 @@ impl RelayConfig {
             queue_type: QueueType::Classic,
             stream_retention: StreamRetention::default(),
             delivery_limit: broker::DEFAULT_DELIVERY_LIMIT,
+            replicas: None,
             groups: vec![broker::Group::Default],
             cloudevents: false,
             ready_max_parked: 100,
@@ -614,6 +623,7 @@ impl RelayConfig {
             .with_queue_type(self.queue_type)
             .with_stream_retention(self.stream_retention.clone())
             .with_delivery_limit(self.delivery_limit)
+            .with_replicas(self.replicas)
             .declaring(self.groups.clone());
         if self.cloudevents {
             rabbit.wire_mode = broker::WireMode::CloudEvents;

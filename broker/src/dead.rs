@@ -91,14 +91,10 @@ impl DeadLetters {
     pub async fn open(config: &RabbitConfig) -> Result<Self, Error> {
         let properties =
             ConnectionProperties::default().with_connection_name("outbox-relay-dead".into());
-        let connection = match tokio::time::timeout(
-            config.connect_timeout,
-            crate::connect::connect(&config.uri, &config.tls, properties),
-        )
-        .await
-        {
-            Ok(connection) => connection?,
-            Err(_) => {
+        let connection = match config.connect(properties).await {
+            Ok(connection) => connection,
+            Err(crate::rabbit::ConnectFailure::Failed(err)) => return Err(err.into()),
+            Err(crate::rabbit::ConnectFailure::TimedOut) => {
                 return Err(Error::Unreachable(format!(
                     "no connection within {} ms",
                     config.connect_timeout.as_millis()

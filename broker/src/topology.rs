@@ -154,6 +154,7 @@ pub struct Topology {
     queue_type: QueueType,
     stream: StreamRetention,
     delivery_limit: u32,
+    replicas: Option<u16>,
     /// The group whose queues [`Topology::queue`] and [`Topology::dead_letter_queue`] name.
     group: Group,
     /// The groups whose queues [`Topology::declare`] creates.
@@ -185,6 +186,7 @@ impl Topology {
             queue_type: QueueType::Classic,
             stream: StreamRetention::default(),
             delivery_limit: DEFAULT_DELIVERY_LIMIT,
+            replicas: None,
             group: Group::Default,
             declared: vec![Group::Default],
         })
@@ -241,6 +243,14 @@ impl Topology {
         self
     }
 
+    /// The same topology whose quorum queues and streams start with `replicas` members
+    /// (`x-quorum-initial-group-size`, `x-initial-cluster-size`); `None` (the default):
+    /// RabbitMQ's choice, every node of the cluster.
+    pub fn with_replicas(mut self, replicas: Option<u16>) -> Self {
+        self.replicas = replicas.map(|replicas| replicas.max(1));
+        self
+    }
+
     /// What a stream partition keeps.
     pub fn stream_retention(&self) -> &StreamRetention {
         &self.stream
@@ -254,6 +264,12 @@ impl Topology {
             QueueType::Classic => {}
             QueueType::Quorum => {
                 arguments.insert("x-queue-type".into(), text("quorum"));
+                if let Some(replicas) = self.replicas {
+                    arguments.insert(
+                        "x-quorum-initial-group-size".into(),
+                        AMQPValue::LongLongInt(i64::from(replicas)),
+                    );
+                }
                 arguments.insert(
                     "x-delivery-limit".into(),
                     AMQPValue::LongLongInt(i64::from(self.delivery_limit)),
@@ -270,6 +286,12 @@ impl Topology {
             }
             QueueType::Stream => {
                 arguments.insert("x-queue-type".into(), text("stream"));
+                if let Some(replicas) = self.replicas {
+                    arguments.insert(
+                        "x-initial-cluster-size".into(),
+                        AMQPValue::LongLongInt(i64::from(replicas)),
+                    );
+                }
                 self.stream.arguments(&mut arguments);
                 // No single-active-consumer: RabbitMQ 3.x takes it on streams only over the
                 // stream protocol. Each consumer keeps its own offset; overlaps are safe.
@@ -512,6 +534,14 @@ mod tests {
             Some(AMQPValue::LongLongInt(1 << 30))
         );
         assert_eq!(get(&arguments, "x-single-active-consumer"), None);
+        let replicated = streams.clone().with_replicas(Some(3));
+        assert_eq!(
+            get(
+                &replicated.partition_arguments(&search),
+                "x-initial-cluster-size"
+            ),
+            Some(AMQPValue::LongLongInt(3))
+        );
         let quorum = Topology::new("relay", 2)
             .unwrap()
             .with_queue_type(QueueType::Quorum)

@@ -460,3 +460,34 @@ async fn quorum_queues_work_and_a_type_mismatch_is_refused() {
     );
     cleanup(&classic).await;
 }
+
+/// Several comma-separated addresses (the nodes of one cluster): a node that refuses
+/// connections is passed over for the next, and a bad second address is refused at the door.
+#[tokio::test]
+async fn a_dead_address_is_passed_over_for_the_next() {
+    let topology = unique_topology("failover", 1);
+    let uri = format!("amqp://guest:guest@127.0.0.1:1/%2f,{}", amqp_url());
+    let config = RabbitConfig::new(uri, topology.clone()).unwrap();
+    assert_eq!(config.addresses().len(), 2);
+    assert_eq!(
+        broker::preflight(&config).await.unwrap(),
+        broker::Preflight::Ready
+    );
+    let mut publisher = RabbitPublisher::new(config);
+    let report = publisher
+        .publish(&events("tf", "r1", "main", &[1, 2]))
+        .await;
+    assert_eq!(
+        report.outcomes,
+        vec![Outcome::Accepted; 2],
+        "{:?}",
+        report.fault
+    );
+    drop(publisher);
+    cleanup(&topology).await;
+    let bad = RabbitConfig::new(format!("{},localhost:5672", amqp_url()), topology);
+    assert!(
+        matches!(&bad, Err(broker::Error::InvalidConfig(why)) if why.contains("URI 2")),
+        "{bad:?}"
+    );
+}

@@ -27,6 +27,7 @@ mod recorder;
 
 mod broker_faults;
 mod cli;
+mod cluster;
 mod consumer;
 mod database_faults;
 mod dead_letters;

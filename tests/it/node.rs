@@ -223,3 +223,108 @@ impl Drop for PrivateNode {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
+
+/// A private 3-node RabbitMQ cluster (`scripts/rabbitmq-cluster`), stopped with its data when
+/// dropped (on failure too). Nodes are numbered from 1.
+pub struct PrivateCluster {
+    dir: PathBuf,
+    urls: String,
+}
+
+impl PrivateCluster {
+    /// Starts three nodes and joins them (about 35 s here).
+    pub fn start(label: &str) -> Self {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        sweep_stale_nodes();
+        // Names and directories the sweep above recognises, should this process be killed.
+        let pid = std::process::id();
+        let dir = std::env::temp_dir().join(format!("relay-node-{pid}-cluster{n}-{label}"));
+        let mut cluster = Self {
+            dir,
+            urls: String::new(),
+        };
+        cluster.urls = cluster
+            .script_with(&["start"], Some(&format!("relaynode_{pid}_cluster{n}")))
+            .trim()
+            .to_owned();
+        cluster
+    }
+
+    fn script(&self, args: &[&str]) -> String {
+        self.script_with(args, None)
+    }
+
+    fn script_with(&self, args: &[&str], prefix: Option<&str>) -> String {
+        let mut command = Command::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/scripts/rabbitmq-cluster"
+        ));
+        if let Some(prefix) = prefix {
+            command.env("RABBITMQ_CLUSTER_PREFIX", prefix);
+        }
+        let output = command
+            .arg(args[0])
+            .arg(&self.dir)
+            .args(&args[1..])
+            .stdin(std::process::Stdio::null())
+            .output()
+            .expect("scripts/rabbitmq-cluster runs");
+        assert!(
+            output.status.success(),
+            "rabbitmq-cluster {args:?}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    }
+
+    /// Every node's AMQP URL, comma-separated (what `AMQP_URL` takes).
+    pub fn urls(&self) -> &str {
+        &self.urls
+    }
+
+    /// Node `n`'s name.
+    pub fn node(&self, n: u8) -> String {
+        self.script(&["node", &n.to_string()]).trim().to_owned()
+    }
+
+    /// Stops node `n` gracefully (its queues' leadership moves to the others).
+    pub fn stop_node(&self, n: u8) {
+        self.script(&["stop-node", &n.to_string()]);
+    }
+
+    /// Kills node `n`'s VM (SIGKILL): no goodbye to clients or peers.
+    pub fn kill_node(&self, n: u8) {
+        self.script(&["kill-node", &n.to_string()]);
+    }
+
+    /// Starts node `n` again and waits until it serves (it rejoins the cluster).
+    pub fn start_node(&self, n: u8) {
+        self.script(&["start-node", &n.to_string()]);
+    }
+
+    /// `rabbitmqctl -n <node n> args...`.
+    pub fn ctl(&self, n: u8, args: &[&str]) -> String {
+        let output = Command::new("rabbitmqctl")
+            .arg("-n")
+            .arg(self.node(n))
+            .args(args)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    }
+}
+
+impl Drop for PrivateCluster {
+    fn drop(&mut self) {
+        let _ = Command::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/scripts/rabbitmq-cluster"
+        ))
+        .arg("stop")
+        .arg(&self.dir)
+        .stdin(std::process::Stdio::null())
+        .status();
+    }
+}

@@ -1,0 +1,151 @@
+//! A real RabbitMQ cluster: three private nodes (`scripts/rabbitmq-cluster`), never the
+//! machine's own. With a host writing on, two relays and a consumer, each given every node's
+//! address, the node that leads every partition is stopped, brought back, then another node
+//! is killed (SIGKILL) and brought back; for quorum queues and for streams with three
+//! replicas. Nothing is lost, no event is first delivered out of order (nothing parks at the
+//! fold), the fold equals the live history, and the relays' lag comes back within seconds.
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use distribution::broker::QueueType;
+use distribution::store::{FoldStore, Outbox};
+use distribution::{Relay, RelayConfig};
+use sqlx::PgPool;
+
+use crate::harness::{
+    Folding, Workload, fresh_database, pending, relay_config, unique, until_folded_exactly,
+    wait_until,
+};
+use crate::node::PrivateCluster;
+use crate::recorder::keep_writing;
+
+/// The oldest intent still in the outbox (none: empty), and the database's clock.
+async fn oldest_pending(pool: &PgPool) -> (DateTime<Utc>, Option<DateTime<Utc>>) {
+    sqlx::query_as("SELECT now(), min(created_at) FROM relay_outbox")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// The worst lag seen over `span` (sampled every 50 ms): the age of the oldest intent not yet
+/// acked, counted from `since` for intents written before it.
+async fn worst_lag(pool: &PgPool, since: DateTime<Utc>, span: Duration) -> Duration {
+    let until = tokio::time::Instant::now() + span;
+    let mut worst = Duration::ZERO;
+    while tokio::time::Instant::now() < until {
+        if let (now, Some(oldest)) = oldest_pending(pool).await {
+            worst = worst.max((now - oldest.max(since)).to_std().unwrap_or_default());
+        }
+        // Sampling pace, not synchronisation.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    worst
+}
+
+/// What one node failure cost: the worst lag while the node was down, and after it returned.
+#[derive(Debug)]
+struct Cost {
+    during: Duration,
+    after: Duration,
+    /// Intents the consumer applied while the node was down.
+    applied_while_down: u64,
+}
+
+async fn failures_under_load(cluster: &PrivateCluster, queue_type: QueueType) -> [Cost; 2] {
+    let (pool, url) = fresh_database("cluster").await;
+    let mut config: RelayConfig = relay_config(&url, cluster.urls(), &unique("relay-cluster"));
+    config.queue_type = queue_type;
+    config.replicas = Some(3);
+    config.amqp_connect_timeout = Duration::from_secs(1);
+    config.amqp_confirm_timeout = Duration::from_secs(2);
+    let rabbit = config.rabbit_config().unwrap();
+    assert_eq!(rabbit.addresses().len(), 3);
+    let relays = [
+        Relay::start(config.clone()).await.unwrap(),
+        Relay::start(config.clone()).await.unwrap(),
+    ];
+    let (fold_pool, _) = fresh_database("clusterfold").await;
+    let fold = FoldStore::new(fold_pool);
+    let folding = Folding::start(rabbit.clone(), &fold);
+    let workload = Workload::new(&unique("cl"), 3, 4, 2);
+    let ran = workload.run(&pool).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = keep_writing(pool.clone(), workload, ran, stop.clone());
+    wait_until(
+        "the first intents ship",
+        Duration::from_secs(60),
+        || async { folding.totals().applied >= 50 },
+    )
+    .await;
+
+    let mut costs = Vec::new();
+    // Node 1 took every declare first, so it leads every partition: stopped gracefully. Then
+    // node 2, killed.
+    for (node, kill) in [(1u8, false), (2u8, true)] {
+        let (down_at, _) = oldest_pending(&pool).await;
+        let applied = folding.totals().applied;
+        tokio::task::block_in_place(|| {
+            if kill {
+                cluster.kill_node(node);
+            } else {
+                cluster.stop_node(node);
+            }
+        });
+        let during = worst_lag(&pool, down_at, Duration::from_secs(5)).await;
+        let applied_while_down = folding.totals().applied - applied;
+        tokio::task::block_in_place(|| cluster.start_node(node));
+        let (back, _) = oldest_pending(&pool).await;
+        let after = worst_lag(&pool, back, Duration::from_secs(4)).await;
+        costs.push(Cost {
+            during,
+            after,
+            applied_while_down,
+        });
+    }
+    stop.store(true, Ordering::Release);
+    let expected = writer.await.unwrap();
+    let outbox = Outbox::new(pool.clone());
+    wait_until("the outbox emptied", Duration::from_secs(60), || async {
+        pending(&outbox).await == 0
+    })
+    .await;
+    until_folded_exactly(&fold, &expected, "the fold has every live intent").await;
+    let totals = folding.stop().await;
+    assert_eq!(
+        totals.parked, 0,
+        "an event was first delivered before its predecessor: {totals:?}"
+    );
+    for relay in relays {
+        relay.shutdown().await;
+    }
+    costs.try_into().unwrap()
+}
+
+/// Quorum queues and streams, three replicas each, through a graceful stop and a kill of a
+/// node under load. The lag while a node is down and after it is back stays within seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn node_failures_under_load_lose_nothing_on_quorum_queues_and_streams() {
+    let cluster = tokio::task::block_in_place(|| PrivateCluster::start("failures"));
+    for queue_type in [QueueType::Quorum, QueueType::Stream] {
+        let costs = failures_under_load(&cluster, queue_type).await;
+        println!(
+            "{queue_type:?}: stop node 1: {:?}; kill node 2: {:?}",
+            costs[0], costs[1]
+        );
+        for cost in &costs {
+            // One node down is not an outage: the other two go on serving.
+            assert!(
+                cost.applied_while_down > 0,
+                "{queue_type:?}: nothing shipped while a node was down ({:?} lag)",
+                cost.during
+            );
+            assert!(
+                cost.after < Duration::from_secs(10),
+                "{queue_type:?}: an intent waited {:?} after the node returned",
+                cost.after
+            );
+        }
+    }
+}

@@ -7,7 +7,9 @@
 //! 3. this relay draining a pre-filled backlog (50 tenants x 20 runs);
 //! 4. commit-to-confirm latency at a steady 2,000 events/s from 8 concurrent host writers;
 //! 5. peak RSS of the standalone relay draining a small and a 10x larger backlog;
-//! 6. database queries per second and CPU of the relay while 1,000 tenants sit idle.
+//! 6. database queries per second and CPU of the relay while 1,000 tenants sit idle;
+//! 13. classic, quorum and stream queues on one node and on a private 3-node cluster, and a
+//!     consumer group replaying a stream (`BENCH_ONLY=queues` runs this section alone).
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
@@ -15,7 +17,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use distribution::broker::{
-    BoxFuture, Group, OnReport, Partition, Publisher, RabbitConfig, RabbitPublisher, Topology,
+    BoxFuture, Group, OnReport, Partition, Publisher, QueueType, RabbitConfig, RabbitPublisher,
+    Topology,
 };
 use distribution::store::{
     self, BranchId, BranchKey, EventKey, EventKind, EventType, Fence, Intent, IntentWriter, Lsn,
@@ -85,8 +88,11 @@ fn unique(label: &str) -> String {
 struct Env {
     admin: PgConnection,
     server: String,
+    /// One broker address, or a cluster's, comma-separated (section 13).
     amqp: String,
     databases: Vec<String>,
+    /// The queue type of every topology made (section 13 changes it).
+    queue_type: QueueType,
 }
 
 impl Env {
@@ -106,7 +112,8 @@ impl Env {
     }
 
     fn rabbit(&self, label: &str, partitions: u16) -> Result<RabbitConfig> {
-        let topology = Topology::new(&unique(&format!("relay-bench-{label}")), partitions)?;
+        let topology = Topology::new(&unique(&format!("relay-bench-{label}")), partitions)?
+            .with_queue_type(self.queue_type);
         Ok(RabbitConfig::new(self.amqp.clone(), topology)?)
     }
 
@@ -114,6 +121,7 @@ impl Env {
         let mut config = RelayConfig::new(url, self.amqp.clone());
         config.topology = rabbit.topology.exchange().to_string();
         config.partitions = rabbit.topology.partitions();
+        config.queue_type = self.queue_type;
         if let Some(window) = std::env::var("BENCH_WINDOW")
             .ok()
             .and_then(|w| w.parse().ok())
@@ -140,9 +148,15 @@ impl Env {
     }
 }
 
+/// The first of `amqp`'s comma-separated addresses (plain lapin takes one).
+fn first_address(amqp: &str) -> &str {
+    amqp.split(',').next().unwrap_or(amqp).trim()
+}
+
 async fn declare(amqp: &str, topology: &Topology) -> Result<()> {
     let connection =
-        lapin::Connection::connect(amqp, lapin::ConnectionProperties::default()).await?;
+        lapin::Connection::connect(first_address(amqp), lapin::ConnectionProperties::default())
+            .await?;
     topology
         .declare(&connection.create_channel().await?)
         .await?;
@@ -151,7 +165,8 @@ async fn declare(amqp: &str, topology: &Topology) -> Result<()> {
 
 async fn drop_topology(amqp: &str, topology: &Topology) -> Result<()> {
     let connection =
-        lapin::Connection::connect(amqp, lapin::ConnectionProperties::default()).await?;
+        lapin::Connection::connect(first_address(amqp), lapin::ConnectionProperties::default())
+            .await?;
     let channel = connection.create_channel().await?;
     for group in topology.declared_groups() {
         for index in 0..topology.partitions() {
@@ -286,8 +301,11 @@ async fn raw_pipelined_with(
             base.clone(),
         );
         tasks.push(tokio::spawn(async move {
-            let connection =
-                lapin::Connection::connect(&amqp, lapin::ConnectionProperties::default()).await?;
+            let connection = lapin::Connection::connect(
+                first_address(&amqp),
+                lapin::ConnectionProperties::default(),
+            )
+            .await?;
             let channel = connection.create_channel().await?;
             channel
                 .confirm_select(ConfirmSelectOptions::default())
@@ -1177,6 +1195,126 @@ async fn metadata_and_groups(
     Ok(())
 }
 
+/// Section 13: for classic, quorum and stream queues, on the machine's node and on a private
+/// 3-node cluster (`scripts/rabbitmq-cluster`, replicas on every node): the backlog drain next to
+/// the pipelined raw ceiling on the same queue type (median of 3, alternated), and the
+/// commit-to-confirm latency next to its floor; then the replay rate of a consumer group
+/// reading a stream from its first offset into the fold's event table.
+async fn queue_types(
+    env: &mut Env,
+    mode: &Mode,
+    row: &mut impl FnMut(&str, String, &str),
+) -> Result<()> {
+    let per_run = (mode.backlog_per_run / 4).max(1);
+    let events = per_run as usize * 1000;
+    let payload = vec![b'x'; PAYLOAD_BYTES as usize];
+    let single = env.amqp.clone();
+    let cluster_dir = std::env::temp_dir().join(unique("relay-bench-cluster"));
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/rabbitmq-cluster");
+    let started = std::process::Command::new(script)
+        .arg("start")
+        .arg(&cluster_dir)
+        .output()?;
+    anyhow::ensure!(
+        started.status.success(),
+        "starting the cluster: {}",
+        String::from_utf8_lossy(&started.stderr)
+    );
+    let cluster = String::from_utf8_lossy(&started.stdout).trim().to_owned();
+    let measured = async {
+        for (place, amqp) in [("1 node", single.clone()), ("3-node cluster", cluster.clone())] {
+            env.amqp = amqp;
+            for queue_type in [QueueType::Classic, QueueType::Quorum, QueueType::Stream] {
+                env.queue_type = queue_type;
+                let name = format!("{queue_type:?}").to_lowercase();
+                let (mut drains, mut ceilings) = (Vec::new(), Vec::new());
+                for _ in 0..3 {
+                    drains.push(drain_rate(env, per_run, false, 0).await?);
+                    let rabbit = env.rabbit("rawqueues", 8)?;
+                    declare(&env.amqp, &rabbit.topology).await?;
+                    ceilings.push(
+                        raw_pipelined(&env.amqp, &rabbit.topology, events, &payload, 4).await?,
+                    );
+                    drop_topology(&env.amqp, &rabbit.topology).await?;
+                }
+                let (drain, ceiling) = (min_median_max(drains).1, min_median_max(ceilings).1);
+                row(
+                    &format!("13. {place}, {name}: backlog drain"),
+                    format!("{drain:.0} ev/s"),
+                    &format!(
+                        "{events} events, median of 3; {:.2} of the pipelined ceiling on {name} queues ({ceiling:.0} ev/s, same run)",
+                        drain / ceiling
+                    ),
+                );
+                let (latency, _) = latency(env, mode, Wake::Notify, &Load::busy()).await?;
+                latency_rows(row, &format!("{place}, {name}"), &latency);
+            }
+        }
+        env.amqp = single.clone();
+        env.queue_type = QueueType::Stream;
+        let (drain, replay) = stream_replay(env, per_run).await?;
+        row(
+            "13. 1 node, stream: a group replaying from the first offset",
+            format!("{replay:.0} ev/s"),
+            &format!(
+                "{events} events into the fold's event table (one transaction each, 8 partitions); the relay drained them at {drain:.0} ev/s"
+            ),
+        );
+        anyhow::Ok(())
+    }
+    .await;
+    env.amqp = single;
+    env.queue_type = QueueType::Classic;
+    let _ = std::process::Command::new(script)
+        .arg("stop")
+        .arg(&cluster_dir)
+        .status();
+    measured
+}
+
+/// Section 13: the relay drains `per_run x 1000` events into streams, then a consumer group
+/// with its own fold database replays them from the first offset; (drain, replay) in ev/s.
+async fn stream_replay(env: &mut Env, per_run: u32) -> Result<(f64, f64)> {
+    use distribution::consumer::{Consumer, ConsumerConfig};
+    let (pool, url) = env.database("replay").await?;
+    let rabbit = env.rabbit("replay", 8)?;
+    let written = store::fixtures::fill_backlog(&pool, "t", 50, 20, per_run, PAYLOAD_BYTES).await?;
+    env.checkpoint().await?;
+    let outbox = Outbox::new(pool.clone());
+    let started = Instant::now();
+    let relay = Relay::start(env.relay_config(&url, &rabbit)).await?;
+    wait_drained(&outbox, Duration::from_secs(900)).await?;
+    let drain = written as f64 / started.elapsed().as_secs_f64();
+    relay.shutdown().await;
+    let (fold_pool, _) = env.database("replayfold").await?;
+    let mut group = rabbit.clone();
+    group.topology = group.topology.with_group(Group::parse("replay")?);
+    let consumer = Consumer::new(
+        ConsumerConfig::new(group.clone()),
+        fold_pool,
+        store::EventTable,
+    );
+    let progress = consumer.progress();
+    let (stop, mut stopped) = tokio::sync::watch::channel(false);
+    let started = Instant::now();
+    let running = tokio::spawn(consumer.run(async move {
+        let _ = stopped.wait_for(|stop| *stop).await;
+    }));
+    let deadline = Instant::now() + Duration::from_secs(900);
+    while progress.totals().applied < written {
+        anyhow::ensure!(Instant::now() < deadline, "the replay did not end in 900 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let replay = written as f64 / started.elapsed().as_secs_f64();
+    let _ = stop.send(true);
+    running.await??;
+    drop_topology(&env.amqp, &rabbit.topology).await?;
+    // The streams went with the first; only the group's dead-letter queue is left.
+    let _ = drop_topology(&env.amqp, &group.topology).await;
+    pool.close().await;
+    Ok((drain, replay))
+}
+
 /// Section 8: what one refresh of the lag gauges costs with `per_run x 1000` intents pending
 /// (50 tenants): the former full `GROUP BY` against the bounded read, median of 3 each, ms.
 async fn gauge_cost(env: &mut Env, per_run: u32) -> Result<(u64, f64, f64)> {
@@ -1624,6 +1762,7 @@ async fn run(mode: &Mode) -> Result<String> {
             .to_owned(),
         amqp,
         databases: Vec::new(),
+        queue_type: QueueType::Classic,
     };
     let mut table = String::new();
     let mut row = |measure: &str, value: String, note: &str| {
@@ -1670,6 +1809,11 @@ async fn run(mode: &Mode) -> Result<String> {
             format!("{rate:.0} ev/s"),
             "",
         );
+        env.cleanup().await;
+        return Ok(table);
+    }
+    if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "queues") {
+        queue_types(&mut env, mode, &mut row).await?;
         env.cleanup().await;
         return Ok(table);
     }
@@ -1809,6 +1953,7 @@ async fn run(mode: &Mode) -> Result<String> {
     payload_sizes(&mut env, mode, &mut row).await?;
     scale(&mut env, mode, &mut row).await?;
     metadata_and_groups(&mut env, mode, &mut row).await?;
+    queue_types(&mut env, mode, &mut row).await?;
 
     let (qps, cpu) = idle(&mut env, mode.idle_tenants, mode.idle_secs).await?;
     let tenants = mode.idle_tenants;

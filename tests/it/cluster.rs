@@ -2,16 +2,18 @@
 //! machine's own. With a host writing on, two relays and a consumer, each given every node's
 //! address, the node that leads every partition is stopped, brought back, then another node
 //! is killed (SIGKILL) and brought back; for quorum queues and for streams with three
-//! replicas. Nothing is lost, no event is first delivered out of order (nothing parks at the
-//! fold), the fold equals the live history, and the relays' lag comes back within seconds.
+//! replicas. Nothing is lost, no event reaches the broker's queues out of order (a raw
+//! recorder group sees each branch's first copies ascending), the fold equals the live
+//! history, shipping goes on while a node is down, and the lag comes back within seconds.
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use distribution::broker::QueueType;
-use distribution::store::{FoldStore, Outbox};
+use distribution::broker::{self, Group, Partition, QueueType, RabbitConfig};
+use distribution::store::{EventKey, FoldStore, Outbox};
 use distribution::{Relay, RelayConfig};
+use futures_util::StreamExt;
 use sqlx::PgPool;
 
 use crate::harness::{
@@ -44,6 +46,107 @@ async fn worst_lag(pool: &PgPool, since: DateTime<Utc>, span: Duration) -> Durat
     worst
 }
 
+/// Every message of a group's partitions as the broker first delivered it, whatever node
+/// goes down: a raw consumer per partition (no fold) that reconnects through every address.
+/// On quorum queues it takes deliveries without acks (nothing is ever redelivered to it, so
+/// what it sees is the queue's order; what a dead connection had in flight is missed, never
+/// reordered); on streams it reads from the first offset at each connect.
+struct FirstDeliveries {
+    seen: Arc<std::sync::Mutex<Vec<EventKey>>>,
+    stop: Arc<AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl FirstDeliveries {
+    fn start(rabbit: &RabbitConfig) -> Self {
+        let mut rabbit = rabbit.clone();
+        rabbit.topology = rabbit
+            .topology
+            .clone()
+            .with_group(Group::parse("recorder").unwrap());
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let tasks = (0..rabbit.topology.partitions())
+            .map(|partition| {
+                let (rabbit, seen, stop) = (rabbit.clone(), seen.clone(), stop.clone());
+                tokio::spawn(async move {
+                    while !stop.load(Ordering::Acquire) {
+                        // A failed session (its node gone) is opened again on the next address.
+                        let _ = Self::session(&rabbit, Partition(partition), &seen, &stop).await;
+                    }
+                })
+            })
+            .collect();
+        Self { seen, stop, tasks }
+    }
+
+    async fn session(
+        rabbit: &RabbitConfig,
+        partition: Partition,
+        seen: &std::sync::Mutex<Vec<EventKey>>,
+        stop: &AtomicBool,
+    ) -> Result<(), broker::Error> {
+        let (_connection, channel) = broker::open(rabbit, "first-deliveries").await?;
+        let stream = rabbit.topology.queue_type() == QueueType::Stream;
+        channel
+            .basic_qos(500, lapin::options::BasicQosOptions::default())
+            .await?;
+        let mut arguments = lapin::types::FieldTable::default();
+        if stream {
+            arguments.insert(
+                "x-stream-offset".into(),
+                lapin::types::AMQPValue::LongString("first".into()),
+            );
+        }
+        let mut deliveries = channel
+            .basic_consume(
+                rabbit.topology.queue(partition),
+                "".into(),
+                lapin::options::BasicConsumeOptions {
+                    no_ack: !stream,
+                    ..Default::default()
+                },
+                arguments,
+            )
+            .await?;
+        while !stop.load(Ordering::Acquire) {
+            let next = tokio::time::timeout(Duration::from_millis(100), deliveries.next()).await;
+            let delivery = match next {
+                Err(_) => continue,
+                Ok(Some(delivery)) => delivery?,
+                Ok(None) => return Ok(()),
+            };
+            let event = broker::decode(&delivery.properties, &delivery.data).unwrap();
+            seen.lock().unwrap().push(event.key);
+            if stream {
+                delivery
+                    .ack(lapin::options::BasicAckOptions::default())
+                    .await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Stops it; per branch, the Lsns in the order of their first copies.
+    async fn stop(self) -> std::collections::BTreeMap<distribution::store::BranchKey, Vec<u64>> {
+        self.stop.store(true, Ordering::Release);
+        for task in self.tasks {
+            let _ = task.await;
+        }
+        let mut first = std::collections::BTreeMap::<_, Vec<u64>>::new();
+        let mut known = std::collections::HashSet::new();
+        for key in self.seen.lock().unwrap().iter() {
+            if known.insert(key.clone()) {
+                first
+                    .entry(key.branch.clone())
+                    .or_default()
+                    .push(key.lsn.get());
+            }
+        }
+        first
+    }
+}
+
 /// What one node failure cost: the worst lag while the node was down, and after it returned.
 #[derive(Debug)]
 struct Cost {
@@ -60,8 +163,11 @@ async fn failures_under_load(cluster: &PrivateCluster, queue_type: QueueType) ->
     config.replicas = Some(3);
     config.amqp_connect_timeout = Duration::from_secs(1);
     config.amqp_confirm_timeout = Duration::from_secs(2);
+    let recorder = Group::parse("recorder").unwrap();
+    config.groups = vec![Group::Default, recorder];
     let rabbit = config.rabbit_config().unwrap();
     assert_eq!(rabbit.addresses().len(), 3);
+    let first_deliveries = FirstDeliveries::start(&rabbit);
     let relays = [
         Relay::start(config.clone()).await.unwrap(),
         Relay::start(config.clone()).await.unwrap(),
@@ -112,10 +218,18 @@ async fn failures_under_load(cluster: &PrivateCluster, queue_type: QueueType) ->
     })
     .await;
     until_folded_exactly(&fold, &expected, "the fold has every live intent").await;
-    let totals = folding.stop().await;
+    folding.stop().await;
+    let first = first_deliveries.stop().await;
+    for (branch, lsns) in &first {
+        assert!(
+            lsns.windows(2).all(|pair| pair[0] < pair[1]),
+            "{queue_type:?}: {branch}'s first copies reached the queue out of order: {lsns:?}"
+        );
+    }
     assert_eq!(
-        totals.parked, 0,
-        "an event was first delivered before its predecessor: {totals:?}"
+        first.len(),
+        expected.len(),
+        "every branch reached the recorder"
     );
     for relay in relays {
         relay.shutdown().await;

@@ -12,6 +12,9 @@ pub struct PrivateNode {
     name: String,
     port: u16,
     dir: PathBuf,
+    /// The VM's OS pid (its node name is not on its command line), to kill it should it stop
+    /// answering.
+    pid: Option<u32>,
 }
 
 /// A port nothing listens on now (the kernel's pick; released before the node binds it).
@@ -96,7 +99,12 @@ impl PrivateNode {
             .status()
             .unwrap();
         assert!(chown.success(), "chown of {dir:?}");
-        let node = Self { name, port, dir };
+        let mut node = Self {
+            name,
+            port,
+            dir,
+            pid: None,
+        };
         let status = Command::new("rabbitmq-server")
             .arg("-detached")
             .env("RABBITMQ_NODENAME", &node.name)
@@ -117,7 +125,17 @@ impl PrivateNode {
             node.name
         );
         node.await_startup();
+        node.pid = node.os_pid();
         node
+    }
+
+    fn os_pid(&self) -> Option<u32> {
+        let pid = self.try_ctl(&["eval", "os:getpid()."]).ok()?;
+        pid.chars()
+            .filter(char::is_ascii_digit)
+            .collect::<String>()
+            .parse()
+            .ok()
     }
 
     /// Waits until the node runs its application and its AMQP port answers. The node registers
@@ -211,13 +229,12 @@ impl PrivateNode {
 
 impl Drop for PrivateNode {
     fn drop(&mut self) {
-        if self.try_ctl(&["stop"]).is_err() {
-            // Not answering: kill what runs under its name, and nothing else.
-            let _ = Command::new("pkill")
-                .args([
-                    "-f",
-                    &format!("-sname {}", self.name.trim_end_matches("@localhost")),
-                ])
+        if self.try_ctl(&["stop"]).is_err()
+            && let Some(pid) = self.pid
+        {
+            // Not answering: kill its VM, and nothing else.
+            let _ = Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
                 .status();
         }
         let _ = std::fs::remove_dir_all(&self.dir);

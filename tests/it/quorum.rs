@@ -13,7 +13,7 @@ use distribution::broker::{DeadFilter, DeadLetters, QueueType};
 use distribution::consumer::{Consumer, ConsumerConfig};
 use distribution::store::{EventKey, EventTable, FoldStore, OutboxEvent, Projection, RewindNotice};
 use futures_util::FutureExt;
-use sqlx::PgConnection;
+use sqlx::{PgConnection, PgPool};
 
 use crate::harness::{
     Expected, amqp_url, append_intent, assert_folded_exactly, declare_topology, direct_rabbit,
@@ -96,12 +96,20 @@ async fn a_message_a_consumer_keeps_dying_on_is_dead_lettered_past_the_limit_nev
             poisoned: poisoned.clone(),
             hit,
         };
+        // Each consumer on a pool of its own, closed when it is killed: its connections go as
+        // a dead process's would, and PostgreSQL rolls back the fold it hung in at once.
         let start = || {
             let mut consumer_config = ConsumerConfig::new(rabbit.clone());
             consumer_config.retry.min = Duration::from_millis(20);
             consumer_config.retry.max = Duration::from_millis(300);
-            let consumer = Consumer::new(consumer_config, pool.clone(), projection.clone());
-            tokio::spawn(consumer.run(std::future::pending()))
+            let own = PgPool::connect_lazy(&url).unwrap();
+            let consumer = Consumer::new(consumer_config, own.clone(), projection.clone());
+            (tokio::spawn(consumer.run(std::future::pending())), own)
+        };
+        let kill = |(consumer, own): (tokio::task::JoinHandle<_>, PgPool)| async move {
+            consumer.abort();
+            let _ = consumer.await;
+            own.close().await;
         };
         // Each delivery of the poison hangs its consumer, which is then killed: its
         // connection goes and the broker redelivers the message (one more delivery counted).
@@ -119,8 +127,7 @@ async fn a_message_a_consumer_keeps_dying_on_is_dead_lettered_past_the_limit_nev
                 got = hits.recv() => got.is_some(),
                 () = wait_until("the poison dead-lettered", Duration::from_secs(60), poison_is_dead) => false,
             };
-            consumer.abort();
-            let _ = consumer.await;
+            kill(consumer).await;
             if !crashed {
                 break;
             }
@@ -185,8 +192,7 @@ async fn a_message_a_consumer_keeps_dying_on_is_dead_lettered_past_the_limit_nev
         .await;
         assert_folded_exactly(&fold, &expected).await;
         assert_eq!(dead.depth().await.unwrap(), 0);
-        consumer.abort();
-        let _ = consumer.await;
+        kill(consumer).await;
         relay.shutdown().await;
     })
     .catch_unwind()

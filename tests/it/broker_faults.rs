@@ -10,7 +10,6 @@ mod outbox {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::time::Duration;
 
-    use chrono::{DateTime, Utc};
     use distribution::broker::QueueType;
     use distribution::store::{
         BranchId, BranchKey, EventKind, FoldModel, FoldStore, IntentWriter, Lsn, Outbox,
@@ -30,14 +29,6 @@ mod outbox {
         config.amqp_connect_timeout = Duration::from_secs(1);
         config.amqp_confirm_timeout = Duration::from_secs(1);
         config
-    }
-
-    /// The oldest intent still in the outbox (none: empty), and the database's clock.
-    async fn oldest_pending(pool: &PgPool) -> (DateTime<Utc>, Option<DateTime<Utc>>) {
-        sqlx::query_as("SELECT now(), min(created_at) FROM relay_outbox")
-            .fetch_one(pool)
-            .await
-            .unwrap()
     }
 
     /// The node's broker application stops for 3 s under load and starts again: every branch

@@ -17,19 +17,11 @@ use futures_util::StreamExt;
 use sqlx::PgPool;
 
 use crate::harness::{
-    Folding, Workload, fresh_database, pending, relay_config, unique, until_folded_exactly,
-    wait_until,
+    Folding, Workload, fresh_database, oldest_pending, pending, relay_config, unique,
+    until_folded_exactly, wait_until,
 };
 use crate::node::PrivateCluster;
 use crate::recorder::keep_writing;
-
-/// The oldest intent still in the outbox (none: empty), and the database's clock.
-async fn oldest_pending(pool: &PgPool) -> (DateTime<Utc>, Option<DateTime<Utc>>) {
-    sqlx::query_as("SELECT now(), min(created_at) FROM relay_outbox")
-        .fetch_one(pool)
-        .await
-        .unwrap()
-}
 
 /// The worst lag seen over `span` (sampled every 50 ms): the age of the oldest intent not yet
 /// acked, counted from `since` for intents written before it.

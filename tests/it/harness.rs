@@ -384,6 +384,19 @@ pub async fn pending(outbox: &Outbox) -> u64 {
         .sum()
 }
 
+/// The oldest intent still in the outbox (none: empty), and the database's clock.
+pub async fn oldest_pending(
+    pool: &PgPool,
+) -> (
+    chrono::DateTime<chrono::Utc>,
+    Option<chrono::DateTime<chrono::Utc>>,
+) {
+    sqlx::query_as("SELECT now(), min(created_at) FROM relay_outbox")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
 /// Fold consumers on every partition of the real broker, until stopped.
 pub struct Folding {
     stop: tokio::sync::watch::Sender<bool>,

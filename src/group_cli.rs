@@ -34,8 +34,13 @@ pub enum GroupAction {
         #[command(flatten)]
         database: crate::Database,
         /// A projection table to empty in the same transaction (`table` or `schema.table`;
-        /// repeat for each).
-        #[arg(long = "truncate", value_name = "TABLE")]
+        /// repeat for each). Required unless --fold-only: a fold reset that leaves the
+        /// projection's rows would apply every event to them a second time.
+        #[arg(
+            long = "truncate",
+            value_name = "TABLE",
+            required_unless_present = "fold_only"
+        )]
         tables: Vec<String>,
         /// Reset the fold's state alone: the projection is the fold's own event table, or is
         /// emptied another way.
@@ -82,14 +87,8 @@ pub async fn run(action: GroupAction) -> Result<()> {
         GroupAction::Reset {
             database,
             tables,
-            fold_only,
+            fold_only: _,
         } => {
-            if tables.is_empty() && !fold_only {
-                anyhow::bail!(
-                    "name the projection's tables to empty with --truncate TABLE (or pass \
-                     --fold-only): a fold reset without them applies every event to them twice"
-                );
-            }
             let names = tables
                 .iter()
                 .map(|table| quoted_table(table))

@@ -21,8 +21,9 @@ use crate::{Error, RabbitConfig, WireError, within};
 /// Header naming why a message was dead-lettered (a consumer sets it).
 pub const DEAD_LETTER_REASON: &str = "x-relay-dead-letter-reason";
 
-/// Headers RabbitMQ adds when it dead-letters or redelivers a message; a replay leaves them out.
-const BROKER_HEADERS: &[&str] = &[
+/// Headers RabbitMQ adds when it dead-letters or delivers a message (`x-death`, the delivery
+/// count, a stream offset): not the message's own, so a dead letter or a replay leaves them out.
+pub const BROKER_HEADERS: &[&str] = &[
     "x-death",
     "x-first-death-exchange",
     "x-first-death-queue",

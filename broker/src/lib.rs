@@ -27,6 +27,7 @@ pub use backoff::RetryPolicy;
 pub use connect::AmqpTls;
 pub use connect::DEFAULT_FRAME_MAX;
 pub use connect::quiet_lapin_payload_logs_on_this_thread;
+pub use dead::BROKER_HEADERS;
 pub use dead::DEAD_LETTER_REASON;
 pub use dead::DeadFilter;
 pub use dead::DeadLetter;

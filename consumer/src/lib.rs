@@ -707,9 +707,7 @@ where
                 headers
                     .inner()
                     .iter()
-                    .filter(|(name, _)| {
-                        !matches!(name.as_str(), "x-stream-offset" | "x-delivery-count")
-                    })
+                    .filter(|(name, _)| !broker::BROKER_HEADERS.contains(&name.as_str()))
                     .map(|(name, value)| (name.clone(), value.clone()))
                     .collect::<std::collections::BTreeMap<_, _>>()
                     .into()

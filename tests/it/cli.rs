@@ -277,6 +277,58 @@ fn the_printed_sql_builds_a_working_outbox() {
     });
 }
 
+/// `distribution group reset` empties the named projection tables and forgets the fold's
+/// state and stream offsets in one transaction; without `--truncate` or `--fold-only` it is
+/// a usage error (the tables would get every event twice), and a bad table name is refused
+/// before anything is done.
+#[test]
+fn group_reset_empties_the_projection_with_the_fold_or_refuses() {
+    host_runtime().block_on(async {
+        let (pool, url) = empty_database("cli_group_reset").await;
+        store::migrate_fold(&pool).await.unwrap();
+        sqlx::raw_sql(
+            "CREATE TABLE orders (id int); INSERT INTO orders VALUES (1), (2);
+             SELECT relay_fold_save_offset('relay.p0', 42);",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        let count = |sql: &'static str| {
+            let pool = pool.clone();
+            async move {
+                sqlx::query_scalar::<_, i64>(sql)
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap()
+            }
+        };
+        let (code, _, stderr) = output(relay().args(["group", "reset"]).env("DATABASE_URL", &url));
+        assert_eq!(code, 2, "a usage error: {stderr}");
+        assert!(stderr.contains("--truncate <TABLE>"), "{stderr}");
+        let (code, _, stderr) = output(
+            relay()
+                .args(["group", "reset", "--truncate", "Orders; DROP"])
+                .env("DATABASE_URL", &url),
+        );
+        assert_ne!(code, 0, "{stderr}");
+        assert_eq!(
+            count("SELECT count(*) FROM orders").await,
+            2,
+            "nothing done"
+        );
+        assert_eq!(count("SELECT count(*) FROM relay_fold_offset").await, 1);
+        let (code, stdout, stderr) = output(
+            relay()
+                .args(["group", "reset", "--truncate", "public.orders"])
+                .env("DATABASE_URL", &url),
+        );
+        assert_eq!(code, 0, "{stderr}");
+        assert!(stdout.contains("emptied \"public\".\"orders\""), "{stdout}");
+        assert_eq!(count("SELECT count(*) FROM orders").await, 0);
+        assert_eq!(count("SELECT count(*) FROM relay_fold_offset").await, 0);
+    });
+}
+
 /// `distribution sql --fold` is what a consumer's own database needs: applied as is,
 /// `relay_fold` folds. `distribution roles` prints grants, and refuses a bad call with exit 2.
 #[test]

@@ -209,6 +209,12 @@ async fn failures_under_load(cluster: &PrivateCluster, queue_type: QueueType) ->
         pending(&outbox).await == 0
     })
     .await;
+    // Shown if the wait below fails: a gap counted (`gaps`) or a partition that stopped
+    // receiving tell two different causes apart.
+    println!(
+        "{queue_type:?}: consumer when the outbox emptied: {:?}",
+        folding.totals()
+    );
     until_folded_exactly(&fold, &expected, "the fold has every live intent").await;
     folding.stop().await;
     let first = first_deliveries.stop().await;

@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use distribution::RelayConfig;
-use distribution::broker::{Group, QueueType, RabbitConfig, StreamRetention, Topology};
+use distribution::broker::{Group, Partition, QueueType, RabbitConfig, StreamRetention, Topology};
 use distribution::consumer::{Consumer, ConsumerConfig, FoldStats};
 use distribution::store::{self, EventTable, FoldStore, Outbox};
 use distribution::{Relay, broker};
@@ -317,6 +317,34 @@ async fn retention_leaves_a_live_group_alone_and_stops_a_group_whose_offset_fell
             late_offsets,
             "its offsets stay where they were"
         );
+
+        // Retiring a group on streams deletes its dead-letter queue only: the streams every
+        // group reads stay, with what they hold.
+        let connection =
+            lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default())
+                .await
+                .unwrap();
+        let late_group = Group::parse("late").unwrap();
+        base.topology
+            .delete_group(&connection.create_channel().await.unwrap(), &late_group)
+            .await
+            .unwrap();
+        let passive = lapin::options::QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        for (queue, exists) in [
+            (base.topology.queue(Partition(0)), true),
+            (base.topology.dead_letter_queue_of(&late_group), false),
+        ] {
+            let declared = connection
+                .create_channel()
+                .await
+                .unwrap()
+                .queue_declare(queue.clone(), passive, Default::default())
+                .await;
+            assert_eq!(declared.is_ok(), exists, "{queue}");
+        }
 
         relay.shutdown().await;
         live.stop().await;

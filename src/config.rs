@@ -157,7 +157,8 @@ pub struct Settings {
     /// Also write CloudEvents attributes (`cloudEvents:*` headers, binary content mode).
     #[arg(long, env = "RELAY_CLOUDEVENTS", action = clap::ArgAction::Set, default_value_t = false)]
     pub cloudevents: bool,
-    /// Publisher shards (one AMQP connection each).
+    /// Publisher shards (one AMQP connection each). On streams, ignored: one shard per
+    /// partition.
     #[arg(long, env = "RELAY_SHARDS", default_value_t = defaults().supervisor.shards,
           value_parser = clap::value_parser!(u16).range(1..=256))]
     pub shards: u16,
@@ -603,6 +604,18 @@ impl RelayConfig {
             .and_then(|name| store::Schema::new(name).ok())
     }
 
+    /// The supervisor's configuration as the relay runs it: on streams one publisher shard per
+    /// partition ([`supervisor::Sharding::Partition`], `supervisor.shards` ignored), so each
+    /// AMQP channel writes to one stream (see there why); else `supervisor` as set.
+    pub fn supervisor_config(&self) -> SupervisorConfig {
+        let mut supervisor = self.supervisor;
+        if self.queue_type == QueueType::Stream {
+            supervisor.sharding = supervisor::Sharding::Partition;
+            supervisor.shards = self.partitions;
+        }
+        supervisor
+    }
+
     /// The broker side of this configuration.
     pub fn rabbit_config(&self) -> Result<RabbitConfig, ConfigError> {
         let topology =
@@ -666,6 +679,37 @@ mod tests {
         config.validate().unwrap();
         config.supervisor.shards = 0;
         assert!(config.validate().is_err());
+    }
+
+    /// On streams the relay runs one publisher shard per partition, whatever `RELAY_SHARDS`
+    /// says; on other queue types the shards are as set.
+    #[test]
+    fn streams_run_one_publisher_shard_per_partition() {
+        let mut config = RelayConfig::new(
+            "postgres://postgres@127.0.0.1/test",
+            "amqp://127.0.0.1:5672/%2f",
+        );
+        config.partitions = 6;
+        config.supervisor.shards = 3;
+        for queue_type in [QueueType::Classic, QueueType::Quorum] {
+            config.queue_type = queue_type;
+            let supervisor = config.supervisor_config();
+            assert_eq!(
+                (supervisor.shards, supervisor.sharding),
+                (3, supervisor::Sharding::Branch)
+            );
+        }
+        config.queue_type = QueueType::Stream;
+        let supervisor = config.supervisor_config();
+        assert_eq!(
+            (supervisor.shards, supervisor.sharding),
+            (6, supervisor::Sharding::Partition)
+        );
+        assert_eq!(
+            supervisor.publishers(),
+            12,
+            "a bulk and an express lane per partition"
+        );
     }
 
     #[test]

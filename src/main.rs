@@ -511,7 +511,7 @@ async fn run(config: RelayConfig) -> Result<()> {
     let metrics = distribution::prometheus_builder()?
         .install_recorder()
         .context("cannot install the metrics recorder")?;
-    distribution::describe_metrics(config.supervisor.publishers());
+    distribution::describe_metrics(config.supervisor_config().publishers());
     let max_parked = u64::from(config.ready_max_parked);
     // The readiness probe's own connection, so a busy relay pool cannot make it time out.
     let probe_pool = sqlx::postgres::PgPoolOptions::new()

@@ -194,7 +194,7 @@ async fn run_tree(
             database_url: config.database_url.clone(),
             factory: factory.clone(),
             broker: broker.clone(),
-            config: config.supervisor,
+            config: config.supervisor_config(),
         };
         let (supervisor, mut ended) = match Actor::spawn(None, RelaySupervisor, args).await {
             Ok(spawned) => spawned,

@@ -6,24 +6,31 @@ use std::sync::{Arc, RwLock};
 
 use ractor::ActorRef;
 
-use crate::{Lane, PublisherMessage, ShardId};
+use store::BranchKey;
+
+use crate::shard::shard_of;
+use crate::{Lane, PublisherMessage, ShardId, Sharding};
 
 /// Slot -> live publisher (or none while it is being restarted). Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct PublisherDirectory {
     shards: u16,
     express: bool,
+    sharding: Sharding,
     slots: Arc<RwLock<Vec<Option<ActorRef<PublisherMessage>>>>>,
 }
 
 impl PublisherDirectory {
-    /// A directory of `shards` empty slots, twice as many with an `express` lane.
-    pub fn new(shards: u16, express: bool) -> Self {
+    /// A directory of `shards` empty slots, twice as many with an `express` lane; branches
+    /// go to shards as `sharding` says (with [`Sharding::Partition`], `shards` is the number
+    /// of partitions).
+    pub fn new(shards: u16, express: bool, sharding: Sharding) -> Self {
         let shards = shards.max(1);
         let slots = usize::from(shards) * if express { 2 } else { 1 };
         Self {
             shards,
             express,
+            sharding,
             slots: Arc::new(RwLock::new(vec![None; slots])),
         }
     }
@@ -31,6 +38,16 @@ impl PublisherDirectory {
     /// Number of shards (branches are hashed over these).
     pub fn shards(&self) -> u16 {
         self.shards
+    }
+
+    /// The shard that carries `branch`: the same for every event of it.
+    pub fn shard_of(&self, branch: &BranchKey) -> ShardId {
+        match self.sharding {
+            Sharding::Branch => shard_of(branch, self.shards),
+            Sharding::Partition => {
+                ShardId(broker::partition_of(&branch.tenant, &branch.run, self.shards).0)
+            }
+        }
     }
 
     /// Number of publishers (shards times lanes).
@@ -67,5 +84,38 @@ impl PublisherDirectory {
         self.slots
             .read()
             .unwrap_or_else(|poison| poison.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use broker::Topology;
+    use proptest::prelude::*;
+    use store::{BranchId, BranchKey, RunId, TenantId};
+
+    use super::*;
+
+    proptest! {
+        /// With one shard per partition, every branch of a run is on its run's partition's
+        /// shard (its publisher's channel writes to that partition's queue only), and every
+        /// lane keeps it there.
+        #[test]
+        fn partition_sharding_puts_a_branch_on_its_runs_partition(
+            tenant in "[a-z0-9]{1,12}", run in "[a-z0-9]{1,12}", branch in "[a-z0-9]{1,12}",
+            partitions in 1u16..64,
+        ) {
+            let key = BranchKey::new(
+                TenantId::new(tenant).unwrap(),
+                RunId::new(run).unwrap(),
+                BranchId::new(branch).unwrap(),
+            );
+            let topology = Topology::new("t", partitions).unwrap();
+            let directory = PublisherDirectory::new(partitions, true, Sharding::Partition);
+            let shard = directory.shard_of(&key);
+            prop_assert_eq!(shard.0, topology.partition_of(&key.tenant, &key.run).0);
+            prop_assert_eq!(directory.slot(shard, Lane::Express).0, partitions + shard.0);
+            let by_branch = PublisherDirectory::new(partitions, true, Sharding::Branch);
+            prop_assert_eq!(by_branch.shard_of(&key), shard_of(&key, partitions));
+        }
     }
 }

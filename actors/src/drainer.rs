@@ -24,7 +24,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, TryAcquireError};
 use tracing::Instrument;
 
 use crate::window::{Next, Refusal, RefusalAction, Window, WindowConfig};
-use crate::{PublisherDirectory, PublisherMessage, Reply, RetryPolicy, ShardId, shard_of};
+use crate::{PublisherDirectory, PublisherMessage, Reply, RetryPolicy, ShardId};
 
 /// How a drainer works.
 #[derive(Clone, Copy, Debug)]
@@ -339,14 +339,13 @@ impl Drainer {
         drop(permits.events.split(unused));
         let unused = permits.bytes.num_permits().saturating_sub(bytes);
         drop(permits.bytes.split(unused));
-        let shards = state.args.publishers.shards();
         let lane = state.window.lane_for(events.len(), bytes);
         let keys: Vec<EventKey> = events.iter().map(|event| event.key.clone()).collect();
         let written = events.iter().map(|event| event.created_at).collect();
         let mut by_shard: HashMap<ShardId, (Vec<usize>, Vec<OutboxEvent>)> = HashMap::new();
         for (index, event) in events.into_iter().enumerate() {
             let group = by_shard
-                .entry(shard_of(&event.key.branch, shards))
+                .entry(state.args.publishers.shard_of(&event.key.branch))
                 .or_default();
             group.0.push(index);
             group.1.push(event);

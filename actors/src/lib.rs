@@ -30,4 +30,4 @@ pub use publisher::PublisherMessage;
 pub use publisher::Reply;
 pub use shard::Lane;
 pub use shard::ShardId;
-use shard::shard_of;
+pub use shard::Sharding;

@@ -23,6 +23,23 @@ pub enum Lane {
     Express,
 }
 
+/// How branches are spread over publisher shards.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Sharding {
+    /// By a hash of the whole `BranchKey` (the default).
+    #[default]
+    Branch,
+    /// One shard per broker partition, a branch on its run's partition's shard (the shards
+    /// are then the partitions): each publisher's channel writes to one queue only. Streams
+    /// need it: RabbitMQ before 4.0.x, when a stream's leader changes under a channel that
+    /// survives, resends that channel's unconfirmed messages under the channel's own sequence
+    /// numbers instead of the stream's (rabbitmq-server#9457, fixed by #12236); the stream's
+    /// deduplication then drops the channel's next messages and confirms them, lost. With one
+    /// stream per channel, and a fresh channel after any returned message, the two sequences
+    /// are one and the resend is right.
+    Partition,
+}
+
 /// The shard of a branch: FNV-1a 64 over `tenant 0x00 run 0x00 branch`, modulo `shards`.
 pub(crate) fn shard_of(key: &BranchKey, shards: u16) -> ShardId {
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;

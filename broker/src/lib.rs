@@ -55,6 +55,7 @@ pub use topology::Partition;
 pub use topology::QueueType;
 pub use topology::StreamRetention;
 pub use topology::Topology;
+pub use topology::partition_of;
 pub use wire::CLOUDEVENTS_PREFIX;
 pub use wire::WIRE_VERSION;
 pub use wire::WireMode;

@@ -35,7 +35,7 @@ use lapin::{Channel, Confirmation, Connection, ConnectionProperties};
 use store::{Fence, OutboxEvent};
 
 use crate::port::{BoxFuture, OnReport, Outcome, PublishReport, Publisher};
-use crate::{AmqpTls, BrokerHealth, CallProbe, Error, Topology, wire};
+use crate::{AmqpTls, BrokerHealth, CallProbe, Error, QueueType, Topology, wire};
 
 /// How to reach RabbitMQ.
 #[derive(Clone, Debug)]
@@ -532,6 +532,18 @@ impl RabbitPublisher {
                 outcomes,
                 fault: None,
             });
+        }
+        // On streams a returned message leaves the channel's publish sequence one ahead of the
+        // stream's, which RabbitMQ before 4.0.x resends under after a leader change, losing
+        // messages (`actors::Sharding::Partition`): a fresh session (which declares the
+        // topology again) instead of the same channel.
+        if topology.queue_type() == QueueType::Stream
+            && self
+                .session
+                .as_ref()
+                .is_some_and(|session| session.redeclare.load(Ordering::Acquire))
+        {
+            self.session = None;
         }
         if let Err(fault) = self.session().await {
             return done(PublishReport::not_sent(n_events, fault));

@@ -164,6 +164,22 @@ pub struct Topology {
 const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
 const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
 
+/// The partition of a run among `partitions` ([`Topology::partition_of`]): FNV-1a 64 over
+/// `tenant 0x00 run`, modulo `partitions`.
+pub fn partition_of(tenant: &TenantId, run: &RunId, partitions: u16) -> Partition {
+    let mut hash = FNV_OFFSET;
+    let bytes = tenant
+        .as_str()
+        .bytes()
+        .chain([0u8])
+        .chain(run.as_str().bytes());
+    for byte in bytes {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(FNV_PRIME);
+    }
+    Partition((hash % u64::from(partitions.max(1))) as u16)
+}
+
 impl Topology {
     /// A topology named `name` (the exchange; queues are `name.p<N>`) with `partitions` queues.
     pub fn new(name: &str, partitions: u16) -> Result<Self, Error> {
@@ -329,17 +345,7 @@ impl Topology {
 
     /// The partition of a run: stable, documented above.
     pub fn partition_of(&self, tenant: &TenantId, run: &RunId) -> Partition {
-        let mut hash = FNV_OFFSET;
-        let bytes = tenant
-            .as_str()
-            .bytes()
-            .chain([0u8])
-            .chain(run.as_str().bytes());
-        for byte in bytes {
-            hash ^= u64::from(byte);
-            hash = hash.wrapping_mul(FNV_PRIME);
-        }
-        Partition((hash % u64::from(self.partitions)) as u16)
+        partition_of(tenant, run, self.partitions)
     }
 
     /// The routing key of a partition (`p<N>`).

@@ -62,6 +62,9 @@ pub struct FoldStats {
     /// removed by the stream's retention before it read them (metric
     /// `relay_consumer_offset_lost_total`). Nothing past the gap is folded.
     pub gaps: u64,
+    /// Times a silent stream partition was subscribed to again
+    /// ([`ConsumerConfig::stream_resubscribe`]).
+    pub resubscribes: u64,
 }
 
 impl FoldStats {
@@ -89,6 +92,7 @@ impl FoldStats {
             ended: self.ended + other.ended,
             reconnects: self.reconnects + other.reconnects,
             gaps: self.gaps + other.gaps,
+            resubscribes: self.resubscribes + other.resubscribes,
         }
     }
 }
@@ -128,6 +132,16 @@ pub struct ConsumerConfig {
     /// [`StreamStart::First`]: the whole retained history is replayed. Once an offset is
     /// stored the consumer always resumes there. Ignored for classic and quorum queues.
     pub stream_start: StreamStart,
+    /// A stream partition that delivers nothing for this long is subscribed to again, on a
+    /// fresh channel, at the offset the consumer expects (metric
+    /// `relay_consumer_stream_resubscribes_total{queue}`). RabbitMQ's stream replicas before
+    /// osiris 1.8.5 (rabbitmq-server#12785, RabbitMQ 4.0.x) can fail to tell a consumer of
+    /// committed messages while another reader of the same replica waits for a later offset
+    /// (osiris#172): the consumer then hears of them only when more is written, never if
+    /// writing stops. A new subscription reads what is committed at once. Default 5 s; the
+    /// cost on an idle partition is one channel opened and one closed per period. Ignored for
+    /// classic and quorum queues.
+    pub stream_resubscribe: Duration,
 }
 
 /// Where a consumer group with no stored offset starts reading a stream.
@@ -182,6 +196,21 @@ fn stream_step(expected: Option<u64>, offset: u64) -> StreamStep {
     }
 }
 
+/// Where a stream subscription starts (`x-stream-offset`), for a consumer that expects
+/// `expected` next (pure): there, once anything is stored or folded; else at `start`. On a
+/// subscription made again (`again`) by a consumer that has nothing yet and started at
+/// [`StreamStart::Next`], `None`: keep the first subscription, since `next` asked again would
+/// skip what the first one was not told of.
+fn subscribe_at(expected: Option<u64>, start: StreamStart, again: bool) -> Option<AMQPValue> {
+    match expected {
+        Some(next) => Some(AMQPValue::LongLongInt(
+            i64::try_from(next).unwrap_or(i64::MAX),
+        )),
+        None if again && start == StreamStart::Next => None,
+        None => Some(start.argument()),
+    }
+}
+
 /// The offset RabbitMQ gives a stream delivery (header `x-stream-offset`).
 fn delivery_offset(delivery: &Delivery) -> Option<u64> {
     let headers = delivery.properties.headers().as_ref()?;
@@ -205,6 +234,7 @@ impl ConsumerConfig {
             retention: None,
             event_types: None,
             stream_start: StreamStart::default(),
+            stream_resubscribe: Duration::from_secs(5),
         }
     }
 
@@ -386,6 +416,14 @@ impl ConsumerProgress {
     pub fn totals(&self) -> FoldStats {
         totals(&self.0)
     }
+
+    /// Each partition's totals, in the order of [`ConsumerConfig::partitions`].
+    pub fn partitions(&self) -> Vec<FoldStats> {
+        self.0
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .clone()
+    }
 }
 
 fn totals(progress: &Mutex<Vec<FoldStats>>) -> FoldStats {
@@ -425,7 +463,7 @@ struct StreamCursor {
 }
 
 struct Session {
-    _connection: Connection,
+    connection: Connection,
     channel: Channel,
     /// A confirming channel for dead letters: a message is acked only once its dead letter is
     /// confirmed.
@@ -478,40 +516,51 @@ where
         )
         .await?;
         Ok(Session {
-            _connection: connection,
+            connection,
             channel,
             dead,
         })
     }
 
-    /// One connection's life: consume until stopped (`Ok`) or a failure (`Err`, reconnect).
-    async fn session(
-        &mut self,
-        stop: &mut watch::Receiver<bool>,
-        backoff: &mut Backoff,
-    ) -> Result<(), Error> {
-        let session = self.open().await?;
+    /// `basic.consume` on `session`'s channel; on a stream, at the offset expected next (or
+    /// the group's start). `again` is a subscription made again after a silence: it replaces
+    /// the channel with a fresh one (whose prefetch is free; the old one's unacked deliveries
+    /// are read again from the expected offset) and returns `None` when it must not be made
+    /// (see [`subscribe_at`]).
+    async fn subscribe(
+        &self,
+        session: &mut Session,
+        again: bool,
+    ) -> Result<Option<lapin::Consumer>, Error> {
         let rabbit = &self.config.rabbit;
+        let limit = rabbit.connect_timeout;
         let queue = rabbit.topology.queue(self.partition);
         let mut arguments = FieldTable::default();
-        if rabbit.topology.queue_type() == QueueType::Stream {
-            // Resume exactly after what the fold committed: the offset is stored with it.
-            let stored = {
-                let mut conn = self.pool.acquire().await.map_err(store::Error::from)?;
-                store::stream_offset(&mut conn, queue.as_str()).await?
+        if let Some(cursor) = &self.stream {
+            let Some(at) = subscribe_at(cursor.expected, self.config.stream_start, again) else {
+                return Ok(None);
             };
-            let start = stored.map_or(self.config.stream_start.argument(), |next| {
-                AMQPValue::LongLongInt(i64::try_from(next).unwrap_or(i64::MAX))
-            });
-            arguments.insert("x-stream-offset".into(), start);
-            self.stream = Some(StreamCursor {
-                queue: queue.to_string(),
-                expected: stored,
-            });
+            arguments.insert("x-stream-offset".into(), at);
         }
-        let mut deliveries = within(
+        if again {
+            let fresh = within("channel.open", limit, session.connection.create_channel()).await?;
+            within(
+                "basic.qos",
+                limit,
+                fresh.basic_qos(self.config.prefetch, BasicQosOptions::default()),
+            )
+            .await?;
+            let old = std::mem::replace(&mut session.channel, fresh);
+            within(
+                "channel.close",
+                limit,
+                old.close(200, "subscribing again".into()),
+            )
+            .await?;
+        }
+        let deliveries = within(
             "basic.consume",
-            self.config.rabbit.connect_timeout,
+            limit,
             session.channel.basic_consume(
                 queue,
                 "".into(),
@@ -520,14 +569,68 @@ where
             ),
         )
         .await?;
-        loop {
-            let delivery = tokio::select! {
-                _ = stop.wait_for(|stop| *stop) => return Ok(()),
-                next = deliveries.next() => match next {
-                    Some(delivery) => delivery?,
-                    None => return Err(Error::Unreachable("the broker cancelled the consumer".into())),
-                },
+        Ok(Some(deliveries))
+    }
+
+    /// One connection's life: consume until stopped (`Ok`) or a failure (`Err`, reconnect).
+    async fn session(
+        &mut self,
+        stop: &mut watch::Receiver<bool>,
+        backoff: &mut Backoff,
+    ) -> Result<(), Error> {
+        let mut session = self.open().await?;
+        let rabbit = &self.config.rabbit;
+        let queue = rabbit.topology.queue(self.partition);
+        let on_stream = rabbit.topology.queue_type() == QueueType::Stream;
+        if on_stream {
+            // Resume exactly after what the fold committed: the offset is stored with it.
+            let stored = {
+                let mut conn = self.pool.acquire().await.map_err(store::Error::from)?;
+                store::stream_offset(&mut conn, queue.as_str()).await?
             };
+            self.stream = Some(StreamCursor {
+                queue: queue.to_string(),
+                expected: stored,
+            });
+        }
+        let mut deliveries = self
+            .subscribe(&mut session, false)
+            .await?
+            .expect("a first subscription is always made");
+        let silence = self.config.stream_resubscribe;
+        let quiet = tokio::time::sleep(silence);
+        tokio::pin!(quiet);
+        loop {
+            let heard = tokio::select! {
+                _ = stop.wait_for(|stop| *stop) => return Ok(()),
+                () = &mut quiet, if on_stream => None,
+                next = deliveries.next() => Some(next),
+            };
+            let delivery = match heard {
+                None => {
+                    // Heard nothing for a while: ask again, in case the broker did not tell
+                    // this subscription of what it holds (see `stream_resubscribe`).
+                    if let Some(fresh) = self.subscribe(&mut session, true).await? {
+                        deliveries = fresh;
+                        self.record(|stats| stats.resubscribes += 1);
+                        metrics::counter!("relay_consumer_stream_resubscribes_total", "queue" => queue.to_string())
+                            .increment(1);
+                        tracing::debug!(
+                            partition = self.partition.0,
+                            "stream partition silent; subscribed again"
+                        );
+                    }
+                    quiet.as_mut().reset(tokio::time::Instant::now() + silence);
+                    continue;
+                }
+                Some(Some(delivery)) => delivery?,
+                Some(None) => {
+                    return Err(Error::Unreachable(
+                        "the broker cancelled the consumer".into(),
+                    ));
+                }
+            };
+            quiet.as_mut().reset(tokio::time::Instant::now() + silence);
             backoff.reset();
             let offset = match &self.stream {
                 None => None,
@@ -970,5 +1073,31 @@ mod tests {
             StreamStart::default().argument(),
             AMQPValue::LongString("first".into())
         );
+    }
+
+    /// A subscription, first or made again after a silence, starts at the offset expected
+    /// next once there is one; before that at the group's start, except that `next` is never
+    /// asked twice (it would skip what the first subscription was not told of).
+    #[test]
+    fn a_subscription_made_again_starts_where_the_fold_expects() {
+        let at = std::time::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+        for start in [StreamStart::First, StreamStart::Next, StreamStart::At(at)] {
+            for again in [false, true] {
+                assert_eq!(
+                    subscribe_at(Some(42), start, again),
+                    Some(AMQPValue::LongLongInt(42))
+                );
+            }
+            assert_eq!(subscribe_at(None, start, false), Some(start.argument()));
+        }
+        assert_eq!(
+            subscribe_at(None, StreamStart::First, true),
+            Some(AMQPValue::LongString("first".into()))
+        );
+        assert_eq!(
+            subscribe_at(None, StreamStart::At(at), true),
+            Some(AMQPValue::Timestamp(1_700_000_000))
+        );
+        assert_eq!(subscribe_at(None, StreamStart::Next, true), None);
     }
 }

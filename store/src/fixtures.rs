@@ -15,10 +15,25 @@ pub async fn fill_backlog(
     per_run: u32,
     payload_bytes: u32,
 ) -> Result<u64, Error> {
+    fill_backlog_with(pool, prefix, tenants, runs, per_run, payload_bytes, None).await
+}
+
+/// Like [`fill_backlog`], every intent carrying `meta` as the writer stores it (rows written
+/// once, laid out as a host appending with metadata leaves them).
+pub async fn fill_backlog_with(
+    pool: &PgPool,
+    prefix: &str,
+    tenants: u32,
+    runs: u32,
+    per_run: u32,
+    payload_bytes: u32,
+    meta: Option<&crate::Metadata>,
+) -> Result<u64, Error> {
     open_branches(pool, prefix, tenants, runs, per_run).await?;
+    let meta = meta.filter(|meta| !meta.is_empty()).map(sqlx::types::Json);
     let written = sqlx::query(
-        "INSERT INTO relay_outbox (tenant_id, run_id, branch_id, lsn, prev_lsn, base_lsn, payload)
-         SELECT $1 || t, 'r' || r, 'main', l, l - 1, 0, convert_to(repeat('x', $5), 'UTF8')
+        "INSERT INTO relay_outbox (tenant_id, run_id, branch_id, lsn, prev_lsn, base_lsn, payload, meta)
+         SELECT $1 || t, 'r' || r, 'main', l, l - 1, 0, convert_to(repeat('x', $5), 'UTF8'), $6
            FROM generate_series(1, $4) l, generate_series(0, $2 - 1) t, generate_series(0, $3 - 1) r
           ORDER BY l, t, r",
     )
@@ -27,6 +42,7 @@ pub async fn fill_backlog(
     .bind(i64::from(runs))
     .bind(i64::from(per_run))
     .bind(payload_bytes as i32)
+    .bind(meta)
     .execute(pool)
     .await?
     .rows_affected();

@@ -11,6 +11,7 @@ mod keeper;
 mod tree;
 mod waiting;
 
+pub use actors::Sharding;
 pub use keeper::LeaseConfig;
 pub use tree::RelaySupervisor;
 pub use tree::SupervisorArgs;

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use actors::{
     Drainer, DrainerArgs, DrainerConfig, DrainerMessage, PublisherActor, PublisherArgs,
-    PublisherDirectory, PublisherFactory, PublisherMessage, ShardId, stop_reason,
+    PublisherDirectory, PublisherFactory, PublisherMessage, ShardId, Sharding, stop_reason,
 };
 use broker::{Backoff, RetryPolicy};
 use ractor::{
@@ -32,6 +32,9 @@ pub struct SupervisorConfig {
     /// `drainer.express_max_events` is 0, an express one: an actor and an AMQP connection
     /// each ([`SupervisorConfig::publishers`]). Default 4.
     pub shards: u16,
+    /// How branches are spread over the shards. Default [`Sharding::Branch`]; on streams the
+    /// relay uses [`Sharding::Partition`] with one shard per partition.
+    pub sharding: Sharding,
     /// How often pending tenants are polled: the correctness path behind NOTIFY. Default 1 s.
     pub poll_interval: Duration,
     /// Lease TTL and heartbeat (ownership of tenants across relays).
@@ -62,6 +65,7 @@ impl Default for SupervisorConfig {
     fn default() -> Self {
         Self {
             shards: 4,
+            sharding: Sharding::Branch,
             poll_interval: Duration::from_secs(1),
             lease: LeaseConfig::default(),
             metrics_interval: Duration::from_secs(5),
@@ -471,6 +475,7 @@ impl Actor for RelaySupervisor {
         let directory = PublisherDirectory::new(
             args.config.shards,
             args.config.drainer.express_max_events > 0,
+            args.config.sharding,
         );
         let core = Core::new(CoreConfig {
             publishers: directory.slots(),

@@ -320,6 +320,21 @@ impl PrivateCluster {
         self.script(&["start-node", &n.to_string()]);
     }
 
+    /// Copies the nodes' logs to a directory of their own, kept after the cluster stops (for
+    /// a failed test's report); returns it.
+    pub fn keep_logs(&self) -> PathBuf {
+        let kept = std::env::temp_dir().join(format!(
+            "relay-cluster-logs-{}",
+            self.dir.file_name().unwrap().to_string_lossy()
+        ));
+        let _ = Command::new("cp")
+            .arg("-r")
+            .arg(&self.dir)
+            .arg(&kept)
+            .status();
+        kept
+    }
+
     /// `rabbitmqctl -n <node n> args...`.
     pub fn ctl(&self, n: u8, args: &[&str]) -> String {
         let output = Command::new("rabbitmqctl")

@@ -61,7 +61,18 @@ struct Replaying {
 
 impl Replaying {
     async fn start(rabbit: &RabbitConfig, url: &str) -> Self {
+        Self::start_with(
+            rabbit,
+            url,
+            ConsumerConfig::new(rabbit.clone()).stream_resubscribe,
+        )
+        .await
+    }
+
+    /// Started with silent partitions subscribed to again after `resubscribe`.
+    async fn start_with(rabbit: &RabbitConfig, url: &str, resubscribe: Duration) -> Self {
         let mut config = ConsumerConfig::new(rabbit.clone());
+        config.stream_resubscribe = resubscribe;
         config.retry.min = Duration::from_millis(20);
         config.retry.max = Duration::from_millis(300);
         let options: sqlx::postgres::PgConnectOptions = url.parse().unwrap();
@@ -241,6 +252,60 @@ async fn a_group_created_after_the_history_replays_it_into_the_same_projection()
     .catch_unwind()
     .await;
     drop_streams(&base.topology, &["live", "replay"]).await;
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic);
+    }
+}
+
+/// A stream partition that stays silent is subscribed to again (after 100 ms here) at the
+/// offset the fold expects (the defence against a broker that does not tell a subscription of
+/// what it holds, `ConsumerConfig::stream_resubscribe`): through three bursts of events with
+/// silences between them, in which every partition subscribes again, the group folds every
+/// live event once and none twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_silent_partition_subscribes_again_where_the_fold_expects() {
+    let (pool, url) = fresh_database("streamsquiet").await;
+    let name = unique("relay-quiet");
+    let config = stream_config(&url, &name, StreamRetention::default());
+    let base = config.rabbit_config().unwrap();
+    let outcome = std::panic::AssertUnwindSafe(async {
+        declare_topology(&base.topology).await;
+        let (fold, fold_url) = fold_database("streamsquietfold").await;
+        let group = as_group(&base, "quiet");
+        let consumer = Replaying::start_with(&group, &fold_url, Duration::from_millis(100)).await;
+        let relay = Relay::start(config.clone()).await.unwrap();
+        let mut expected = Expected::new();
+        for burst in 0..3 {
+            let ran = Workload::new(&format!("quiet{burst}"), 2, 3, 30)
+                .run(&pool)
+                .await;
+            expected.extend(ran.expected);
+            wait_until("the burst folded", Duration::from_secs(60), || async {
+                folded_count(&fold, &expected).await == count(&expected)
+            })
+            .await;
+            let before = consumer.progress.partitions();
+            wait_until(
+                "every partition subscribed again in the silence",
+                Duration::from_secs(30),
+                || async {
+                    let now = consumer.progress.partitions();
+                    now.iter()
+                        .zip(&before)
+                        .all(|(now, before)| now.resubscribes > before.resubscribes)
+                },
+            )
+            .await;
+        }
+        let totals = consumer.stop().await;
+        assert_folded_exactly(&fold, &expected).await;
+        assert_eq!(totals.duplicates, 0, "{totals:?}");
+        assert_eq!(totals.gaps, 0, "{totals:?}");
+        relay.shutdown().await;
+    })
+    .catch_unwind()
+    .await;
+    drop_streams(&base.topology, &["quiet"]).await;
     if let Err(panic) = outcome {
         std::panic::resume_unwind(panic);
     }

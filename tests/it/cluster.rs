@@ -387,3 +387,193 @@ async fn node_failures_under_load_lose_nothing_on_quorum_queues() {
 async fn node_failures_under_load_lose_nothing_on_streams() {
     on_a_cluster(QueueType::Stream).await;
 }
+
+/// Publishes numbered messages to `streams` in turn on one confirming channel of
+/// `connection`, up to 200 unconfirmed, until `stop`, as the relay does: a message not
+/// confirmed within 2 s is given up (the relay would send it again) and publishing goes on.
+/// Returns, per stream, the numbers the broker confirmed.
+async fn publish_confirmed(
+    connection: &lapin::Connection,
+    streams: &[String],
+    stop: Arc<AtomicBool>,
+) -> Vec<std::collections::BTreeSet<u64>> {
+    use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+    let channel = connection.create_channel().await.unwrap();
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let mut confirmed = vec![std::collections::BTreeSet::new(); streams.len()];
+    let mut pending = tokio::task::JoinSet::new();
+    let mut n = 0u64;
+    loop {
+        if !stop.load(Ordering::Acquire) && pending.len() < 200 {
+            let index = (n as usize) % streams.len();
+            let body = n.to_string().into_bytes();
+            let published = tokio::time::timeout(
+                Duration::from_secs(2),
+                channel.basic_publish(
+                    "".into(),
+                    streams[index].as_str().into(),
+                    BasicPublishOptions::default(),
+                    &body,
+                    lapin::BasicProperties::default().with_delivery_mode(2),
+                ),
+            )
+            .await;
+            let Ok(Ok(confirm)) = published else { break };
+            pending.spawn(async move {
+                let acked = matches!(
+                    tokio::time::timeout(Duration::from_secs(2), confirm).await,
+                    Ok(Ok(lapin::Confirmation::Ack(_)))
+                );
+                (index, n, acked)
+            });
+            n += 1;
+            continue;
+        }
+        match pending.join_next().await {
+            Some(Ok((index, n, true))) => {
+                confirmed[index].insert(n);
+            }
+            Some(_) => {}
+            None => break,
+        }
+    }
+    while let Some(done) = pending.join_next().await {
+        if let Ok((index, n, true)) = done {
+            confirmed[index].insert(n);
+        }
+    }
+    confirmed
+}
+
+/// Every number in `stream` from its first offset, read through `connection`: subscribed
+/// again (up to 5 times) until it holds `want` or a subscription hears nothing for 2 s.
+async fn stream_numbers(
+    connection: &lapin::Connection,
+    stream: &str,
+    want: &std::collections::BTreeSet<u64>,
+) -> std::collections::BTreeSet<u64> {
+    use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..5 {
+        let channel = connection.create_channel().await.unwrap();
+        channel
+            .basic_qos(1000, BasicQosOptions::default())
+            .await
+            .unwrap();
+        let mut arguments = lapin::types::FieldTable::default();
+        arguments.insert(
+            "x-stream-offset".into(),
+            lapin::types::AMQPValue::LongString("first".into()),
+        );
+        let mut deliveries = channel
+            .basic_consume(
+                stream.into(),
+                "".into(),
+                BasicConsumeOptions::default(),
+                arguments,
+            )
+            .await
+            .unwrap();
+        while let Ok(Some(Ok(delivery))) =
+            tokio::time::timeout(Duration::from_secs(2), deliveries.next()).await
+        {
+            seen.insert(
+                std::str::from_utf8(&delivery.data)
+                    .unwrap()
+                    .parse()
+                    .unwrap(),
+            );
+            delivery.ack(BasicAckOptions::default()).await.unwrap();
+        }
+        let _ = channel.close(200, "read".into()).await;
+        if want.is_subset(&seen) {
+            break;
+        }
+    }
+    seen
+}
+
+/// Why the relay publishes each stream partition on a channel of its own
+/// (`actors::Sharding::Partition`). Three streams led by node 1 take confirmed publishes
+/// through node 3 (whose channels survive node 1): two of them from one channel, in turn,
+/// the third from a channel that writes to it alone. Node 1 is killed with messages in
+/// flight: the lone stream's channel loses no confirmed message. RabbitMQ before 4.0.x loses
+/// some of the shared channel's (rabbitmq-server#9457: the resend after the leader change
+/// uses the channel's sequence numbers, the stream's deduplication then drops later messages
+/// and confirms them; 3.10.8 here lost 1,377 and 1,516 of about 8,000 in two runs); that
+/// count is printed, not asserted, since a fixed broker loses none. A graceful stop of the
+/// leader showed no loss (no resend of unconfirmed messages).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_channel_that_writes_to_one_stream_loses_nothing_when_its_leader_dies() {
+    let cluster = tokio::task::block_in_place(|| PrivateCluster::start("resend"));
+    let urls: Vec<String> = cluster.urls().split(',').map(str::to_owned).collect();
+    let properties = lapin::ConnectionProperties::default;
+    let first = lapin::Connection::connect(&urls[0], properties())
+        .await
+        .unwrap();
+    let declaring = first.create_channel().await.unwrap();
+    let streams: Vec<String> = (0..3).map(|n| format!("resend-{n}")).collect();
+    for stream in &streams {
+        let mut arguments = lapin::types::FieldTable::default();
+        arguments.insert(
+            "x-queue-type".into(),
+            lapin::types::AMQPValue::LongString("stream".into()),
+        );
+        arguments.insert(
+            "x-initial-cluster-size".into(),
+            lapin::types::AMQPValue::LongInt(3),
+        );
+        // Declared through node 1: it leads them (`client-local`).
+        declaring
+            .queue_declare(
+                stream.as_str().into(),
+                lapin::options::QueueDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                arguments,
+            )
+            .await
+            .unwrap();
+    }
+    let third = lapin::Connection::connect(&urls[2], properties())
+        .await
+        .unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let (shared, alone, ()) = tokio::join!(
+        publish_confirmed(&third, &streams[..2], stop.clone()),
+        publish_confirmed(&third, &streams[2..], stop.clone()),
+        async {
+            // Publishing pace, not synchronisation: messages in flight when node 1 stops.
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            tokio::task::block_in_place(|| cluster.kill_node(1));
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            stop.store(true, Ordering::Release);
+        }
+    );
+    let mut lost = Vec::new();
+    for (stream, confirmed) in streams.iter().zip(shared.iter().chain(&alone)) {
+        let seen = stream_numbers(&third, stream, confirmed).await;
+        lost.push(confirmed.difference(&seen).count());
+        println!(
+            "{stream}: {} confirmed, {} of them not in the stream",
+            confirmed.len(),
+            lost.last().unwrap()
+        );
+    }
+    assert!(
+        alone[0].len() > 100,
+        "the lone channel published through the stop"
+    );
+    assert_eq!(
+        lost[2], 0,
+        "a channel that writes to one stream lost confirmed messages"
+    );
+    println!(
+        "a channel shared by two streams lost {} confirmed",
+        lost[0] + lost[1]
+    );
+}

@@ -630,7 +630,9 @@ where
                     ));
                 }
             };
-            quiet.as_mut().reset(tokio::time::Instant::now() + silence);
+            if on_stream {
+                quiet.as_mut().reset(tokio::time::Instant::now() + silence);
+            }
             backoff.reset();
             let offset = match &self.stream {
                 None => None,

@@ -680,6 +680,10 @@ impl Publisher for TimedPublisher {
         });
         self.inner.send(events, fence, timed)
     }
+
+    fn connect(&mut self) -> BoxFuture<'_, Result<(), distribution::broker::Error>> {
+        self.inner.connect()
+    }
 }
 
 /// Section 4's rows for one wake-up path: the relay's p50 / p99 against the floor measured in
@@ -831,21 +835,29 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake, load: &Load) -> Result<
     )
     .await?;
     let outbox = Outbox::new(pool.clone());
-    // Warm the publishers' connections so the first events do not pay for the handshake.
+    // Measure a relay in its steady state, not one starting up: every writer tenant ships one
+    // intent first. That waits for the relay to hold each tenant's lease bucket (a relay's
+    // first heartbeat claims only half the buckets, `LeasePlan::first_step`; the rest come a
+    // heartbeat later) and for each tenant's drainer, with the publishers already connected.
     let warm = IntentWriter::default();
-    let warm_key = BranchKey::new(
-        TenantId::new("warm")?,
-        RunId::new("r")?,
-        BranchId::new("main")?,
-    );
-    warm.open_run(&mut *pool.acquire().await?, &warm_key)
-        .await?;
-    warm.append(&mut *pool.acquire().await?, &warm_key, Lsn::new(1), b"warm")
-        .await?;
+    let mut warm_tenants = Vec::new();
+    for tenant in 0..load.tenants.max(1) {
+        let key = BranchKey::new(
+            TenantId::new(format!("{}{tenant}", load.prefix))?,
+            RunId::new("warm")?,
+            BranchId::new("main")?,
+        );
+        warm.open_run(&mut *pool.acquire().await?, &key).await?;
+        warm.append(&mut *pool.acquire().await?, &key, Lsn::new(1), b"warm")
+            .await?;
+        warm_tenants.push(key.tenant);
+    }
     let deadline = Instant::now() + Duration::from_secs(30);
-    while outbox.tenant_backlog(&warm_key.tenant).await?.pending > 0 {
-        anyhow::ensure!(Instant::now() < deadline, "warm-up did not ship in 30 s");
-        tokio::time::sleep(Duration::from_millis(10)).await;
+    for tenant in &warm_tenants {
+        while outbox.tenant_backlog(tenant).await?.pending > 0 {
+            anyhow::ensure!(Instant::now() < deadline, "warm-up did not ship in 30 s");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     let started = Instant::now();
@@ -959,6 +971,29 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake, load: &Load) -> Result<
             })
             .collect()
     };
+    if let Ok(path) = std::env::var("BENCH_DUMP") {
+        let mut out = String::new();
+        for ((key, committed), ms) in commits.iter().zip(&millis) {
+            let _ = writeln!(
+                out,
+                "{:.3} {} {} {ms:.2}",
+                committed.duration_since(started).as_secs_f64(),
+                key.branch,
+                key.lsn
+            );
+        }
+        std::fs::write(
+            format!(
+                "{path}.{}",
+                if wake == Wake::Notify {
+                    "notify"
+                } else {
+                    "waker"
+                }
+            ),
+            out,
+        )?;
+    }
     millis.sort_by(f64::total_cmp);
     drop_topology(&env.amqp, &rabbit.topology).await?;
     pool.close().await;

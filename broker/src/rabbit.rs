@@ -1,7 +1,8 @@
 //! The RabbitMQ adapter of the [`Publisher`] port.
 //!
-//! - Lazy: constructing it does no I/O; the first publish connects. A broker that is down at
-//!   start is normal: publishes report `NotSent` with a fault, never a panic or a hang.
+//! - Constructing it does no I/O; [`Publisher::connect`] (the relay's publisher actor calls it
+//!   as it starts) or else the first publish connects. A broker that is down at start is
+//!   normal: publishes report `NotSent` with a fault, never a panic or a hang.
 //! - Confirms on, persistent messages, `mandatory`: a returned message is a failure.
 //! - Pipelined: `send` writes a batch and returns its confirms as a future (one deadline for the
 //!   batch); the caller may write further batches before awaiting it.
@@ -403,7 +404,7 @@ impl Drop for RabbitPublisher {
 }
 
 impl RabbitPublisher {
-    /// A publisher that connects on first use.
+    /// A publisher that connects on [`Publisher::connect`] or its first publish.
     pub fn new(config: RabbitConfig) -> Self {
         Self {
             config,
@@ -818,6 +819,10 @@ impl Publisher for RabbitPublisher {
         done: OnReport,
     ) -> BoxFuture<'a, ()> {
         Box::pin(self.send_batch(events, fence, done))
+    }
+
+    fn connect(&mut self) -> BoxFuture<'_, Result<(), Error>> {
+        Box::pin(async move { self.session().await.map(|_| ()) })
     }
 }
 

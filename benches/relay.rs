@@ -680,10 +680,6 @@ impl Publisher for TimedPublisher {
         });
         self.inner.send(events, fence, timed)
     }
-
-    fn connect(&mut self) -> BoxFuture<'_, Result<(), distribution::broker::Error>> {
-        self.inner.connect()
-    }
 }
 
 /// Section 4's rows for one wake-up path: the relay's p50 / p99 against the floor measured in
@@ -835,26 +831,33 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake, load: &Load) -> Result<
     )
     .await?;
     let outbox = Outbox::new(pool.clone());
-    // Measure a relay in its steady state, not one starting up: every writer tenant ships one
-    // intent first. That waits for the relay to hold each tenant's lease bucket (a relay's
-    // first heartbeat claims only half the buckets, `LeasePlan::first_step`; the rest come a
-    // heartbeat later) and for each tenant's drainer, with the publishers already connected.
-    let warm = IntentWriter::default();
-    let mut warm_tenants = Vec::new();
-    for tenant in 0..load.tenants.max(1) {
+    // Measure a relay in its steady state, not one starting up: every writer's branch ships
+    // its first intent (Lsn 1) before the clock starts. That waits for the relay to hold each
+    // tenant's lease bucket (a relay's first heartbeat claims only half the buckets,
+    // `LeasePlan::first_step`; the rest come a heartbeat later), for each tenant's drainer and
+    // for the connection of each branch's publisher.
+    let (writer_count, rate) = (load.writers, load.rate.max(load.writers));
+    let mut keys = Vec::new();
+    for writer_index in 0..writer_count {
+        let tenant = format!("{}{}", load.prefix, writer_index % load.tenants.max(1));
         let key = BranchKey::new(
-            TenantId::new(format!("{}{tenant}", load.prefix))?,
-            RunId::new("warm")?,
+            TenantId::new(tenant)?,
+            RunId::new(format!("w{writer_index}"))?,
             BranchId::new("main")?,
         );
-        warm.open_run(&mut *pool.acquire().await?, &key).await?;
-        warm.append(&mut *pool.acquire().await?, &key, Lsn::new(1), b"warm")
-            .await?;
-        warm_tenants.push(key.tenant);
+        let writer = IntentWriter::default().with_notify(wake == Wake::Notify);
+        writer.open_run(&mut *pool.acquire().await?, &key).await?;
+        let mut tx = pool.begin().await?;
+        writer.append(&mut tx, &key, Lsn::new(1), b"warm").await?;
+        tx.commit().await?;
+        if wake == Wake::Waker {
+            relay.waker().wake(&key.tenant);
+        }
+        keys.push(key);
     }
     let deadline = Instant::now() + Duration::from_secs(30);
-    for tenant in &warm_tenants {
-        while outbox.tenant_backlog(tenant).await?.pending > 0 {
+    for key in &keys {
+        while outbox.tenant_backlog(&key.tenant).await?.pending > 0 {
             anyhow::ensure!(Instant::now() < deadline, "warm-up did not ship in 30 s");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
@@ -862,28 +865,18 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake, load: &Load) -> Result<
 
     let started = Instant::now();
     let mut writers = Vec::new();
-    let (writer_count, rate) = (load.writers, load.rate.max(load.writers));
-    for writer_index in 0..writer_count {
+    for key in keys {
         let pool = pool.clone();
         let seconds = mode.latency_secs;
         let waker = relay.waker();
-        let tenant = format!("{}{}", load.prefix, writer_index % load.tenants.max(1));
         writers.push(tokio::spawn(async move {
             let writer = IntentWriter::default().with_notify(wake == Wake::Notify);
-            let key = BranchKey::new(
-                TenantId::new(tenant).expect("valid id"),
-                RunId::new(format!("w{writer_index}")).expect("valid id"),
-                BranchId::new("main").expect("valid id"),
-            );
-            writer
-                .open_run(&mut pool.acquire().await.expect("conn"), &key)
-                .await
-                .expect("open");
             let mut ticker = tokio::time::interval(Duration::from_secs(writer_count.into()) / rate);
             // Burst: a writer that fell behind catches up, so the offered load stays as set.
             ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
             let mut commits = Vec::new();
-            for lsn in 1..=(u64::from(rate) / u64::from(writer_count) * seconds) {
+            // Lsn 1 was the warm-up.
+            for lsn in 2..=(u64::from(rate) / u64::from(writer_count) * seconds + 1) {
                 ticker.tick().await;
                 let mut tx = pool.begin().await.expect("begin");
                 let payload = [b'x'; PAYLOAD_BYTES as usize];
@@ -1840,11 +1833,19 @@ async fn run(mode: &Mode) -> Result<String> {
         env.cleanup().await;
         return Ok(table);
     }
-    if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "drainmeta") {
-        // One drain with full metadata, for a profiler.
-        let rate = drain_rate(&mut env, (mode.backlog_per_run / 4).max(1), true, 0).await?;
+    if let Ok(only @ ("drainmeta" | "drainplain")) = std::env::var("BENCH_ONLY").as_deref() {
+        // One drain with full metadata or none, for a profiler.
+        let with_meta = only == "drainmeta";
+        let rate = drain_rate(&mut env, (mode.backlog_per_run / 4).max(1), with_meta, 0).await?;
         row(
-            "12. backlog drain, full metadata (one run)",
+            &format!(
+                "12. backlog drain, {} (one run)",
+                if with_meta {
+                    "full metadata"
+                } else {
+                    "no metadata"
+                }
+            ),
             format!("{rate:.0} ev/s"),
             "",
         );

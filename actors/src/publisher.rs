@@ -10,9 +10,8 @@ use tracing::Instrument;
 
 use crate::{DrainerMessage, ShardId};
 
-/// Makes the broker client of a shard. Called in `pre_start`, so it must not do I/O: the actor
-/// connects it in `post_start` ([`Publisher::connect`]), with the first batch waiting in its
-/// mailbox.
+/// Makes the broker client of a shard. Called in `pre_start`, so it must not do I/O: the
+/// RabbitMQ adapter connects lazily on its first publish.
 pub type PublisherFactory = Arc<dyn Fn(ShardId) -> Box<dyn Publisher> + Send + Sync>;
 
 /// Default bound on events written but not yet confirmed, per publisher.
@@ -195,21 +194,6 @@ impl Actor for PublisherActor {
             unconfirmed,
             session: Arc::default(),
         })
-    }
-
-    /// Opens the broker session before the first batch arrives (it waits in the mailbox
-    /// meanwhile), so a relay that just started, or a publisher just restarted, ships its
-    /// first events without a handshake on their path. A failure is not a fault here: the
-    /// first batch connects again and reports what it finds.
-    async fn post_start(
-        &self,
-        _myself: ActorRef<Self::Msg>,
-        state: &mut PublisherState,
-    ) -> Result<(), ActorProcessingErr> {
-        if let Err(err) = state.client.connect().await {
-            tracing::debug!(shard = state.args.shard.0, error = %err, "publisher could not connect ahead of its first batch");
-        }
-        Ok(())
     }
 
     async fn handle(
@@ -401,84 +385,5 @@ mod tests {
         answered.sort_unstable();
         assert_eq!(answered, [0, 1, 2]);
         probe.stop(None);
-    }
-
-    /// A broker client that writes down what it is asked, accepts every event, and fails to
-    /// connect ahead of time when told to.
-    struct Recorder {
-        calls: Arc<std::sync::Mutex<Vec<&'static str>>>,
-        connects: bool,
-    }
-
-    impl Publisher for Recorder {
-        fn send<'a>(
-            &'a mut self,
-            events: &'a [OutboxEvent],
-            _fence: &'a Fence,
-            done: OnReport,
-        ) -> BoxFuture<'a, ()> {
-            self.calls.lock().unwrap().push("send");
-            done(broker::PublishReport {
-                outcomes: vec![Outcome::Accepted; events.len()],
-                fault: None,
-            });
-            Box::pin(async {})
-        }
-
-        fn connect(&mut self) -> BoxFuture<'_, Result<(), broker::Error>> {
-            self.calls.lock().unwrap().push("connect");
-            let connects = self.connects;
-            Box::pin(async move {
-                if connects {
-                    Ok(())
-                } else {
-                    Err(broker::Error::Unreachable("down".into()))
-                }
-            })
-        }
-    }
-
-    /// A publisher connects as it starts, before its first batch, even one already in its
-    /// mailbox: a relay's first events pay for no handshake. A failed connect is no fault: the
-    /// batch is still sent (the adapter connects again then and reports what it finds).
-    #[tokio::test]
-    async fn a_publisher_connects_before_its_first_batch_and_survives_a_failed_connect() {
-        for connects in [true, false] {
-            let (to_test, mut answers) = tokio::sync::mpsc::unbounded_channel();
-            let (probe, _) = Actor::spawn(None, Probe, to_test).await.unwrap();
-            let calls = Arc::new(std::sync::Mutex::new(Vec::new()));
-            let factory_calls = calls.clone();
-            let args = PublisherArgs {
-                shard: ShardId(0),
-                factory: Arc::new(move |_| {
-                    Box::new(Recorder {
-                        calls: factory_calls.clone(),
-                        connects,
-                    }) as Box<dyn Publisher>
-                }),
-                on_healthy: Arc::new(|_| {}),
-                max_unconfirmed: 10,
-            };
-            let (publisher, _) = Actor::spawn(None, PublisherActor, args).await.unwrap();
-            publisher
-                .cast(PublisherMessage::Publish {
-                    events: vec![event(1)],
-                    reply: Reply::new(probe.clone(), 0, ShardId(0)),
-                    fence: Fence::open(),
-                })
-                .unwrap();
-            let answer = tokio::time::timeout(Duration::from_secs(5), answers.recv())
-                .await
-                .expect("answered")
-                .expect("probe alive");
-            let DrainerMessage::Confirmed { outcomes, .. } = answer else {
-                panic!("not an answer: {answer:?}");
-            };
-            assert_eq!(outcomes, [Outcome::Accepted], "connects: {connects}");
-            assert_eq!(*calls.lock().unwrap(), ["connect", "send"]);
-            assert_eq!(publisher.get_status(), ractor::ActorStatus::Running);
-            publisher.stop(None);
-            probe.stop(None);
-        }
     }
 }

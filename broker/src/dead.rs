@@ -86,6 +86,12 @@ pub struct DeadLetters {
     connection: Connection,
 }
 
+/// Closes `channel` politely, but gives up after the connect timeout: a node that went away
+/// mid-close would otherwise hold the caller (and whoever waits for it to stop) for ever.
+async fn close_within(config: &RabbitConfig, channel: &Channel, why: &str) {
+    let _ = tokio::time::timeout(config.connect_timeout, channel.close(200, why.into())).await;
+}
+
 impl DeadLetters {
     /// Connects (under the config's timeouts, TLS as configured). Declares nothing: the queue
     /// must exist (a consumer or the relay declared the topology).
@@ -133,7 +139,7 @@ impl DeadLetters {
             ),
         )
         .await?;
-        let _ = channel.close(200, "done".into()).await;
+        close_within(&self.config, &channel, "done").await;
         Ok(queue.message_count())
     }
 
@@ -148,7 +154,7 @@ impl DeadLetters {
             letters.push(letter);
         }
         // Closing the channel puts every message read back, in place.
-        let _ = channel.close(200, "listed".into()).await;
+        close_within(&self.config, &channel, "listed").await;
         Ok(letters)
     }
 
@@ -167,7 +173,7 @@ impl DeadLetters {
                 break;
             }
         }
-        let _ = channel.close(200, "found".into()).await;
+        close_within(&self.config, &channel, "found").await;
         Ok(found)
     }
 
@@ -217,7 +223,7 @@ impl DeadLetters {
                 }
             })
             .await?;
-        let _ = publish.close(200, "replayed".into()).await;
+        close_within(&self.config, &publish, "replayed").await;
         Ok(replayed)
     }
 
@@ -260,7 +266,7 @@ impl DeadLetters {
                 taken += 1;
             }
         }
-        let _ = channel.close(200, "done".into()).await;
+        close_within(&self.config, &channel, "done").await;
         Ok(taken)
     }
 

@@ -107,13 +107,6 @@ pub trait Publisher: Send + 'static {
         done: OnReport,
     ) -> BoxFuture<'a, ()>;
 
-    /// Opens the broker session ahead of the first batch, so that batch pays for no
-    /// handshake. The adapter otherwise connects on its first `send`; a failure here is for
-    /// the caller to log: the next `send` tries again and reports the fault as usual.
-    fn connect(&mut self) -> BoxFuture<'_, Result<(), Error>> {
-        Box::pin(async { Ok(()) })
-    }
-
     /// Writes `events` without a lease fence and awaits their confirms (tools and tests).
     fn publish<'a>(&'a mut self, events: &'a [OutboxEvent]) -> BoxFuture<'a, PublishReport> {
         Box::pin(async move {

@@ -1,8 +1,7 @@
 //! The RabbitMQ adapter of the [`Publisher`] port.
 //!
-//! - Constructing it does no I/O; [`Publisher::connect`] (the relay's publisher actor calls it
-//!   as it starts) or else the first publish connects. A broker that is down at start is
-//!   normal: publishes report `NotSent` with a fault, never a panic or a hang.
+//! - Lazy: constructing it does no I/O; the first publish connects. A broker that is down at
+//!   start is normal: publishes report `NotSent` with a fault, never a panic or a hang.
 //! - Confirms on, persistent messages, `mandatory`: a returned message is a failure.
 //! - Pipelined: `send` writes a batch and returns its confirms as a future (one deadline for the
 //!   batch); the caller may write further batches before awaiting it.
@@ -404,7 +403,7 @@ impl Drop for RabbitPublisher {
 }
 
 impl RabbitPublisher {
-    /// A publisher that connects on [`Publisher::connect`] or its first publish.
+    /// A publisher that connects on first use.
     pub fn new(config: RabbitConfig) -> Self {
         Self {
             config,
@@ -819,10 +818,6 @@ impl Publisher for RabbitPublisher {
         done: OnReport,
     ) -> BoxFuture<'a, ()> {
         Box::pin(self.send_batch(events, fence, done))
-    }
-
-    fn connect(&mut self) -> BoxFuture<'_, Result<(), Error>> {
-        Box::pin(async move { self.session().await.map(|_| ()) })
     }
 }
 

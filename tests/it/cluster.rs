@@ -80,9 +80,13 @@ impl FirstDeliveries {
     ) -> Result<(), broker::Error> {
         let (_connection, channel) = broker::open(rabbit, "first-deliveries").await?;
         let stream = rabbit.topology.queue_type() == QueueType::Stream;
-        channel
-            .basic_qos(500, lapin::options::BasicQosOptions::default())
-            .await?;
+        let limit = rabbit.connect_timeout;
+        broker::within(
+            "basic.qos",
+            limit,
+            channel.basic_qos(500, lapin::options::BasicQosOptions::default()),
+        )
+        .await?;
         let mut arguments = lapin::types::FieldTable::default();
         if stream {
             arguments.insert(
@@ -90,8 +94,10 @@ impl FirstDeliveries {
                 lapin::types::AMQPValue::LongString("first".into()),
             );
         }
-        let mut deliveries = channel
-            .basic_consume(
+        let mut deliveries = broker::within(
+            "basic.consume",
+            limit,
+            channel.basic_consume(
                 rabbit.topology.queue(partition),
                 "".into(),
                 lapin::options::BasicConsumeOptions {
@@ -99,8 +105,9 @@ impl FirstDeliveries {
                     ..Default::default()
                 },
                 arguments,
-            )
-            .await?;
+            ),
+        )
+        .await?;
         while !stop.load(Ordering::Acquire) {
             let next = tokio::time::timeout(Duration::from_millis(100), deliveries.next()).await;
             let delivery = match next {
@@ -111,9 +118,12 @@ impl FirstDeliveries {
             let event = broker::decode(&delivery.properties, &delivery.data).unwrap();
             seen.lock().unwrap().push(event.key);
             if stream {
-                delivery
-                    .ack(lapin::options::BasicAckOptions::default())
-                    .await?;
+                broker::within(
+                    "basic.ack",
+                    limit,
+                    delivery.ack(lapin::options::BasicAckOptions::default()),
+                )
+                .await?;
             }
         }
         Ok(())
@@ -226,8 +236,15 @@ async fn failures_under_load(cluster: &PrivateCluster, queue_type: QueueType) ->
         );
     }
     until_folded_exactly(&fold, &expected, "the fold has every live intent").await;
-    folding.stop().await;
-    let first = first_deliveries.stop().await;
+    // Each step of the teardown is bounded: a step that hangs fails the test, naming itself,
+    // instead of holding the suite until CI's limit.
+    let teardown = Duration::from_secs(60);
+    tokio::time::timeout(teardown, folding.stop())
+        .await
+        .expect("the consumer stops within 60 s");
+    let first = tokio::time::timeout(teardown, first_deliveries.stop())
+        .await
+        .expect("the recorder stops within 60 s");
     for (branch, lsns) in &first {
         assert!(
             lsns.windows(2).all(|pair| pair[0] < pair[1]),
@@ -240,7 +257,9 @@ async fn failures_under_load(cluster: &PrivateCluster, queue_type: QueueType) ->
         "every branch reached the recorder"
     );
     for relay in relays {
-        relay.shutdown().await;
+        tokio::time::timeout(teardown, relay.shutdown())
+            .await
+            .expect("a relay shuts down within 60 s");
     }
     costs.try_into().unwrap()
 }

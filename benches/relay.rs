@@ -573,7 +573,7 @@ async fn payload_sizes(
             &format!("9. {label}: relay / ceiling of bare messages (min / median / max)"),
             format!("{b_min:.2} / {b_med:.2} / {b_max:.2}"),
             &format!(
-                "the ceiling without the contract's headers: {bare_min:.0} / {bare_med:.0} / {bare_max:.0} ev/s (the broker's extra work for the headers is not the relay's)"
+                "the ceiling without the contract's headers: {bare_min:.0} / {bare_med:.0} / {bare_max:.0} ev/s, for reference"
             ),
         );
         row(
@@ -866,7 +866,8 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake, load: &Load) -> Result<
     // its first intent (Lsn 1) before the clock starts. That waits for the relay to hold each
     // tenant's lease bucket (a relay's first heartbeat claims only half the buckets,
     // `LeasePlan::first_step`; the rest come a heartbeat later), for each tenant's drainer and
-    // for the connection of each branch's publisher.
+    // for the connection of the publisher that ships each branch's small batches (the express
+    // lane of its shard; a bulk lane still connects on its first batch).
     let (writer_count, rate) = (load.writers, load.rate.max(load.writers));
     let mut keys = Vec::new();
     for writer_index in 0..writer_count {
@@ -1156,8 +1157,8 @@ async fn metadata_drain(
     mode: &Mode,
     row: &mut impl FnMut(&str, String, &str),
 ) -> Result<()> {
-    // The drain pair: 5 pairs, the order swapped every other pair (a drain right after another
-    // one runs on a warmer broker and database), the ratio the median of the pairs' ratios.
+    // The drain pair: 5 pairs, the order swapped every other pair (so neither side always
+    // runs first), the ratio the median of the pairs' ratios.
     // A drain's rate is noisy on 2 shared cores (single drains of the same backlog ranged
     // 13.8k-16.1k ev/s in one session), so one median of 3 could say 0.75 or 0.95 of the same
     // code.

@@ -67,12 +67,43 @@ impl AmqpTls {
 /// with 32 KiB.
 pub const DEFAULT_FRAME_MAX: u32 = 32 * 1024;
 
+/// A lapin connection that is closed when it is dropped, whatever its channels and consumers
+/// are doing: a session abandoned at any await (a task aborted, a step timed out) leaves
+/// nothing open on the broker.
+///
+/// lapin 4.12.3 closes a dropped connection only once every handle on its channels is gone,
+/// and a `basic.consume` whose future is dropped before its `consume-ok` arrives breaks that:
+/// lapin then registers the consumer with a handle on its channel and without the canceller
+/// a returned consumer gets (`channel.rs`, `on_basic_consume_ok_received`; `consumer.rs`,
+/// `external`). The channel, and with it the connection, stays open for the life of the
+/// process, and the broker keeps delivering to that subscription up to its prefetch, messages
+/// nobody will ever ack or give back.
+#[derive(Debug)]
+pub struct ClosingConnection(Connection);
+
+impl std::ops::Deref for ClosingConnection {
+    type Target = Connection;
+
+    fn deref(&self) -> &Connection {
+        &self.0
+    }
+}
+
+impl Drop for ClosingConnection {
+    fn drop(&mut self) {
+        use futures_util::FutureExt;
+        // `close` hands `connection.close` to lapin's I/O thread on its first poll (it fails
+        // at once if the connection is no longer open); the close-ok is not awaited.
+        let _ = self.0.close(200, "closed".into()).now_or_never();
+    }
+}
+
 /// Connects to `uri` with `tls`; lapin's I/O thread never logs a returned payload.
 pub(crate) async fn connect(
     uri: &str,
     tls: &AmqpTls,
     properties: ConnectionProperties,
-) -> Result<Connection, lapin::Error> {
+) -> Result<ClosingConnection, lapin::Error> {
     let mut uri: AMQPUri = uri
         .parse()
         .map_err(|why: String| lapin::Error::from(std::io::Error::other(why)))?;
@@ -94,6 +125,7 @@ pub(crate) async fn connect(
         properties,
     )
     .await
+    .map(ClosingConnection)
 }
 
 thread_local! {

@@ -13,7 +13,7 @@ use lapin::options::{
     QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
+use lapin::{BasicProperties, Channel, Confirmation, ConnectionProperties};
 use store::{OutboxEvent, RunId, TenantId};
 
 use crate::{Error, RabbitConfig, WireError, within};
@@ -83,7 +83,7 @@ impl DeadFilter {
 #[derive(Debug)]
 pub struct DeadLetters {
     config: RabbitConfig,
-    connection: Connection,
+    connection: crate::ClosingConnection,
 }
 
 /// Closes `channel` politely, but gives up after the connect timeout: a node that went away

@@ -25,6 +25,7 @@ mod wire;
 pub use backoff::Backoff;
 pub use backoff::RetryPolicy;
 pub use connect::AmqpTls;
+pub use connect::ClosingConnection;
 pub use connect::DEFAULT_FRAME_MAX;
 pub use connect::quiet_lapin_payload_logs_on_this_thread;
 pub use dead::BROKER_HEADERS;

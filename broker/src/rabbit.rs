@@ -31,7 +31,9 @@ use tokio::time::Instant;
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::ShortString;
-use lapin::{Channel, Confirmation, Connection, ConnectionProperties};
+use lapin::{Channel, Confirmation, ConnectionProperties};
+
+use crate::ClosingConnection;
 use store::{Fence, OutboxEvent};
 
 use crate::port::{BoxFuture, OnReport, Outcome, PublishReport, Publisher};
@@ -118,7 +120,7 @@ impl RabbitConfig {
     pub(crate) async fn connect(
         &self,
         properties: ConnectionProperties,
-    ) -> Result<Connection, ConnectFailure> {
+    ) -> Result<ClosingConnection, ConnectFailure> {
         use std::sync::atomic::Ordering;
         let addresses = self.addresses();
         let first = self.next_address.load(Ordering::Relaxed) % addresses.len();
@@ -269,7 +271,10 @@ fn size_limit(err: &lapin::Error) -> Option<usize> {
 
 /// Opens a connection named `name` and a channel, and declares the topology, each step under
 /// the config's timeouts (TLS as configured). The consumer's sessions start here.
-pub async fn open(config: &RabbitConfig, name: &str) -> Result<(Connection, Channel), Error> {
+pub async fn open(
+    config: &RabbitConfig,
+    name: &str,
+) -> Result<(ClosingConnection, Channel), Error> {
     let properties = ConnectionProperties::default().with_connection_name(name.into());
     let connection = match config.connect(properties).await {
         Ok(connection) => connection,
@@ -354,7 +359,7 @@ pub async fn preflight(config: &RabbitConfig) -> Result<Preflight, Error> {
 
 /// An open connection, its confirming channel, and the pump awaiting that channel's confirms.
 struct Session {
-    _connection: Connection,
+    _connection: ClosingConnection,
     channel: Channel,
     pump: tokio::sync::mpsc::UnboundedSender<PendingBatch>,
     /// Batches whose writing began (read by the pump), and (watched by the pump) batches

@@ -30,7 +30,7 @@ use lapin::options::{
     ConfirmSelectOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use lapin::{Channel, Confirmation, Connection};
+use lapin::{Channel, Confirmation};
 use sqlx::{PgConnection, PgPool};
 use store::{EventTable, EventType, FoldError, FoldOutcome, FoldStore, OutboxEvent, Projection};
 use tokio::sync::watch;
@@ -463,7 +463,7 @@ struct StreamCursor {
 }
 
 struct Session {
-    connection: Connection,
+    connection: broker::ClosingConnection,
     channel: Channel,
     /// A confirming channel for dead letters: a message is acked only once its dead letter is
     /// confirmed.

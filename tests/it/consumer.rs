@@ -12,11 +12,11 @@ use distribution::Relay;
 use distribution::broker::{Partition, RetryPolicy};
 use distribution::consumer::{Consumer, ConsumerConfig, DEAD_LETTER_REASON, FoldStats};
 use distribution::store::{
-    BranchId, BranchKey, IntentWriter, Lsn, Outbox, OutboxEvent, Projection, RewindNotice, RunId,
-    TenantId,
+    BranchId, BranchKey, EventTable, IntentWriter, Lsn, Outbox, OutboxEvent, Projection,
+    RewindNotice, RunId, TenantId,
 };
 use distribution::testing::BrokerProxy;
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
 use lapin::options::{BasicConsumeOptions, BasicPublishOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
@@ -479,4 +479,88 @@ fn poison_and_broken_chains_are_dead_lettered_and_the_partition_keeps_flowing() 
         assert_eq!(reasons, ["broken_chain", "contract", "handler"]);
         drop_topology(&rabbit.topology).await;
     });
+}
+
+/// Consumers (each partition's subscriber on its own connection) killed again and again at
+/// points spread over their start (connecting, subscribing, consuming) leave no subscription
+/// open: a subscriber that outlived its consumer would take messages up to its prefetch and
+/// never ack or give them back. The deterministic case, a `basic.consume` abandoned before
+/// its answer, is `broker/tests/abandoned.rs`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn consumers_killed_while_starting_leave_no_subscription_open() {
+    let (_pool, url) = fresh_database("killedstart").await;
+    let config = relay_config(&url, &amqp_url(), &unique("relay-killedstart"));
+    let rabbit = direct_rabbit(&config);
+    let topology = rabbit.topology.clone();
+    let probe = Connection::connect(&amqp_url(), ConnectionProperties::default())
+        .await
+        .unwrap();
+    let subscribers = || async {
+        let channel = probe.create_channel().await.unwrap();
+        let mut total = 0;
+        for partition in 0..topology.partitions() {
+            let queue = channel
+                .queue_declare(
+                    topology.queue(Partition(partition)),
+                    lapin::options::QueueDeclareOptions {
+                        passive: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .unwrap();
+            total += queue.consumer_count();
+        }
+        let _ = channel.close(200, "counted".into()).await;
+        total
+    };
+    let outcome = std::panic::AssertUnwindSafe(async {
+        declare_topology(&topology).await;
+        // A consumer that ran to the end subscribes every partition (the count is right).
+        let own = PgPool::connect_lazy(&url).unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let running = tokio::spawn(
+            Consumer::new(ConsumerConfig::new(rabbit.clone()), own.clone(), EventTable).run(
+                async {
+                    let _ = stopped.await;
+                },
+            ),
+        );
+        let all = u32::from(topology.partitions());
+        wait_until(
+            "every partition subscribed",
+            Duration::from_secs(10),
+            || async { subscribers().await == all },
+        )
+        .await;
+        let _ = stop.send(());
+        running.await.unwrap().unwrap();
+        own.close().await;
+        // Killed 40 times, 0 to 58 ms after it started.
+        for attempt in 0..40u64 {
+            let own = PgPool::connect_lazy(&url).unwrap();
+            let consumer =
+                Consumer::new(ConsumerConfig::new(rabbit.clone()), own.clone(), EventTable);
+            let task = tokio::spawn(consumer.run(std::future::pending()));
+            tokio::time::sleep(Duration::from_micros(attempt * 1_500)).await;
+            task.abort();
+            let _ = task.await;
+            own.close().await;
+        }
+        assert!(
+            holds_within(Duration::from_secs(10), || async {
+                subscribers().await == 0
+            })
+            .await,
+            "{} subscription(s) outlived their consumers",
+            subscribers().await
+        );
+    })
+    .catch_unwind()
+    .await;
+    drop_topology(&topology).await;
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic);
+    }
 }

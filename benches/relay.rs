@@ -918,7 +918,7 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake, load: &Load) -> Result<
                     .expect("append");
                 tx.commit().await.expect("commit");
                 let committed = Instant::now();
-                if wake == Wake::Waker {
+                if wake == Wake::Waker || std::env::var_os("BENCH_WAKE_BOTH").is_some() {
                     waker.wake(&key.tenant);
                 }
                 let event = EventKey {

@@ -15,7 +15,8 @@
 //!   ([`retire_runs`], [`retire_folded_runs`]).
 //! - `roles`: least-privilege grants for host, relay and consumer roles ([`roles_sql`]).
 //! - `error`: the one [`Error`] type.
-//! - `fixtures` (feature `fixtures`): bulk backlogs for benchmarks.
+//! - `fixtures` (feature `fixtures`): bulk backlogs for benchmarks; `scratch`: test databases
+//!   dropped when the test process exits.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
 mod error;
@@ -31,6 +32,8 @@ mod outbox;
 mod retention;
 mod roles;
 mod schema;
+#[cfg(feature = "fixtures")]
+pub mod scratch;
 mod trace;
 mod wakeup;
 mod writer;

@@ -14,7 +14,7 @@ use distribution::store::{
 };
 use distribution::{RelayConfig, RelayHandle};
 use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
-use sqlx::{Connection, PgConnection, PgPool};
+use sqlx::PgPool;
 
 /// Name prefix of the host's executor threads: the broker client must never run on them.
 pub const HOST_THREADS: &str = "host-executor";
@@ -45,55 +45,15 @@ pub fn host_runtime() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
-/// Drops test databases of earlier runs (older than an hour, judged by the creation time in
-/// their names), so the shared server does not fill up with them. Recent ones may belong to a
-/// run in progress and are left alone.
-async fn sweep_stale_databases(admin: &mut PgConnection) {
-    static SWEPT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-    if SWEPT.swap(true, std::sync::atomic::Ordering::SeqCst) {
-        return;
-    }
-    let names: Vec<String> =
-        sqlx::query_scalar("SELECT datname FROM pg_database WHERE datname LIKE 'relay\\_it\\_%'")
-            .fetch_all(&mut *admin)
-            .await
-            .unwrap_or_default();
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_micros();
-    for name in names {
-        let created: Option<u128> = name
-            .rsplit('_')
-            .next()
-            .and_then(|micros| micros.parse().ok());
-        if created.is_some_and(|created| now.saturating_sub(created) > 3_600_000_000) {
-            let drop = format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)");
-            let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(drop))
-                .execute(&mut *admin)
-                .await;
-        }
-    }
-}
-
 /// A fresh database with nothing in it (a consumer's own database, say).
 pub async fn bare_database(label: &str) -> PgPool {
     empty_database(label).await.0
 }
 
-/// A fresh database with nothing in it; its pool and URL.
+/// A fresh database with nothing in it; its pool and URL. Dropped when the test process exits
+/// (`store::scratch`), whether its tests passed or failed.
 pub async fn empty_database(label: &str) -> (PgPool, String) {
-    let url = std::env::var("DATABASE_URL").expect("DATABASE_URL (set in .cargo/config.toml)");
-    let name = unique(&format!("relay_it_{label}"));
-    let mut admin = PgConnection::connect(&url).await.unwrap();
-    sweep_stale_databases(&mut admin).await;
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-        .execute(&mut admin)
-        .await
-        .unwrap();
-    let server = url.rsplit_once('/').unwrap().0;
-    let url = format!("{server}/{name}");
-    (PgPool::connect(&url).await.unwrap(), url)
+    store::scratch::scratch_database(label).await
 }
 
 /// A fresh, migrated database with a host state table; returns its pool and URL.

@@ -1,22 +1,10 @@
 //! Shared by the store's integration tests that are not `#[sqlx::test]`s.
-use chrono::Utc;
-use sqlx::{Connection, PgConnection, PgPool};
+use sqlx::PgPool;
 
-/// A new, empty database on `DATABASE_URL`'s server, named after `label`.
+/// A new, empty database on `DATABASE_URL`'s server, named after `label`; dropped when the
+/// test process exits (`store::scratch`).
 pub async fn empty_database(label: &str) -> PgPool {
-    let url = std::env::var("DATABASE_URL").expect("DATABASE_URL (set in .cargo/config.toml)");
-    let name = format!(
-        "relay_{label}_{}_{}",
-        std::process::id(),
-        Utc::now().timestamp_micros()
-    );
-    let mut admin = PgConnection::connect(&url).await.unwrap();
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-        .execute(&mut admin)
-        .await
-        .unwrap();
-    let base = url.rsplit_once('/').map(|(base, _)| base).unwrap();
-    PgPool::connect(&format!("{base}/{name}")).await.unwrap()
+    store::scratch::scratch_database(label).await.0
 }
 
 /// A new database with the relay's schema.

@@ -5,7 +5,9 @@
 //! 1. raw ceiling: pipelined confirmed publishes, no database (1 channel, and one per shard);
 //! 2. seed-style baseline: drain 100, publish-and-await one at a time, ack;
 //! 3. this relay draining a pre-filled backlog (50 tenants x 20 runs);
-//! 4. commit-to-confirm latency at a steady 2,000 events/s from 8 concurrent host writers;
+//! 4. commit-to-confirm latency at a steady 2,000 events/s from 8 concurrent host writers,
+//!    woken by NOTIFY, the in-process waker, and NOTIFY after the commit (4a: the host's
+//!    commits/s with each, unpaced; `BENCH_ONLY=wakecost` runs 4a alone);
 //! 5. peak RSS of the standalone relay draining a small and a 10x larger backlog;
 //! 6. database queries per second and CPU of the relay while 1,000 tenants sit idle;
 //! 13. classic, quorum and stream queues on one node and on a private 3-node cluster, and a
@@ -779,6 +781,19 @@ enum Wake {
     Notify,
     /// No NOTIFY; the embedded host calls `RelayWaker::wake` after its commit.
     Waker,
+    /// No NOTIFY in the transaction; the host calls `IntentWriter::wake_relays` after its
+    /// commit (what a host of a standalone relay can do).
+    AfterCommit,
+}
+
+impl Wake {
+    fn label(self) -> &'static str {
+        match self {
+            Wake::Notify => "NOTIFY",
+            Wake::Waker => "in-process waker",
+            Wake::AfterCommit => "NOTIFY after the commit",
+        }
+    }
 }
 
 /// Who writes during a latency measurement, and beside what.
@@ -882,8 +897,14 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake, load: &Load) -> Result<
         let mut tx = pool.begin().await?;
         writer.append(&mut tx, &key, Lsn::new(1), b"warm").await?;
         tx.commit().await?;
-        if wake == Wake::Waker {
-            relay.waker().wake(&key.tenant);
+        match wake {
+            Wake::Waker => relay.waker().wake(&key.tenant),
+            Wake::AfterCommit => {
+                writer
+                    .wake_relays(&mut *pool.acquire().await?, &key.tenant)
+                    .await?
+            }
+            Wake::Notify => {}
         }
         keys.push(key);
     }
@@ -920,6 +941,13 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake, load: &Load) -> Result<
                 let committed = Instant::now();
                 if wake == Wake::Waker || std::env::var_os("BENCH_WAKE_BOTH").is_some() {
                     waker.wake(&key.tenant);
+                }
+                if wake == Wake::AfterCommit {
+                    let mut conn = pool.acquire().await.expect("connection");
+                    writer
+                        .wake_relays(&mut conn, &key.tenant)
+                        .await
+                        .expect("wake");
                 }
                 let event = EventKey {
                     branch: key.clone(),
@@ -1010,10 +1038,10 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake, load: &Load) -> Result<
         std::fs::write(
             format!(
                 "{path}.{}",
-                if wake == Wake::Notify {
-                    "notify"
-                } else {
-                    "waker"
+                match wake {
+                    Wake::Notify => "notify",
+                    Wake::Waker => "waker",
+                    Wake::AfterCommit => "after",
                 }
             ),
             out,
@@ -1067,7 +1095,55 @@ fn wire_like_properties(meta: Option<&Metadata>) -> lapin::BasicProperties {
 
 /// Section 12a: host commits/s of `writers` writers appending one intent per transaction for
 /// `seconds`, with full metadata or payload only (no relay runs: the host's own cost).
-async fn append_rate(env: &mut Env, with_meta: bool, writers: u32, seconds: u64) -> Result<f64> {
+/// Section 4a: the host's commits/s at 8 unpaced writers (one intent per transaction) for each
+/// way of waking relays, side by side (3 rounds, the order rotated each round; median of 3).
+/// `BENCH_ONLY=wakecost` runs this alone.
+async fn wake_costs(
+    env: &mut Env,
+    mode: &Mode,
+    row: &mut impl FnMut(&str, String, &str),
+) -> Result<()> {
+    let seconds = mode.latency_secs.min(10);
+    let order = [Wake::Notify, Wake::AfterCommit, Wake::Waker];
+    let mut rates: [Vec<f64>; 3] = Default::default();
+    for round in 0..3 {
+        for step in 0..3 {
+            let index = (round + step) % 3;
+            rates[index].push(append_rate(env, false, order[index], 8, seconds).await?);
+        }
+    }
+    let [inside, after, none] = rates.map(min_median_max);
+    let cell = |(low, median, high): (f64, f64, f64)| {
+        format!("{median:.0} commits/s ({low:.0}-{high:.0})")
+    };
+    row(
+        "4a. host append, NOTIFY in the transaction (the default)",
+        cell(inside),
+        "8 writers, one intent per transaction, unpaced; median of 3 rounds (range), order rotated",
+    );
+    row(
+        "4a. host append, NOTIFY after the commit (`wake_relays`)",
+        cell(after),
+        &format!("{:.2}x the default, same rounds", after.1 / inside.1),
+    );
+    row(
+        "4a. host append, no NOTIFY (in-process waker or polling)",
+        cell(none),
+        &format!("{:.2}x the default, same rounds", none.1 / inside.1),
+    );
+    Ok(())
+}
+
+/// Commits/s of `writers` unpaced writers for `seconds`, each appending one intent per
+/// transaction (full metadata or payload only), waking relays as `wake` says (`Waker`: no SQL
+/// wake-up at all; there is no relay here).
+async fn append_rate(
+    env: &mut Env,
+    with_meta: bool,
+    wake: Wake,
+    writers: u32,
+    seconds: u64,
+) -> Result<f64> {
     let (pool, _) = env
         .database(if with_meta {
             "appendmeta"
@@ -1081,7 +1157,7 @@ async fn append_rate(env: &mut Env, with_meta: bool, writers: u32, seconds: u64)
     for w in 0..writers {
         let pool = pool.clone();
         tasks.push(tokio::spawn(async move {
-            let writer = IntentWriter::default().with_notify(false);
+            let writer = IntentWriter::default().with_notify(wake == Wake::Notify);
             let key = BranchKey::new(
                 TenantId::new(format!("a{w}")).expect("valid id"),
                 RunId::new("r").expect("valid id"),
@@ -1104,6 +1180,12 @@ async fn append_rate(env: &mut Env, with_meta: bool, writers: u32, seconds: u64)
                     .await
                     .expect("append");
                 tx.commit().await.expect("commit");
+                if wake == Wake::AfterCommit {
+                    writer
+                        .wake_relays(&mut conn, &key.tenant)
+                        .await
+                        .expect("wake");
+                }
             }
             lsn
         }));
@@ -1240,8 +1322,8 @@ async fn metadata_and_groups(
     let seconds = mode.latency_secs.min(10);
     let (mut plain, mut meta) = (Vec::new(), Vec::new());
     for _ in 0..3 {
-        plain.push(append_rate(env, false, 8, seconds).await?);
-        meta.push(append_rate(env, true, 8, seconds).await?);
+        plain.push(append_rate(env, false, Wake::Waker, 8, seconds).await?);
+        meta.push(append_rate(env, true, Wake::Waker, 8, seconds).await?);
     }
     let (plain, meta) = (min_median_max(plain).1, min_median_max(meta).1);
     row(
@@ -1931,10 +2013,15 @@ async fn run(mode: &Mode) -> Result<String> {
         env.cleanup().await;
         return Ok(table);
     }
+    if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "wakecost") {
+        wake_costs(&mut env, mode, &mut row).await?;
+        env.cleanup().await;
+        return Ok(table);
+    }
     if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "latency") {
-        for (wake, label) in [(Wake::Notify, "NOTIFY"), (Wake::Waker, "in-process waker")] {
+        for wake in [Wake::Notify, Wake::Waker, Wake::AfterCommit] {
             let (measured, _) = latency(&mut env, mode, wake, &Load::busy()).await?;
-            latency_rows(&mut row, label, &measured);
+            latency_rows(&mut row, wake.label(), &measured);
         }
         env.cleanup().await;
         return Ok(table);
@@ -2023,9 +2110,10 @@ async fn run(mode: &Mode) -> Result<String> {
     drop_topology(&env.amqp, &rabbit.topology).await?;
     pool.close().await;
 
-    for (wake, label) in [(Wake::Notify, "NOTIFY"), (Wake::Waker, "in-process waker")] {
+    wake_costs(&mut env, mode, &mut row).await?;
+    for wake in [Wake::Notify, Wake::Waker, Wake::AfterCommit] {
         let (measured, _) = latency(&mut env, mode, wake, &Load::busy()).await?;
-        latency_rows(&mut row, label, &measured);
+        latency_rows(&mut row, wake.label(), &measured);
     }
 
     fairness(&mut env, mode, &mut row).await?;

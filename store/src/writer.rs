@@ -51,7 +51,8 @@ pub struct IntentWriter {
     /// Whether each append NOTIFYs relays on commit. Default on. Measured cost: PostgreSQL
     /// serialises the commits of notifying transactions, which halved commit throughput at 8
     /// concurrent writers on the reference machine (see ARCHITECTURE.md). An embedded relay can
-    /// be woken in-process instead (`RelayHandle::waker`); polling catches everything regardless.
+    /// be woken in-process instead (`RelayHandle::waker`), a standalone relay after the commit
+    /// ([`IntentWriter::wake_relays`]); polling catches everything regardless.
     notify: bool,
     /// The schema of the relay's tables (`relay_branch`, `relay_outbox`), named in every
     /// statement; `None`: the host connection's `search_path` finds them (normally `public`).
@@ -97,6 +98,30 @@ impl IntentWriter {
     pub fn with_notify(mut self, notify: bool) -> Self {
         self.notify = notify;
         self
+    }
+
+    /// Wakes the relays for `tenant` now, in a statement of its own: call it on a connection
+    /// outside any transaction, right after committing appends made `with_notify(false)`. A
+    /// standalone relay then ships them at once, as with the default in-transaction NOTIFY, but
+    /// without its cost: PostgreSQL holds a cluster-wide lock from a notifying transaction's
+    /// commit until its WAL is flushed, so the default serialises the host's commits; this
+    /// statement writes no WAL and holds that lock only while it queues the notification.
+    /// Measured side by side, 8 writers: `benches/results.md`, "Waking relays after the commit".
+    ///
+    /// Called inside a transaction it is sent when that transaction commits, and the cost
+    /// comes back. A host that dies between its commit and this call leaves the wake-up
+    /// unsent: the relay's poll (`RELAY_POLL_MS`) finds those intents.
+    pub async fn wake_relays(
+        &self,
+        conn: &mut PgConnection,
+        tenant: &TenantId,
+    ) -> Result<(), Error> {
+        sqlx::query("SELECT pg_notify($1, $2)")
+            .bind(crate::NOTIFY_CHANNEL)
+            .bind(tenant.as_str())
+            .execute(&mut *conn)
+            .await?;
+        Ok(())
     }
 
     /// The configured payload limit.

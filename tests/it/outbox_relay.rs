@@ -692,4 +692,62 @@ mod outbox {
             drop_topology(&config.rabbit_config().unwrap().topology).await;
         });
     }
+
+    /// A host that turns NOTIFY off inside its transactions (to keep its commits from being
+    /// serialised) wakes a relay it does not embed with `wake_relays` after the commit: events
+    /// ship long before the next poll would have found them.
+    #[test]
+    fn outbox_a_wake_after_the_commit_replaces_the_in_transaction_notify() {
+        host_runtime().block_on(async {
+            let (pool, url) = fresh_database("wakeafter").await;
+            let mut config = relay_config(&url, &amqp_url(), &unique("relay-wakeafter"));
+            config.supervisor.poll_interval = Duration::from_secs(120);
+            let relay = Relay::start(config.clone()).await.unwrap();
+            let outbox = Outbox::new(pool.clone());
+            // Every bucket held (the first poll ran, finding nothing) and the relay's listener
+            // subscribed: what follows can only be found through the wake-up.
+            wait_until("leases held", Duration::from_secs(10), || async {
+                relay
+                    .snapshot()
+                    .await
+                    .is_some_and(|tree| tree.buckets_held == usize::from(LEASE_BUCKETS))
+            })
+            .await;
+            wait_until("relay listening", Duration::from_secs(10), || async {
+                let listening: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM pg_stat_activity
+                      WHERE datname = current_database() AND query LIKE 'LISTEN %relay_outbox%'",
+                )
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+                listening > 0
+            })
+            .await;
+            let writer = IntentWriter::default().with_notify(false);
+            let branch = BranchKey::new(
+                TenantId::new("wa").unwrap(),
+                RunId::new("r").unwrap(),
+                BranchId::new("b").unwrap(),
+            );
+            let mut tx = pool.begin().await.unwrap();
+            writer.open_run(&mut tx, &branch).await.unwrap();
+            for lsn in 1..=5 {
+                writer
+                    .append(&mut tx, &branch, Lsn::new(lsn), b"x")
+                    .await
+                    .unwrap();
+            }
+            tx.commit().await.unwrap();
+            assert_eq!(pending(&outbox).await, 5);
+            let mut conn = pool.acquire().await.unwrap();
+            writer.wake_relays(&mut conn, &branch.tenant).await.unwrap();
+            wait_until("woken relay ships", Duration::from_secs(20), || async {
+                pending(&outbox).await == 0
+            })
+            .await;
+            relay.shutdown().await;
+            drop_topology(&config.rabbit_config().unwrap().topology).await;
+        });
+    }
 }

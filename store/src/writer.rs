@@ -105,7 +105,9 @@ impl IntentWriter {
     /// standalone relay then ships them at once, as with the default in-transaction NOTIFY, but
     /// without its cost: PostgreSQL holds a cluster-wide lock from a notifying transaction's
     /// commit until its WAL is flushed, so the default serialises the host's commits; this
-    /// statement writes no WAL and holds that lock only while it queues the notification.
+    /// statement's transaction wrote nothing before its commit record, so PostgreSQL does not
+    /// wait for that record's flush, and the lock is held only while the notification is
+    /// queued.
     /// Measured side by side, 8 writers: `benches/results.md`, "Waking relays after the commit".
     ///
     /// Called inside a transaction it is sent when that transaction commits, and the cost

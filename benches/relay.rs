@@ -1093,8 +1093,6 @@ fn wire_like_properties(meta: Option<&Metadata>) -> lapin::BasicProperties {
     distribution::broker::encode(&event, distribution::broker::WireMode::Plain)
 }
 
-/// Section 12a: host commits/s of `writers` writers appending one intent per transaction for
-/// `seconds`, with full metadata or payload only (no relay runs: the host's own cost).
 /// Section 4a: the host's commits/s at 8 unpaced writers (one intent per transaction) for each
 /// way of waking relays, side by side (3 rounds, the order rotated each round; median of 3).
 /// `BENCH_ONLY=wakecost` runs this alone.
@@ -1134,9 +1132,9 @@ async fn wake_costs(
     Ok(())
 }
 
-/// Commits/s of `writers` unpaced writers for `seconds`, each appending one intent per
-/// transaction (full metadata or payload only), waking relays as `wake` says (`Waker`: no SQL
-/// wake-up at all; there is no relay here).
+/// Sections 4a and 12a: commits/s of `writers` unpaced writers for `seconds`, each appending one
+/// intent per transaction (full metadata or payload only), waking relays as `wake` says
+/// (`Waker`: no SQL wake-up at all). No relay runs: the host's own cost.
 async fn append_rate(
     env: &mut Env,
     with_meta: bool,

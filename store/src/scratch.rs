@@ -5,7 +5,7 @@
 //! an hour. (Not by whether the creating process is gone: another container's tests on the
 //! same server have pids this machine cannot see.)
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use sqlx::{Connection, PgConnection, PgPool};
@@ -16,17 +16,13 @@ pub const PREFIX: &str = "relay_it_";
 /// This process's scratch databases, dropped at its exit.
 static CREATED: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
-/// A name no other test of any run uses: `relay_it_<label>_<pid>_<n>_<micros>` (a per-process
-/// counter because two tests of one binary can start in the same microsecond; the process and
-/// the time last, for the sweep).
-pub fn unique_name(label: &str) -> String {
+/// A name no other test of any run uses: `<label>_<pid>_<n>_<micros>` (a per-process counter
+/// because two tests of one binary can start in the same microsecond; the time last, for the
+/// sweep). Also good for a test's broker names.
+pub fn unique(label: &str) -> String {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    format!(
-        "{PREFIX}{label}_{}_{n}_{}",
-        std::process::id(),
-        now_micros()
-    )
+    format!("{label}_{}_{n}_{}", std::process::id(), now_micros())
 }
 
 fn now_micros() -> u128 {
@@ -43,7 +39,7 @@ fn server_url() -> String {
 /// (a test tool).
 pub async fn scratch_database(label: &str) -> (PgPool, String) {
     let url = server_url();
-    let name = unique_name(label);
+    let name = unique(&format!("{PREFIX}{label}"));
     let mut admin = PgConnection::connect(&url)
         .await
         .expect("connect to DATABASE_URL");
@@ -69,13 +65,9 @@ pub async fn scratch_database(label: &str) -> (PgPool, String) {
 /// Once per process: registers the drop at exit, and drops the scratch databases older than an
 /// hour.
 async fn sweep_once(admin: &mut PgConnection) {
-    static SWEPT: Mutex<bool> = Mutex::new(false);
-    {
-        let mut swept = SWEPT.lock().unwrap_or_else(|poison| poison.into_inner());
-        if *swept {
-            return;
-        }
-        *swept = true;
+    static SWEPT: AtomicBool = AtomicBool::new(false);
+    if SWEPT.swap(true, Ordering::SeqCst) {
+        return;
     }
     unsafe extern "C" {
         fn atexit(callback: extern "C" fn()) -> std::os::raw::c_int;
@@ -153,7 +145,7 @@ mod tests {
 
     #[test]
     fn only_databases_older_than_an_hour_are_stale() {
-        let name = unique_name("x_y");
+        let name = unique(&format!("{PREFIX}x_y"));
         let now = now_micros();
         assert!(!stale(&name, now));
         assert!(stale(&name, now + 3_600_000_001), "over an hour old");

@@ -23,16 +23,9 @@ pub fn amqp_url() -> String {
     std::env::var("AMQP_URL").expect("AMQP_URL (set in .cargo/config.toml)")
 }
 
-/// A name no other test of any run uses: label, process, a per-process counter (two tests of
-/// one binary can start in the same microsecond), and the time (last: the stale sweep reads it).
+/// A name no other test of any run uses (`store::scratch::unique`).
 pub fn unique(label: &str) -> String {
-    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let micros = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_micros();
-    format!("{label}_{}_{n}_{micros}", std::process::id())
+    store::scratch::unique(label)
 }
 
 /// The host: a multi-thread runtime whose workers are named `host-executor`.

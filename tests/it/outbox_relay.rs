@@ -649,40 +649,55 @@ mod outbox {
         });
     }
 
+    /// A relay that would not poll for 120 s, holding every lease bucket (its first poll has
+    /// run, finding nothing), and 5 intents of branch `<tenant>/r/b` committed without NOTIFY:
+    /// only a wake-up can make it ship them.
+    async fn unpolled_relay_and_unnotified_intents(
+        label: &str,
+        tenant: &str,
+    ) -> (
+        sqlx::PgPool,
+        distribution::RelayConfig,
+        distribution::RelayHandle,
+        BranchKey,
+    ) {
+        let (pool, url) = fresh_database(label).await;
+        let mut config = relay_config(&url, &amqp_url(), &unique(&format!("relay-{label}")));
+        config.supervisor.poll_interval = Duration::from_secs(120);
+        let relay = Relay::start(config.clone()).await.unwrap();
+        wait_until("leases held", Duration::from_secs(10), || async {
+            relay
+                .snapshot()
+                .await
+                .is_some_and(|tree| tree.buckets_held == usize::from(LEASE_BUCKETS))
+        })
+        .await;
+        let writer = IntentWriter::default().with_notify(false);
+        let branch = BranchKey::new(
+            TenantId::new(tenant).unwrap(),
+            RunId::new("r").unwrap(),
+            BranchId::new("b").unwrap(),
+        );
+        let mut tx = pool.begin().await.unwrap();
+        writer.open_run(&mut tx, &branch).await.unwrap();
+        for lsn in 1..=5 {
+            writer
+                .append(&mut tx, &branch, Lsn::new(lsn), b"x")
+                .await
+                .unwrap();
+        }
+        tx.commit().await.unwrap();
+        (pool, config, relay, branch)
+    }
+
     /// An embedded host that turns NOTIFY off (to keep its commits fast) wakes the relay
     /// in-process: events ship long before the next poll would have found them.
     #[test]
     fn outbox_an_in_process_waker_replaces_notify() {
         host_runtime().block_on(async {
-            let (pool, url) = fresh_database("waker").await;
-            let mut config = relay_config(&url, &amqp_url(), &unique("relay-waker"));
-            config.supervisor.poll_interval = Duration::from_secs(120);
-            let relay = Relay::start(config.clone()).await.unwrap();
+            let (pool, config, relay, branch) =
+                unpolled_relay_and_unnotified_intents("waker", "wk").await;
             let outbox = Outbox::new(pool.clone());
-            // Wait until the relay holds every lease bucket (its first poll has run, finding
-            // nothing), so that what follows can only be found through the waker.
-            wait_until("leases held", Duration::from_secs(10), || async {
-                relay
-                    .snapshot()
-                    .await
-                    .is_some_and(|tree| tree.buckets_held == usize::from(LEASE_BUCKETS))
-            })
-            .await;
-            let writer = IntentWriter::default().with_notify(false);
-            let branch = BranchKey::new(
-                TenantId::new("wk").unwrap(),
-                RunId::new("r").unwrap(),
-                BranchId::new("b").unwrap(),
-            );
-            let mut tx = pool.begin().await.unwrap();
-            writer.open_run(&mut tx, &branch).await.unwrap();
-            for lsn in 1..=5 {
-                writer
-                    .append(&mut tx, &branch, Lsn::new(lsn), b"x")
-                    .await
-                    .unwrap();
-            }
-            tx.commit().await.unwrap();
             relay.waker().wake(&branch.tenant);
             wait_until("woken relay ships", Duration::from_secs(20), || async {
                 pending(&outbox).await == 0
@@ -699,20 +714,10 @@ mod outbox {
     #[test]
     fn outbox_a_wake_after_the_commit_replaces_the_in_transaction_notify() {
         host_runtime().block_on(async {
-            let (pool, url) = fresh_database("wakeafter").await;
-            let mut config = relay_config(&url, &amqp_url(), &unique("relay-wakeafter"));
-            config.supervisor.poll_interval = Duration::from_secs(120);
-            let relay = Relay::start(config.clone()).await.unwrap();
+            let (pool, config, relay, branch) =
+                unpolled_relay_and_unnotified_intents("wakeafter", "wa").await;
             let outbox = Outbox::new(pool.clone());
-            // Every bucket held (the first poll ran, finding nothing) and the relay's listener
-            // subscribed: what follows can only be found through the wake-up.
-            wait_until("leases held", Duration::from_secs(10), || async {
-                relay
-                    .snapshot()
-                    .await
-                    .is_some_and(|tree| tree.buckets_held == usize::from(LEASE_BUCKETS))
-            })
-            .await;
+            // The relay's listener subscribed (else the NOTIFY reaches nobody).
             wait_until("relay listening", Duration::from_secs(10), || async {
                 let listening: i64 = sqlx::query_scalar(
                     "SELECT count(*) FROM pg_stat_activity
@@ -724,24 +729,12 @@ mod outbox {
                 listening > 0
             })
             .await;
-            let writer = IntentWriter::default().with_notify(false);
-            let branch = BranchKey::new(
-                TenantId::new("wa").unwrap(),
-                RunId::new("r").unwrap(),
-                BranchId::new("b").unwrap(),
-            );
-            let mut tx = pool.begin().await.unwrap();
-            writer.open_run(&mut tx, &branch).await.unwrap();
-            for lsn in 1..=5 {
-                writer
-                    .append(&mut tx, &branch, Lsn::new(lsn), b"x")
-                    .await
-                    .unwrap();
-            }
-            tx.commit().await.unwrap();
             assert_eq!(pending(&outbox).await, 5);
             let mut conn = pool.acquire().await.unwrap();
-            writer.wake_relays(&mut conn, &branch.tenant).await.unwrap();
+            IntentWriter::default()
+                .wake_relays(&mut conn, &branch.tenant)
+                .await
+                .unwrap();
             wait_until("woken relay ships", Duration::from_secs(20), || async {
                 pending(&outbox).await == 0
             })

@@ -28,14 +28,47 @@ pub fn unique(label: &str) -> String {
     store::scratch::unique(label)
 }
 
-/// The host: a multi-thread runtime whose workers are named `host-executor`.
-pub fn host_runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .thread_name(HOST_THREADS)
-        .enable_all()
-        .build()
-        .unwrap()
+/// The host: a multi-thread runtime whose workers are named `host-executor`, torn down within
+/// 10 s when dropped.
+pub fn host_runtime() -> HostRuntime {
+    HostRuntime::new(
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name(HOST_THREADS)
+            .enable_all()
+            .build()
+            .unwrap(),
+    )
+}
+
+/// A test's runtime whose drop gives its tasks 10 s to stop, where a plain runtime's drop waits
+/// for ever: lapin 4.12.3 can deadlock a worker thread with its I/O thread when a connection
+/// error meets an incoming delivery (`Consumers::error` holds the consumers' lock and waits
+/// for the channel's status, which the I/O loop holds while it waits for the consumers' lock).
+/// Seen once, after a test had passed every check, as a drop that never returned and hung the
+/// suite.
+pub struct HostRuntime(Option<tokio::runtime::Runtime>);
+
+impl HostRuntime {
+    pub fn new(runtime: tokio::runtime::Runtime) -> Self {
+        Self(Some(runtime))
+    }
+}
+
+impl std::ops::Deref for HostRuntime {
+    type Target = tokio::runtime::Runtime;
+
+    fn deref(&self) -> &tokio::runtime::Runtime {
+        self.0.as_ref().expect("the runtime lives until dropped")
+    }
+}
+
+impl Drop for HostRuntime {
+    fn drop(&mut self) {
+        if let Some(runtime) = self.0.take() {
+            runtime.shutdown_timeout(std::time::Duration::from_secs(10));
+        }
+    }
 }
 
 /// A fresh database with nothing in it (a consumer's own database, say).

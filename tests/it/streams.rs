@@ -17,9 +17,9 @@ use lapin::options::QueueDeleteOptions;
 use sqlx::PgPool;
 
 use crate::harness::{
-    Expected, Folding, Workload, amqp_url, assert_folded_exactly, count, declare_topology,
-    drop_topology, empty_database, folded_count, fresh_database, merge, pending, relay_config,
-    unique, wait_until,
+    Expected, Folding, HostRuntime, Workload, amqp_url, assert_folded_exactly, count,
+    declare_topology, drop_topology, empty_database, folded_count, fresh_database, merge, pending,
+    relay_config, unique, wait_until,
 };
 
 /// A relay configuration on stream partitions.
@@ -438,17 +438,13 @@ async fn retention_leaves_a_live_group_alone_and_stops_a_group_whose_offset_fell
     }
 }
 
-/// Runs a stream test on its own runtime and gives the runtime's teardown 10 s. lapin 4.12.3 can
-/// deadlock two of its threads when a connection error meets an incoming delivery
-/// (`Consumers::error` holds the consumers' lock and waits for the channel's status, which the
-/// I/O loop holds while it waits for the consumers' lock); seen once, after this file's
-/// retention test had passed every check, as a runtime drop that never returned.
+/// Runs a stream test on a runtime whose teardown is bounded (`HostRuntime`: a lapin deadlock
+/// was seen here once, after this file's retention test had passed every check).
 fn with_bounded_teardown(test: impl std::future::Future<Output = ()>) {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(4)
         .enable_all()
         .build()
         .unwrap();
-    runtime.block_on(test);
-    runtime.shutdown_timeout(Duration::from_secs(10));
+    HostRuntime::new(runtime).block_on(test);
 }

@@ -686,6 +686,8 @@ async fn seed_style(outbox: &Outbox, rabbit: &RabbitConfig, tenants: &[TenantId]
 struct TimedPublisher {
     inner: RabbitPublisher,
     confirmed: Arc<Mutex<HashMap<EventKey, Instant>>>,
+    /// When each event was first handed to the publisher, and its batch's size (`BENCH_DUMP`).
+    sent: Arc<Mutex<HashMap<EventKey, (Instant, usize)>>>,
 }
 
 impl Publisher for TimedPublisher {
@@ -696,6 +698,13 @@ impl Publisher for TimedPublisher {
         done: OnReport,
     ) -> BoxFuture<'a, ()> {
         let keys: Vec<EventKey> = events.iter().map(|event| event.key.clone()).collect();
+        {
+            let now = Instant::now();
+            let mut sent = self.sent.lock().unwrap_or_else(|poison| poison.into_inner());
+            for key in &keys {
+                sent.entry(key.clone()).or_insert((now, keys.len()));
+            }
+        }
         let confirmed = self.confirmed.clone();
         let timed: OnReport = Box::new(move |report| {
             let now = Instant::now();
@@ -739,8 +748,13 @@ fn latency_rows(row: &mut impl FnMut(&str, String, &str), label: &str, measured:
             measured.p99 / floor_p99.max(f64::EPSILON),
         ),
         &format!(
-            "{} events; floor: one outbox read + one confirmed publish under the same load; targets p50 <= 1.5x, p99 <= 2x",
-            measured.events
+            "{} events; floor: one outbox read + one confirmed publish under the same load; PostgreSQL {}; targets p50 <= 1.5x, p99 <= 2x",
+            measured.events,
+            if std::env::var("BENCH_PG_TLS").is_ok_and(|tls| tls == "off") {
+                "in plain text (BENCH_PG_TLS=off)"
+            } else {
+                "over TLS (sslmode=prefer, the default)"
+            }
         ),
     );
     row(
@@ -855,6 +869,19 @@ fn groups(n: u16) -> Vec<Group> {
 /// hot tenant's intents still waiting when the writers finished (it must still be draining).
 async fn latency(env: &mut Env, mode: &Mode, wake: Wake, load: &Load) -> Result<(Latency, i64)> {
     let (pool, url) = env.database("latency").await?;
+    // PostgreSQL over TLS (`sslmode=prefer`, the default, as the machine's server offers it)
+    // unless `BENCH_PG_TLS=off`: the host's writers, the relay and the floor's probe alike.
+    let (pool, url) = if std::env::var("BENCH_PG_TLS").is_ok_and(|tls| tls == "off") {
+        let url = format!("{url}?sslmode=disable");
+        let plain = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(16)
+            .connect(&url)
+            .await?;
+        pool.close().await;
+        (plain, url)
+    } else {
+        (pool, url)
+    };
     let mut rabbit = env.rabbit("latency", 8)?;
     rabbit.topology = rabbit.topology.declaring(groups(load.groups));
     if load.hot_backlog > 0 {
@@ -862,7 +889,9 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake, load: &Load) -> Result<
             .await?;
     }
     let confirmed: Arc<Mutex<HashMap<EventKey, Instant>>> = Arc::default();
-    let (factory_rabbit, factory_confirmed) = (rabbit.clone(), confirmed.clone());
+    let sent: Arc<Mutex<HashMap<EventKey, (Instant, usize)>>> = Arc::default();
+    let (factory_rabbit, factory_confirmed, factory_sent) =
+        (rabbit.clone(), confirmed.clone(), sent.clone());
     let mut config = env.relay_config(&url, &rabbit);
     config.supervisor.drainer.express_max_events = load.express_max_events;
     config.groups = groups(load.groups);
@@ -872,6 +901,7 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake, load: &Load) -> Result<
             Box::new(TimedPublisher {
                 inner: RabbitPublisher::new(factory_rabbit.clone()),
                 confirmed: factory_confirmed.clone(),
+                sent: factory_sent.clone(),
             }) as Box<dyn Publisher>
         }),
     )
@@ -1025,11 +1055,20 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake, load: &Load) -> Result<
             .collect()
     };
     if let Ok(path) = std::env::var("BENCH_DUMP") {
+        // Per event: seconds from the start at its commit, branch, Lsn, commit-to-confirm ms,
+        // commit-to-publisher ms, and the size of the batch it went in.
         let mut out = String::new();
+        let sent = sent.lock().unwrap_or_else(|poison| poison.into_inner());
         for ((key, committed), ms) in commits.iter().zip(&millis) {
+            let (to_publisher, batch) = sent.get(key).map_or((f64::INFINITY, 0), |(at, batch)| {
+                (
+                    at.saturating_duration_since(*committed).as_secs_f64() * 1000.0,
+                    *batch,
+                )
+            });
             let _ = writeln!(
                 out,
-                "{:.3} {} {} {ms:.2}",
+                "{:.3} {} {} {ms:.2} {to_publisher:.2} {batch}",
                 committed.duration_since(started).as_secs_f64(),
                 key.branch,
                 key.lsn

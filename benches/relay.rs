@@ -260,8 +260,9 @@ async fn raw_ceiling(
 }
 
 /// The broker's best effort at one payload size, outside the relay's adapter: `connections`
-/// connections, each a confirming channel that writes without waiting, with up to 2,000
-/// confirms outstanding (awaited oldest first), plain lapin. Each message carries what the
+/// connections, each a confirming channel that writes without waiting for confirms (200 writes
+/// queued before any is awaited), with up to 2,000 confirms outstanding (awaited oldest
+/// first), plain lapin. Each message carries what the
 /// relay's carries for an intent without metadata (WIRE.md's properties and headers), so the
 /// ceiling is the same work done with nothing else in the way; `raw_pipelined_with` takes other
 /// properties (none at all: what the broker does for bare messages).
@@ -321,27 +322,41 @@ async fn raw_pipelined_with(
                 mandatory: true,
                 ..BasicPublishOptions::default()
             };
-            for n in 0..per_connection {
-                let partition =
-                    Partition(((index + n) % usize::from(topology.partitions())) as u16);
-                let properties = base
-                    .clone()
-                    .with_delivery_mode(2)
-                    .with_message_id(ShortString::from(format!("raw-{index}-{n}")));
-                let confirm = channel
-                    .basic_publish(
+            // Writes queued 200 at a time before any is awaited (lapin queues a publish's
+            // frames on its first poll), as the relay's adapter queues a batch.
+            for first_n in (0..per_connection).step_by(200) {
+                let mut writes = Vec::new();
+                for n in first_n..(first_n + 200).min(per_connection) {
+                    let partition =
+                        Partition(((index + n) % usize::from(topology.partitions())) as u16);
+                    let properties = base
+                        .clone()
+                        .with_delivery_mode(2)
+                        .with_message_id(ShortString::from(format!("raw-{index}-{n}")));
+                    let mut publish = Box::pin(channel.basic_publish(
                         topology.exchange().clone(),
                         topology.routing_key(partition),
                         options,
                         &payload,
                         properties,
-                    )
-                    .await?;
-                outstanding.push_back(confirm);
-                if outstanding.len() >= 2_000
-                    && let Some(oldest) = outstanding.pop_front()
-                {
-                    acked += usize::from(oldest.await?.is_ack());
+                    ));
+                    let first = std::future::poll_fn(|cx| {
+                        std::task::Poll::Ready(publish.as_mut().poll(cx))
+                    })
+                    .await;
+                    writes.push((first, publish));
+                }
+                for (first, publish) in writes {
+                    let confirm = match first {
+                        std::task::Poll::Ready(confirm) => confirm?,
+                        std::task::Poll::Pending => publish.await?,
+                    };
+                    outstanding.push_back(confirm);
+                    if outstanding.len() >= 2_000
+                        && let Some(oldest) = outstanding.pop_front()
+                    {
+                        acked += usize::from(oldest.await?.is_ack());
+                    }
                 }
             }
             for confirm in outstanding {
@@ -700,7 +715,10 @@ impl Publisher for TimedPublisher {
         let keys: Vec<EventKey> = events.iter().map(|event| event.key.clone()).collect();
         {
             let now = Instant::now();
-            let mut sent = self.sent.lock().unwrap_or_else(|poison| poison.into_inner());
+            let mut sent = self
+                .sent
+                .lock()
+                .unwrap_or_else(|poison| poison.into_inner());
             for key in &keys {
                 sent.entry(key.clone()).or_insert((now, keys.len()));
             }

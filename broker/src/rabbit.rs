@@ -23,6 +23,7 @@ use std::collections::{HashSet, VecDeque};
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::task::Poll;
 use std::time::Duration;
 
 use futures_util::{FutureExt, StreamExt};
@@ -571,7 +572,12 @@ impl RabbitPublisher {
         let mut ids = Vec::with_capacity(n_events);
         let mut sizes = Vec::with_capacity(n_events);
         let flow = session.flow.clone();
-        // Write the whole batch (ordered on one channel); its confirms are awaited by the pump.
+        // Queue the whole batch on the channel before awaiting any write: a publish assigns
+        // its delivery tag and queues its frames on its first poll, and resolves once lapin's
+        // I/O thread has written them, so awaiting each in turn cost a hand-off to that thread
+        // per event. Polled in order, the frames go out in order; the confirms are awaited by
+        // the pump.
+        let mut writes = Vec::with_capacity(n_events);
         for event in events {
             // Fenced: the lease is gone, another relay may own the tenant now. Blocked: the
             // broker reads nothing of this connection until its alarm clears. Either way the
@@ -584,24 +590,35 @@ impl RabbitPublisher {
                 mandatory: true,
                 ..BasicPublishOptions::default()
             };
-            let publish = session.channel.basic_publish(
+            let mut publish = Box::pin(session.channel.basic_publish(
                 topology.exchange().clone(),
                 topology.routing_key(partition),
                 options,
                 &event.payload,
                 wire::properties(event, wire_mode),
-            );
-            // A write blocked midway waits for the unblock: lapin keeps its frames and would
-            // write them then, so the event must stay this session's until its verdict.
-            let deadline = Instant::now() + connect_timeout;
-            let publish = std::pin::pin!(publish);
-            let written = until_unless_blocked(publish, deadline, connect_timeout, &flow);
-            match written.await {
+            ));
+            // The first poll, with this task's waker: queued now, awaited below.
+            let first = std::future::poll_fn(|cx| Poll::Ready(publish.as_mut().poll(cx))).await;
+            writes.push((event, first, publish));
+        }
+        for (event, first, publish) in writes {
+            let written = match first {
+                Poll::Ready(output) => Some(output),
+                // A write blocked midway waits for the unblock: lapin keeps its frames and
+                // would write them then, so the event must stay this session's until its
+                // verdict.
+                Poll::Pending => {
+                    let deadline = Instant::now() + connect_timeout;
+                    until_unless_blocked(publish, deadline, connect_timeout, &flow).await
+                }
+            };
+            match written {
                 Some(Ok(confirm)) => {
                     confirms.push(confirm);
                     ids.push(wire::message_id(&event.key));
                     sizes.push(event.payload.len());
                 }
+                // The rest, queued or not, is reported NotSent; the session is dropped below.
                 Some(Err(err)) => {
                     write_fault = Some(Error::from(err));
                     break;

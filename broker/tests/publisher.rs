@@ -66,9 +66,9 @@ async fn accepted_events_are_confirmed_and_routed_by_run() {
     cleanup(&topology).await;
 }
 
-/// A batch is queued on the channel whole before any write is awaited: each queue still gets
-/// its events in the batch's order, every one of them (300 events of 3 branches interleaved,
-/// two partitions, three batches on one channel).
+/// Each queue gets its events in the batches' order, every one of them (300 events of 3
+/// branches interleaved, two partitions, three batches on one channel). It failed when a
+/// trial publisher polled a batch's writes in reverse.
 #[tokio::test]
 async fn a_batch_reaches_each_queue_in_its_order() {
     let topology = unique_topology("order", 2);

@@ -323,7 +323,8 @@ async fn raw_pipelined_with(
                 ..BasicPublishOptions::default()
             };
             // Writes queued 200 at a time before any is awaited (lapin queues a publish's
-            // frames on its first poll), as the relay's adapter queues a batch.
+            // frames on its first poll and resolves it once its I/O thread wrote them), where
+            // the relay's adapter awaits each write before queueing the next.
             for first_n in (0..per_connection).step_by(200) {
                 let mut writes = Vec::new();
                 for n in first_n..(first_n + 200).min(per_connection) {
@@ -696,13 +697,17 @@ async fn seed_style(outbox: &Outbox, rabbit: &RabbitConfig, tenants: &[TenantId]
     Ok(shipped as f64 / started.elapsed().as_secs_f64())
 }
 
+/// When each event was first handed to a publisher, and the size of its batch.
+type SentAt = Arc<Mutex<HashMap<EventKey, (Instant, usize)>>>;
+
 /// Records when the broker confirmed each event (first confirm wins), for latency. The time is
 /// taken when the whole batch's confirms are in, so it never understates a confirm.
 struct TimedPublisher {
     inner: RabbitPublisher,
     confirmed: Arc<Mutex<HashMap<EventKey, Instant>>>,
-    /// When each event was first handed to the publisher, and its batch's size (`BENCH_DUMP`).
-    sent: Arc<Mutex<HashMap<EventKey, (Instant, usize)>>>,
+    /// When each event was first handed to the publisher, and its batch's size: recorded for
+    /// `BENCH_DUMP` only, so a plain run's publish path carries nothing more.
+    sent: Option<SentAt>,
 }
 
 impl Publisher for TimedPublisher {
@@ -713,12 +718,9 @@ impl Publisher for TimedPublisher {
         done: OnReport,
     ) -> BoxFuture<'a, ()> {
         let keys: Vec<EventKey> = events.iter().map(|event| event.key.clone()).collect();
-        {
+        if let Some(sent) = &self.sent {
             let now = Instant::now();
-            let mut sent = self
-                .sent
-                .lock()
-                .unwrap_or_else(|poison| poison.into_inner());
+            let mut sent = sent.lock().unwrap_or_else(|poison| poison.into_inner());
             for key in &keys {
                 sent.entry(key.clone()).or_insert((now, keys.len()));
             }
@@ -768,7 +770,7 @@ fn latency_rows(row: &mut impl FnMut(&str, String, &str), label: &str, measured:
         &format!(
             "{} events; floor: one outbox read + one confirmed publish under the same load; PostgreSQL {}; targets p50 <= 1.5x, p99 <= 2x",
             measured.events,
-            if std::env::var("BENCH_PG_TLS").is_ok_and(|tls| tls == "off") {
+            if latency_in_plain_text() {
                 "in plain text (BENCH_PG_TLS=off)"
             } else {
                 "over TLS (sslmode=prefer, the default)"
@@ -804,6 +806,12 @@ fn latency_rate() -> u32 {
         .and_then(|rate| rate.parse().ok())
         .unwrap_or(2_000)
         .max(8)
+}
+
+/// Whether the latency rows read PostgreSQL in plain text (`BENCH_PG_TLS=off`) rather than
+/// over TLS (`sslmode=prefer`, the default, as the machine's server offers it).
+fn latency_in_plain_text() -> bool {
+    std::env::var("BENCH_PG_TLS").is_ok_and(|tls| tls == "off")
 }
 
 /// How the host wakes the relay after a commit.
@@ -889,7 +897,7 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake, load: &Load) -> Result<
     let (pool, url) = env.database("latency").await?;
     // PostgreSQL over TLS (`sslmode=prefer`, the default, as the machine's server offers it)
     // unless `BENCH_PG_TLS=off`: the host's writers, the relay and the floor's probe alike.
-    let (pool, url) = if std::env::var("BENCH_PG_TLS").is_ok_and(|tls| tls == "off") {
+    let (pool, url) = if latency_in_plain_text() {
         let url = format!("{url}?sslmode=disable");
         let plain = sqlx::postgres::PgPoolOptions::new()
             .max_connections(16)
@@ -907,7 +915,7 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake, load: &Load) -> Result<
             .await?;
     }
     let confirmed: Arc<Mutex<HashMap<EventKey, Instant>>> = Arc::default();
-    let sent: Arc<Mutex<HashMap<EventKey, (Instant, usize)>>> = Arc::default();
+    let sent: Option<SentAt> = std::env::var_os("BENCH_DUMP").map(|_| Arc::default());
     let (factory_rabbit, factory_confirmed, factory_sent) =
         (rabbit.clone(), confirmed.clone(), sent.clone());
     let mut config = env.relay_config(&url, &rabbit);
@@ -1072,7 +1080,7 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake, load: &Load) -> Result<
             })
             .collect()
     };
-    if let Ok(path) = std::env::var("BENCH_DUMP") {
+    if let (Ok(path), Some(sent)) = (std::env::var("BENCH_DUMP"), &sent) {
         // Per event: seconds from the start at its commit, branch, Lsn, commit-to-confirm ms,
         // commit-to-publisher ms, and the size of the batch it went in.
         let mut out = String::new();

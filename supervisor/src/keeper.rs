@@ -197,7 +197,8 @@ impl Keeper {
             if was_first {
                 // The first beat left room for a relay starting beside this one; the second
                 // comes a quarter heartbeat later, so a lone relay holds its whole share then
-                // rather than a heartbeat later, and relays started together have registered.
+                // rather than a heartbeat later (relays started within that quarter have
+                // registered by then; a later one joins by a planned handover).
                 ticker.reset_after(self.config.heartbeat / 4);
             }
         }

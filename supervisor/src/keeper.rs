@@ -179,7 +179,6 @@ impl Keeper {
             if *stop.borrow() {
                 break;
             }
-            let was_first = std::mem::take(&mut first);
             let beat = self.heartbeat(
                 &supervisor,
                 &mut book,
@@ -187,19 +186,12 @@ impl Keeper {
                 &mut members,
                 &mut failures,
                 limit,
-                was_first,
+                std::mem::take(&mut first),
             );
             match beat.await {
                 None => break,
                 Some(true) => early.notify_one(),
                 Some(false) => {}
-            }
-            if was_first {
-                // The first beat left room for a relay starting beside this one; the second
-                // comes a quarter heartbeat later, so a lone relay holds its whole share then
-                // rather than a heartbeat later (relays started within that quarter have
-                // registered by then; a later one joins by a planned handover).
-                ticker.reset_after(self.config.heartbeat / 4);
             }
         }
         poller.abort();

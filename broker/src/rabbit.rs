@@ -23,6 +23,7 @@ use std::collections::{HashSet, VecDeque};
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::task::Poll;
 use std::time::Duration;
 
 use futures_util::{FutureExt, StreamExt};
@@ -222,6 +223,37 @@ async fn until_unless_blocked<F: Future + Unpin>(
             Ok(output) => return Some(output),
             Err(_) => deadline = extended(deadline, limit, *flow.borrow(), Instant::now())?,
         }
+    }
+}
+
+/// Payload bytes a publisher queues on its channel ahead of the writes it awaits: a batch of
+/// small events goes out in one hand-off to lapin's I/O thread, while large ones do not pile
+/// up whole in lapin's frame queue (a batch may hold 4 MiB).
+const QUEUED_AHEAD_BYTES: usize = 1 << 20;
+
+/// The verdict of a write queued by its first poll (`first`; `publish` still to be awaited
+/// when that was pending). A write blocked midway waits for the unblock: lapin keeps its
+/// frames and would write them then, so the event stays its session's until its verdict.
+async fn written<T, F>(
+    first: Poll<lapin::Result<T>>,
+    publish: F,
+    limit: Duration,
+    flow: &watch::Receiver<Flow>,
+) -> Result<T, Error>
+where
+    F: Future<Output = lapin::Result<T>> + Unpin,
+{
+    let output = match first {
+        Poll::Ready(output) => Some(output),
+        Poll::Pending => until_unless_blocked(publish, Instant::now() + limit, limit, flow).await,
+    };
+    match output {
+        Some(Ok(confirm)) => Ok(confirm),
+        Some(Err(err)) => Err(Error::from(err)),
+        None => Err(Error::Timeout {
+            operation: "basic.publish",
+            timeout_ms: limit.as_millis() as u64,
+        }),
     }
 }
 
@@ -571,50 +603,69 @@ impl RabbitPublisher {
         let mut ids = Vec::with_capacity(n_events);
         let mut sizes = Vec::with_capacity(n_events);
         let flow = session.flow.clone();
-        // Write the whole batch (ordered on one channel); its confirms are awaited by the pump.
-        for event in events {
+        // Queue the batch on the channel before awaiting its writes, up to
+        // `QUEUED_AHEAD_BYTES` of payload ahead: a publish takes its delivery tag and queues
+        // its frames on its first poll, and resolves once lapin's I/O thread has written them,
+        // so awaiting each in turn cost a hand-off to that thread per event. Polled in order,
+        // the frames go out in order; the confirms are awaited by the pump.
+        let mut queued: VecDeque<(&OutboxEvent, _, _)> = VecDeque::new();
+        let mut queued_bytes = 0;
+        let mut record = |event: &OutboxEvent, confirm| {
+            confirms.push(confirm);
+            ids.push(wire::message_id(&event.key));
+            sizes.push(event.payload.len());
+        };
+        'events: for event in events {
             // Fenced: the lease is gone, another relay may own the tenant now. Blocked: the
             // broker reads nothing of this connection until its alarm clears. Either way the
             // rest is reported NotSent (no fault: the session is fine).
             if !fence.is_open() || flow.borrow().blocked {
                 break;
             }
+            while queued_bytes >= QUEUED_AHEAD_BYTES
+                && let Some((event, first, publish)) = queued.pop_front()
+            {
+                queued_bytes -= event.payload.len();
+                match written(first, publish, connect_timeout, &flow).await {
+                    Ok(confirm) => record(event, confirm),
+                    Err(fault) => {
+                        write_fault = Some(fault);
+                        break 'events;
+                    }
+                }
+            }
             let partition = topology.partition_of(&event.key.branch.tenant, &event.key.branch.run);
             let options = BasicPublishOptions {
                 mandatory: true,
                 ..BasicPublishOptions::default()
             };
-            let publish = session.channel.basic_publish(
+            let mut publish = Box::pin(session.channel.basic_publish(
                 topology.exchange().clone(),
                 topology.routing_key(partition),
                 options,
                 &event.payload,
                 wire::properties(event, wire_mode),
-            );
-            // A write blocked midway waits for the unblock: lapin keeps its frames and would
-            // write them then, so the event must stay this session's until its verdict.
-            let deadline = Instant::now() + connect_timeout;
-            let publish = std::pin::pin!(publish);
-            let written = until_unless_blocked(publish, deadline, connect_timeout, &flow);
-            match written.await {
-                Some(Ok(confirm)) => {
-                    confirms.push(confirm);
-                    ids.push(wire::message_id(&event.key));
-                    sizes.push(event.payload.len());
-                }
-                Some(Err(err)) => {
-                    write_fault = Some(Error::from(err));
-                    break;
-                }
-                None => {
-                    write_fault = Some(Error::Timeout {
-                        operation: "basic.publish",
-                        timeout_ms: connect_timeout.as_millis() as u64,
-                    });
-                    break;
+            ));
+            // The first poll, with this task's waker: queued now, awaited later.
+            let first = std::future::poll_fn(|cx| Poll::Ready(publish.as_mut().poll(cx))).await;
+            queued_bytes += event.payload.len();
+            queued.push_back((event, first, publish));
+        }
+        if write_fault.is_none() {
+            for (event, first, publish) in queued.drain(..) {
+                match written(first, publish, connect_timeout, &flow).await {
+                    Ok(confirm) => record(event, confirm),
+                    // The rest, queued or not, is reported NotSent; the session is dropped
+                    // below.
+                    Err(fault) => {
+                        write_fault = Some(fault);
+                        break;
+                    }
                 }
             }
         }
+        // Writes after a failed one: reported NotSent (their frames may still go out).
+        drop(queued);
         let batch = PendingBatch {
             confirms,
             ids,

@@ -38,12 +38,15 @@ async fn worst_lag(pool: &PgPool, since: DateTime<Utc>, span: Duration) -> Durat
     worst
 }
 
-/// Every message of a group's partitions as the broker first delivered it, whatever node
-/// goes down: a raw consumer per partition (no fold) that reconnects through every address.
-/// On quorum queues it takes deliveries without acks (nothing is ever redelivered to it, so
-/// what it sees is the queue's order; what a dead connection had in flight is missed, never
-/// reordered); on streams it reads from the first offset at each connect.
+/// Every message of a group's partitions in the broker's queue order, whatever node goes
+/// down: a raw reader per partition (no fold). A quorum queue is read once, after the faults,
+/// with acks, by a single consumer: it then delivers in the queue's order, and nothing is in
+/// flight on a connection that dies. (A consumer reading during the faults without acks loses
+/// what its dead connection had in flight; the relay's resend of those events then reaches it
+/// after later ones, an order the queue never had.) A stream is read during the run, from its
+/// first offset at each connect: its offsets are its order.
 struct FirstDeliveries {
+    rabbit: RabbitConfig,
     seen: Arc<std::sync::Mutex<Vec<EventKey>>>,
     stop: Arc<AtomicBool>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
@@ -58,18 +61,78 @@ impl FirstDeliveries {
             .with_group(Group::parse("recorder").unwrap());
         let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
         let stop = Arc::new(AtomicBool::new(false));
-        let tasks = (0..rabbit.topology.partitions())
-            .map(|partition| {
+        let mut tasks = Vec::new();
+        if rabbit.topology.queue_type() == QueueType::Stream {
+            for partition in 0..rabbit.topology.partitions() {
                 let (rabbit, seen, stop) = (rabbit.clone(), seen.clone(), stop.clone());
-                tokio::spawn(async move {
+                tasks.push(tokio::spawn(async move {
                     while !stop.load(Ordering::Acquire) {
                         // A failed session (its node gone) is opened again on the next address.
                         let _ = Self::session(&rabbit, Partition(partition), &seen, &stop).await;
                     }
-                })
-            })
-            .collect();
-        Self { seen, stop, tasks }
+                }));
+            }
+        }
+        Self {
+            rabbit,
+            seen,
+            stop,
+            tasks,
+        }
+    }
+
+    /// Reads a quorum partition whole, in its order: the count it holds, as one consumer
+    /// with acks takes it.
+    async fn read_queue(&self, partition: Partition) -> Result<(), broker::Error> {
+        let (_connection, channel) = broker::open(&self.rabbit, "first-deliveries").await?;
+        let limit = self.rabbit.connect_timeout;
+        let queue = self.rabbit.topology.queue(partition);
+        let declared = broker::within(
+            "queue.declare",
+            limit,
+            channel.queue_declare(
+                queue.clone(),
+                lapin::options::QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                Default::default(),
+            ),
+        )
+        .await?;
+        broker::within(
+            "basic.qos",
+            limit,
+            channel.basic_qos(500, lapin::options::BasicQosOptions::default()),
+        )
+        .await?;
+        let mut deliveries = broker::within(
+            "basic.consume",
+            limit,
+            channel.basic_consume(
+                queue,
+                "".into(),
+                lapin::options::BasicConsumeOptions::default(),
+                Default::default(),
+            ),
+        )
+        .await?;
+        for _ in 0..declared.message_count() {
+            let delivery = deliveries
+                .next()
+                .await
+                .expect("the recorder's consumer ended early")?;
+            assert!(!delivery.redelivered, "the recorder's queue had a reader");
+            let event = broker::decode(&delivery.properties, &delivery.data).unwrap();
+            self.seen.lock().unwrap().push(event.key);
+            broker::within(
+                "basic.ack",
+                limit,
+                delivery.ack(lapin::options::BasicAckOptions::default()),
+            )
+            .await?;
+        }
+        Ok(())
     }
 
     async fn session(
@@ -79,7 +142,6 @@ impl FirstDeliveries {
         stop: &AtomicBool,
     ) -> Result<(), broker::Error> {
         let (_connection, channel) = broker::open(rabbit, "first-deliveries").await?;
-        let stream = rabbit.topology.queue_type() == QueueType::Stream;
         let limit = rabbit.connect_timeout;
         broker::within(
             "basic.qos",
@@ -88,22 +150,17 @@ impl FirstDeliveries {
         )
         .await?;
         let mut arguments = lapin::types::FieldTable::default();
-        if stream {
-            arguments.insert(
-                "x-stream-offset".into(),
-                lapin::types::AMQPValue::LongString("first".into()),
-            );
-        }
+        arguments.insert(
+            "x-stream-offset".into(),
+            lapin::types::AMQPValue::LongString("first".into()),
+        );
         let mut deliveries = broker::within(
             "basic.consume",
             limit,
             channel.basic_consume(
                 rabbit.topology.queue(partition),
                 "".into(),
-                lapin::options::BasicConsumeOptions {
-                    no_ack: !stream,
-                    ..Default::default()
-                },
+                lapin::options::BasicConsumeOptions::default(),
                 arguments,
             ),
         )
@@ -117,23 +174,31 @@ impl FirstDeliveries {
             };
             let event = broker::decode(&delivery.properties, &delivery.data).unwrap();
             seen.lock().unwrap().push(event.key);
-            if stream {
-                broker::within(
-                    "basic.ack",
-                    limit,
-                    delivery.ack(lapin::options::BasicAckOptions::default()),
-                )
-                .await?;
-            }
+            broker::within(
+                "basic.ack",
+                limit,
+                delivery.ack(lapin::options::BasicAckOptions::default()),
+            )
+            .await?;
         }
         Ok(())
     }
 
-    /// Stops it; per branch, the Lsns in the order of their first copies.
-    async fn stop(self) -> std::collections::BTreeMap<distribution::store::BranchKey, Vec<u64>> {
+    /// Stops it (a quorum queue is read now, once the faults are over and nothing more is
+    /// published); per branch, the Lsns in the order of their first copies.
+    async fn stop(
+        mut self,
+    ) -> std::collections::BTreeMap<distribution::store::BranchKey, Vec<u64>> {
         self.stop.store(true, Ordering::Release);
-        for task in self.tasks {
+        for task in std::mem::take(&mut self.tasks) {
             let _ = task.await;
+        }
+        if self.rabbit.topology.queue_type() == QueueType::Quorum {
+            for partition in 0..self.rabbit.topology.partitions() {
+                self.read_queue(Partition(partition))
+                    .await
+                    .expect("the recorder reads its queue");
+            }
         }
         let mut first = std::collections::BTreeMap::<_, Vec<u64>>::new();
         let mut known = std::collections::HashSet::new();

@@ -936,7 +936,7 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake, load: &Load) -> Result<
     // Measure a relay in its steady state, not one starting up: every writer's branch ships
     // its first intent (Lsn 1) before the clock starts. That waits for the relay to hold each
     // tenant's lease bucket (a relay's first heartbeat claims only half the buckets,
-    // `LeasePlan::first_step`; the rest come a heartbeat later), for each tenant's drainer and
+    // `LeasePlan::first_step`; the rest come a quarter heartbeat later), for each tenant's drainer and
     // for the connection of the publisher that ships each branch's small batches (the express
     // lane of its shard; a bulk lane still connects on its first batch).
     let (writer_count, rate) = (load.writers, load.rate.max(load.writers));

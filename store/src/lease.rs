@@ -214,7 +214,8 @@ impl LeasePlan {
 
     /// The step of a relay's first heartbeat: [`LeasePlan::step`] as if one more relay were
     /// starting beside it, so relays started together do not claim buckets they would hand
-    /// over a heartbeat later. Costs a lone relay half its buckets for one heartbeat.
+    /// over a heartbeat later. Costs a lone relay half its buckets until its second heartbeat,
+    /// which the keeper runs a quarter heartbeat after the first.
     pub fn first_step(&self, owned: usize, members: u32) -> LeaseStep {
         self.step(owned, members.max(1).saturating_add(1))
     }

@@ -179,6 +179,7 @@ impl Keeper {
             if *stop.borrow() {
                 break;
             }
+            let was_first = std::mem::take(&mut first);
             let beat = self.heartbeat(
                 &supervisor,
                 &mut book,
@@ -186,12 +187,19 @@ impl Keeper {
                 &mut members,
                 &mut failures,
                 limit,
-                std::mem::take(&mut first),
+                was_first,
             );
             match beat.await {
                 None => break,
                 Some(true) => early.notify_one(),
                 Some(false) => {}
+            }
+            if was_first {
+                // The first beat left room for a relay starting beside this one; the second
+                // comes a quarter heartbeat later, so a lone relay holds its whole share then
+                // rather than a heartbeat later (relays started within that quarter have
+                // registered by then; a later one joins by a planned handover).
+                ticker.reset_after(self.config.heartbeat / 4);
             }
         }
         poller.abort();

@@ -81,6 +81,41 @@ mod outbox {
         recorder.deliveries()
     }
 
+    /// A relay's first heartbeat claims half the buckets (room for a relay starting beside
+    /// it, `LeasePlan::first_step`), and its second comes a quarter heartbeat later: a lone
+    /// relay holds every bucket then, not a whole heartbeat (here 16 s) after it started.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lone_relay_holds_half_the_buckets_then_all_a_quarter_heartbeat_later() {
+        let (_pool, url) = fresh_database("firstbeats").await;
+        let mut config = relay_config(&url, &amqp_url(), &unique("firstbeats"));
+        config.supervisor.lease.heartbeat = Duration::from_secs(16);
+        config.supervisor.lease.ttl = Duration::from_secs(48);
+        let relay = Relay::start(config.clone()).await.unwrap();
+        let first = std::sync::atomic::AtomicUsize::new(0);
+        wait_until(
+            "the first heartbeat's claim",
+            Duration::from_secs(10),
+            || async {
+                first.store(buckets(&relay).await, Ordering::SeqCst);
+                first.load(Ordering::SeqCst) > 0
+            },
+        )
+        .await;
+        assert_eq!(
+            first.into_inner(),
+            64,
+            "the first heartbeat claims half the buckets"
+        );
+        wait_until(
+            "every bucket, well before a second full heartbeat",
+            Duration::from_secs(10),
+            || async { buckets(&relay).await == 128 },
+        )
+        .await;
+        relay.shutdown().await;
+        drop_topology(&config.rabbit_config().unwrap().topology).await;
+    }
+
     /// Three relays start one after another on a backlog of 60 tenants x 3 runs: the first
     /// holds every bucket, then sheds two thirds of them while their batches are in flight.
     /// Each event reaches the broker exactly once (before, 3-4% twice: the shed buckets' acks

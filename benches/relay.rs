@@ -768,13 +768,19 @@ fn latency_rows(row: &mut impl FnMut(&str, String, &str), label: &str, measured:
             measured.p99 / floor_p99.max(f64::EPSILON),
         ),
         &format!(
-            "{} events; floor: one outbox read + one confirmed publish under the same load; PostgreSQL {}; targets p50 <= 1.5x, p99 <= 2x",
+            "{} events; floor: one outbox read + one confirmed publish under the same load, every 10 ms; as the events met it (the probe running at each commit) {:.1} / {:.1} ms; PostgreSQL {}; {}targets p50 <= 1.5x, p99 <= 2x",
             measured.events,
+            measured.floor_at_commits.0,
+            measured.floor_at_commits.1,
             if latency_in_plain_text() {
                 "in plain text (BENCH_PG_TLS=off)"
             } else {
                 "over TLS (sslmode=prefer, the default)"
-            }
+            },
+            measured
+                .stolen
+                .map(|stolen| format!("hypervisor steal {stolen:.1} % of CPU time; "))
+                .unwrap_or_default()
         ),
     );
     row(
@@ -794,8 +800,48 @@ struct Latency {
     max: f64,
     events: usize,
     rate: f64,
-    /// The floor under the same load: one outbox read plus one confirmed publish (p50, p99).
+    /// The floor under the same load: one outbox read plus one confirmed publish (p50, p99),
+    /// over the probes (sampled in time: a stall weighs what it lasts).
     floor: (f64, f64),
+    /// The same floor as the events met it: per event, the probe running at its commit (or
+    /// the next to start); p50, p99. Sampled by load: a stall weighs the events it holds, as
+    /// it does in the relay's own percentiles.
+    floor_at_commits: (f64, f64),
+    /// Percent of the machine's CPU time the hypervisor took (`steal` in `/proc/stat`) while
+    /// the writers ran; `None` where there is no `/proc/stat`.
+    stolen: Option<f64>,
+}
+
+/// The machine's CPU time so far, in ticks: stolen by the hypervisor, and in all.
+fn machine_ticks() -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let ticks: Vec<u64> = stat
+        .lines()
+        .next()?
+        .split_whitespace()
+        .skip(1)
+        .map(str::parse)
+        .collect::<Result<_, _>>()
+        .ok()?;
+    // user nice system idle iowait irq softirq steal [guest guest_nice, counted in user]
+    Some((*ticks.get(7)?, ticks.iter().take(8).sum()))
+}
+
+/// The floor each event met: the duration of the probe running at its commit, else of the
+/// next probe to start (`probes` in start order; `commits` as instants).
+fn floor_at(probes: &[(Instant, f64)], commits: impl Iterator<Item = Instant>) -> Vec<f64> {
+    let mut met: Vec<f64> = commits
+        .filter_map(|committed| {
+            let next = probes.partition_point(|(start, _)| *start <= committed);
+            let running = next
+                .checked_sub(1)
+                .map(|i| probes[i])
+                .filter(|(start, ms)| *start + Duration::from_secs_f64(ms / 1000.0) >= committed);
+            running.or(probes.get(next).copied()).map(|(_, ms)| ms)
+        })
+        .collect();
+    met.sort_by(f64::total_cmp);
+    met
 }
 
 /// Offered load of the latency measurement, events/s over 8 writers: 2,000 unless
@@ -972,6 +1018,7 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake, load: &Load) -> Result<
         }
     }
 
+    let ticks_before = machine_ticks();
     let started = Instant::now();
     let mut writers = Vec::new();
     for key in keys {
@@ -987,6 +1034,7 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake, load: &Load) -> Result<
             // Lsn 1 was the warm-up.
             for lsn in 2..=(u64::from(rate) / u64::from(writer_count) * seconds + 1) {
                 ticker.tick().await;
+                let begun = Instant::now();
                 let mut tx = pool.begin().await.expect("begin");
                 let payload = [b'x'; PAYLOAD_BYTES as usize];
                 writer
@@ -995,6 +1043,7 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake, load: &Load) -> Result<
                     .expect("append");
                 tx.commit().await.expect("commit");
                 let committed = Instant::now();
+                let transaction = committed - begun;
                 if wake == Wake::Waker || std::env::var_os("BENCH_WAKE_BOTH").is_some() {
                     waker.wake(&key.tenant);
                 }
@@ -1009,7 +1058,7 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake, load: &Load) -> Result<
                     branch: key.clone(),
                     lsn: Lsn::new(lsn),
                 };
-                commits.push((event, committed));
+                commits.push((event, committed, transaction));
             }
             commits
         }));
@@ -1026,12 +1075,13 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake, load: &Load) -> Result<
             let mut publisher = RabbitPublisher::new(rabbit);
             let event = synthetic_events(1);
             let tenant = TenantId::new("floor-probe").expect("valid id");
+            // Per probe: when it started, and how long it took (ms).
             let mut millis = Vec::new();
             while writers_done.iter().any(|writer| !writer.is_finished()) {
                 let started = Instant::now();
                 outbox.drain_outbox(&tenant, 1).await.expect("probe read");
                 publisher.publish(&event).await;
-                millis.push(started.elapsed().as_secs_f64() * 1000.0);
+                millis.push((started, started.elapsed().as_secs_f64() * 1000.0));
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
             millis
@@ -1042,6 +1092,12 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake, load: &Load) -> Result<
         commits.extend(writer.await?);
     }
     let rate = commits.len() as f64 / started.elapsed().as_secs_f64();
+    let stolen =
+        machine_ticks()
+            .zip(ticks_before)
+            .map(|((steal, total), (steal_before, total_before))| {
+                100.0 * (steal - steal_before) as f64 / (total - total_before).max(1) as f64
+            });
     let hot_left = if load.hot_backlog > 0 {
         outbox
             .tenant_backlog(&TenantId::new("hot0")?)
@@ -1050,8 +1106,10 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake, load: &Load) -> Result<
     } else {
         0
     };
-    let mut floor = probe.await?;
+    let probes = probe.await?;
+    let mut floor: Vec<f64> = probes.iter().map(|(_, ms)| *ms).collect();
     floor.sort_by(f64::total_cmp);
+    let met = floor_at(&probes, commits.iter().map(|(_, committed, _)| *committed));
     // Every measured event confirmed (the hot backlog may still be draining: not waited for).
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
@@ -1059,7 +1117,7 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake, load: &Load) -> Result<
             let confirmed = confirmed
                 .lock()
                 .unwrap_or_else(|poison| poison.into_inner());
-            commits.iter().all(|(key, _)| confirmed.contains_key(key))
+            commits.iter().all(|(key, ..)| confirmed.contains_key(key))
         };
         if done || Instant::now() > deadline {
             break;
@@ -1073,7 +1131,7 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake, load: &Load) -> Result<
             .unwrap_or_else(|poison| poison.into_inner());
         commits
             .iter()
-            .map(|(key, committed)| {
+            .map(|(key, committed, _)| {
                 confirmed.get(key).map_or(f64::INFINITY, |at| {
                     at.saturating_duration_since(*committed).as_secs_f64() * 1000.0
                 })
@@ -1082,10 +1140,12 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake, load: &Load) -> Result<
     };
     if let (Ok(path), Some(sent)) = (std::env::var("BENCH_DUMP"), &sent) {
         // Per event: seconds from the start at its commit, branch, Lsn, commit-to-confirm ms,
-        // commit-to-publisher ms, and the size of the batch it went in.
+        // commit-to-publisher ms, the size of the batch it went in, and how long its writer's
+        // transaction took (ms). Beside it, `.floor`: per probe, its start (seconds from the
+        // start) and how long it took (ms).
         let mut out = String::new();
         let sent = sent.lock().unwrap_or_else(|poison| poison.into_inner());
-        for ((key, committed), ms) in commits.iter().zip(&millis) {
+        for ((key, committed, transaction), ms) in commits.iter().zip(&millis) {
             let (to_publisher, batch) = sent.get(key).map_or((f64::INFINITY, 0), |(at, batch)| {
                 (
                     at.saturating_duration_since(*committed).as_secs_f64() * 1000.0,
@@ -1094,23 +1154,28 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake, load: &Load) -> Result<
             });
             let _ = writeln!(
                 out,
-                "{:.3} {} {} {ms:.2} {to_publisher:.2} {batch}",
+                "{:.3} {} {} {ms:.2} {to_publisher:.2} {batch} {:.2}",
                 committed.duration_since(started).as_secs_f64(),
                 key.branch,
-                key.lsn
+                key.lsn,
+                transaction.as_secs_f64() * 1000.0
             );
         }
-        std::fs::write(
-            format!(
-                "{path}.{}",
-                match wake {
-                    Wake::Notify => "notify",
-                    Wake::Waker => "waker",
-                    Wake::AfterCommit => "after",
-                }
-            ),
-            out,
-        )?;
+        let name = match wake {
+            Wake::Notify => "notify",
+            Wake::Waker => "waker",
+            Wake::AfterCommit => "after",
+        };
+        std::fs::write(format!("{path}.{name}"), out)?;
+        let mut out = String::new();
+        for (at, ms) in &probes {
+            let _ = writeln!(
+                out,
+                "{:.3} {ms:.2}",
+                at.saturating_duration_since(started).as_secs_f64()
+            );
+        }
+        std::fs::write(format!("{path}.{name}.floor"), out)?;
     }
     millis.sort_by(f64::total_cmp);
     drop_topology(&env.amqp, &rabbit.topology).await?;
@@ -1123,6 +1188,8 @@ async fn latency(env: &mut Env, mode: &Mode, wake: Wake, load: &Load) -> Result<
             events: commits.len(),
             rate,
             floor: (percentile(&floor, 0.5), percentile(&floor, 0.99)),
+            floor_at_commits: (percentile(&met, 0.5), percentile(&met, 0.99)),
+            stolen,
         },
         hot_left,
     ))

@@ -9,6 +9,7 @@
 //! - `probe`: [`CallProbe`], records which threads call the broker client.
 //! - `backoff`: [`Backoff`], retry delays that never give up (the relay's actors use it too).
 //! - `error`: the one [`Error`] type.
+//! - `scratch` (feature `fixtures`): test topologies deleted at the test process's exit.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
 mod backoff;
@@ -19,6 +20,8 @@ mod health;
 mod port;
 mod probe;
 mod rabbit;
+#[cfg(feature = "fixtures")]
+pub mod scratch;
 mod topology;
 mod wire;
 

@@ -34,12 +34,7 @@ async fn a_returned_payload_never_reaches_a_log() {
         .with_writer(move || writer.clone())
         .init();
 
-    let name = format!(
-        "relay-test-quiet-{}-{}",
-        std::process::id(),
-        Utc::now().timestamp_micros()
-    );
-    let topology = Topology::new(&name, 1).unwrap();
+    let topology = Topology::new(&broker::scratch::unique("relay-test-quiet"), 1).unwrap();
     let url = std::env::var("AMQP_URL").expect("AMQP_URL");
     let mut config = RabbitConfig::new(url.clone(), topology.clone()).unwrap();
     config.redeclare_on_return = false;

@@ -23,9 +23,10 @@ pub fn amqp_url() -> String {
     std::env::var("AMQP_URL").expect("AMQP_URL (set in .cargo/config.toml)")
 }
 
-/// A name no other test of any run uses (`store::scratch::unique`).
+/// A name no other test of any run uses (`store::scratch::unique`); a topology so named is
+/// deleted at this process's exit if its test does not delete it (`broker::scratch`).
 pub fn unique(label: &str) -> String {
-    store::scratch::unique(label)
+    broker::scratch::unique(label)
 }
 
 /// The host: a multi-thread runtime whose workers are named `host-executor`, torn down within

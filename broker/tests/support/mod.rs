@@ -12,16 +12,14 @@ pub fn amqp_url() -> String {
     std::env::var("AMQP_URL").expect("AMQP_URL (set in .cargo/config.toml)")
 }
 
+/// A topology no other test uses, deleted at this process's exit if the test does not
+/// delete it (`broker::scratch`).
 pub fn unique_topology(label: &str, partitions: u16) -> Topology {
-    // A per-process counter too: two tests of this binary can start in the same microsecond.
-    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let name = format!(
-        "relay-test-{label}-{}-{n}-{}",
-        std::process::id(),
-        Utc::now().timestamp_micros()
-    );
-    Topology::new(&name, partitions).unwrap()
+    Topology::new(
+        &broker::scratch::unique(&format!("relay-test-{label}")),
+        partitions,
+    )
+    .unwrap()
 }
 
 pub fn events(tenant: &str, run: &str, branch: &str, lsns: &[u64]) -> Vec<OutboxEvent> {

@@ -17,14 +17,7 @@ use lapin::{Connection, ConnectionProperties};
 pub fn unique(label: &str) -> String {
     static REGISTERED: AtomicBool = AtomicBool::new(false);
     if !REGISTERED.swap(true, Ordering::SeqCst) {
-        unsafe extern "C" {
-            fn atexit(callback: extern "C" fn()) -> std::os::raw::c_int;
-        }
-        // SAFETY: `atexit` is the C library's. The callback cannot unwind across it: its steps
-        // that may panic run on a thread of its own, whose panic `join` returns as a value.
-        unsafe {
-            atexit(delete_at_exit);
-        }
+        store::scratch::at_exit(delete_at_exit);
     }
     store::scratch::unique(label)
 }
@@ -51,10 +44,18 @@ fn ours(name: &str, pid: u32, now_micros: u128) -> bool {
     plausible && (owner == pid || now_micros.saturating_sub(micros) > 3_600_000_000)
 }
 
-/// `rabbitmqctl list_<what> name`: one name per line; none if the tool is missing or fails.
+/// `rabbitmqctl list_<what> name`: one name per line; none if the tool is missing, fails, or
+/// gets no answer within 10 s.
 fn listed(what: &str) -> Vec<String> {
     let output = Command::new("rabbitmqctl")
-        .args([what, "name", "--quiet", "--no-table-headers"])
+        .args([
+            what,
+            "name",
+            "--quiet",
+            "--no-table-headers",
+            "--timeout",
+            "10",
+        ])
         .output();
     match output {
         Ok(output) if output.status.success() => String::from_utf8_lossy(&output.stdout)
@@ -67,13 +68,13 @@ fn listed(what: &str) -> Vec<String> {
     }
 }
 
-/// At the process's exit: deletes this process's (and stale) queues and exchanges, on a thread
-/// of its own (the exiting thread's runtime may be gone by now), bounded to 30 s.
+/// At the process's exit: deletes this process's (and stale) queues and exchanges, bounded to
+/// 30 s.
 extern "C" fn delete_at_exit() {
-    let deleting = std::thread::spawn(|| {
-        let Ok(url) = std::env::var("AMQP_URL") else {
-            return;
-        };
+    let Ok(url) = std::env::var("AMQP_URL") else {
+        return;
+    };
+    let deleted = store::scratch::finish_on_own_thread(Duration::from_secs(30), move || {
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |since| since.as_micros());
@@ -83,56 +84,37 @@ extern "C" fn delete_at_exit() {
             let exchanges = listed("list_exchanges");
             (queues.join().unwrap_or_default(), exchanges)
         });
-        let queues: Vec<_> = queues.into_iter().filter(|q| ours(q, pid, now)).collect();
-        let exchanges: Vec<_> = exchanges
-            .into_iter()
-            .filter(|e| ours(e, pid, now))
+        let doomed: Vec<(bool, String)> = (queues.into_iter().map(|name| (true, name)))
+            .chain(exchanges.into_iter().map(|name| (false, name)))
+            .filter(|(_, name)| ours(name, pid, now))
             .collect();
-        if queues.is_empty() && exchanges.is_empty() {
-            return;
-        }
-        let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-        else {
-            return;
-        };
-        let delete_all = async {
+        async move {
+            if doomed.is_empty() {
+                return Ok(0);
+            }
             let connection = Connection::connect(&url, ConnectionProperties::default()).await?;
             let mut channel = connection.create_channel().await?;
-            for queue in &queues {
-                // A queue gone meanwhile (or refused) closes the channel: open another.
-                if channel
-                    .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
-                    .await
-                    .is_err()
-                {
-                    channel = connection.create_channel().await?;
-                }
-            }
-            for exchange in &exchanges {
-                if channel
-                    .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
-                    .await
-                    .is_err()
-                {
+            for (queue, name) in &doomed {
+                let name = name.as_str().into();
+                let deleted = if *queue {
+                    let options = QueueDeleteOptions::default();
+                    channel.queue_delete(name, options).await.map(drop)
+                } else {
+                    let options = ExchangeDeleteOptions::default();
+                    channel.exchange_delete(name, options).await
+                };
+                // A name gone meanwhile (or refused) closes the channel: open another.
+                if deleted.is_err() {
                     channel = connection.create_channel().await?;
                 }
             }
             let _ = connection.close(200, "scratch deleted".into()).await;
-            Ok::<_, lapin::Error>(())
-        };
-        let bounded = runtime
-            .block_on(async { tokio::time::timeout(Duration::from_secs(30), delete_all).await });
-        if !matches!(bounded, Ok(Ok(()))) {
-            eprintln!(
-                "scratch topologies not all deleted: {} queues, {} exchanges",
-                queues.len(),
-                exchanges.len()
-            );
+            Ok::<_, lapin::Error>(doomed.len())
         }
     });
-    let _ = deleting.join();
+    if !matches!(deleted, Some(Ok(_))) {
+        eprintln!("scratch topologies not all deleted within 30 s: {deleted:?}");
+    }
 }
 
 #[cfg(test)]

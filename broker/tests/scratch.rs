@@ -1,6 +1,4 @@
 //! A test's scratch topology is deleted when its process exits, also when the test failed.
-use std::process::Command;
-
 use broker::{Partition, Topology};
 use lapin::options::{ExchangeDeclareOptions, QueueDeclareOptions};
 use lapin::{Connection, ConnectionProperties};
@@ -41,23 +39,7 @@ async fn child_declares_a_topology_and_fails() {
 
 #[tokio::test]
 async fn a_failed_tests_topology_is_deleted_at_its_exit() {
-    let child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--ignored",
-            "--exact",
-            "child_declares_a_topology_and_fails",
-            "--nocapture",
-        ])
-        .env("SCRATCH_CHILD", "1")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&child.stdout);
-    assert!(!child.status.success(), "the child's test failed: {stdout}");
-    let name = stdout
-        .lines()
-        .find_map(|line| line.strip_prefix("SCRATCH="))
-        .unwrap_or_else(|| panic!("the child printed its topology: {stdout}"))
-        .to_owned();
+    let name = store::scratch::failing_child("child_declares_a_topology_and_fails");
     let topology = Topology::new(&name, 2).unwrap();
     let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
         .await

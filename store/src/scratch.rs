@@ -69,14 +69,7 @@ async fn sweep_once(admin: &mut PgConnection) {
     if SWEPT.swap(true, Ordering::SeqCst) {
         return;
     }
-    unsafe extern "C" {
-        fn atexit(callback: extern "C" fn()) -> std::os::raw::c_int;
-    }
-    // SAFETY: `atexit` is the C library's. The callback cannot unwind across it: its one step
-    // that may panic runs on a thread of its own, whose panic `join` returns as a value.
-    unsafe {
-        atexit(drop_at_exit);
-    }
+    at_exit(drop_at_exit);
     let names: Vec<String> =
         sqlx::query_scalar("SELECT datname FROM pg_database WHERE datname LIKE 'relay\\_it\\_%'")
             .fetch_all(&mut *admin)
@@ -107,36 +100,80 @@ async fn drop_database(admin: &mut PgConnection, name: &str) {
     }
 }
 
-/// At the process's exit: drops this process's scratch databases, on a thread of its own (the
-/// exiting thread's runtime and thread-locals may be gone by now).
+/// Has `callback` run when the process exits (C's `atexit`): the test harness exits that way
+/// whether its tests passed or failed. `callback` must not unwind: run what may panic through
+/// [`finish_on_own_thread`].
+pub fn at_exit(callback: extern "C" fn()) {
+    unsafe extern "C" {
+        fn atexit(callback: extern "C" fn()) -> std::os::raw::c_int;
+    }
+    // SAFETY: `atexit` is the C library's; the callbacks given here do not unwind (above).
+    unsafe {
+        atexit(callback);
+    }
+}
+
+/// Runs `work` on a thread and a runtime of its own, for at most `limit`: for an exit hook,
+/// where the exiting thread's runtime and thread-locals may be gone. `None` if it did not
+/// finish in time, panicked, or had no runtime (a panic is `join`'s value, never an unwind).
+pub fn finish_on_own_thread<F, Fut>(limit: Duration, work: F) -> Option<Fut::Output>
+where
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: std::future::Future,
+    Fut::Output: Send + 'static,
+{
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .ok()?;
+        runtime.block_on(async { tokio::time::timeout(limit, work()).await.ok() })
+    })
+    .join()
+    .ok()
+    .flatten()
+}
+
+/// For a test of an exit hook: runs `child`, an ignored test of this same test binary, with
+/// `SCRATCH_CHILD=1` (the child does its work only then), checks that it failed, and returns
+/// what it printed after `SCRATCH=`.
+pub fn failing_child(child: &str) -> String {
+    let output = std::process::Command::new(std::env::current_exe().expect("this test binary"))
+        .args(["--ignored", "--exact", child, "--nocapture"])
+        .env("SCRATCH_CHILD", "1")
+        .output()
+        .expect("run the child test");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        !output.status.success(),
+        "the child's test failed: {stdout}"
+    );
+    stdout
+        .lines()
+        .find_map(|line| line.strip_prefix("SCRATCH="))
+        .unwrap_or_else(|| panic!("the child printed its name: {stdout}"))
+        .to_owned()
+}
+
+/// At the process's exit: drops this process's scratch databases, bounded to 30 s.
 extern "C" fn drop_at_exit() {
     let names = std::mem::take(&mut *CREATED.lock().unwrap_or_else(|poison| poison.into_inner()));
     if names.is_empty() {
         return;
     }
-    let dropping = std::thread::spawn(move || {
-        let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-        else {
+    let left = names.clone();
+    // Bounded: a server gone by now must not hold the test process at its exit.
+    let dropped = finish_on_own_thread(Duration::from_secs(30), move || async move {
+        let Ok(mut admin) = PgConnection::connect(&server_url()).await else {
             return;
         };
-        // Bounded: a server gone by now must not hold the test process at its exit.
-        let drop_all = async {
-            let Ok(mut admin) = PgConnection::connect(&server_url()).await else {
-                return;
-            };
-            for name in &names {
-                drop_database(&mut admin, name).await;
-            }
-        };
-        let bounded = runtime
-            .block_on(async { tokio::time::timeout(Duration::from_secs(30), drop_all).await });
-        if bounded.is_err() {
-            eprintln!("scratch databases not dropped within 30 s: {names:?}");
+        for name in &names {
+            drop_database(&mut admin, name).await;
         }
     });
-    let _ = dropping.join();
+    if dropped.is_none() {
+        eprintln!("scratch databases not dropped within 30 s: {left:?}");
+    }
 }
 
 #[cfg(test)]

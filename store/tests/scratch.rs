@@ -1,6 +1,4 @@
 //! Scratch databases are dropped when the test process exits, also when its test failed.
-use std::process::Command;
-
 use sqlx::{Connection, PgConnection};
 
 /// Run only as the child of the test below: makes a scratch database, prints its name and
@@ -23,23 +21,7 @@ async fn child_makes_a_database_and_fails() {
 
 #[tokio::test]
 async fn a_failed_tests_scratch_database_is_dropped_at_its_exit() {
-    let child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--ignored",
-            "--exact",
-            "child_makes_a_database_and_fails",
-            "--nocapture",
-        ])
-        .env("SCRATCH_CHILD", "1")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&child.stdout);
-    assert!(!child.status.success(), "the child's test failed: {stdout}");
-    let name = stdout
-        .lines()
-        .find_map(|line| line.strip_prefix("SCRATCH="))
-        .unwrap_or_else(|| panic!("the child printed its database: {stdout}"))
-        .to_owned();
+    let name = store::scratch::failing_child("child_makes_a_database_and_fails");
     assert!(name.starts_with(store::scratch::PREFIX));
     let mut admin = PgConnection::connect(&std::env::var("DATABASE_URL").unwrap())
         .await

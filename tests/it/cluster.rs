@@ -81,12 +81,25 @@ impl FirstDeliveries {
         }
     }
 
-    /// Reads a quorum partition whole, in its order: the count it holds, as one consumer
-    /// with acks takes it.
-    async fn read_queue(&self, partition: Partition) -> Result<(), broker::Error> {
-        let (_connection, channel) = broker::open(&self.rabbit, "first-deliveries").await?;
-        let limit = self.rabbit.connect_timeout;
-        let queue = self.rabbit.topology.queue(partition);
+    /// A consumer with acks (500 unacked at most) of `partition`, with `arguments`, and the
+    /// count of messages the partition held just before it started; its connection and
+    /// channel must outlive it.
+    async fn consumer(
+        rabbit: &RabbitConfig,
+        partition: Partition,
+        arguments: lapin::types::FieldTable,
+    ) -> Result<
+        (
+            broker::ClosingConnection,
+            lapin::Channel,
+            u32,
+            lapin::Consumer,
+        ),
+        broker::Error,
+    > {
+        let (connection, channel) = broker::open(rabbit, "first-deliveries").await?;
+        let limit = rabbit.connect_timeout;
+        let queue = rabbit.topology.queue(partition);
         let declared = broker::within(
             "queue.declare",
             limit,
@@ -106,80 +119,74 @@ impl FirstDeliveries {
             channel.basic_qos(500, lapin::options::BasicQosOptions::default()),
         )
         .await?;
-        let mut deliveries = broker::within(
+        let deliveries = broker::within(
             "basic.consume",
             limit,
             channel.basic_consume(
                 queue,
                 "".into(),
                 lapin::options::BasicConsumeOptions::default(),
-                Default::default(),
+                arguments,
             ),
         )
         .await?;
-        for _ in 0..declared.message_count() {
+        Ok((connection, channel, declared.message_count(), deliveries))
+    }
+
+    /// Records `delivery`'s event, then acks it.
+    async fn record(
+        rabbit: &RabbitConfig,
+        seen: &std::sync::Mutex<Vec<EventKey>>,
+        delivery: lapin::message::Delivery,
+    ) -> Result<(), broker::Error> {
+        let event = broker::decode(&delivery.properties, &delivery.data).unwrap();
+        seen.lock().unwrap().push(event.key);
+        broker::within(
+            "basic.ack",
+            rabbit.connect_timeout,
+            delivery.ack(lapin::options::BasicAckOptions::default()),
+        )
+        .await
+        .map(drop)
+    }
+
+    /// Reads a quorum partition whole, in its order: the count it holds, as one consumer
+    /// with acks takes it.
+    async fn read_queue(&self, partition: Partition) -> Result<(), broker::Error> {
+        let (_connection, _channel, count, mut deliveries) =
+            Self::consumer(&self.rabbit, partition, Default::default()).await?;
+        for _ in 0..count {
             let delivery = deliveries
                 .next()
                 .await
                 .expect("the recorder's consumer ended early")?;
             assert!(!delivery.redelivered, "the recorder's queue had a reader");
-            let event = broker::decode(&delivery.properties, &delivery.data).unwrap();
-            self.seen.lock().unwrap().push(event.key);
-            broker::within(
-                "basic.ack",
-                limit,
-                delivery.ack(lapin::options::BasicAckOptions::default()),
-            )
-            .await?;
+            Self::record(&self.rabbit, &self.seen, delivery).await?;
         }
         Ok(())
     }
 
+    /// Reads a stream partition from its first offset until `stop`.
     async fn session(
         rabbit: &RabbitConfig,
         partition: Partition,
         seen: &std::sync::Mutex<Vec<EventKey>>,
         stop: &AtomicBool,
     ) -> Result<(), broker::Error> {
-        let (_connection, channel) = broker::open(rabbit, "first-deliveries").await?;
-        let limit = rabbit.connect_timeout;
-        broker::within(
-            "basic.qos",
-            limit,
-            channel.basic_qos(500, lapin::options::BasicQosOptions::default()),
-        )
-        .await?;
         let mut arguments = lapin::types::FieldTable::default();
         arguments.insert(
             "x-stream-offset".into(),
             lapin::types::AMQPValue::LongString("first".into()),
         );
-        let mut deliveries = broker::within(
-            "basic.consume",
-            limit,
-            channel.basic_consume(
-                rabbit.topology.queue(partition),
-                "".into(),
-                lapin::options::BasicConsumeOptions::default(),
-                arguments,
-            ),
-        )
-        .await?;
+        let (_connection, _channel, _, mut deliveries) =
+            Self::consumer(rabbit, partition, arguments).await?;
         while !stop.load(Ordering::Acquire) {
             let next = tokio::time::timeout(Duration::from_millis(100), deliveries.next()).await;
-            let delivery = match next {
+            match next {
                 Err(_) => continue,
-                Ok(Some(delivery)) => delivery?,
+                Ok(Some(delivery)) => Self::record(rabbit, seen, delivery?).await?,
                 Ok(None) => return Ok(()),
-            };
-            let event = broker::decode(&delivery.properties, &delivery.data).unwrap();
-            seen.lock().unwrap().push(event.key);
-            broker::within(
-                "basic.ack",
-                limit,
-                delivery.ack(lapin::options::BasicAckOptions::default()),
-            )
-            .await?;
+            }
         }
         Ok(())
     }

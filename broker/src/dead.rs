@@ -143,8 +143,22 @@ impl DeadLetters {
         Ok(queue.message_count())
     }
 
+    /// Waits until the queue holds `ready` messages again (or more: letters keep arriving),
+    /// at most the connect timeout: a quorum queue takes back what a closed channel held
+    /// through its log, after the close is answered, so a read straight after another could
+    /// miss the letters the first gave back (seen: `find` after `list` found nothing). Every
+    /// operation returns once what it gave back is readable again.
+    async fn settle(&self, ready: u64) -> Result<(), Error> {
+        let deadline = tokio::time::Instant::now() + self.config.connect_timeout;
+        while u64::from(self.depth().await?) < ready && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        Ok(())
+    }
+
     /// The first `limit` dead letters, in queue order; nothing is removed.
     pub async fn list(&self, limit: u64) -> Result<Vec<DeadLetter>, Error> {
+        let held = u64::from(self.depth().await?);
         let channel = self.channel().await?;
         let mut letters = Vec::new();
         while (letters.len() as u64) < limit {
@@ -155,6 +169,7 @@ impl DeadLetters {
         }
         // Closing the channel puts every message read back, in place.
         close_within(&self.config, &channel, "listed").await;
+        self.settle(held).await?;
         Ok(letters)
     }
 
@@ -174,6 +189,7 @@ impl DeadLetters {
             }
         }
         close_within(&self.config, &channel, "found").await;
+        self.settle(held).await?;
         Ok(found)
     }
 
@@ -267,6 +283,7 @@ impl DeadLetters {
             }
         }
         close_within(&self.config, &channel, "done").await;
+        self.settle(held.saturating_sub(taken)).await?;
         Ok(taken)
     }
 

@@ -53,6 +53,7 @@ pub use rabbit::RabbitConfig;
 pub use rabbit::RabbitPublisher;
 pub use rabbit::preflight;
 pub use rabbit::{open, within};
+pub use topology::DEAD_LETTER_DELIVERY_LIMIT;
 pub use topology::DEFAULT_DELIVERY_LIMIT;
 pub use topology::Group;
 pub use topology::Partition;

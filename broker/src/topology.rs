@@ -97,6 +97,15 @@ impl StreamRetention {
 /// default, declared explicitly so that every version behaves the same).
 pub const DEFAULT_DELIVERY_LIMIT: u32 = 20;
 
+/// The delivery limit of every quorum dead-letter queue: `i32::MAX`, declared explicitly.
+/// Without one, RabbitMQ 4.0 applies its default of 20 to a queue that has no dead-letter
+/// target, so a letter read 20 times (by `distribution dead list`, `show`, `replay` or `purge`
+/// with a filter, which return what they do not act on) is dropped: every return counts on
+/// 4.0.5, a closed channel's included. `-1`, which 4.x reads as "no limit", means 0 on 3.x (the
+/// letter is dropped on its first return; both seen on 3.10.8 and 4.0.5), so no value but a
+/// large one behaves the same on every version and through an upgrade.
+pub const DEAD_LETTER_DELIVERY_LIMIT: i64 = i32::MAX as i64;
+
 /// A consumer group: one consumer service's own copy of the history. Each group has its own
 /// partition queues, bound to the topology's exchange with the same routing keys (so order per
 /// `(TenantId, RunId)` holds in every group), and its own dead-letter queue. A group sees the
@@ -321,13 +330,18 @@ impl Topology {
     }
 
     /// The arguments of a dead-letter queue: a quorum queue unless the topology is classic
-    /// (a stream cannot be taken from one message at a time).
+    /// (a stream cannot be taken from one message at a time), whose delivery limit no reader
+    /// reaches ([`DEAD_LETTER_DELIVERY_LIMIT`]).
     fn dead_letter_arguments(&self) -> FieldTable {
         let mut arguments = FieldTable::default();
         if self.queue_type != QueueType::Classic {
             arguments.insert(
                 "x-queue-type".into(),
                 AMQPValue::LongString("quorum".into()),
+            );
+            arguments.insert(
+                "x-delivery-limit".into(),
+                AMQPValue::LongLongInt(DEAD_LETTER_DELIVERY_LIMIT),
             );
         }
         arguments
@@ -569,6 +583,16 @@ mod tests {
             quorum.queue_of(&search, Partition(1)).as_str(),
             "relay.search.p1"
         );
+        // A dead-letter queue's own limit is one no reader reaches, on quorum and streams
+        // (RabbitMQ 4 would apply 20 and drop a letter read that often); classic has none.
+        for topology in [&quorum, &streams] {
+            assert_eq!(
+                get(&topology.dead_letter_arguments(), "x-delivery-limit"),
+                Some(AMQPValue::LongLongInt(i64::from(i32::MAX)))
+            );
+        }
+        let classic = Topology::new("relay", 2).unwrap();
+        assert!(classic.dead_letter_arguments().inner().is_empty());
         for bad in ["", "7", "D", "0D", "7d", "7 D", "-1h"] {
             let retention = StreamRetention {
                 max_age: Some(bad.into()),

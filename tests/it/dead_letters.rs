@@ -19,9 +19,10 @@ use store::{
 };
 
 use crate::harness::{
-    Expected, amqp_url, assert_folded_exactly, declare_topology, drop_topology, fresh_database,
-    relay_config, unique, wait_until,
+    Expected, amqp_url, assert_folded_exactly, declare_topology, declare_topology_at,
+    drop_topology, drop_topology_at, fresh_database, relay_config, unique, wait_until,
 };
+use crate::node::{PrivateNode, Rabbit};
 
 /// Why the handler refused an event.
 #[derive(Debug)]
@@ -264,4 +265,101 @@ async fn dead_letters_are_listed_replayed_in_order_through_the_fold_and_purged()
     if let Err(panic) = outcome {
         std::panic::resume_unwind(panic);
     }
+}
+
+/// The dead-letter queue is where failed work waits for a person, so no reading of it may lose
+/// a letter: on a quorum topology, one letter is listed, shown, and passed over by a replay and
+/// a purge whose filter does not take it, 100 times each (every pass takes it and gives it
+/// back, which RabbitMQ 4 counts as a delivery), and `distribution dead list` still shows it.
+/// On RabbitMQ 4.0 a dead-letter queue declared without `x-delivery-limit` dropped it after its
+/// 20th read.
+async fn a_dead_letter_survives_every_read(url: &str) {
+    let topology = unique("deadreads");
+    let mut config = relay_config("postgres://unused", url, &topology);
+    config.queue_type = distribution::broker::QueueType::Quorum;
+    let rabbit = config.rabbit_config().unwrap();
+    let outcome = std::panic::AssertUnwindSafe(async {
+        declare_topology_at(url, &rabbit.topology).await;
+        let branch = run_of("deadreads", "r");
+        let letter = OutboxEvent {
+            key: store::EventKey {
+                branch: branch.clone(),
+                lsn: Lsn::new(1),
+            },
+            prev_lsn: Lsn::new(0),
+            base_lsn: Lsn::new(0),
+            payload: b"waits for a person".to_vec(),
+            created_at: chrono::Utc::now(),
+            kind: store::EventKind::Intent,
+            parent: None,
+            meta: store::Metadata::default(),
+        };
+        let connection = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
+            .await
+            .unwrap();
+        let channel = connection.create_channel().await.unwrap();
+        channel
+            .confirm_select(lapin::options::ConfirmSelectOptions::default())
+            .await
+            .unwrap();
+        let confirm = channel
+            .basic_publish(
+                "".into(),
+                rabbit.topology.dead_letter_queue(),
+                lapin::options::BasicPublishOptions::default(),
+                &letter.payload,
+                distribution::broker::encode(&letter, distribution::broker::WireMode::Plain),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        assert!(confirm.is_ack(), "{confirm:?}");
+        let id = format!("{branch}/1");
+
+        let dead = DeadLetters::open(&rabbit).await.unwrap();
+        let elsewhere = DeadFilter::Tenant(TenantId::new("someone-else").unwrap(), None);
+        for round in 1..=100 {
+            let listed = dead.list(10).await.unwrap();
+            let ids: Vec<_> = listed.iter().filter_map(|l| l.message_id.clone()).collect();
+            assert_eq!(ids, [id.clone()], "listed, round {round}");
+            assert!(
+                dead.find(&id).await.unwrap().is_some(),
+                "shown, round {round}"
+            );
+            assert_eq!(dead.replay(&elsewhere).await.unwrap(), 0, "round {round}");
+            assert_eq!(dead.purge(&elsewhere).await.unwrap(), 0, "round {round}");
+        }
+        assert_eq!(dead.depth().await.unwrap(), 1);
+        let listed = cli()
+            .args(["dead", "list", "--topology", &topology, "--partitions", "4"])
+            .args(["--queue-type", "quorum"])
+            .env("AMQP_URL", url)
+            .output()
+            .await
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&listed.stdout).into_owned();
+        assert!(
+            listed.status.success() && stdout.contains(&id),
+            "{stdout}{}",
+            String::from_utf8_lossy(&listed.stderr)
+        );
+    })
+    .catch_unwind()
+    .await;
+    drop_topology_at(url, &rabbit.topology).await;
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_survives_every_read_on_rabbitmq_4_0() {
+    let node = tokio::task::block_in_place(|| PrivateNode::start_on(Rabbit::V4_0, "deadreads"));
+    a_dead_letter_survives_every_read(&node.url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_survives_every_read_on_rabbitmq_3_10() {
+    a_dead_letter_survives_every_read(&amqp_url()).await;
 }

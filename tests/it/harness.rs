@@ -448,10 +448,14 @@ impl Folding {
 /// Declares `topology` on the real broker (what the relay declares when it connects), so
 /// consumers can subscribe before any relay runs.
 pub async fn declare_topology(topology: &Topology) {
-    let connection =
-        lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default())
-            .await
-            .unwrap();
+    declare_topology_at(&amqp_url(), topology).await;
+}
+
+/// Declares `topology` on the broker at `url`.
+pub async fn declare_topology_at(url: &str, topology: &Topology) {
+    let connection = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
+        .await
+        .unwrap();
     topology
         .declare(&connection.create_channel().await.unwrap())
         .await
@@ -459,10 +463,14 @@ pub async fn declare_topology(topology: &Topology) {
 }
 
 pub async fn drop_topology(topology: &Topology) {
-    let connection =
-        lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default())
-            .await
-            .unwrap();
+    drop_topology_at(&amqp_url(), topology).await;
+}
+
+/// Removes `topology`'s queues and exchange from the broker at `url`.
+pub async fn drop_topology_at(url: &str, topology: &Topology) {
+    let connection = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
+        .await
+        .unwrap();
     let channel = connection.create_channel().await.unwrap();
     for index in 0..topology.partitions() {
         let _ = channel

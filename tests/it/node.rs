@@ -2,15 +2,87 @@
 //! 5672): its own node name, ports, data and log directories, started with `rabbitmq-server
 //! -detached` and driven with `rabbitmqctl -n <node>`. Dropping it stops the node and removes
 //! its files, on failure too (a panic unwinds through the drop).
+//!
+//! Its version is a parameter ([`Rabbit`]): the machine's packages (3.10), or RabbitMQ 4.0 from
+//! the Debian 13 root `scripts/rabbitmq-root` builds once per machine (the first 4.0 node of a
+//! run builds it if it is missing: under a minute here). A 4.0 node runs inside that root
+//! (`chroot`) with the root's own epmd on port [`EPMD_4`], so it never meets the machine's.
 #![allow(dead_code)]
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+/// Which RabbitMQ a private node runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rabbit {
+    /// This machine's packages (RabbitMQ 3.10, Erlang 25).
+    V3_10,
+    /// Debian 13's packages (RabbitMQ 4.0.5, Erlang 27), in the root of `scripts/rabbitmq-root`.
+    V4_0,
+}
+
+/// The epmd port of nodes in the RabbitMQ 4 root (the machine's epmd keeps 4369).
+pub const EPMD_4: u16 = 4370;
+
+impl Rabbit {
+    /// The root its programs run in (`None`: this machine's own).
+    fn root(self) -> Option<&'static Path> {
+        match self {
+            Rabbit::V3_10 => None,
+            Rabbit::V4_0 => Some(rabbitmq4_root()),
+        }
+    }
+
+    /// `program`, run in the version's root with its epmd port.
+    pub fn command(self, program: &str) -> Command {
+        match self.root() {
+            None => Command::new(program),
+            Some(root) => {
+                let mut command = Command::new("chroot");
+                command
+                    .arg(root)
+                    .arg(program)
+                    .env("ERL_EPMD_PORT", EPMD_4.to_string());
+                command
+            }
+        }
+    }
+
+    /// A path as seen on this machine, for one as seen by the version's programs.
+    fn outside(self, inside: &Path) -> PathBuf {
+        match self.root() {
+            None => inside.to_owned(),
+            Some(root) => root.join(inside.strip_prefix("/").unwrap_or(inside)),
+        }
+    }
+}
+
+/// The RabbitMQ 4 root, built if missing (once per process; the script takes a lock, so
+/// concurrent test processes build it once).
+pub fn rabbitmq4_root() -> &'static Path {
+    static ROOT: OnceLock<PathBuf> = OnceLock::new();
+    ROOT.get_or_init(|| {
+        let output = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/rabbitmq-root"))
+            .arg("ensure")
+            .stdin(std::process::Stdio::null())
+            .output()
+            .expect("scripts/rabbitmq-root runs");
+        assert!(
+            output.status.success(),
+            "scripts/rabbitmq-root ensure failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        PathBuf::from(String::from_utf8_lossy(&output.stdout).trim())
+    })
+}
+
 pub struct PrivateNode {
+    rabbit: Rabbit,
     name: String,
     port: u16,
+    /// Its data and logs, as its programs see the path (inside its version's root).
     dir: PathBuf,
     /// The VM's OS pid (its node name is not on its command line), to kill it should it stop
     /// answering.
@@ -27,35 +99,40 @@ fn free_port() -> u16 {
 }
 
 /// Stops private nodes of earlier test runs whose process is gone (killed before its nodes'
-/// drops ran), and removes their directories. Once per process; never touches other nodes.
-fn sweep_stale_nodes() {
-    static SWEPT: std::sync::Once = std::sync::Once::new();
-    SWEPT.call_once(|| {
-        let Ok(output) = Command::new("epmd").arg("-names").output() else {
-            return;
-        };
-        for line in String::from_utf8_lossy(&output.stdout).lines() {
-            // "name relaynode_<pid>_<n>_<label> at port <port>"
-            let Some(name) = line
-                .strip_prefix("name ")
-                .and_then(|rest| rest.split_whitespace().next())
-            else {
-                continue;
-            };
-            let Some(pid) = name
-                .strip_prefix("relaynode_")
-                .and_then(|rest| rest.split('_').next())
-            else {
-                continue;
-            };
-            if std::path::Path::new(&format!("/proc/{pid}")).exists() {
-                continue;
-            }
-            let _ = Command::new("rabbitmqctl")
-                .args(["-n", &format!("{name}@localhost"), "stop"])
-                .output();
+/// drops ran), and removes their directories. Once per process and version; never touches
+/// other nodes.
+fn sweep_stale_nodes(rabbit: Rabbit) {
+    static SWEPT: [std::sync::Once; 2] = [std::sync::Once::new(), std::sync::Once::new()];
+    SWEPT[rabbit as usize].call_once(|| {
+        let mut epmd = rabbit.command("epmd");
+        if rabbit == Rabbit::V4_0 {
+            epmd.args(["-port", &EPMD_4.to_string()]);
         }
-        let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        if let Ok(output) = epmd.arg("-names").output() {
+            for line in String::from_utf8_lossy(&output.stdout).lines() {
+                // "name relaynode_<pid>_<n>_<label> at port <port>"
+                let Some(name) = line
+                    .strip_prefix("name ")
+                    .and_then(|rest| rest.split_whitespace().next())
+                else {
+                    continue;
+                };
+                let Some(pid) = name
+                    .strip_prefix("relaynode_")
+                    .and_then(|rest| rest.split('_').next())
+                else {
+                    continue;
+                };
+                if Path::new(&format!("/proc/{pid}")).exists() {
+                    continue;
+                }
+                let _ = rabbit
+                    .command("rabbitmqctl")
+                    .args(["-n", &format!("{name}@localhost"), "stop"])
+                    .output();
+            }
+        }
+        let Ok(entries) = std::fs::read_dir(rabbit.outside(&std::env::temp_dir())) else {
             return;
         };
         for entry in entries.flatten() {
@@ -66,7 +143,7 @@ fn sweep_stale_nodes() {
             else {
                 continue;
             };
-            if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            if !Path::new(&format!("/proc/{pid}")).exists() {
                 let _ = std::fs::remove_dir_all(entry.path());
             }
         }
@@ -74,38 +151,50 @@ fn sweep_stale_nodes() {
 }
 
 impl PrivateNode {
-    /// Starts a node and waits until it accepts AMQP connections (about 6 s here).
+    /// Starts a node of this machine's RabbitMQ (3.10) and waits until it accepts AMQP
+    /// connections (about 6 s here).
     pub fn start(label: &str) -> Self {
+        Self::start_on(Rabbit::V3_10, label)
+    }
+
+    /// Starts a node of `rabbit`'s version and waits until it accepts AMQP connections.
+    pub fn start_on(rabbit: Rabbit, label: &str) -> Self {
         static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        sweep_stale_nodes();
+        sweep_stale_nodes(rabbit);
         let name = format!("relaynode_{}_{n}_{label}@localhost", std::process::id());
         let (port, dist) = (free_port(), free_port());
+        // `/tmp` of the node's own root: the sweep above finds it there.
         let dir = std::env::temp_dir().join(format!("relay-node-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+        let outside = rabbit.outside(&dir);
+        let _ = std::fs::remove_dir_all(&outside);
         for sub in ["mnesia", "log"] {
-            std::fs::create_dir_all(dir.join(sub)).unwrap();
+            std::fs::create_dir_all(outside.join(sub)).unwrap();
         }
         std::fs::write(
-            dir.join("rabbitmq.conf"),
+            outside.join("rabbitmq.conf"),
             format!("loopback_users = none\nlisteners.tcp.default = 127.0.0.1:{port}\n"),
         )
         .unwrap();
-        std::fs::write(dir.join("enabled_plugins"), "[].\n").unwrap();
-        // The server runs as user rabbitmq (Debian's wrapper switches to it when run as root).
-        let chown = Command::new("chown")
+        std::fs::write(outside.join("enabled_plugins"), "[].\n").unwrap();
+        // The server runs as user rabbitmq (Debian's wrapper switches to it when run as root),
+        // the root's own user for a 4.0 node.
+        let chown = rabbit
+            .command("chown")
             .args(["-R", "rabbitmq:rabbitmq"])
             .arg(&dir)
             .status()
             .unwrap();
         assert!(chown.success(), "chown of {dir:?}");
         let mut node = Self {
+            rabbit,
             name,
             port,
             dir,
             pid: None,
         };
-        let status = Command::new("rabbitmq-server")
+        let status = rabbit
+            .command("rabbitmq-server")
             .arg("-detached")
             .env("RABBITMQ_NODENAME", &node.name)
             .env("RABBITMQ_NODE_PORT", port.to_string())
@@ -127,6 +216,11 @@ impl PrivateNode {
         node.await_startup();
         node.pid = node.os_pid();
         node
+    }
+
+    /// The version it runs.
+    pub fn rabbit(&self) -> Rabbit {
+        self.rabbit
     }
 
     fn os_pid(&self) -> Option<u32> {
@@ -153,7 +247,7 @@ impl PrivateNode {
                 Instant::now() < deadline,
                 "private node {} did not start within 90 s; its log is in {:?}",
                 self.name,
-                self.dir.join("log")
+                self.rabbit.outside(&self.dir.join("log"))
             );
             std::thread::sleep(Duration::from_millis(500));
         }
@@ -169,10 +263,13 @@ impl PrivateNode {
     }
 
     fn try_ctl(&self, args: &[&str]) -> Result<String, String> {
-        let output = Command::new("rabbitmqctl")
+        let output = self
+            .rabbit
+            .command("rabbitmqctl")
             .arg("-n")
             .arg(&self.name)
             .args(args)
+            .stdin(std::process::Stdio::null())
             .output()
             .map_err(|err| err.to_string())?;
         let text = String::from_utf8_lossy(&output.stdout).into_owned();
@@ -214,11 +311,16 @@ impl PrivateNode {
     }
 
     /// The largest message the node accepts; applies to connections opened afterwards, so the
-    /// node's connections are closed too.
+    /// node's connections are closed too. 3.10 reads the application's setting when a channel
+    /// opens; 4.0 caches it in a `persistent_term` at boot (a bare `set_env` has no effect
+    /// there, seen on 4.0.5), so both are set.
     pub fn max_message_size(&self, bytes: usize) {
         self.ctl(&[
             "eval",
-            &format!("application:set_env(rabbit, max_message_size, {bytes})."),
+            &format!(
+                "application:set_env(rabbit, max_message_size, {bytes}), \
+                 persistent_term:put(max_message_size, {bytes})."
+            ),
         ]);
         self.ctl(&[
             "close_all_connections",
@@ -237,7 +339,7 @@ impl Drop for PrivateNode {
                 .args(["-KILL", &pid.to_string()])
                 .status();
         }
-        let _ = std::fs::remove_dir_all(&self.dir);
+        let _ = std::fs::remove_dir_all(self.rabbit.outside(&self.dir));
     }
 }
 
@@ -253,7 +355,7 @@ impl PrivateCluster {
     pub fn start(label: &str) -> Self {
         static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        sweep_stale_nodes();
+        sweep_stale_nodes(Rabbit::V3_10);
         // Names and directories the sweep above recognises, should this process be killed.
         let pid = std::process::id();
         let dir = std::env::temp_dir().join(format!("relay-node-{pid}-cluster{n}-{label}"));

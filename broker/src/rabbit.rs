@@ -341,10 +341,32 @@ pub async fn open(
 /// failed...) is permanent; anything else (I/O, a reset) is `otherwise`.
 fn refused_or(err: lapin::Error, otherwise: impl FnOnce(String) -> Error) -> Error {
     match err.kind() {
-        lapin::ErrorKind::ProtocolError(amqp) => Error::Refused(amqp.to_string()),
+        lapin::ErrorKind::ProtocolError(amqp) => Error::Refused(explain(amqp.to_string())),
         lapin::ErrorKind::AuthProviderError(text) => Error::Refused(text.clone()),
         _ => otherwise(err.to_string()),
     }
+}
+
+/// A refusal's text, with the way out where the relay knows it: a dead-letter queue declared
+/// by a relay before `x-delivery-limit` was set on it ([`crate::DEAD_LETTER_DELIVERY_LIMIT`])
+/// cannot be declared again with it, and on RabbitMQ 4 it drops a letter read 20 times.
+fn explain(refusal: String) -> String {
+    let old_dead_queue = refusal.contains("inequivalent arg 'x-delivery-limit'")
+        && refusal.contains("but current is none")
+        && refusal
+            .split('\'')
+            .any(|part| part.ends_with(".dead") && !part.contains(' '));
+    if !old_dead_queue {
+        return refusal;
+    }
+    format!(
+        "{refusal} (a dead-letter queue declared by an earlier relay, without a delivery limit: \
+         on RabbitMQ 4 it drops a letter read 20 times; protect its letters now with \
+         `rabbitmqctl set_policy --apply-to quorum_queues relay-dead '\\.dead$' \
+         '{{\"delivery-limit\": {limit}}}'`, replay or purge them (`distribution dead`), then \
+         delete the empty queue: the relay declares it again, with the limit)",
+        limit = crate::DEAD_LETTER_DELIVERY_LIMIT
+    )
 }
 
 /// A refusal while running (credentials revoked, vhost or queue changed under the relay): no
@@ -928,5 +950,27 @@ mod tests {
         assert_eq!(size_limit(&err), Some(4096));
         let err = refusal("PRECONDITION_FAILED - inequivalent arg 'x-queue-type'");
         assert_eq!(size_limit(&err), None);
+    }
+
+    /// A dead-letter queue of an earlier relay (no `x-delivery-limit`) is refused with the way
+    /// out; other refusals are left as they are. The texts are 4.0.5's (3.10.8's are the same).
+    #[test]
+    fn an_old_dead_letter_queue_is_refused_with_the_way_out() {
+        let old = "PRECONDITION_FAILED - inequivalent arg 'x-delivery-limit' for queue \
+                   'relay.search.dead' in vhost '/': received the value '2147483647' of type \
+                   'long' but current is none";
+        let explained = explain(old.to_owned());
+        assert!(explained.starts_with(old), "{explained}");
+        assert!(
+            explained.contains("set_policy --apply-to quorum_queues relay-dead")
+                && explained.contains("\"delivery-limit\": 2147483647"),
+            "{explained}"
+        );
+        let partition = "PRECONDITION_FAILED - inequivalent arg 'x-delivery-limit' for queue \
+                         'relay.p1' in vhost '/': received the value '5' of type 'long' but \
+                         current is none";
+        assert_eq!(explain(partition.to_owned()), partition);
+        let other = "PRECONDITION_FAILED - inequivalent arg 'x-queue-type' for queue 'relay.dead'";
+        assert_eq!(explain(other.to_owned()), other);
     }
 }

@@ -35,6 +35,17 @@ fn server_url() -> String {
     std::env::var("DATABASE_URL").expect("DATABASE_URL (set in .cargo/config.toml)")
 }
 
+/// The URL of database `name` on `DATABASE_URL`'s server (its host, port, user and options).
+pub fn database_url(name: &str) -> String {
+    let url = server_url();
+    let (server, options) = match url.split_once('?') {
+        Some((server, options)) => (server, format!("?{options}")),
+        None => (url.as_str(), String::new()),
+    };
+    let server = server.rsplit_once('/').map_or(server, |(server, _)| server);
+    format!("{server}/{name}{options}")
+}
+
 /// A new, empty database named after `label`: its pool and URL. Panics if the server refuses
 /// (a test tool).
 pub async fn scratch_database(label: &str) -> (PgPool, String) {
@@ -52,10 +63,7 @@ pub async fn scratch_database(label: &str) -> (PgPool, String) {
         .lock()
         .unwrap_or_else(|poison| poison.into_inner())
         .push(name.clone());
-    let server = url
-        .rsplit_once('/')
-        .map_or(url.as_str(), |(server, _)| server);
-    let url = format!("{server}/{name}");
+    let url = database_url(&name);
     let pool = PgPool::connect(&url)
         .await
         .expect("connect to the scratch database");

@@ -21,7 +21,8 @@ use sqlx::PgConnection;
 use crate::error::{database_message, detail_text, detail_value, sql_state};
 use crate::{BranchId, BranchKey, Error, Intent, Lsn, RunId, Schema, TenantId};
 
-/// Default largest payload, 256 KiB: far below RabbitMQ's 128 MiB `max_message_size` and small
+/// Default largest payload, 256 KiB: far below RabbitMQ's default `max_message_size` (16 MiB
+/// since 4.0, 128 MiB on 3.x) and small
 /// enough that a relay batch of 1,000 intents stays bounded in memory.
 pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 256 * 1024;
 
@@ -67,8 +68,8 @@ impl Default for IntentWriter {
 
 impl IntentWriter {
     /// A writer refusing payloads above `max_payload_bytes`. Keep it below the broker's
-    /// largest message (RabbitMQ's `max_message_size`, 128 MiB by default, compared with the
-    /// body): an intent above that is refused by the broker for ever, and its branch parks
+    /// largest message (RabbitMQ's `max_message_size`, by default 16 MiB since 4.0 and 128 MiB
+    /// on 3.x, compared with the body): an intent above that is refused by the broker for ever, and its branch parks
     /// (reason `too_large`) until the limit is raised.
     pub fn new(max_payload_bytes: usize) -> Self {
         Self {

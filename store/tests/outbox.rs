@@ -613,10 +613,8 @@ async fn notify_is_sent_on_commit_only_when_enabled(
     connect: sqlx::postgres::PgConnectOptions,
 ) {
     let pool = options.connect_with(connect.clone()).await.unwrap();
-    let url = format!(
-        "postgres://postgres@127.0.0.1:5432/{}",
-        connect.get_database().unwrap()
-    );
+    // The test's database on DATABASE_URL's server (not a fixed address: another server failed).
+    let url = store::scratch::database_url(connect.get_database().unwrap());
     let mut wakeups = store::Wakeups::connect(&url).await.unwrap();
     let silent = key("quiet", "r", "b");
     let loud = key("loud", "r", "b");

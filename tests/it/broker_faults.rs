@@ -19,7 +19,7 @@ mod outbox {
     use sqlx::PgPool;
 
     use crate::harness::*;
-    use crate::node::PrivateNode;
+    use crate::node::{PrivateNode, Rabbit};
     use crate::recorder::{Recorder, keep_writing};
 
     /// The harness's test-speed relay on `node`, with 1 s AMQP timeouts (the drainer's batch
@@ -34,8 +34,8 @@ mod outbox {
     /// The node's broker application stops for 3 s under load and starts again: every branch
     /// ships again within seconds of the broker accepting connections (a batch of a publisher
     /// that died is settled at once, not at a timeout), and the fold is exact.
-    async fn restart_under_load(queue_type: QueueType) -> Duration {
-        let node = PrivateNode::start("restart");
+    async fn restart_under_load(rabbit: Rabbit, queue_type: QueueType) -> Duration {
+        let node = tokio::task::block_in_place(|| PrivateNode::start_on(rabbit, "restart"));
         let (pool, url) = fresh_database("brokerrestart").await;
         let topology = unique("restart");
         let mut config = relay_on(&node, &url, &topology);
@@ -103,19 +103,30 @@ mod outbox {
     /// before, branches stalled for twice the drainer's batch timeout).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_broker_restart_under_load_heals_within_seconds_classic() {
-        let worst = restart_under_load(QueueType::Classic).await;
-        println!("classic: worst lag after the broker returned: {worst:?}");
-        assert!(
-            worst < Duration::from_secs(5),
-            "an intent waited {worst:?} after the broker returned"
-        );
+        heals_within_seconds(Rabbit::V3_10, QueueType::Classic).await;
+    }
+
+    /// The same on RabbitMQ 4.0.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_broker_restart_under_load_heals_within_seconds_classic_on_rabbitmq_4_0() {
+        heals_within_seconds(Rabbit::V4_0, QueueType::Classic).await;
     }
 
     /// The same with quorum queues.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_broker_restart_under_load_heals_within_seconds_quorum() {
-        let worst = restart_under_load(QueueType::Quorum).await;
-        println!("quorum: worst lag after the broker returned: {worst:?}");
+        heals_within_seconds(Rabbit::V3_10, QueueType::Quorum).await;
+    }
+
+    /// The same on RabbitMQ 4.0.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_broker_restart_under_load_heals_within_seconds_quorum_on_rabbitmq_4_0() {
+        heals_within_seconds(Rabbit::V4_0, QueueType::Quorum).await;
+    }
+
+    async fn heals_within_seconds(rabbit: Rabbit, queue_type: QueueType) {
+        let worst = restart_under_load(rabbit, queue_type).await;
+        println!("{rabbit:?} {queue_type:?}: worst lag after the broker returned: {worst:?}");
         assert!(
             worst < Duration::from_secs(5),
             "an intent waited {worst:?} after the broker returned"
@@ -135,7 +146,18 @@ mod outbox {
     /// marker) again, and the first copies landed after the marker.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_blocked_broker_gets_each_message_once_and_every_marker_after_its_branch() {
-        let node = PrivateNode::start("alarm");
+        blocked_broker(Rabbit::V3_10).await;
+    }
+
+    /// The same on RabbitMQ 4.0.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_blocked_broker_gets_each_message_once_and_every_marker_after_its_branch_on_rabbitmq_4_0()
+     {
+        blocked_broker(Rabbit::V4_0).await;
+    }
+
+    async fn blocked_broker(rabbit: Rabbit) {
+        let node = tokio::task::block_in_place(|| PrivateNode::start_on(rabbit, "alarm"));
         let (pool, url) = fresh_database("brokeralarm").await;
         let topology = unique("alarm");
         let mut config = relay_on(&node, &url, &topology);
@@ -265,7 +287,25 @@ mod outbox {
     /// tenants flow meanwhile; once the limit allows it, `release` ships it, in order, once.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_message_too_large_for_the_broker_parks_its_branch_and_its_tenant_flows() {
-        let node = PrivateNode::start("size");
+        too_large(Rabbit::V3_10).await;
+    }
+
+    /// The same on RabbitMQ 4.0, whose limit is set where 4.0 reads it (`PrivateNode`).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_message_too_large_for_the_broker_parks_its_branch_and_its_tenant_flows_on_rabbitmq_4_0()
+     {
+        too_large(Rabbit::V4_0).await;
+    }
+
+    async fn too_large(rabbit: Rabbit) {
+        let node = tokio::task::block_in_place(|| PrivateNode::start_on(rabbit, "size"));
+        // What README and `IntentWriter` say of the default.
+        let default = tokio::task::block_in_place(|| node.default_max_message_size());
+        let documented = match rabbit {
+            Rabbit::V3_10 => 128 << 20,
+            Rabbit::V4_0 => 16 << 20,
+        };
+        assert_eq!(default, documented, "{rabbit:?}'s default max_message_size");
         tokio::task::block_in_place(|| node.max_message_size(4096));
         let (pool, url) = fresh_database("brokersize").await;
         let topology = unique("size");

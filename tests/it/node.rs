@@ -64,11 +64,14 @@ impl Rabbit {
 pub fn rabbitmq4_root() -> &'static Path {
     static ROOT: OnceLock<PathBuf> = OnceLock::new();
     ROOT.get_or_init(|| {
-        let output = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/rabbitmq-root"))
-            .arg("ensure")
-            .stdin(std::process::Stdio::null())
-            .output()
-            .expect("scripts/rabbitmq-root runs");
+        let output = Command::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/scripts/rabbitmq-root"
+        ))
+        .arg("ensure")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("scripts/rabbitmq-root runs");
         assert!(
             output.status.success(),
             "scripts/rabbitmq-root ensure failed: {}",
@@ -243,12 +246,26 @@ impl PrivateNode {
             if up {
                 return;
             }
-            assert!(
-                Instant::now() < deadline,
-                "private node {} did not start within 90 s; its log is in {:?}",
-                self.name,
-                self.rabbit.outside(&self.dir.join("log"))
-            );
+            if Instant::now() >= deadline {
+                // The drop removes the directory: the log's end goes into the failure.
+                let log = self.rabbit.outside(&self.dir.join("log"));
+                let tail: String = std::fs::read_dir(&log)
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                    .map(|file| {
+                        let text = std::fs::read_to_string(file.path()).unwrap_or_default();
+                        let lines: Vec<&str> = text.lines().collect();
+                        let last = lines[lines.len().saturating_sub(20)..].join("\n");
+                        format!("--- {:?}\n{last}\n", file.path())
+                    })
+                    .collect();
+                let last = self.try_ctl(&["await_startup", "--timeout", "1"]);
+                panic!(
+                    "private node {} did not start within 90 s (rabbitmqctl: {last:?}); its logs:\n{tail}",
+                    self.name
+                );
+            }
             std::thread::sleep(Duration::from_millis(500));
         }
     }
@@ -308,6 +325,17 @@ impl PrivateNode {
     /// Whether the node has an alarm in effect.
     pub fn alarmed(&self) -> bool {
         self.ctl(&["eval", "rabbit_alarm:get_alarms()."]).trim() != "[]"
+    }
+
+    /// The largest message the node accepts by its own default (its configuration sets none).
+    pub fn default_max_message_size(&self) -> usize {
+        let value = self.ctl(&["eval", "application:get_env(rabbit, max_message_size)."]);
+        value
+            .chars()
+            .filter(char::is_ascii_digit)
+            .collect::<String>()
+            .parse()
+            .unwrap_or_else(|_| panic!("max_message_size of {}: {value}", self.name))
     }
 
     /// The largest message the node accepts; applies to connections opened afterwards, so the

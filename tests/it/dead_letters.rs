@@ -322,7 +322,7 @@ async fn a_dead_letter_survives_every_read(url: &str) {
         for round in 1..=100 {
             let listed = dead.list(10).await.unwrap();
             let ids: Vec<_> = listed.iter().filter_map(|l| l.message_id.clone()).collect();
-            assert_eq!(ids, [id.clone()], "listed, round {round}");
+            assert_eq!(ids, std::slice::from_ref(&id), "listed, round {round}");
             assert!(
                 dead.find(&id).await.unwrap().is_some(),
                 "shown, round {round}"

@@ -22,6 +22,7 @@ use sqlx::{Connection, PgConnection, PgPool};
 const TENANTS: [&str; 3] = ["acme", "globex", "initech"];
 const RUNS: usize = 2;
 const STEPS: u64 = 40;
+const PARTITIONS: u16 = 4;
 
 /// A backlog as a small table.
 pub(crate) fn backlog_table(backlog: &[Backlog]) -> String {
@@ -128,13 +129,33 @@ pub(crate) async fn run() -> Result<()> {
         .map(|(server, _)| server.to_owned())
         .context("DATABASE_URL has no database")?;
     let url = format!("{server}/{database}");
-    let outcome = walk(&url, &amqp_url, &format!("relay-demo-{stamp}")).await;
+    let topology = format!("relay-demo-{stamp}");
+    let outcome = walk(&url, &amqp_url, &topology).await;
+    // Its exchange and queues go too, whatever the walk's outcome.
+    let removed = remove_topology(&amqp_url, &topology).await;
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "DROP DATABASE IF EXISTS {database} WITH (FORCE)"
     )))
     .execute(&mut admin)
     .await?;
-    outcome
+    outcome.and(removed)
+}
+
+/// Deletes the demo's exchange and queues from the broker.
+async fn remove_topology(amqp_url: &str, topology: &str) -> Result<()> {
+    let mut config = RelayConfig::new("postgres://unused", amqp_url.to_owned());
+    config.topology = topology.to_owned();
+    config.partitions = PARTITIONS;
+    let rabbit = config.rabbit_config()?;
+    let (_connection, channel) = distribution::broker::open(&rabbit, "outbox-relay-demo-cleanup")
+        .await
+        .context("cannot reach RabbitMQ to remove the demo's queues")?;
+    rabbit
+        .topology
+        .delete(&channel)
+        .await
+        .context("removing the demo's queues")?;
+    Ok(())
 }
 
 fn chrono_free_stamp() -> u128 {
@@ -159,7 +180,7 @@ async fn walk(url: &str, amqp_url: &str, topology: &str) -> Result<()> {
     );
     let mut config = RelayConfig::new(url, proxy.amqp_url());
     config.topology = topology.to_owned();
-    config.partitions = 4;
+    config.partitions = PARTITIONS;
     config.supervisor.poll_interval = Duration::from_millis(200);
     config.supervisor.restart.max = Duration::from_millis(500);
     config.supervisor.drainer.retry.max = Duration::from_millis(500);

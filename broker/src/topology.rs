@@ -458,6 +458,22 @@ impl Topology {
         Ok(())
     }
 
+    /// Deletes every declared group's queues (as [`Topology::delete_group`]) and the exchange,
+    /// with what they hold: the whole topology, for a tool that made it for itself (the demo).
+    pub async fn delete(&self, channel: &Channel) -> Result<u32, Error> {
+        let mut messages = 0;
+        for group in &self.declared {
+            messages += self.delete_group(channel, group).await?;
+        }
+        channel
+            .exchange_delete(
+                self.exchange.clone(),
+                lapin::options::ExchangeDeleteOptions::default(),
+            )
+            .await?;
+        Ok(messages)
+    }
+
     /// Deletes `group`'s partition queues and dead-letter queue, with what they hold. Other
     /// groups are untouched; a relay goes on publishing to them. On streams, whose partitions
     /// every group shares, only the group's dead-letter queue goes (its offsets live in its

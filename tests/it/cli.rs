@@ -612,3 +612,65 @@ fn readiness_says_the_broker_blocks_the_relay_through_an_alarm() {
         // The topology goes with the node.
     });
 }
+
+/// `distribution demo` walks the seed's story and exits 0 with its before/after table, every
+/// tenant folded in order; afterwards neither its database nor its exchange and queues remain
+/// (README promises both; before, its exchange and queues stayed on the broker).
+#[test]
+fn the_demo_ships_everything_and_leaves_nothing_behind() {
+    let child = relay()
+        .arg("demo")
+        .env("DATABASE_URL", std::env::var("DATABASE_URL").unwrap())
+        .env("AMQP_URL", amqp_url())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run the binary");
+    let pid = child.id();
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("5. Everything shipped and folded"),
+        "{stdout}"
+    );
+    for tenant in ["acme", "globex", "initech"] {
+        let row = stdout
+            .lines()
+            .find(|line| line.starts_with(tenant) && line.ends_with("yes"))
+            .unwrap_or_else(|| panic!("{tenant} folded in order: {stdout}"));
+        let columns: Vec<&str> = row.split_whitespace().collect();
+        assert_eq!(columns[2], "0", "nothing pending after: {row}");
+    }
+    // The broker (this machine's node, which `AMQP_URL` names here) and the database server.
+    let ours = format!("relay-demo-{pid}_");
+    for what in ["list_queues", "list_exchanges"] {
+        let listed = Command::new("rabbitmqctl")
+            .args([what, "name", "--quiet", "--no-table-headers"])
+            .output()
+            .unwrap();
+        assert!(listed.status.success(), "rabbitmqctl {what}");
+        let left: Vec<String> = String::from_utf8_lossy(&listed.stdout)
+            .lines()
+            .filter(|name| name.starts_with(&ours))
+            .map(str::to_owned)
+            .collect();
+        assert!(left.is_empty(), "the demo left {left:?}");
+    }
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let left: Vec<String> = runtime.block_on(async {
+        let pool = sqlx::PgPool::connect(&std::env::var("DATABASE_URL").unwrap())
+            .await
+            .unwrap();
+        sqlx::query_scalar("SELECT datname::text FROM pg_database WHERE datname LIKE $1")
+            .bind(format!("relay_demo_{pid}_%"))
+            .fetch_all(&pool)
+            .await
+            .unwrap()
+    });
+    assert!(left.is_empty(), "the demo left databases {left:?}");
+}

@@ -13,7 +13,7 @@ use broker::{Backoff, BrokerHealth, Publisher, RabbitPublisher};
 use ractor::rpc::CallResult;
 use ractor::{Actor, ActorRef};
 use store::{LeaseStore, Outbox};
-use supervisor::{RelaySupervisor, SupervisorArgs, SupervisorMessage, TreeSnapshot};
+use supervisor::{BrokerCheck, RelaySupervisor, SupervisorArgs, SupervisorMessage, TreeSnapshot};
 use tokio::sync::{oneshot, watch};
 
 use crate::{ConfigError, RelayConfig};
@@ -82,7 +82,19 @@ impl Relay {
             };
             Box::new(publisher) as Box<dyn Publisher>
         });
-        Self::start_reporting(config, factory, health).await
+        // While publishers wait to restart, one connection (with the topology's declaration)
+        // tells whether the broker is back: then they all restart at once.
+        let checked = config.rabbit_config()?;
+        let check: BrokerCheck = Arc::new(move || {
+            let rabbit = checked.clone();
+            Box::pin(async move {
+                matches!(
+                    broker::preflight(&rabbit).await,
+                    Ok(broker::Preflight::Ready)
+                )
+            })
+        });
+        Self::start_checking(config, factory, health, Some(check)).await
     }
 
     /// Starts a relay whose shards publish through `factory` (e.g. a fault-injecting broker).
@@ -90,16 +102,17 @@ impl Relay {
         config: RelayConfig,
         factory: PublisherFactory,
     ) -> Result<RelayHandle, RelayError> {
-        Self::start_reporting(config, factory, BrokerHealth::new()).await
+        Self::start_checking(config, factory, BrokerHealth::new(), None).await
     }
 
     /// Starts the tree; `health` is what its publishers report to (read by readiness, and by
     /// the lease keeper: a handover is never forced while the broker holds a connection
     /// blocked, since what was written on it may still land).
-    async fn start_reporting(
+    async fn start_checking(
         config: RelayConfig,
         factory: PublisherFactory,
         health: BrokerHealth,
+        check: Option<BrokerCheck>,
     ) -> Result<RelayHandle, RelayError> {
         config.validate()?;
         let broker = health.clone();
@@ -119,7 +132,7 @@ impl Relay {
             .name("outbox-relay-main".into())
             .spawn(move || {
                 let mode = runtime.block_on(run_tree(
-                    config, factory, broker, ready_tx, stop_rx, tree_tx,
+                    config, factory, broker, check, ready_tx, stop_rx, tree_tx,
                 ));
                 match mode {
                     // A crash, as far as the outside world can tell: sockets drop, leases free.
@@ -147,6 +160,7 @@ async fn run_tree(
     config: RelayConfig,
     factory: PublisherFactory,
     broker: BrokerHealth,
+    check: Option<BrokerCheck>,
     ready: oneshot::Sender<Result<(), RelayError>>,
     mut stop: oneshot::Receiver<StopMode>,
     tree: watch::Sender<Option<ActorRef<SupervisorMessage>>>,
@@ -194,6 +208,7 @@ async fn run_tree(
             database_url: config.database_url.clone(),
             factory: factory.clone(),
             broker: broker.clone(),
+            check: check.clone(),
             config: config.supervisor_config(),
         };
         let (supervisor, mut ended) = match Actor::spawn(None, RelaySupervisor, args).await {

@@ -135,6 +135,9 @@ pub enum DrainerMessage {
     },
     /// A batch none of whose parts could be sent (no live publisher): settle it.
     Unsent,
+    /// The broker is back (a publisher recovered): a tenant backing off after a failed batch
+    /// drains now ([`crate::window`]'s `resume`); otherwise nothing.
+    Resume,
     /// Graceful shutdown: finish the batch in flight (or abandon it to a timeout), then stop.
     Finish,
 }
@@ -505,6 +508,12 @@ impl Drainer {
                 outcomes,
             } => state.window.confirmed(batch, shard, outcomes),
             DrainerMessage::Unsent => {}
+            DrainerMessage::Resume => {
+                if state.window.resume() {
+                    return self.drain(&myself, state).await;
+                }
+                return Ok(());
+            }
             DrainerMessage::Finish => {
                 state.window.finish();
                 if state.window.finished() {

@@ -303,6 +303,21 @@ impl<H> Window<H> {
         self.phase = Phase::Finishing;
     }
 
+    /// The broker is back (a publisher of this relay had a publish confirmed after failing):
+    /// a tenant backing off after a failed batch drains now, with its backoff started over,
+    /// instead of at a retry drawn while the broker was down (up to the policy's longest).
+    /// True when the drainer should drain now. Cooling branches keep their own retries: the
+    /// broker refused them, it was not away.
+    pub(crate) fn resume(&mut self) -> bool {
+        if self.phase != Phase::BackingOff {
+            return false;
+        }
+        self.timers.retain(|(_, due)| *due != Due::Retry);
+        self.backoff.reset();
+        self.phase = Phase::Flowing;
+        true
+    }
+
     /// The tenant's scheduled retry is due.
     fn retry_due(&mut self) {
         if self.phase == Phase::BackingOff {
@@ -612,6 +627,58 @@ mod tests {
     }
 
     use Outcome::{Accepted, Nacked, NotSent, Returned, TooLarge, Unconfirmed};
+
+    /// A tenant that backed off through an outage (its retry grown to the policy's longest)
+    /// drains at once when the broker is back, with its backoff started over; a tenant that is
+    /// not backing off, or a cooling branch (a refusal, not an outage), is left as it was.
+    #[test]
+    fn the_broker_back_ends_a_tenants_backoff_and_only_that() {
+        let now = Instant::now();
+        let mut window = Window::new(config(1, 5));
+        assert!(!window.resume(), "nothing to resume while flowing");
+        let mut delay = Duration::ZERO;
+        for _ in 0..6 {
+            answered(&mut window, &[key("a", 1)], &[Unconfirmed]);
+            let Some(Settlement {
+                next: Next::Retry(next),
+                ..
+            }) = window.settle(now)
+            else {
+                panic!("the tenant backs off");
+            };
+            delay = next;
+            window.handle_timeout(now + delay);
+        }
+        assert!(delay >= Duration::from_millis(500), "grown: {delay:?}");
+        answered(&mut window, &[key("a", 1)], &[Unconfirmed]);
+        window.settle(now).unwrap();
+        assert!(!window.may_start());
+        assert!(window.resume(), "the broker is back: drain now");
+        assert!(window.may_start());
+        assert_eq!(window.poll_timeout(), None, "its retry is gone");
+        assert!(!window.resume(), "once");
+        // Its backoff starts over: the next failure waits about the shortest delay.
+        answered(&mut window, &[key("a", 1)], &[Unconfirmed]);
+        let Some(Settlement {
+            next: Next::Retry(next),
+            ..
+        }) = window.settle(now)
+        else {
+            panic!("the tenant backs off");
+        };
+        // (The policy's shortest, 100 ms, plus at most as much jitter.)
+        assert!(next <= Duration::from_millis(200), "{next:?}");
+
+        // A refused branch cools on its own timer, which the broker's return leaves.
+        let mut window = Window::new(config(1, 5));
+        answered(&mut window, &[key("b", 1)], &[Nacked]);
+        let settled = window.settle(now).unwrap();
+        assert_eq!(settled.refusals.len(), 1);
+        let cooling = window.poll_timeout();
+        assert!(cooling.is_some());
+        assert!(!window.resume());
+        assert_eq!(window.poll_timeout(), cooling);
+    }
 
     /// The window's one timer table: the tenant's retry, a cooling branch's retry and the idle
     /// check each wake the drainer when due, not before, and for what is due.

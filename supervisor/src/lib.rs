@@ -18,4 +18,5 @@ pub use tree::SupervisorArgs;
 pub use tree::SupervisorConfig;
 pub use tree::SupervisorMessage;
 pub use tree::TreeSnapshot;
+pub use tree::{BROKER_CHECK_EVERY, BrokerCheck};
 pub use tree::{PENDING_GAUGE_CAP, TENANT_GAUGES};

@@ -91,6 +91,12 @@ impl SupervisorConfig {
     }
 }
 
+/// Answers whether the broker takes a connection now (see [`SupervisorArgs::check`]).
+pub type BrokerCheck = Arc<dyn Fn() -> broker::BoxFuture<'static, bool> + Send + Sync>;
+
+/// How often the broker is checked while publishers wait to restart.
+pub const BROKER_CHECK_EVERY: Duration = Duration::from_millis(500);
+
 /// Arguments of the supervisor.
 #[derive(Clone)]
 pub struct SupervisorArgs {
@@ -105,6 +111,10 @@ pub struct SupervisorArgs {
     /// What the publishers report about the broker (a handover is not forced while it holds a
     /// connection blocked).
     pub broker: broker::BrokerHealth,
+    /// Whether the broker takes a connection now: asked every [`BROKER_CHECK_EVERY`] while
+    /// publishers wait out longer restart delays, so that all restart as soon as it is back.
+    /// `None`: publishers learn of its return by their own restarts alone.
+    pub check: Option<BrokerCheck>,
     /// Tree shape and timings.
     pub config: SupervisorConfig,
 }
@@ -184,6 +194,8 @@ pub enum SupervisorMessage {
     Tick,
     /// A shard's publisher published successfully: reset its backoff.
     PublisherHealthy(ShardId),
+    /// What a broker check found (true: it took a connection).
+    BrokerChecked(bool),
     /// The live actors.
     Snapshot(RpcReplyPort<TreeSnapshot>),
     /// Graceful shutdown: let drainers finish their batch, then stop.
@@ -299,8 +311,21 @@ impl RelaySupervisor {
                     }
                 }
                 Command::PublisherGone(shard) => state.directory.set(shard, None),
+                Command::CheckBroker => match &state.args.check {
+                    Some(check) => {
+                        let (check, myself) = (check(), myself.clone());
+                        tokio::spawn(async move {
+                            let answered = check.await;
+                            let _ = myself.cast(SupervisorMessage::BrokerChecked(answered));
+                        });
+                    }
+                    None => state.core.broker_checked(false, Instant::now()),
+                },
                 Command::Drain(drainer) => {
                     let _ = drainer.cast(DrainerMessage::Drain);
+                }
+                Command::Resume(drainer) => {
+                    let _ = drainer.cast(DrainerMessage::Resume);
                 }
                 Command::Finish(drainer) => {
                     let _ = drainer.cast(DrainerMessage::Finish);
@@ -482,6 +507,7 @@ impl Actor for RelaySupervisor {
             max_drainers: args.config.max_drainers,
             restart: args.config.restart,
             finish_grace: args.config.finish_grace,
+            broker_check: args.check.as_ref().map(|_| BROKER_CHECK_EVERY),
         });
         Ok(SupervisorState {
             core,
@@ -574,6 +600,7 @@ impl Actor for RelaySupervisor {
             }
             SupervisorMessage::Notified(tenant) => state.core.notified(tenant),
             SupervisorMessage::PublisherHealthy(shard) => state.core.publisher_healthy(shard),
+            SupervisorMessage::BrokerChecked(answered) => state.core.broker_checked(answered, now),
             SupervisorMessage::Tick => {
                 state.armed = None;
                 state.core.handle_timeout(now);

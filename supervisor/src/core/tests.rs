@@ -40,6 +40,7 @@ fn config(max_drainers: usize) -> CoreConfig {
             max: Duration::from_secs(5),
         },
         finish_grace: Duration::from_secs(10),
+        broker_check: Some(Duration::from_millis(500)),
     }
 }
 
@@ -165,6 +166,164 @@ fn every_publisher_starts_and_a_dead_one_restarts_after_its_backoff() {
     tree.core.child_ended(999, "unknown", false, due);
     tree.perform(due);
     assert!(tree.take().is_empty());
+}
+
+/// A broker outage: both publishers fail again and again, so their restart delays grow. When
+/// one of them has a publish confirmed again, the other restarts at once (not at its delay,
+/// drawn while the broker was down) and every drainer is told to stop backing off.
+#[test]
+fn a_recovered_publisher_restarts_the_others_now_and_resumes_every_drainer() {
+    let mut now = Instant::now();
+    let tenants = tenants_in_distinct_buckets(2);
+    let (mut tree, _leases) = Tree::holding(10, tenants.iter().map(bucket_of));
+    for tenant in &tenants {
+        tree.core.notified(tenant.clone());
+    }
+    tree.perform(now);
+    assert_eq!(tree.drainers.len(), 2);
+    tree.take();
+    for _ in 0..6 {
+        let ended = [tree.publishers[&0], tree.publishers[&1]];
+        for id in ended {
+            tree.core
+                .child_ended(id, "the broker session faulted", false, now);
+        }
+        tree.perform(now);
+        // Both restart, each after its own delay.
+        while ended.contains(&tree.publishers[&0]) || ended.contains(&tree.publishers[&1]) {
+            now = tree.core.poll_timeout().expect("respawns are due");
+            tree.core.handle_timeout(now);
+            tree.perform(now);
+        }
+    }
+    tree.take();
+    // Shard 1 fails once more: its restart waits a grown delay.
+    let id = tree.publishers[&1];
+    tree.core
+        .child_ended(id, "the broker session faulted", false, now);
+    tree.perform(now);
+    tree.take();
+    let due = tree.core.poll_timeout().expect("shard 1's respawn is due");
+    assert!(
+        due >= now + Duration::from_millis(1_000),
+        "grown: {:?}",
+        due - now
+    );
+    // Shard 0 has a publish confirmed: the broker is back.
+    tree.core.publisher_healthy(ShardId(0));
+    tree.perform(now);
+    assert_ne!(tree.publishers[&1], id, "shard 1 restarted at once");
+    assert_eq!(tree.core.publisher_failures(ShardId(1)), 0);
+    assert_eq!(tree.core.poll_timeout(), None, "its timer is gone");
+    let mut resumed: Vec<u64> = tree
+        .take()
+        .into_iter()
+        .filter_map(|command| match command {
+            Command::Resume(Fake(id)) => Some(id),
+            _ => None,
+        })
+        .collect();
+    resumed.sort_unstable();
+    let mut running: Vec<u64> = tree.drainers.keys().copied().collect();
+    running.sort_unstable();
+    assert_eq!(resumed, running, "every drainer resumes");
+    // A healthy publish without failures before it is no news.
+    tree.core.publisher_healthy(ShardId(0));
+    tree.perform(now);
+    assert!(tree.take().is_empty());
+}
+
+/// While publishers wait out long restart delays, the broker is checked every 500 ms: a
+/// check it fails is made again; one it answers restarts every publisher at once. A broker
+/// that answers checks but fails publishes gets no further checks until a publish is
+/// confirmed: its publishers fall back to their own backoff.
+#[test]
+fn the_broker_is_checked_while_publishers_wait_and_its_answer_restarts_them() {
+    let mut now = Instant::now();
+    let mut tree = Tree::new(10);
+    let mut fail_both = |tree: &mut Tree, now: Instant| {
+        let ended = [tree.publishers[&0], tree.publishers[&1]];
+        for id in ended {
+            tree.core
+                .child_ended(id, "the broker session faulted", false, now);
+        }
+        tree.perform(now);
+        ended
+    };
+    // Short delays first: no check (the respawns come sooner).
+    let ended = fail_both(&mut tree, now);
+    assert!(
+        !tree
+            .take()
+            .iter()
+            .any(|c| matches!(c, Command::CheckBroker))
+    );
+    while ended.contains(&tree.publishers[&0]) || ended.contains(&tree.publishers[&1]) {
+        now = tree.core.poll_timeout().unwrap();
+        tree.core.handle_timeout(now);
+        tree.perform(now);
+    }
+    assert!(
+        !tree
+            .take()
+            .iter()
+            .any(|c| matches!(c, Command::CheckBroker))
+    );
+    // Grown delays: a check 500 ms after the failure, long before the respawns.
+    for _ in 0..4 {
+        let ended = fail_both(&mut tree, now);
+        tree.take();
+        let mut checks = 0;
+        while ended.contains(&tree.publishers[&0]) || ended.contains(&tree.publishers[&1]) {
+            now = tree.core.poll_timeout().unwrap();
+            tree.core.handle_timeout(now);
+            tree.perform(now);
+            if tree
+                .take()
+                .iter()
+                .any(|c| matches!(c, Command::CheckBroker))
+            {
+                checks += 1;
+                // Still down.
+                tree.core.broker_checked(false, now);
+                tree.perform(now);
+            }
+        }
+        assert!(checks <= 10, "{checks} checks");
+    }
+    let ended = fail_both(&mut tree, now);
+    tree.take();
+    let respawn = tree.core.poll_timeout().unwrap();
+    let check = now + Duration::from_millis(500);
+    assert_eq!(respawn, check, "the check comes first");
+    let waited_until = tree.core.timers.iter().map(|(at, _)| *at).max().unwrap();
+    assert!(waited_until >= now + Duration::from_secs(1), "grown delays");
+    tree.core.handle_timeout(check);
+    tree.perform(check);
+    assert!(matches!(tree.take()[..], [Command::CheckBroker]));
+    // The broker answers: both restart now.
+    tree.core.broker_checked(true, check);
+    tree.perform(check);
+    assert!(!ended.contains(&tree.publishers[&0]) && !ended.contains(&tree.publishers[&1]));
+    assert_eq!(tree.core.poll_timeout(), None);
+    // It fails their publishes: no check now, only their own backoff.
+    let ended = fail_both(&mut tree, check);
+    tree.take();
+    assert!(
+        tree.core
+            .timers
+            .iter()
+            .all(|(_, timer)| matches!(timer, Timer::RespawnPublisher(_))),
+        "no check while spent"
+    );
+    while ended.contains(&tree.publishers[&0]) || ended.contains(&tree.publishers[&1]) {
+        now = tree.core.poll_timeout().unwrap();
+        tree.core.handle_timeout(now);
+        tree.perform(now);
+    }
+    // A confirmed publish makes checks possible again.
+    tree.core.publisher_healthy(ShardId(0));
+    assert_eq!(tree.core.check, CheckState::Ready);
 }
 
 #[test]
@@ -494,6 +653,10 @@ enum Event {
     TakesWakeUp(usize),
     SpawnFails,
     PublisherEnds(u16),
+    /// The shard's publisher (if one runs) has a publish confirmed.
+    PublisherHealthy(u16),
+    /// A broker check running (if any) reports.
+    BrokerAnswers(bool),
     Finish,
     Advance(u64),
 }
@@ -509,6 +672,8 @@ fn event(tenants: usize) -> impl Strategy<Value = Event> {
         1 => (0..8usize).prop_map(Event::TakesWakeUp),
         1 => Just(Event::SpawnFails),
         1 => (0..2u16).prop_map(Event::PublisherEnds),
+        1 => (0..2u16).prop_map(Event::PublisherHealthy),
+        1 => any::<bool>().prop_map(Event::BrokerAnswers),
         1 => Just(Event::Finish),
         2 => (1..3_000u64).prop_map(Event::Advance),
     ]
@@ -529,6 +694,8 @@ struct Checked {
     settled: Vec<Bucket>,
     finished: usize,
     finish_asked: bool,
+    /// A broker check is running.
+    checking: bool,
 }
 
 impl Checked {
@@ -560,13 +727,20 @@ impl Checked {
                 Command::PublisherGone(shard) => {
                     assert!(!self.publishers.contains_key(&shard.0));
                 }
+                Command::CheckBroker => {
+                    assert!(!self.checking, "two broker checks at once");
+                    assert!(!self.finish_asked, "no check once finishing");
+                    self.checking = true;
+                }
                 Command::Kill(Fake(id)) => {
                     // ractor reports a killed child's end as well.
                     if self.drainers.remove(&id).is_some() {
                         self.core.child_ended(id, "killed", false, self.now);
                     }
                 }
-                Command::Drain(Fake(id)) | Command::Finish(Fake(id)) => {
+                Command::Drain(Fake(id))
+                | Command::Resume(Fake(id))
+                | Command::Finish(Fake(id)) => {
                     assert!(self.drainers.contains_key(&id), "told a dead drainer");
                 }
                 Command::Settled(bucket) => {
@@ -640,6 +814,7 @@ proptest! {
             settled: Vec::new(),
             finished: 0,
             finish_asked: false,
+            checking: false,
         };
         tree.perform();
         for event in events {
@@ -689,6 +864,16 @@ proptest! {
                 Event::PublisherEnds(shard) => {
                     if let Some(id) = tree.publishers.remove(&shard) {
                         tree.core.child_ended(id, "connection lost", false, tree.now);
+                    }
+                }
+                Event::PublisherHealthy(shard) => {
+                    if tree.publishers.contains_key(&shard) {
+                        tree.core.publisher_healthy(ShardId(shard));
+                    }
+                }
+                Event::BrokerAnswers(answered) => {
+                    if std::mem::take(&mut tree.checking) {
+                        tree.core.broker_checked(answered, tree.now);
                     }
                 }
                 Event::Finish => {

@@ -674,3 +674,78 @@ fn the_demo_ships_everything_and_leaves_nothing_behind() {
     });
     assert!(left.is_empty(), "the demo left databases {left:?}");
 }
+
+/// A quorum dead-letter queue an earlier relay declared (no `x-delivery-limit`) cannot be
+/// declared again with the limit: `run` exits 1 within seconds, naming the queue and how to
+/// protect its letters and declare it anew (README, "Upgrading a relay onto existing
+/// dead-letter queues"); the queue and its letter are left as they were.
+#[test]
+fn an_old_dead_letter_queue_stops_the_relay_with_the_way_out() {
+    host_runtime().block_on(async {
+        let (_pool, url) = fresh_database("cli_olddead").await;
+        let topology = unique("relay-olddead");
+        let dead = format!("{topology}.dead");
+        let connection =
+            lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default())
+                .await
+                .unwrap();
+        let channel = connection.create_channel().await.unwrap();
+        let mut arguments = lapin::types::FieldTable::default();
+        arguments.insert(
+            "x-queue-type".into(),
+            lapin::types::AMQPValue::LongString("quorum".into()),
+        );
+        let durable = lapin::options::QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
+        channel
+            .queue_declare(dead.as_str().into(), durable, arguments)
+            .await
+            .unwrap();
+        channel
+            .basic_publish(
+                "".into(),
+                dead.as_str().into(),
+                Default::default(),
+                b"a letter",
+                Default::default(),
+            )
+            .await
+            .unwrap();
+        let (code, _, stderr) = output_within(
+            relay()
+                .arg("run")
+                .env("DATABASE_URL", &url)
+                .env("AMQP_URL", amqp_url())
+                .env("RELAY_TOPOLOGY", &topology)
+                .env("RELAY_QUEUE_TYPE", "quorum")
+                .env("RELAY_METRICS_ADDR", "127.0.0.1:0"),
+            Duration::from_secs(20),
+        );
+        assert_eq!(code, 1, "{stderr}");
+        for named in [
+            "inequivalent arg 'x-delivery-limit'",
+            dead.as_str(),
+            "set_policy --apply-to quorum_queues relay-dead",
+            "delete the empty queue",
+        ] {
+            assert!(stderr.contains(named), "{named} not named: {stderr}");
+        }
+        let channel = connection.create_channel().await.unwrap();
+        let passive = lapin::options::QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let queue = channel
+            .queue_declare(dead.as_str().into(), passive, Default::default())
+            .await
+            .unwrap();
+        assert_eq!(queue.message_count(), 1, "its letter is still there");
+        // The exchange and partition queues the refused declare made before it stopped are
+        // this process's scratch names: deleted at its exit.
+        let _ = channel
+            .queue_delete(dead.as_str().into(), Default::default())
+            .await;
+    });
+}

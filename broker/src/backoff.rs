@@ -8,7 +8,7 @@ use backon::{BackoffBuilder, ExponentialBuilder};
 pub struct RetryPolicy {
     /// First delay. Default 100 ms.
     pub min: Duration,
-    /// Largest delay before jitter (jitter can add up to as much again). Default 5 s.
+    /// Largest delay, jitter included. Default 5 s.
     pub max: Duration,
 }
 
@@ -48,11 +48,20 @@ impl Backoff {
             .build()
     }
 
-    /// The next delay, counting one more consecutive failure.
+    /// The next delay, counting one more consecutive failure: at most the policy's `max`.
     pub fn next_delay(&mut self) -> Duration {
         self.failures += 1;
         // Invariant: `without_max_times` makes the iterator endless; `max` is a safe fallback.
-        self.delays.next().unwrap_or(self.policy.max)
+        let delay = self.delays.next().unwrap_or(self.policy.max);
+        // backon's jitter adds up to the delay again on top of its own cap (a 5 s policy drew
+        // up to 10 s). Past the cap the excess folds back below it, so delays at the cap stay
+        // spread over [max / 2, max] instead of all retrying at once.
+        let max = self.policy.max.max(self.policy.min);
+        if delay > max {
+            max.saturating_sub((delay - max) / 2)
+        } else {
+            delay
+        }
     }
 
     /// Consecutive failures since the last reset.
@@ -64,5 +73,30 @@ impl Backoff {
     pub fn reset(&mut self) {
         self.delays = Self::build(self.policy);
         self.failures = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// No delay exceeds the policy's `max`, jitter included (backon's jitter alone went up to
+    /// twice it); the delays at the cap stay spread rather than all equal.
+    #[test]
+    fn delays_never_exceed_the_max_and_stay_spread_at_it() {
+        let policy = RetryPolicy {
+            min: Duration::from_millis(100),
+            max: Duration::from_secs(1),
+        };
+        let mut backoff = Backoff::new(policy);
+        let delays: Vec<Duration> = (0..2_000).map(|_| backoff.next_delay()).collect();
+        assert!(delays.iter().all(|delay| *delay <= policy.max), "{delays:?}");
+        assert!(delays[0] >= policy.min && delays[0] <= 2 * policy.min);
+        let capped = &delays[20..];
+        let shortest = capped.iter().min().unwrap();
+        assert!(*shortest >= policy.max / 2, "{shortest:?}");
+        assert!(*shortest < policy.max * 9 / 10, "spread: {shortest:?}");
+        backoff.reset();
+        assert!(backoff.next_delay() <= 2 * policy.min);
     }
 }

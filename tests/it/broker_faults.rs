@@ -182,6 +182,12 @@ mod outbox {
         tokio::task::block_in_place(|| node.start_app());
         let (back, _) = oldest_pending(&pool).await;
         tracing::info!(%back, "test: the broker is back");
+        // What the host had committed by then: each branch's head.
+        let heads: Vec<(String, String, String, i64)> =
+            sqlx::query_as("SELECT tenant_id, run_id, branch_id, head_lsn FROM relay_branch")
+                .fetch_all(&pool)
+                .await
+                .unwrap();
         let waiting = |pool: PgPool| async move {
             sqlx::query_as::<_, (String, i64)>(
                 "SELECT tenant_id, count(*) FROM relay_outbox WHERE created_at < $1
@@ -212,6 +218,24 @@ mod outbox {
             (now - back).to_std().unwrap_or_default()
         );
         until_folded_exactly(&fold, &expected, "the fold has every live intent").await;
+        // And the consumer had folded all of it within seconds of the return too.
+        let mut last_applied = back;
+        for (tenant, run, branch, head) in &heads {
+            let applied: Option<chrono::DateTime<chrono::Utc>> = sqlx::query_scalar(
+                "SELECT max(applied_at) FROM relay_fold_event
+                  WHERE tenant_id = $1 AND run_id = $2 AND branch_id = $3 AND lsn <= $4",
+            )
+            .bind(tenant)
+            .bind(run)
+            .bind(branch)
+            .bind(head)
+            .fetch_one(fold.pool())
+            .await
+            .unwrap();
+            last_applied = last_applied.max(applied.unwrap_or(back));
+        }
+        let folded_after = (last_applied - back).to_std().unwrap_or_default();
+        println!("folded: {folded_after:?} after the broker's return");
         folding.stop().await;
         for relay in relays {
             relay.shutdown().await;

@@ -241,7 +241,7 @@ fn a_recovered_publisher_restarts_the_others_now_and_resumes_every_drainer() {
 fn the_broker_is_checked_while_publishers_wait_and_its_answer_restarts_them() {
     let mut now = Instant::now();
     let mut tree = Tree::new(10);
-    let mut fail_both = |tree: &mut Tree, now: Instant| {
+    let fail_both = |tree: &mut Tree, now: Instant| {
         let ended = [tree.publishers[&0], tree.publishers[&1]];
         for id in ended {
             tree.core

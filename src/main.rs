@@ -493,7 +493,9 @@ async fn run(config: RelayConfig) -> Result<()> {
     // One connection to the broker: a refusal is fatal here (no retry fixes it); a broker that
     // is simply down is normal (everything waits in the outbox until it is back).
     match distribution::broker::preflight(&config.rabbit_config()?).await {
-        Ok(distribution::broker::Preflight::Ready) => {}
+        Ok(distribution::broker::Preflight::Ready) => {
+            log_broker_version(&config).await;
+        }
         Ok(distribution::broker::Preflight::Unreachable(why)) => {
             tracing::warn!(reason = %why, "broker unreachable at start; intents wait in the outbox");
             eprintln!("warning: broker unreachable at start ({why}); the relay keeps trying");
@@ -641,5 +643,22 @@ impl Drop for FlushOnDrop {
         if let Some(provider) = self.0.take() {
             let _ = provider.shutdown();
         }
+    }
+}
+
+/// Logs what the broker says it is, and what an operator should know of that version.
+async fn log_broker_version(config: &RelayConfig) {
+    let Ok(rabbit) = config.rabbit_config() else {
+        return;
+    };
+    match distribution::broker::server_version(&rabbit).await {
+        Ok(version) => {
+            tracing::info!(broker = %version, "broker");
+            let streams = config.queue_type == distribution::broker::QueueType::Stream;
+            for note in version.notes(streams) {
+                tracing::warn!(broker = %version, "{note}");
+            }
+        }
+        Err(err) => tracing::warn!(error = %err, "the broker's version could not be read"),
     }
 }

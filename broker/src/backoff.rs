@@ -90,7 +90,10 @@ mod tests {
         };
         let mut backoff = Backoff::new(policy);
         let delays: Vec<Duration> = (0..2_000).map(|_| backoff.next_delay()).collect();
-        assert!(delays.iter().all(|delay| *delay <= policy.max), "{delays:?}");
+        assert!(
+            delays.iter().all(|delay| *delay <= policy.max),
+            "{delays:?}"
+        );
         assert!(delays[0] >= policy.min && delays[0] <= 2 * policy.min);
         let capped = &delays[20..];
         let shortest = capped.iter().min().unwrap();

@@ -46,7 +46,7 @@ impl std::fmt::Debug for AmqpTls {
 }
 
 impl AmqpTls {
-    fn owned(&self) -> OwnedTLSConfig {
+    pub(crate) fn owned(&self) -> OwnedTLSConfig {
         OwnedTLSConfig {
             identity: self
                 .client_identity

@@ -23,6 +23,7 @@ mod rabbit;
 #[cfg(feature = "fixtures")]
 pub mod scratch;
 mod topology;
+mod version;
 mod wire;
 
 pub use backoff::Backoff;
@@ -61,6 +62,7 @@ pub use topology::QueueType;
 pub use topology::StreamRetention;
 pub use topology::Topology;
 pub use topology::partition_of;
+pub use version::{BrokerVersion, server_version};
 pub use wire::CLOUDEVENTS_PREFIX;
 pub use wire::WIRE_VERSION;
 pub use wire::WireMode;

@@ -167,8 +167,10 @@ pub(crate) struct Core<H: Handle> {
 enum CheckState {
     /// A check may be scheduled when a publisher goes down.
     Ready,
-    /// One is scheduled or running.
-    Pending,
+    /// One is scheduled (its timer is set).
+    Scheduled,
+    /// One was commanded and has not reported: never two at once.
+    Running,
     /// The broker answered a check, and no publisher has had a publish confirmed since: no
     /// further check until one has (a broker that takes connections but fails publishes is
     /// left to the publishers' own backoff, not retried at the check's pace).
@@ -249,6 +251,7 @@ impl<H: Handle> Core<H> {
                         .iter()
                         .any(|(_, timer)| matches!(timer, Timer::RespawnPublisher(_)));
                     if down && self.phase == Phase::Running {
+                        self.check = CheckState::Running;
                         self.commands.push_back(Command::CheckBroker);
                     } else {
                         self.check = CheckState::Ready;
@@ -284,7 +287,7 @@ impl<H: Handle> Core<H> {
             return;
         };
         if delay > every && self.check == CheckState::Ready && self.phase == Phase::Running {
-            self.check = CheckState::Pending;
+            self.check = CheckState::Scheduled;
             self.timers.insert((now + every, Timer::CheckBroker));
         }
     }
@@ -344,7 +347,7 @@ impl<H: Handle> Core<H> {
             Timer::CheckBroker => false,
             _ => true,
         });
-        if self.check == CheckState::Pending {
+        if self.check == CheckState::Scheduled {
             // Its timer is gone; a check already running reports as usual.
             self.check = CheckState::Ready;
         }

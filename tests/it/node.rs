@@ -374,20 +374,30 @@ impl Drop for PrivateNode {
 /// A private 3-node RabbitMQ cluster (`scripts/rabbitmq-cluster`), stopped with its data when
 /// dropped (on failure too). Nodes are numbered from 1.
 pub struct PrivateCluster {
+    rabbit: Rabbit,
+    /// Its nodes' data, as seen from this machine (inside the version's root).
     dir: PathBuf,
     urls: String,
 }
 
 impl PrivateCluster {
-    /// Starts three nodes and joins them (about 35 s here).
+    /// Starts three nodes of this machine's RabbitMQ (3.10) and joins them (about 35 s here).
     pub fn start(label: &str) -> Self {
+        Self::start_on(Rabbit::V3_10, label)
+    }
+
+    /// Starts three nodes of `rabbit`'s version and joins them.
+    pub fn start_on(rabbit: Rabbit, label: &str) -> Self {
         static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        sweep_stale_nodes(Rabbit::V3_10);
+        sweep_stale_nodes(rabbit);
         // Names and directories the sweep above recognises, should this process be killed.
         let pid = std::process::id();
-        let dir = std::env::temp_dir().join(format!("relay-node-{pid}-cluster{n}-{label}"));
+        let dir = rabbit
+            .outside(&std::env::temp_dir())
+            .join(format!("relay-node-{pid}-cluster{n}-{label}"));
         let mut cluster = Self {
+            rabbit,
             dir,
             urls: String::new(),
         };
@@ -409,6 +419,11 @@ impl PrivateCluster {
         ));
         if let Some(prefix) = prefix {
             command.env("RABBITMQ_CLUSTER_PREFIX", prefix);
+        }
+        if let Some(root) = self.rabbit.root() {
+            command
+                .env("RABBITMQ_ROOT", root)
+                .env("RABBITMQ_EPMD_PORT", EPMD_4.to_string());
         }
         let output = command
             .arg(args[0])
@@ -467,7 +482,9 @@ impl PrivateCluster {
 
     /// `rabbitmqctl -n <node n> args...`.
     pub fn ctl(&self, n: u8, args: &[&str]) -> String {
-        let output = Command::new("rabbitmqctl")
+        let output = self
+            .rabbit
+            .command("rabbitmqctl")
             .arg("-n")
             .arg(self.node(n))
             .args(args)
@@ -480,13 +497,19 @@ impl PrivateCluster {
 
 impl Drop for PrivateCluster {
     fn drop(&mut self) {
-        let _ = Command::new(concat!(
+        let mut command = Command::new(concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/scripts/rabbitmq-cluster"
-        ))
-        .arg("stop")
-        .arg(&self.dir)
-        .stdin(std::process::Stdio::null())
-        .status();
+        ));
+        if let Some(root) = self.rabbit.root() {
+            command
+                .env("RABBITMQ_ROOT", root)
+                .env("RABBITMQ_EPMD_PORT", EPMD_4.to_string());
+        }
+        let _ = command
+            .arg("stop")
+            .arg(&self.dir)
+            .stdin(std::process::Stdio::null())
+            .status();
     }
 }

@@ -487,15 +487,6 @@ impl RabbitPublisher {
     }
 
     async fn session(&mut self) -> Result<&Session, Error> {
-        if self
-            .session
-            .as_ref()
-            .is_some_and(|session| !session._connection.status().connected())
-        {
-            // The broker closed it while this publisher was idle (a broker restart): a fresh
-            // session now, not a write that fails and costs the publisher a restart.
-            self.session = None;
-        }
         if self.session.is_none() {
             let (connection, channel) = open(&self.config, "outbox-relay-publisher")
                 .await

@@ -611,14 +611,6 @@ async fn a_channel_that_writes_to_one_stream_loses_nothing_when_its_leader_dies(
     println!("3.10: a channel shared by two streams lost {lost} confirmed");
 }
 
-/// The same on RabbitMQ 4.0, where the shared channel's count says whether 4.0.5 still has
-/// rabbitmq-server#9457 (printed, not asserted).
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_channel_that_writes_to_one_stream_loses_nothing_when_its_leader_dies_on_rabbitmq_4_0() {
-    let lost = one_stream_per_channel(Rabbit::V4_0).await;
-    println!("4.0: a channel shared by two streams lost {lost} confirmed");
-}
-
 /// Runs the resend scenario above on `rabbit`'s cluster; returns what the shared channel lost.
 async fn one_stream_per_channel(rabbit: Rabbit) -> usize {
     let cluster = tokio::task::block_in_place(|| PrivateCluster::start_on(rabbit, "resend"));

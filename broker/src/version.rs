@@ -64,11 +64,14 @@ impl BrokerVersion {
     /// RabbitMQ's default `max_message_size`: 16 MiB since 4.0, 128 MiB before (tested on
     /// 4.0.5 and 3.10.8 by `broker_faults::a_message_too_large_*`); `None` if unknown.
     pub fn default_max_message_size(&self) -> Option<usize> {
-        match self.numbers {
-            Some(_) if self.product == "RabbitMQ" && self.is_at_least(4, 0, 0) => Some(16 << 20),
-            Some(_) if self.product == "RabbitMQ" => Some(128 << 20),
-            _ => None,
+        if self.product != "RabbitMQ" || self.numbers.is_none() {
+            return None;
         }
+        Some(if self.is_at_least(4, 0, 0) {
+            16 << 20
+        } else {
+            128 << 20
+        })
     }
 
     /// What an operator should know of this broker, for the start-up log: one line each

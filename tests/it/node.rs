@@ -412,18 +412,24 @@ impl PrivateCluster {
         self.script_with(args, None)
     }
 
-    fn script_with(&self, args: &[&str], prefix: Option<&str>) -> String {
+    /// `scripts/rabbitmq-cluster`, pointed at the cluster's RabbitMQ (its root, if any).
+    fn script_command(&self) -> Command {
         let mut command = Command::new(concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/scripts/rabbitmq-cluster"
         ));
-        if let Some(prefix) = prefix {
-            command.env("RABBITMQ_CLUSTER_PREFIX", prefix);
-        }
         if let Some(root) = self.rabbit.root() {
             command
                 .env("RABBITMQ_ROOT", root)
                 .env("RABBITMQ_EPMD_PORT", EPMD_4.to_string());
+        }
+        command
+    }
+
+    fn script_with(&self, args: &[&str], prefix: Option<&str>) -> String {
+        let mut command = self.script_command();
+        if let Some(prefix) = prefix {
+            command.env("RABBITMQ_CLUSTER_PREFIX", prefix);
         }
         let output = command
             .arg(args[0])
@@ -497,16 +503,8 @@ impl PrivateCluster {
 
 impl Drop for PrivateCluster {
     fn drop(&mut self) {
-        let mut command = Command::new(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/scripts/rabbitmq-cluster"
-        ));
-        if let Some(root) = self.rabbit.root() {
-            command
-                .env("RABBITMQ_ROOT", root)
-                .env("RABBITMQ_EPMD_PORT", EPMD_4.to_string());
-        }
-        let _ = command
+        let _ = self
+            .script_command()
             .arg("stop")
             .arg(&self.dir)
             .stdin(std::process::Stdio::null())

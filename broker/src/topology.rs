@@ -281,8 +281,9 @@ impl Topology {
         &self.stream
     }
 
-    /// The arguments of `group`'s partition queues.
-    fn partition_arguments(&self, group: &Group) -> FieldTable {
+    /// The arguments of `group`'s partition queues (WIRE.md, "Declares, exactly"): what a
+    /// consumer that declares them must pass.
+    pub fn partition_arguments(&self, group: &Group) -> FieldTable {
         let mut arguments = FieldTable::default();
         let text = |value: &str| AMQPValue::LongString(value.into());
         match self.queue_type {
@@ -332,7 +333,7 @@ impl Topology {
     /// The arguments of a dead-letter queue: a quorum queue unless the topology is classic
     /// (a stream cannot be taken from one message at a time), whose delivery limit no reader
     /// reaches ([`DEAD_LETTER_DELIVERY_LIMIT`]).
-    fn dead_letter_arguments(&self) -> FieldTable {
+    pub fn dead_letter_arguments(&self) -> FieldTable {
         let mut arguments = FieldTable::default();
         if self.queue_type != QueueType::Classic {
             arguments.insert(

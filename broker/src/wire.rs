@@ -339,6 +339,55 @@ mod tests {
         assert_eq!(decoded.parent, None);
     }
 
+    /// WIRE.md, "CloudEvents": markers carry the attributes too (`type` `outbox.end`,
+    /// `datacontenttype` the octet-stream default), and a host header's empty value travels as
+    /// an empty long string.
+    #[test]
+    fn markers_carry_cloudevents_and_an_empty_header_value_travels() {
+        let end = OutboxEvent {
+            key: EventKey {
+                branch: BranchKey::new(
+                    TenantId::new("acme").unwrap(),
+                    RunId::new("run-7").unwrap(),
+                    BranchId::new("retry-1").unwrap(),
+                ),
+                lsn: Lsn::new(9),
+            },
+            prev_lsn: Lsn::new(8),
+            base_lsn: Lsn::new(8),
+            payload: Vec::new(),
+            created_at: DateTime::from_timestamp_micros(1_700_000_000_000_000).unwrap(),
+            kind: EventKind::End,
+            parent: Some(BranchId::new("main").unwrap()),
+            meta: Metadata::default(),
+        };
+        let props = properties(&end, WireMode::CloudEvents);
+        let headers = props.headers().as_ref().unwrap().inner();
+        let text = |name: &str| match headers.get(name) {
+            Some(AMQPValue::LongString(v)) => String::from_utf8(v.as_bytes().to_vec()).unwrap(),
+            other => panic!("{name}: {other:?}"),
+        };
+        assert_eq!(text("cloudEvents:type"), "outbox.end");
+        assert_eq!(text("cloudEvents:time"), "2023-11-14T22:13:20.000000Z");
+        assert_eq!(text("cloudEvents:subject"), "retry-1");
+        assert_eq!(text("kind"), "end");
+        assert_eq!(props.content_type().as_ref().unwrap().as_str(), OCTET_STREAM);
+        assert_eq!(headers.get("wire_version"), Some(&AMQPValue::LongLongInt(3)));
+
+        let intent = OutboxEvent {
+            kind: EventKind::Intent,
+            meta: Metadata {
+                headers: [("note".to_owned(), String::new())].into(),
+                ..Metadata::default()
+            },
+            ..end
+        };
+        let props = properties(&intent, WireMode::Plain);
+        let headers = props.headers().as_ref().unwrap().inner();
+        assert_eq!(headers.get("note"), Some(&AMQPValue::LongString("".into())));
+        assert_eq!(decode(&props, b"").unwrap(), intent);
+    }
+
     /// Version 3: every metadata field travels where WIRE.md says and reads back unchanged;
     /// CloudEvents mode adds its attributes, which are not taken for host headers.
     #[test]

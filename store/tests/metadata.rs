@@ -234,6 +234,44 @@ async fn metadata_round_trips_through_the_outbox(pool: PgPool) {
     assert_eq!(nulls, 1, "an intent without metadata stores none");
 }
 
+/// WIRE.md, "Metadata": through `relay_append`, `{}` and `{"headers": {}}` are no metadata
+/// (drained as none), and a header's empty value is accepted and kept.
+#[sqlx::test(migrator = "store::MIGRATOR")]
+async fn empty_metadata_is_none_and_an_empty_header_value_is_kept(pool: PgPool) {
+    let branch = key("empty");
+    sqlx::query("SELECT relay_open_run('t', 'empty', 'main')")
+        .execute(&pool)
+        .await
+        .unwrap();
+    for (lsn, meta) in [
+        (1, "{}"),
+        (2, r#"{"headers": {}}"#),
+        (3, r#"{"headers": {"note": ""}}"#),
+    ] {
+        sqlx::query(
+            "SELECT relay_append('t', 'empty', 'main', $1, '\\x00'::bytea, p_meta => $2::jsonb)",
+        )
+        .bind(lsn)
+        .bind(meta)
+        .execute(&pool)
+        .await
+        .unwrap_or_else(|err| panic!("{meta}: {err}"));
+    }
+    let events = Outbox::new(pool.clone())
+        .drain_outbox(&branch.tenant, 10)
+        .await
+        .unwrap();
+    let metas: Vec<Metadata> = events.into_iter().map(|event| event.meta).collect();
+    assert_eq!(
+        metas,
+        vec![
+            Metadata::default(),
+            Metadata::default(),
+            with(|m| m.headers = [("note".to_owned(), String::new())].into()),
+        ]
+    );
+}
+
 /// Each bad case is refused by the writer before any SQL (the host's transaction stays
 /// usable), and by `relay_append` called directly, as a host in another language would, with
 /// RL112 naming the same field. Nothing is written either way.

@@ -31,6 +31,7 @@ mod recorder;
 mod broker_faults;
 mod cli;
 mod consumer;
+mod cuts;
 mod database_faults;
 mod dead_letters;
 mod fairness;

@@ -4,7 +4,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use distribution::broker::{self, Partition, RabbitConfig};
 use distribution::store::OutboxEvent;
@@ -17,7 +17,7 @@ use crate::harness::{Expected, Ran, Workload, merge};
 /// Every message of the topology as the broker delivered it, per queue in delivery order
 /// (a raw consumer: no fold, every delivery counted).
 pub struct Recorder {
-    deliveries: Arc<Mutex<Vec<OutboxEvent>>>,
+    deliveries: Arc<Mutex<Vec<(Instant, OutboxEvent)>>>,
     stop: Arc<AtomicBool>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
@@ -60,7 +60,7 @@ impl Recorder {
                         continue;
                     };
                     let event = broker::decode(&delivery.properties, &delivery.data).unwrap();
-                    deliveries.lock().unwrap().push(event);
+                    deliveries.lock().unwrap().push((Instant::now(), event));
                     delivery.ack(BasicAckOptions::default()).await.unwrap();
                 }
             }));
@@ -73,6 +73,12 @@ impl Recorder {
     }
 
     pub fn deliveries(&self) -> Vec<OutboxEvent> {
+        let deliveries = self.deliveries.lock().unwrap();
+        deliveries.iter().map(|(_, event)| event.clone()).collect()
+    }
+
+    /// Every delivery with when the recorder took it.
+    pub fn arrivals(&self) -> Vec<(Instant, OutboxEvent)> {
         self.deliveries.lock().unwrap().clone()
     }
 

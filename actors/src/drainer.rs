@@ -23,7 +23,7 @@ use store::{EventKey, Fence, Outbox, OutboxEvent, TenantId};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, TryAcquireError};
 use tracing::Instrument;
 
-use crate::window::{Next, Refusal, RefusalAction, Window, WindowConfig};
+use crate::window::{Next, Refusal, RefusalAction, StallNotice, Window, WindowConfig};
 use crate::{PublisherDirectory, PublisherMessage, Reply, RetryPolicy, ShardId};
 
 /// How a drainer works.
@@ -403,6 +403,26 @@ impl Drainer {
             lag.record((now - *written).to_std().unwrap_or_default().as_secs_f64());
         }
         tracing::debug!(shipped = settled.acks.len(), failed = settled.failed, next = ?settled.next, "batches settled");
+        match settled.stall {
+            Some(StallNotice::Waiting {
+                waited,
+                failures,
+                cause,
+            }) => tracing::warn!(
+                tenant = %tenant,
+                waited_ms = waited.as_millis() as u64,
+                failures,
+                cause = cause.as_str(),
+                "tenant waits for the broker"
+            ),
+            Some(StallNotice::Shipping { waited, failures }) => tracing::info!(
+                tenant = %tenant,
+                waited_ms = waited.as_millis() as u64,
+                failures,
+                "tenant ships again"
+            ),
+            None => {}
+        }
         for refusal in &settled.refusals {
             if let Err(err) = self.refused(state, refusal).await {
                 return Self::store_failed(myself, err);

@@ -140,6 +140,52 @@ pub(crate) enum Next {
     Stop,
 }
 
+/// How long a tenant's batches may go unanswered (its publisher down, or the broker away)
+/// before the drainer says which tenant waits and why: short outages pass in silence, since
+/// the publishers' own warnings say the broker is away.
+pub(crate) const STALL_NOTICE_AFTER: Duration = Duration::from_secs(5);
+
+/// Why a tenant's batches went unanswered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum StallCause {
+    /// Sent, and the session failed before the broker confirmed them.
+    Unconfirmed,
+    /// Never sent: its shard's publisher was down or its session had failed.
+    NotSent,
+}
+
+impl StallCause {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            StallCause::Unconfirmed => "the broker did not confirm its batch",
+            StallCause::NotSent => "its shard's publisher was down",
+        }
+    }
+}
+
+/// A streak of failed sessions of one tenant, and whether the drainer has said so.
+#[derive(Clone, Copy, Debug)]
+struct Stall {
+    since: Instant,
+    failures: u32,
+    cause: StallCause,
+    told: bool,
+}
+
+/// What the drainer logs about a tenant's stall ([`Settlement::stall`]): once when it has
+/// lasted [`STALL_NOTICE_AFTER`], once when the tenant ships again after that.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum StallNotice {
+    /// The tenant's batches have gone unanswered for `waited`.
+    Waiting {
+        waited: Duration,
+        failures: u32,
+        cause: StallCause,
+    },
+    /// The tenant ships again after a stall it was told of.
+    Shipping { waited: Duration, failures: u32 },
+}
+
 /// The outcome of settling the complete batches at the front of the window.
 #[derive(Debug)]
 pub(crate) struct Settlement {
@@ -152,6 +198,8 @@ pub(crate) struct Settlement {
     /// Branches refused by the broker, each with its next step (at most one per branch).
     pub(crate) refusals: Vec<Refusal>,
     pub(crate) next: Next,
+    /// A stall to log, if this settlement begins or ends one worth telling.
+    pub(crate) stall: Option<StallNotice>,
 }
 
 /// The in-flight window of one drainer.
@@ -170,6 +218,8 @@ pub(crate) struct Window<H> {
     backlogged: bool,
     /// When the drainer must wake up, and why.
     timers: BTreeSet<(Instant, Due)>,
+    /// The tenant's batches have gone unanswered since then.
+    stalled: Option<Stall>,
 }
 
 impl<H> std::fmt::Debug for Window<H> {
@@ -196,6 +246,7 @@ impl<H> Window<H> {
             activity: 0,
             backlogged: false,
             timers: BTreeSet::new(),
+            stalled: None,
         }
     }
 
@@ -454,7 +505,7 @@ impl<H> Window<H> {
         let mut acked_written = Vec::new();
         let mut failed = 0;
         let mut settled = 0;
-        let mut session_failed = false;
+        let mut session_failed = None;
         let mut refused: Vec<(BranchKey, &'static str)> = Vec::new();
         while self
             .batches
@@ -486,8 +537,12 @@ impl<H> Window<H> {
                     Some(Outcome::Nacked) => Some("nacked"),
                     Some(Outcome::TooLarge) => Some("too_large"),
                     // No answer: the session, not the branch, failed; the tenant backs off.
-                    Some(Outcome::Unconfirmed | Outcome::NotSent) | None => {
-                        session_failed = true;
+                    Some(Outcome::NotSent) => {
+                        session_failed.get_or_insert(StallCause::NotSent);
+                        None
+                    }
+                    Some(Outcome::Unconfirmed) | None => {
+                        session_failed.get_or_insert(StallCause::Unconfirmed);
                         None
                     }
                 };
@@ -507,9 +562,10 @@ impl<H> Window<H> {
             .into_iter()
             .map(|(branch, reason)| self.refused(branch, reason, now))
             .collect();
-        if session_failed && self.phase != Phase::Finishing {
+        if session_failed.is_some() && self.phase != Phase::Finishing {
             self.phase = Phase::Failed;
         }
+        let stall = self.stall(session_failed, !acks.is_empty(), now);
         let next = match self.phase {
             Phase::Finishing if self.batches.is_empty() => Next::Stop,
             Phase::Finishing => Next::Wait,
@@ -537,6 +593,45 @@ impl<H> Window<H> {
             failed,
             refusals,
             next,
+            stall,
+        })
+    }
+
+    /// Follows the tenant's streak of failed sessions: one started or went on (`failed`), or
+    /// the broker confirmed something of it (`shipped`) and it ended.
+    fn stall(
+        &mut self,
+        failed: Option<StallCause>,
+        shipped: bool,
+        now: Instant,
+    ) -> Option<StallNotice> {
+        if let Some(cause) = failed {
+            let stall = self.stalled.get_or_insert(Stall {
+                since: now,
+                failures: 0,
+                cause,
+                told: false,
+            });
+            stall.failures += 1;
+            stall.cause = cause;
+            let waited = now.saturating_duration_since(stall.since);
+            if !stall.told && waited >= STALL_NOTICE_AFTER {
+                stall.told = true;
+                return Some(StallNotice::Waiting {
+                    waited,
+                    failures: stall.failures,
+                    cause,
+                });
+            }
+            return None;
+        }
+        if !shipped {
+            return None;
+        }
+        let stall = self.stalled.take()?;
+        stall.told.then(|| StallNotice::Shipping {
+            waited: now.saturating_duration_since(stall.since),
+            failures: stall.failures,
         })
     }
 
@@ -678,6 +773,54 @@ mod tests {
         assert!(cooling.is_some());
         assert!(!window.resume());
         assert_eq!(window.poll_timeout(), cooling);
+    }
+
+    /// A tenant whose batches go unanswered is named once its stall has lasted
+    /// [`STALL_NOTICE_AFTER`] (with why), once more when it ships again, and never for a short
+    /// outage.
+    #[test]
+    fn a_long_stall_is_told_once_and_its_end_once_a_short_one_never() {
+        let start = Instant::now();
+        let mut window = Window::new(config(1, 5));
+        let mut fail = |window: &mut Window<()>, at: Duration, outcome| {
+            answered(window, &[key("a", 1)], &[outcome]);
+            let settled = window.settle(start + at).unwrap();
+            window.resume();
+            settled.stall
+        };
+        // A short outage: failures, then a confirm within the notice's delay.
+        assert_eq!(fail(&mut window, Duration::ZERO, Unconfirmed), None);
+        assert_eq!(fail(&mut window, Duration::from_secs(2), NotSent), None);
+        answered(&mut window, &[key("a", 1)], &[Accepted]);
+        let settled = window.settle(start + Duration::from_secs(3)).unwrap();
+        assert_eq!(settled.stall, None, "short: nothing said");
+
+        // A long one: told once, past the delay, with the latest cause.
+        let at = |secs| Duration::from_secs(secs);
+        assert_eq!(fail(&mut window, at(10), Unconfirmed), None);
+        assert_eq!(fail(&mut window, at(13), NotSent), None);
+        assert_eq!(
+            fail(&mut window, at(15), NotSent),
+            Some(StallNotice::Waiting {
+                waited: at(5),
+                failures: 3,
+                cause: StallCause::NotSent
+            })
+        );
+        assert_eq!(fail(&mut window, at(20), Unconfirmed), None, "once");
+        // A settlement with nothing shipped ends nothing.
+        answered(&mut window, &[key("a", 1)], &[Nacked]);
+        assert_eq!(window.settle(start + at(21)).unwrap().stall, None);
+        answered(&mut window, &[key("b", 1)], &[Accepted]);
+        assert_eq!(
+            window.settle(start + at(22)).unwrap().stall,
+            Some(StallNotice::Shipping {
+                waited: at(12),
+                failures: 4
+            })
+        );
+        answered(&mut window, &[key("b", 2)], &[Accepted]);
+        assert_eq!(window.settle(start + at(23)).unwrap().stall, None, "once");
     }
 
     /// The window's one timer table: the tenant's retry, a cooling branch's retry and the idle

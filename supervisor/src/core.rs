@@ -10,7 +10,7 @@
 //! One table holds every tenant this relay knows a drainer for ([`TenantSlot`]), one every
 //! publisher shard, one every bucket held or being handed over; a tenant's backoff, wake-up
 //! flag and child id move with its slot, so no removal has to touch parallel maps in step.
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::hash::Hash;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -21,6 +21,9 @@ use broker::{Backoff, RetryPolicy};
 use store::{Bucket, Fence, LeaseChanges, TenantId, bucket_of};
 
 use crate::waiting::Waiting;
+
+mod timers;
+use timers::Timers;
 
 /// What the core needs of a running child: an id to recognise its end by.
 pub(crate) trait Handle: Clone + std::fmt::Debug {
@@ -101,7 +104,8 @@ enum TenantSlot<H> {
         /// Present once it failed before: carried to the next restart.
         backoff: Option<Backoff>,
     },
-    /// Failed; a respawn timer is set (a wake-up before it starts it sooner).
+    /// Failed; its respawn timer ([`Timer::RespawnDrainer`]) restarts it. A wake-up before
+    /// then does not: the work waits for the backoff, which is what the backoff is for.
     Restarting { backoff: Backoff },
 }
 
@@ -156,7 +160,7 @@ pub(crate) struct Core<H: Handle> {
     publishers: Vec<PublisherSlot<H::Id>>,
     buckets: HashMap<Bucket, BucketState>,
     waiting: Waiting,
-    timers: BTreeSet<(Instant, Timer)>,
+    timers: Timers<Timer>,
     phase: Phase,
     commands: VecDeque<Command<H>>,
     check: CheckState,
@@ -199,7 +203,7 @@ impl<H: Handle> Core<H> {
             publishers,
             buckets: HashMap::new(),
             waiting: Waiting::default(),
-            timers: BTreeSet::new(),
+            timers: Timers::default(),
             phase: Phase::Running,
             commands: VecDeque::new(),
             check: CheckState::Ready,
@@ -218,17 +222,12 @@ impl<H: Handle> Core<H> {
 
     /// When [`Core::handle_timeout`] is next due.
     pub(crate) fn poll_timeout(&self) -> Option<Instant> {
-        self.timers.first().map(|(at, _)| *at)
+        self.timers.next()
     }
 
     /// Fires every timer due at `now`.
     pub(crate) fn handle_timeout(&mut self, now: Instant) {
-        while let Some((at, _)) = self.timers.first()
-            && *at <= now
-        {
-            let Some((_, timer)) = self.timers.pop_first() else {
-                break;
-            };
+        while let Some(timer) = self.timers.pop_due(now) {
             match timer {
                 Timer::RespawnDrainer(tenant) => {
                     if matches!(
@@ -249,7 +248,7 @@ impl<H: Handle> Core<H> {
                     let down = self
                         .timers
                         .iter()
-                        .any(|(_, timer)| matches!(timer, Timer::RespawnPublisher(_)));
+                        .any(|(timer, _)| matches!(timer, Timer::RespawnPublisher(_)));
                     if down && self.phase == Phase::Running {
                         self.check = CheckState::Running;
                         self.commands.push_back(Command::CheckBroker);
@@ -275,8 +274,7 @@ impl<H: Handle> Core<H> {
         let slot = &mut self.publishers[usize::from(shard.0)];
         slot.state = PublisherState::Down;
         let delay = slot.backoff.next_delay();
-        self.timers
-            .insert((now + delay, Timer::RespawnPublisher(shard)));
+        self.timers.set(Timer::RespawnPublisher(shard), now + delay);
         self.check_broker_later(delay, now);
     }
 
@@ -288,7 +286,7 @@ impl<H: Handle> Core<H> {
         };
         if delay > every && self.check == CheckState::Ready && self.phase == Phase::Running {
             self.check = CheckState::Scheduled;
-            self.timers.insert((now + every, Timer::CheckBroker));
+            self.timers.set(Timer::CheckBroker, now + every);
         }
     }
 
@@ -305,8 +303,8 @@ impl<H: Handle> Core<H> {
         let longest = self
             .timers
             .iter()
-            .filter(|(_, timer)| matches!(timer, Timer::RespawnPublisher(_)))
-            .map(|(at, _)| at.saturating_duration_since(now))
+            .filter(|(timer, _)| matches!(timer, Timer::RespawnPublisher(_)))
+            .map(|(_, at)| at.saturating_duration_since(now))
             .max();
         if let Some(longest) = longest {
             self.check_broker_later(longest, now);
@@ -339,7 +337,7 @@ impl<H: Handle> Core<H> {
             return;
         }
         let mut waiting = Vec::new();
-        self.timers.retain(|(_, timer)| match timer {
+        self.timers.retain(|timer| match timer {
             Timer::RespawnPublisher(shard) => {
                 waiting.push(*shard);
                 false
@@ -472,10 +470,10 @@ impl<H: Handle> Core<H> {
                         self.commands.push_back(Command::Drain(drainer.clone()));
                     }
                 }
-                // A drainer about to start drains at once.
-                Some(TenantSlot::Starting { .. }) => {}
-                // A wake-up starts a restarting drainer now; its backoff carries on.
-                Some(TenantSlot::Restarting { .. }) | None => self.spawn(tenant),
+                // A drainer about to start drains at once; a restarting one when its backoff
+                // is over (its timer), not at the host's commit rate.
+                Some(TenantSlot::Starting { .. } | TenantSlot::Restarting { .. }) => {}
+                None => self.spawn(tenant),
             }
         }
     }
@@ -494,7 +492,7 @@ impl<H: Handle> Core<H> {
                     self.tenants.get(&tenant),
                     Some(TenantSlot::Restarting { .. })
                 ) {
-                    self.tenants.remove(&tenant);
+                    self.remove_slot(&tenant);
                 }
                 return;
             }
@@ -505,7 +503,7 @@ impl<H: Handle> Core<H> {
                 self.waiting.push(tenant);
                 return;
             }
-            Some(TenantSlot::Restarting { .. }) => match self.tenants.remove(&tenant) {
+            Some(TenantSlot::Restarting { .. }) => match self.remove_slot(&tenant) {
                 Some(TenantSlot::Restarting { backoff }) => Some(backoff),
                 _ => None,
             },
@@ -580,20 +578,32 @@ impl<H: Handle> Core<H> {
         self.finish_if_done();
     }
 
-    fn restart_later(&mut self, tenant: TenantId, backoff: Option<Backoff>, now: Instant) {
+    /// Schedules the tenant's restart after its backoff's next delay: the delay and the
+    /// failures in a row, this one included.
+    fn restart_later(
+        &mut self,
+        tenant: TenantId,
+        backoff: Option<Backoff>,
+        now: Instant,
+    ) -> (Duration, u64) {
         let mut backoff = backoff.unwrap_or_else(|| Backoff::new(self.config.restart));
         let delay = backoff.next_delay();
+        let failures = backoff.failures();
         self.timers
-            .insert((now + delay, Timer::RespawnDrainer(tenant.clone())));
+            .set(Timer::RespawnDrainer(tenant.clone()), now + delay);
         self.tenants
             .insert(tenant, TenantSlot::Restarting { backoff });
+        (delay, failures)
     }
 
-    /// Removes a tenant's slot, keeping the count of alive ones.
+    /// Removes a tenant's slot, keeping the count of alive ones; a restarting one's timer goes
+    /// with it.
     fn remove_slot(&mut self, tenant: &TenantId) -> Option<TenantSlot<H>> {
         let slot = self.tenants.remove(tenant)?;
         if slot.alive() {
             self.alive -= 1;
+        } else {
+            self.timers.stop(&Timer::RespawnDrainer(tenant.clone()));
         }
         Some(slot)
     }
@@ -626,8 +636,7 @@ impl<H: Handle> Core<H> {
         } else {
             tracing::debug!(shard = shard.0, failures, reason = %why, "publisher down; restarting");
         }
-        self.timers
-            .insert((now + delay, Timer::RespawnPublisher(shard)));
+        self.timers.set(Timer::RespawnPublisher(shard), now + delay);
         self.check_broker_later(delay, now);
     }
 
@@ -665,8 +674,13 @@ impl<H: Handle> Core<H> {
             return;
         }
         metrics::counter!("relay_drainer_restarts_total").increment(1);
-        tracing::warn!(tenant = %tenant, reason = %why, "drainer down; restarting");
-        self.restart_later(tenant, backoff, now);
+        let (delay, failures) = self.restart_later(tenant.clone(), backoff, now);
+        let retry_in_ms = delay.as_millis() as u64;
+        if storm_worthy(failures) {
+            tracing::warn!(tenant = %tenant, failures, retry_in_ms, reason = %why, "drainer down; restarting");
+        } else {
+            tracing::debug!(tenant = %tenant, failures, retry_in_ms, reason = %why, "drainer down; restarting");
+        }
         self.admit_waiting();
     }
 
@@ -685,7 +699,7 @@ impl<H: Handle> Core<H> {
             }
         }
         self.timers
-            .insert((now + self.config.finish_grace, Timer::FinishDeadline));
+            .set(Timer::FinishDeadline, now + self.config.finish_grace);
         self.finish_if_done();
     }
 

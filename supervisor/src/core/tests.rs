@@ -296,7 +296,7 @@ fn the_broker_is_checked_while_publishers_wait_and_its_answer_restarts_them() {
     let respawn = tree.core.poll_timeout().unwrap();
     let check = now + Duration::from_millis(500);
     assert_eq!(respawn, check, "the check comes first");
-    let waited_until = tree.core.timers.iter().map(|(at, _)| *at).max().unwrap();
+    let waited_until = tree.core.timers.iter().map(|(_, at)| at).max().unwrap();
     assert!(waited_until >= now + Duration::from_secs(1), "grown delays");
     tree.core.handle_timeout(check);
     tree.perform(check);
@@ -313,7 +313,7 @@ fn the_broker_is_checked_while_publishers_wait_and_its_answer_restarts_them() {
         tree.core
             .timers
             .iter()
-            .all(|(_, timer)| matches!(timer, Timer::RespawnPublisher(_))),
+            .all(|(timer, _)| matches!(timer, Timer::RespawnPublisher(_))),
         "no check while spent"
     );
     while ended.contains(&tree.publishers[&0]) || ended.contains(&tree.publishers[&1]) {
@@ -432,14 +432,63 @@ fn a_failed_drainer_restarts_after_its_backoff_and_an_orderly_one_does_not() {
     tree.end(&tenants[1], false, first);
     let second = tree.core.poll_timeout().expect("a restart is due");
     assert!(second.duration_since(first) >= Duration::from_millis(200));
-    // A wake-up does not wait for the backoff (the poll comes once a second at most).
+    // A wake-up waits for the backoff: the host's commits do not restart it early.
     tree.core.notified(tenants[1].clone());
+    tree.core.pending(tenants.clone());
     tree.perform(first);
-    assert!(tree.drainer_of(&tenants[1]).is_some());
-    // The timer that fires later finds it running: nothing more starts.
+    assert!(tree.drainer_of(&tenants[1]).is_none());
+    // Its timer does.
     tree.core.handle_timeout(second);
     tree.perform(second);
-    assert_eq!(tree.drainers.len(), 1);
+    assert!(tree.drainer_of(&tenants[1]).is_some());
+}
+
+/// A tenant whose drainer fails on every start, woken 1,000 times a second (the host's
+/// commits' NOTIFY), is restarted no more often than its backoff allows: each restart at least
+/// the backoff's shortest delay after the failure before it, the delays growing to the policy's
+/// longest, and about a dozen restarts in 30 s. Before, every wake-up restarted it: about
+/// 30,000 restarts in 30 s.
+#[test]
+fn a_failing_drainer_woken_a_thousand_times_a_second_restarts_only_on_its_backoff() {
+    let start = Instant::now();
+    let tenants = tenants_in_distinct_buckets(1);
+    let tenant = &tenants[0];
+    let (mut tree, _held) = Tree::holding(10, [bucket_of(tenant)]);
+    let mut restarts: Vec<Instant> = Vec::new();
+    let mut failed_at = None;
+    for ms in 0..30_000u64 {
+        let now = start + Duration::from_millis(ms);
+        tree.core.handle_timeout(now);
+        tree.core.notified(tenant.clone());
+        tree.perform(now);
+        if tree.drainer_of(tenant).is_some() {
+            if failed_at.is_some() {
+                restarts.push(now);
+            }
+            // It fails at once, every time.
+            tree.end(tenant, false, now);
+            let failure = now;
+            if let (Some(previous), Some(&restart)) = (failed_at, restarts.last()) {
+                let waited = restart.duration_since(previous);
+                assert!(
+                    waited >= Duration::from_millis(50),
+                    "restarted {waited:?} after its failure (backoff's shortest: 100 ms, at least half of it with jitter)"
+                );
+            }
+            failed_at = Some(failure);
+        }
+    }
+    let gaps: Vec<Duration> = restarts.windows(2).map(|w| w[1] - w[0]).collect();
+    assert!(
+        restarts.len() <= 20,
+        "{} restarts in 30 s: {gaps:?}",
+        restarts.len()
+    );
+    assert!(restarts.len() >= 5, "it is restarted: {gaps:?}");
+    assert!(
+        gaps.iter().rev().take(2).all(|gap| *gap >= Duration::from_millis(2_500)),
+        "the delay reached the policy's longest (5 s, jitter down to half): {gaps:?}"
+    );
 }
 
 #[test]

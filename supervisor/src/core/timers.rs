@@ -35,11 +35,6 @@ impl<K: Ord + Clone> Timers<K> {
         Some(at)
     }
 
-    /// When `key` fires, if it is set.
-    pub(crate) fn get(&self, key: &K) -> Option<Instant> {
-        self.deadlines.get(key).copied()
-    }
-
     /// The earliest deadline.
     pub(crate) fn next(&self) -> Option<Instant> {
         self.queue.first().map(|(at, _)| *at)
@@ -96,7 +91,6 @@ mod tests {
         assert_eq!(timers.next(), Some(at(50)));
         assert_eq!(timers.pop_due(at(200)), Some("b"));
         assert_eq!(timers.pop_due(at(200)), None, "a moved to 300");
-        assert_eq!(timers.get(&"a"), Some(at(300)));
         assert_eq!(timers.stop(&"a"), Some(at(300)));
         assert_eq!(timers.next(), None);
         assert_eq!(timers.pop_due(at(1_000)), None);

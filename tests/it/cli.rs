@@ -749,3 +749,86 @@ fn an_old_dead_letter_queue_stops_the_relay_with_the_way_out() {
             .await;
     });
 }
+
+/// The value of an unlabelled counter in a Prometheus scrape.
+fn counter(scrape: &str, name: &str) -> u64 {
+    scrape
+        .lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|value| value.trim().parse::<f64>().ok())
+        .map_or(0, |value| value as u64)
+}
+
+/// A tenant whose drainer fails on every drain (a row it cannot read: metadata written past
+/// `relay_append`'s checks) while its host commits hundreds of NOTIFYing intents a second is
+/// restarted on its backoff (100 ms doubling to 5 s), not at the host's commit rate. Before,
+/// every NOTIFY restarted it.
+#[test]
+fn a_failing_drainer_restarts_on_its_backoff_under_notify_load() {
+    host_runtime().block_on(async {
+        let (pool, url) = fresh_database("cli_backoff").await;
+        let topology = unique("relay-backoff");
+        let poison = write_first_intent(&pool, "poison", b"x").await;
+        sqlx::query("UPDATE relay_outbox SET meta = '{\"bogus\": 1}' WHERE tenant_id = $1")
+            .bind(poison.tenant.as_str())
+            .execute(&pool)
+            .await
+            .unwrap();
+        let addr = free_addr();
+        let mut child = relay()
+            .arg("run")
+            .env("DATABASE_URL", &url)
+            .env("AMQP_URL", amqp_url())
+            .env("RELAY_TOPOLOGY", &topology)
+            .env("RELAY_PARTITIONS", "4")
+            .env("RELAY_METRICS_ADDR", &addr)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let restarts = || async {
+            get(&addr, "/metrics")
+                .await
+                .map_or(0, |(_, body)| counter(&body, "relay_drainer_restarts_total"))
+        };
+        wait_until("the drainer fails", Duration::from_secs(30), || async {
+            restarts().await >= 1
+        })
+        .await;
+        // The host commits on the same tenant, each commit a NOTIFY, for 10 s.
+        let before = restarts().await;
+        let started = Instant::now();
+        let (mut lsn, mut commits) = (1, 0u64);
+        let writer = distribution::store::IntentWriter::default();
+        while started.elapsed() < Duration::from_secs(10) {
+            lsn += 1;
+            let mut tx = pool.begin().await.unwrap();
+            writer
+                .append(&mut tx, &poison, distribution::store::Lsn::new(lsn), b"y")
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+            commits += 1;
+        }
+        let elapsed = started.elapsed();
+        let during = restarts().await - before;
+        println!(
+            "{commits} NOTIFYing commits in {elapsed:?}: {during} drainer restarts ({:.1}/s)",
+            during as f64 / elapsed.as_secs_f64()
+        );
+        assert!(commits >= 500, "the host committed {commits} times");
+        // 100 ms doubling to 5 s: at most about 7 restarts in 10 s, whatever the commits.
+        assert!(
+            during <= 12,
+            "{during} restarts in {elapsed:?} under {commits} commits"
+        );
+        let _ = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status();
+        let _ = child.wait();
+        let rabbit = relay_config(&url, &amqp_url(), &topology)
+            .rabbit_config()
+            .unwrap();
+        drop_topology(&rabbit.topology).await;
+    });
+}

@@ -115,6 +115,22 @@ pub fn describe_metrics(publishers: u16) {
         "relay_broker_refusals_total",
         "Broker sessions refused while running (credentials, vhost, conflicting topology): an operator must act."
     );
+    describe_gauge!(
+        "relay_broker_blocked_connections",
+        "Connections of this process the broker blocks now (connection.blocked: a memory or disk alarm); nothing is written on them until unblocked."
+    );
+    describe_counter!(
+        "relay_consumer_skipped_total",
+        "Deliveries a consumer folded without handing them to its projection (an event type outside ConsumerConfig::event_types)."
+    );
+    describe_counter!(
+        "relay_consumer_offset_lost_total",
+        "Times a stream consumer stopped at a gap, per queue: messages at its stored offset were removed by the stream's retention before it read them (rebuild the group)."
+    );
+    describe_counter!(
+        "relay_consumer_stream_resubscribes_total",
+        "Times a stream consumer subscribed again to a silent partition at the offset its fold expects, per queue."
+    );
     metrics::counter!("relay_drainer_restarts_total").absolute(0);
     metrics::counter!("relay_broker_refusals_total").absolute(0);
     metrics::counter!("relay_leases_lost_total").absolute(0);
@@ -136,4 +152,114 @@ pub enum LogFormat {
     Text,
     /// One JSON object per line.
     Json,
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+    use std::sync::Mutex;
+
+    use metrics::{
+        Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit,
+    };
+
+    /// Takes note of every metric described.
+    #[derive(Default)]
+    struct Described(Mutex<BTreeSet<String>>);
+
+    impl Described {
+        fn note(&self, key: KeyName, description: SharedString) {
+            assert!(
+                !description.is_empty(),
+                "{} has an empty HELP",
+                key.as_str()
+            );
+            self.0.lock().unwrap().insert(key.as_str().to_owned());
+        }
+    }
+
+    impl Recorder for Described {
+        fn describe_counter(&self, key: KeyName, _: Option<Unit>, description: SharedString) {
+            self.note(key, description);
+        }
+        fn describe_gauge(&self, key: KeyName, _: Option<Unit>, description: SharedString) {
+            self.note(key, description);
+        }
+        fn describe_histogram(&self, key: KeyName, _: Option<Unit>, description: SharedString) {
+            self.note(key, description);
+        }
+        fn register_counter(&self, _: &Key, _: &Metadata<'_>) -> Counter {
+            Counter::noop()
+        }
+        fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
+            Gauge::noop()
+        }
+        fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
+            Histogram::noop()
+        }
+    }
+
+    /// Every metric name the relay's crates record (`counter!("relay_...`, `gauge!`,
+    /// `histogram!` in their sources).
+    fn recorded_in_sources() -> BTreeSet<String> {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let mut names = BTreeSet::new();
+        let mut dirs: Vec<std::path::PathBuf> = [
+            "src",
+            "actors/src",
+            "supervisor/src",
+            "broker/src",
+            "consumer/src",
+            "store/src",
+        ]
+        .iter()
+        .map(|dir| root.join(dir))
+        .collect();
+        while let Some(dir) = dirs.pop() {
+            for entry in std::fs::read_dir(&dir).unwrap() {
+                let path = entry.unwrap().path();
+                if path.is_dir() {
+                    dirs.push(path);
+                    continue;
+                }
+                if path.extension().is_none_or(|ext| ext != "rs") {
+                    continue;
+                }
+                let text = std::fs::read_to_string(&path).unwrap();
+                for macro_name in ["counter!(", "gauge!(", "histogram!("] {
+                    for (at, _) in text.match_indices(macro_name) {
+                        let rest = text[at + macro_name.len()..].trim_start();
+                        let Some(rest) = rest.strip_prefix('"') else {
+                            continue;
+                        };
+                        let name: String = rest.chars().take_while(|c| *c != '"').collect();
+                        let plain = name.chars().all(|c| c.is_ascii_lowercase() || c == '_');
+                        if name.starts_with("relay_") && plain {
+                            names.insert(name);
+                        }
+                    }
+                }
+            }
+        }
+        names
+    }
+
+    /// README: "every metric has a `# HELP` line". Every metric the relay or the consumer
+    /// records is described by [`super::describe_metrics`].
+    #[test]
+    fn every_metric_recorded_anywhere_has_help_text() {
+        let recorded = recorded_in_sources();
+        assert!(
+            recorded.len() >= 20,
+            "the scan found the metrics: {recorded:?}"
+        );
+        let described = Described::default();
+        metrics::with_local_recorder(&described, || super::describe_metrics(2));
+        let described = described.0.into_inner().unwrap();
+        let missing: Vec<&String> = recorded.difference(&described).collect();
+        assert!(
+            missing.is_empty(),
+            "recorded without HELP text: {missing:?}"
+        );
+    }
 }

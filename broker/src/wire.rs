@@ -371,8 +371,14 @@ mod tests {
         assert_eq!(text("cloudEvents:time"), "2023-11-14T22:13:20.000000Z");
         assert_eq!(text("cloudEvents:subject"), "retry-1");
         assert_eq!(text("kind"), "end");
-        assert_eq!(props.content_type().as_ref().unwrap().as_str(), OCTET_STREAM);
-        assert_eq!(headers.get("wire_version"), Some(&AMQPValue::LongLongInt(3)));
+        assert_eq!(
+            props.content_type().as_ref().unwrap().as_str(),
+            OCTET_STREAM
+        );
+        assert_eq!(
+            headers.get("wire_version"),
+            Some(&AMQPValue::LongLongInt(3))
+        );
 
         let intent = OutboxEvent {
             kind: EventKind::Intent,

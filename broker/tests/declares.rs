@@ -151,7 +151,12 @@ fn name(row: &str, topology: &str, group: Option<&str>, partition: u16) -> Strin
         .iter()
         .find(|cells| cells[0] == row)
         .unwrap_or_else(|| panic!("no names row {row}"));
-    let pattern = unquote(cells[if group.is_some() { 2 } else { 1 }].split(' ').next().unwrap());
+    let pattern = unquote(
+        cells[if group.is_some() { 2 } else { 1 }]
+            .split(' ')
+            .next()
+            .unwrap(),
+    );
     pattern
         .replace("<topology>", topology)
         .replace("<group>", group.unwrap_or(""))

@@ -13,7 +13,11 @@ const DOC: &str = include_str!("../../docs/sql-api.md");
 
 /// The relay's own functions that no host or consumer calls (the drain, the checks behind
 /// `relay_append`), so the doc need not show them.
-const INTERNAL: &[&str] = &["relay_ack_and_drain", "relay_require_id", "relay_require_meta"];
+const INTERNAL: &[&str] = &[
+    "relay_ack_and_drain",
+    "relay_require_id",
+    "relay_require_meta",
+];
 
 /// A documented signature: `name(arguments)` and, unless the function returns `void`,
 /// ` returns <result>`.
@@ -29,7 +33,10 @@ fn documented_signatures(doc: &str) -> Vec<Signature> {
     doc.lines()
         .filter_map(|line| line.strip_prefix("| `relay_"))
         .map(|rest| {
-            let cell = rest.split_once("` |").expect("a signature cell ends with ` |").0;
+            let cell = rest
+                .split_once("` |")
+                .expect("a signature cell ends with ` |")
+                .0;
             let (name, rest) = cell.split_once('(').expect("a signature has arguments");
             let (arguments, result) = match rest.rsplit_once(") returns ") {
                 Some((arguments, result)) => (arguments, result),
@@ -119,7 +126,10 @@ async fn every_signature_in_the_sql_api_doc_is_the_databases() {
         })
         .collect();
     let documented = documented_signatures(DOC);
-    assert!(documented.len() >= 10, "the tables were found: {documented:?}");
+    assert!(
+        documented.len() >= 10,
+        "the tables were found: {documented:?}"
+    );
     for signature in &documented {
         assert!(
             actual.contains(signature),
@@ -144,7 +154,10 @@ async fn every_signature_in_the_sql_api_doc_is_the_databases() {
 async fn every_example_in_the_sql_api_doc_runs_as_written() {
     let pool = fresh_database("sql_api_examples").await;
     let statements = examples(DOC);
-    assert!(statements.len() >= 20, "the examples were found: {statements:?}");
+    assert!(
+        statements.len() >= 20,
+        "the examples were found: {statements:?}"
+    );
     let mut conn = pool.acquire().await.unwrap().detach();
     for statement in &statements {
         let outcome = sqlx::raw_sql(sqlx::AssertSqlSafe(statement.sql.clone()))
@@ -167,7 +180,12 @@ async fn every_example_in_the_sql_api_doc_runs_as_written() {
                 assert_eq!(&columns.join(", "), expected, "{}", statement.sql);
             }
             (Expect::Refused(state), Err(sqlx::Error::Database(err))) => {
-                assert_eq!(err.code().as_deref(), Some(state.as_str()), "{}", statement.sql);
+                assert_eq!(
+                    err.code().as_deref(),
+                    Some(state.as_str()),
+                    "{}",
+                    statement.sql
+                );
             }
             (expect, outcome) => {
                 panic!("{} should give {expect:?}, gave {outcome:?}", statement.sql)

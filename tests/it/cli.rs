@@ -787,9 +787,9 @@ fn a_failing_drainer_restarts_on_its_backoff_under_notify_load() {
             .spawn()
             .unwrap();
         let restarts = || async {
-            get(&addr, "/metrics")
-                .await
-                .map_or(0, |(_, body)| counter(&body, "relay_drainer_restarts_total"))
+            get(&addr, "/metrics").await.map_or(0, |(_, body)| {
+                counter(&body, "relay_drainer_restarts_total")
+            })
         };
         wait_until("the drainer fails", Duration::from_secs(30), || async {
             restarts().await >= 1

@@ -114,14 +114,18 @@ mod outbox {
         let expected = writer.await.unwrap();
 
         let total = count(&expected);
-        wait_until("every intent delivered", Duration::from_secs(60), || async {
-            let delivered: std::collections::HashSet<String> = recorder
-                .deliveries()
-                .iter()
-                .map(|event| event.key.to_string())
-                .collect();
-            delivered.len() >= total
-        })
+        wait_until(
+            "every intent delivered",
+            Duration::from_secs(60),
+            || async {
+                let delivered: std::collections::HashSet<String> = recorder
+                    .deliveries()
+                    .iter()
+                    .map(|event| event.key.to_string())
+                    .collect();
+                delivered.len() >= total
+            },
+        )
         .await;
         let arrivals = recorder.arrivals();
         recorder.stop().await;
@@ -148,9 +152,15 @@ mod outbox {
                 .push(*at);
         }
         for (branch, events) in &expected {
-            let lsns = first_copies.get(&branch.to_string()).cloned().unwrap_or_default();
+            let lsns = first_copies
+                .get(&branch.to_string())
+                .cloned()
+                .unwrap_or_default();
             let want: Vec<u64> = events.iter().map(|(lsn, _)| lsn.get()).collect();
-            assert_eq!(lsns, want, "{branch}: first copies, in order, are every intent");
+            assert_eq!(
+                lsns, want,
+                "{branch}: first copies, in order, are every intent"
+            );
         }
 
         // The broker availability each tenant went without a delivery, at its worst.

@@ -486,7 +486,10 @@ fn a_failing_drainer_woken_a_thousand_times_a_second_restarts_only_on_its_backof
     );
     assert!(restarts.len() >= 5, "it is restarted: {gaps:?}");
     assert!(
-        gaps.iter().rev().take(2).all(|gap| *gap >= Duration::from_millis(2_500)),
+        gaps.iter()
+            .rev()
+            .take(2)
+            .all(|gap| *gap >= Duration::from_millis(2_500)),
         "the delay reached the policy's longest (5 s, jitter down to half): {gaps:?}"
     );
 }

@@ -2,7 +2,7 @@
 //! consumer projects them into its own `orders` table exactly once, rewinds included.
 //!
 //! ```sh
-//! cargo run --example orders      # needs PostgreSQL and RabbitMQ (see README)
+//! cargo run --example orders      # needs PostgreSQL and RabbitMQ (see README, "Two commands")
 //! ```
 //! It creates two throwaway databases (the host's and the consumer's) and its own exchange and
 //! queues, and removes them at the end. Copy the `Orders` projection: it is the whole consumer.

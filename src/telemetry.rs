@@ -244,7 +244,7 @@ mod tests {
         names
     }
 
-    /// README: "every metric has a `# HELP` line". Every metric the relay or the consumer
+    /// README and docs/operations.md: "every metric has a `# HELP` line". Every metric the relay or the consumer
     /// records is described by [`super::describe_metrics`].
     #[test]
     fn every_metric_recorded_anywhere_has_help_text() {

@@ -273,7 +273,14 @@ pub static FOLD_MIGRATOR: std::sync::LazyLock<sqlx::migrate::Migrator> =
     });
 
 /// Creates or updates the fold's tables only: what a consumer's database needs (the outbox's
-/// tables are not created). A database migrated with [`migrate`] has them already.
+/// tables are not created). A database migrated with [`migrate`] has them already: there this
+/// runs [`migrate`] (its fold migrations are the same, recorded in its own table).
 pub async fn migrate_fold(pool: &sqlx::PgPool) -> Result<(), Error> {
+    let full: bool = sqlx::query_scalar("SELECT to_regclass('relay_migrations') IS NOT NULL")
+        .fetch_one(pool)
+        .await?;
+    if full {
+        return migrate(pool).await;
+    }
     FOLD_MIGRATOR.run(pool).await.map_err(Error::Migrate)
 }

@@ -181,3 +181,18 @@ async fn futures_catch<F: std::future::Future<Output = ()>>(
     })
     .await
 }
+
+/// A database migrated whole, then for the fold only (a consumer sharing the host's database,
+/// as the docs allow): the second is a no-op, not an error (it failed with `function name
+/// "relay_fold" is not unique`), both ways round, twice.
+#[tokio::test]
+async fn migrating_the_fold_after_the_whole_schema_and_back_is_a_no_op() {
+    let pool = empty_database("mig_fold_after").await;
+    for _ in 0..2 {
+        store::migrate(&pool).await.expect("whole");
+        store::migrate_fold(&pool).await.expect("fold after whole");
+    }
+    let fold_only = empty_database("mig_fold_first").await;
+    store::migrate_fold(&fold_only).await.expect("fold first");
+    store::migrate_fold(&fold_only).await.expect("fold again");
+}

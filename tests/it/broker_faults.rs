@@ -449,7 +449,7 @@ mod outbox {
 
     async fn too_large(rabbit: Rabbit) {
         let node = tokio::task::block_in_place(|| PrivateNode::start_on(rabbit, "size"));
-        // What README and `IntentWriter` say of the default.
+        // What docs/operations.md and `IntentWriter` say of the default.
         let default = tokio::task::block_in_place(|| node.default_max_message_size());
         let documented = match rabbit {
             Rabbit::V3_10 => 128 << 20,

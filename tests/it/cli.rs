@@ -615,7 +615,7 @@ fn readiness_says_the_broker_blocks_the_relay_through_an_alarm() {
 
 /// `distribution demo` walks the seed's story and exits 0 with its before/after table, every
 /// tenant folded in order; afterwards neither its database nor its exchange and queues remain
-/// (README promises both; before, its exchange and queues stayed on the broker).
+/// (README and docs/operations.md promise both; before, its exchange and queues stayed on the broker).
 #[test]
 fn the_demo_ships_everything_and_leaves_nothing_behind() {
     let child = relay()
@@ -677,7 +677,7 @@ fn the_demo_ships_everything_and_leaves_nothing_behind() {
 
 /// A quorum dead-letter queue an earlier relay declared (no `x-delivery-limit`) cannot be
 /// declared again with the limit: `run` exits 1 within seconds, naming the queue and how to
-/// protect its letters and declare it anew (README, "Upgrading a relay onto existing
+/// protect its letters and declare it anew (docs/operations.md, "Upgrading a relay onto existing
 /// dead-letter queues"); the queue and its letter are left as they were.
 #[test]
 fn an_old_dead_letter_queue_stops_the_relay_with_the_way_out() {

@@ -832,3 +832,181 @@ fn a_failing_drainer_restarts_on_its_backoff_under_notify_load() {
         drop_topology(&rabbit.topology).await;
     });
 }
+
+/// `distribution retire`: a closed run, every row of it shipped, closed longer ago than the
+/// retention, is removed; one inside the retention is kept.
+#[test]
+fn retire_removes_closed_shipped_runs_past_the_retention() {
+    host_runtime().block_on(async {
+        let (pool, url) = fresh_database("cli_retire").await;
+        let outbox = Outbox::new(pool.clone());
+        let writer = distribution::store::IntentWriter::default();
+        let mut branches = Vec::new();
+        for tenant in ["old", "new"] {
+            let branch = write_first_intent(&pool, tenant, b"x").await;
+            writer
+                .close_run(
+                    &mut pool.acquire().await.unwrap(),
+                    &branch.tenant,
+                    &branch.run,
+                )
+                .await
+                .unwrap();
+            // Shipped: drained and acked, as a relay would.
+            let events = outbox.drain_outbox(&branch.tenant, 10).await.unwrap();
+            assert_eq!(events.len(), 2, "the intent and the end marker");
+            let keys: Vec<_> = events.iter().map(|event| event.key.clone()).collect();
+            outbox.ack_outbox(&keys).await.unwrap();
+            branches.push(branch);
+        }
+        sqlx::query(
+            "UPDATE relay_branch SET closed_at = now() - interval '2 hours' WHERE tenant_id = $1",
+        )
+        .bind(branches[0].tenant.as_str())
+        .execute(&pool)
+        .await
+        .unwrap();
+        let (code, stdout, stderr) = output(
+            relay()
+                .args(["retire", "--retention-secs", "3600"])
+                .env("DATABASE_URL", &url),
+        );
+        assert_eq!(code, 0, "{stderr}");
+        assert!(stdout.contains("retired 1 closed runs"), "{stdout}");
+        let left: Vec<String> = sqlx::query_scalar("SELECT DISTINCT tenant_id FROM relay_branch")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+        assert_eq!(left, vec!["new".to_owned()]);
+    });
+}
+
+/// `distribution discard`: a parked branch's waiting intents are deleted, a rewind marker at
+/// its last shipped Lsn takes their place, the branch is unparked and the run goes on on the
+/// new branch; a branch that is not parked is refused (exit 1, saying so).
+#[test]
+fn discard_rewinds_a_parked_branch_at_its_last_shipped_lsn() {
+    host_runtime().block_on(async {
+        let (pool, url) = fresh_database("cli_discard").await;
+        let outbox = Outbox::new(pool.clone());
+        let branch = write_first_intent(&pool, "acme", b"1").await;
+        for lsn in 2..=3 {
+            append_intent(&pool, &branch, lsn, b"later").await;
+        }
+        let first = outbox.drain_outbox(&branch.tenant, 1).await.unwrap();
+        outbox.ack_outbox(&[first[0].key.clone()]).await.unwrap();
+        let discard = |url: &str| {
+            output(
+                relay()
+                    .args([
+                        "discard",
+                        "acme",
+                        branch.run.as_str(),
+                        branch.branch.as_str(),
+                        "--to",
+                        "after",
+                    ])
+                    .env("DATABASE_URL", url),
+            )
+        };
+        let (code, _, stderr) = discard(&url);
+        assert_eq!(code, 1, "not parked: refused");
+        assert!(stderr.contains("not parked"), "{stderr}");
+        outbox
+            .park_branch(
+                &branch,
+                "returned",
+                5,
+                Duration::from_secs(60),
+                Duration::from_secs(600),
+            )
+            .await
+            .unwrap();
+        let (code, stdout, stderr) = discard(&url);
+        assert_eq!(code, 0, "{stderr}");
+        assert!(
+            stdout.contains("discarded 2 waiting intent(s)") && stdout.contains("ends at lsn 1"),
+            "{stdout}"
+        );
+        let waiting = outbox.drain_outbox(&branch.tenant, 10).await.unwrap();
+        assert_eq!(waiting.len(), 1, "only the marker waits: {waiting:?}");
+        assert_eq!(
+            waiting[0].prev_lsn.get(),
+            1,
+            "the fork: the last shipped Lsn"
+        );
+        assert!(outbox.parked_branches().await.unwrap().is_empty());
+    });
+}
+
+/// `RELAY_LOG_FORMAT=json`: every line the relay writes on standard error is one JSON object
+/// with a level and a message.
+#[test]
+fn json_logs_are_one_object_per_line() {
+    host_runtime().block_on(async {
+        let (_pool, url) = fresh_database("cli_json").await;
+        let topology = unique("relay-json");
+        let addr = free_addr();
+        let mut child = relay()
+            .arg("run")
+            .env("DATABASE_URL", &url)
+            .env("AMQP_URL", amqp_url())
+            .env("RELAY_TOPOLOGY", &topology)
+            .env("RELAY_PARTITIONS", "4")
+            .env("RELAY_METRICS_ADDR", &addr)
+            .env("RELAY_LOG_FORMAT", "json")
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        answer_until(&addr, "/readyz", |status| status == 200).await;
+        let _ = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status();
+        let mut stderr = String::new();
+        std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+        assert_eq!(child.wait().unwrap().code(), Some(0));
+        let lines: Vec<&str> = stderr.lines().collect();
+        assert!(
+            lines.len() >= 2,
+            "the relay logged at start and stop: {stderr}"
+        );
+        for line in lines {
+            let object: serde_json::Value =
+                serde_json::from_str(line).unwrap_or_else(|err| panic!("{err}: {line}"));
+            assert!(object["level"].is_string(), "{line}");
+            assert!(object["fields"]["message"].is_string(), "{line}");
+        }
+        let rabbit = relay_config(&url, &amqp_url(), &topology)
+            .rabbit_config()
+            .unwrap();
+        drop_topology(&rabbit.topology).await;
+    });
+}
+
+/// `cargo run --example orders` (README): a host and a consumer together, ending with the
+/// consumer's table equal to the live history; it exits 0 and leaves its databases and topology
+/// behind for nobody.
+#[test]
+fn the_orders_example_runs_to_the_end() {
+    let binary = std::path::Path::new(env!("CARGO_BIN_EXE_distribution"))
+        .parent()
+        .unwrap()
+        .join("examples/orders");
+    if !binary.exists() {
+        // `cargo test --workspace` builds the examples; a run of this binary alone does not.
+        let built = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+            .args(["build", "--quiet", "--example", "orders"])
+            .status()
+            .unwrap();
+        assert!(built.success(), "cargo build --example orders");
+    }
+    let mut command = Command::new(binary);
+    command
+        .env("DATABASE_URL", std::env::var("DATABASE_URL").unwrap())
+        .env("AMQP_URL", amqp_url());
+    let (code, stdout, stderr) = output_within(&mut command, Duration::from_secs(120));
+    assert_eq!(code, 0, "{stdout}\n{stderr}");
+    println!("{stdout}");
+}

@@ -92,7 +92,7 @@ pub mod stop_reason {
 }
 
 /// Arguments of a drainer.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct DrainerArgs {
     /// The tenant it drains (the supervisor holds the tenant's lease).
     pub tenant: TenantId,
@@ -107,15 +107,37 @@ pub struct DrainerArgs {
     pub byte_budget: Arc<Semaphore>,
     /// The tenant's lease: every publish and ack is fenced by it.
     pub fence: Fence,
-    /// Set by whoever queued a `Drain` that this drainer has not handled yet (so wake-ups
-    /// coalesce); cleared when a `Drain` is handled.
-    pub woken: Arc<std::sync::atomic::AtomicBool>,
-    /// Set by the supervisor while tenants wait for a drainer slot: a drainer with nothing to
-    /// do then retires at once instead of after `idle_retire`.
-    pub crowded: Arc<std::sync::atomic::AtomicBool>,
+    /// Where the drainer reports to its supervisor (a message, never shared state): that it
+    /// took a wake-up, and that it found nothing to do.
+    pub report: DrainerReporter,
     /// Batch size, timeouts, retry delays.
     pub config: DrainerConfig,
 }
+
+impl std::fmt::Debug for DrainerArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DrainerArgs")
+            .field("tenant", &self.tenant)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a drainer tells its supervisor, whose core decides what follows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DrainerReport {
+    /// It took a `Drain` (its drain starts now): a later wake-up needs a `Drain` of its own.
+    WakeTaken,
+    /// Its drain found nothing and nothing is in flight, at this activity number: it retires
+    /// after `idle_retire`, or sooner when told to ([`DrainerMessage::Retire`]).
+    Idle {
+        /// The window's activity count then.
+        activity: u64,
+    },
+}
+
+/// Sends a drainer's reports (with its actor id) to its supervisor.
+pub type DrainerReporter = Arc<dyn Fn(ractor::ActorId, DrainerReport) + Send + Sync>;
 
 /// Messages to a drainer.
 #[derive(Debug)]
@@ -140,6 +162,11 @@ pub enum DrainerMessage {
     Resume,
     /// Graceful shutdown: finish the batch in flight (or abandon it to a timeout), then stop.
     Finish,
+    /// Retire now if still idle since `activity` (tenants wait for a drainer slot).
+    Retire {
+        /// The activity count of the [`DrainerReport::Idle`] this answers.
+        activity: u64,
+    },
 }
 
 /// A batch's share of the relay-wide budgets, given back when the batch settles.
@@ -313,19 +340,13 @@ impl Drainer {
         mut permits: Permits,
     ) -> Result<(), ActorProcessingErr> {
         if events.is_empty() {
-            if state.window.idle_since(state.window.activity()) {
-                if state
-                    .args
-                    .crowded
-                    .load(std::sync::atomic::Ordering::Acquire)
-                {
-                    // Others wait for this drainer's slot.
-                    myself.stop(Some(stop_reason::IDLE.into()));
-                } else {
-                    // Retire after `idle_retire` unless something happens meanwhile.
-                    let idle_retire = state.args.config.idle_retire;
-                    state.window.idle(Instant::now(), idle_retire);
-                }
+            let activity = state.window.activity();
+            if state.window.idle_since(activity) {
+                // Retire after `idle_retire` unless something happens meanwhile, or sooner if
+                // the supervisor says others wait for this drainer's slot.
+                let idle_retire = state.args.config.idle_retire;
+                state.window.idle(Instant::now(), idle_retire);
+                (state.args.report)(myself.get_id(), DrainerReport::Idle { activity });
             }
             return Ok(());
         }
@@ -507,11 +528,14 @@ impl Drainer {
     ) -> Result<(), ActorProcessingErr> {
         match message {
             DrainerMessage::Drain => {
-                state
-                    .args
-                    .woken
-                    .store(false, std::sync::atomic::Ordering::Release);
+                (state.args.report)(myself.get_id(), DrainerReport::WakeTaken);
                 return self.drain(&myself, state).await;
+            }
+            DrainerMessage::Retire { activity } => {
+                if state.window.idle_since(activity) {
+                    myself.stop(Some(stop_reason::IDLE.into()));
+                }
+                return Ok(());
             }
             DrainerMessage::Tick => {
                 let woken = state.window.handle_timeout(Instant::now());

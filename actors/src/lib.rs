@@ -20,6 +20,8 @@ pub use drainer::Drainer;
 pub use drainer::DrainerArgs;
 pub use drainer::DrainerConfig;
 pub use drainer::DrainerMessage;
+pub use drainer::DrainerReport;
+pub use drainer::DrainerReporter;
 pub use drainer::stop_reason;
 pub use publisher::DEFAULT_MAX_UNCONFIRMED;
 pub use publisher::FAILURE_OUTCOMES;

@@ -12,8 +12,6 @@
 //! flag and child id move with its slot, so no removal has to touch parallel maps in step.
 use std::collections::{HashMap, VecDeque};
 use std::hash::Hash;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use actors::ShardId;
@@ -36,13 +34,9 @@ pub(crate) trait Handle: Clone + std::fmt::Debug {
 /// What the actor does for the core, in the order returned.
 #[derive(Debug)]
 pub(crate) enum Command<H> {
-    /// Start a drainer for `tenant` under `fence` sharing `woken`; then report
-    /// [`Core::drainer_started`] or [`Core::drainer_failed_to_start`].
-    SpawnDrainer {
-        tenant: TenantId,
-        fence: Fence,
-        woken: Arc<AtomicBool>,
-    },
+    /// Start a drainer for `tenant` under `fence`; then report [`Core::drainer_started`] or
+    /// [`Core::drainer_failed_to_start`].
+    SpawnDrainer { tenant: TenantId, fence: Fence },
     /// Start the shard's publisher; then report [`Core::publisher_started`] or
     /// [`Core::publisher_failed_to_start`].
     SpawnPublisher(ShardId),
@@ -53,6 +47,9 @@ pub(crate) enum Command<H> {
     CheckBroker,
     /// Tell a drainer there is work (wake-ups coalesce: one queued at a time).
     Drain(H),
+    /// Tell an idle drainer to retire if it still is (tenants wait for a slot): the
+    /// activity count of its [`Core::drainer_idle`] report.
+    Retire(H, u64),
     /// Tell a drainer the broker is back: if it backs off after a failed batch, drain now.
     Resume(H),
     /// Ask a drainer to finish its batches in flight and stop.
@@ -89,18 +86,28 @@ enum Timer {
     FinishDeadline,
 }
 
+/// Whether a running drainer has a `Drain` it has not taken yet: wake-ups coalesce to one
+/// queued at a time, and one that comes while a `Drain` is queued is sent once that one is
+/// taken (its drain may have read before the commit that woke it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Wake {
+    /// No `Drain` queued.
+    Idle,
+    /// One queued, not taken yet.
+    Queued,
+    /// One queued, and another wake-up came since: send another once it is taken.
+    QueuedAgain,
+}
+
 /// A tenant this relay keeps something for.
 #[derive(Debug)]
 enum TenantSlot<H> {
     /// Spawn commanded, result not reported yet.
-    Starting {
-        woken: Arc<AtomicBool>,
-        backoff: Option<Backoff>,
-    },
+    Starting { backoff: Option<Backoff> },
     Running {
         drainer: H,
         spawned: Instant,
-        woken: Arc<AtomicBool>,
+        wake: Wake,
         /// Present once it failed before: carried to the next restart.
         backoff: Option<Backoff>,
     },
@@ -463,12 +470,16 @@ impl<H: Handle> Core<H> {
             ) {
                 continue;
             }
-            match self.tenants.get(&tenant) {
-                Some(TenantSlot::Running { drainer, woken, .. }) => {
+            match self.tenants.get_mut(&tenant) {
+                Some(TenantSlot::Running { drainer, wake, .. }) => {
                     // Coalesced: a drainer busy for a while gets one wake-up, not one per poll.
-                    if !woken.swap(true, Ordering::AcqRel) {
-                        self.commands.push_back(Command::Drain(drainer.clone()));
-                    }
+                    *wake = match wake {
+                        Wake::Idle => {
+                            self.commands.push_back(Command::Drain(drainer.clone()));
+                            Wake::Queued
+                        }
+                        Wake::Queued | Wake::QueuedAgain => Wake::QueuedAgain,
+                    };
                 }
                 // A drainer about to start drains at once; a restarting one when its backoff
                 // is over (its timer), not at the host's commit rate.
@@ -509,20 +520,11 @@ impl<H: Handle> Core<H> {
             },
             _ => None,
         };
-        let woken = Arc::new(AtomicBool::new(false));
         self.alive += 1;
-        self.tenants.insert(
-            tenant.clone(),
-            TenantSlot::Starting {
-                woken: woken.clone(),
-                backoff,
-            },
-        );
-        self.commands.push_back(Command::SpawnDrainer {
-            tenant,
-            fence,
-            woken,
-        });
+        self.tenants
+            .insert(tenant.clone(), TenantSlot::Starting { backoff });
+        self.commands
+            .push_back(Command::SpawnDrainer { tenant, fence });
     }
 
     /// Gives free drainer slots to waiting tenants, in order.
@@ -541,7 +543,7 @@ impl<H: Handle> Core<H> {
 
     /// The drainer commanded for `tenant` runs as `drainer`.
     pub(crate) fn drainer_started(&mut self, tenant: TenantId, drainer: H, now: Instant) {
-        let Some(TenantSlot::Starting { woken, backoff }) = self.tenants.remove(&tenant) else {
+        let Some(TenantSlot::Starting { backoff }) = self.tenants.remove(&tenant) else {
             // Not commanded: stop it rather than run two.
             self.commands.push_back(Command::Kill(drainer));
             return;
@@ -562,10 +564,47 @@ impl<H: Handle> Core<H> {
             TenantSlot::Running {
                 drainer,
                 spawned: now,
-                woken,
+                // It drains as it starts.
+                wake: Wake::Idle,
                 backoff,
             },
         );
+    }
+
+    /// The drainer `id` took a `Drain`: the next wake-up sends one, and one that came while it
+    /// was queued is sent now.
+    pub(crate) fn drainer_took_wake(&mut self, id: H::Id) {
+        let Some(Child::Drainer(tenant)) = self.children.get(&id) else {
+            return;
+        };
+        if let Some(TenantSlot::Running { drainer, wake, .. }) = self.tenants.get_mut(tenant)
+            && drainer.id() == id
+        {
+            *wake = match wake {
+                Wake::QueuedAgain => {
+                    self.commands.push_back(Command::Drain(drainer.clone()));
+                    Wake::Queued
+                }
+                Wake::Idle | Wake::Queued => Wake::Idle,
+            };
+        }
+    }
+
+    /// The drainer `id` found nothing to do at `activity`: while tenants wait for a slot it
+    /// retires now (if still idle), else after its own idle delay.
+    pub(crate) fn drainer_idle(&mut self, id: H::Id, activity: u64) {
+        if !self.crowded() {
+            return;
+        }
+        let Some(Child::Drainer(tenant)) = self.children.get(&id) else {
+            return;
+        };
+        if let Some(TenantSlot::Running { drainer, .. }) = self.tenants.get(tenant)
+            && drainer.id() == id
+        {
+            self.commands
+                .push_back(Command::Retire(drainer.clone(), activity));
+        }
     }
 
     /// The drainer commanded for `tenant` could not start: try again after its backoff.

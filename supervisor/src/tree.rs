@@ -12,8 +12,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use actors::{
-    Drainer, DrainerArgs, DrainerConfig, DrainerMessage, PublisherActor, PublisherArgs,
-    PublisherDirectory, PublisherFactory, PublisherMessage, ShardId, Sharding, stop_reason,
+    Drainer, DrainerArgs, DrainerConfig, DrainerMessage, DrainerReport, PublisherActor,
+    PublisherArgs, PublisherDirectory, PublisherFactory, PublisherMessage, ShardId, Sharding,
+    stop_reason,
 };
 use broker::{Backoff, RetryPolicy};
 use ractor::{
@@ -194,6 +195,8 @@ pub enum SupervisorMessage {
     Tick,
     /// A shard's publisher published successfully: reset its backoff.
     PublisherHealthy(ShardId),
+    /// A drainer's report (it took a wake-up, or found nothing to do).
+    Drainer(ActorId, DrainerReport),
     /// What a broker check found (true: it took a connection).
     BrokerChecked(bool),
     /// The live actors.
@@ -233,8 +236,6 @@ pub struct SupervisorState {
     /// Events and payload bytes in flight across all drainers.
     budget: Arc<tokio::sync::Semaphore>,
     byte_budget: Arc<tokio::sync::Semaphore>,
-    /// The core's [`Core::crowded`], as the drainers read it.
-    crowded: Arc<AtomicBool>,
     /// The poller's last batch of pending tenants is not handled yet (the poller waits).
     poll_busy: Arc<AtomicBool>,
     /// Tells the keeper a bucket being handed over has no drainer left.
@@ -263,19 +264,17 @@ impl RelaySupervisor {
     async fn perform(&self, myself: &ActorRef<SupervisorMessage>, state: &mut SupervisorState) {
         while let Some(command) = state.core.poll() {
             match command {
-                Command::SpawnDrainer {
-                    tenant,
-                    fence,
-                    woken,
-                } => {
+                Command::SpawnDrainer { tenant, fence } => {
+                    let supervisor = myself.clone();
                     let args = DrainerArgs {
                         tenant: tenant.clone(),
                         outbox: state.args.outbox.clone(),
                         publishers: state.directory.clone(),
                         budget: state.budget.clone(),
                         byte_budget: state.byte_budget.clone(),
-                        woken,
-                        crowded: state.crowded.clone(),
+                        report: Arc::new(move |drainer, report| {
+                            let _ = supervisor.cast(SupervisorMessage::Drainer(drainer, report));
+                        }),
                         fence,
                         config: state.args.config.drainer,
                     };
@@ -324,6 +323,9 @@ impl RelaySupervisor {
                 Command::Drain(drainer) => {
                     let _ = drainer.cast(DrainerMessage::Drain);
                 }
+                Command::Retire(drainer, activity) => {
+                    let _ = drainer.cast(DrainerMessage::Retire { activity });
+                }
                 Command::Resume(drainer) => {
                     let _ = drainer.cast(DrainerMessage::Resume);
                 }
@@ -344,7 +346,6 @@ impl RelaySupervisor {
                 }
             }
         }
-        state.crowded.store(state.core.crowded(), Ordering::Release);
         metrics::gauge!("relay_tenants_held").set(state.core.drainers_alive() as f64);
         // One timer: re-armed only when the core's next timeout comes before the armed one
         // (a tick that finds nothing due does nothing).
@@ -524,7 +525,6 @@ impl Actor for RelaySupervisor {
                     .max_in_flight_bytes
                     .max(args.config.drainer.batch_max_bytes as usize),
             )),
-            crowded: Arc::new(AtomicBool::new(false)),
             poll_busy: Arc::new(AtomicBool::new(false)),
             settled: None,
             relay_id: RelayId::generate(),
@@ -600,6 +600,12 @@ impl Actor for RelaySupervisor {
             }
             SupervisorMessage::Notified(tenant) => state.core.notified(tenant),
             SupervisorMessage::PublisherHealthy(shard) => state.core.publisher_healthy(shard),
+            SupervisorMessage::Drainer(drainer, DrainerReport::WakeTaken) => {
+                state.core.drainer_took_wake(drainer)
+            }
+            SupervisorMessage::Drainer(drainer, DrainerReport::Idle { activity }) => {
+                state.core.drainer_idle(drainer, activity)
+            }
             SupervisorMessage::BrokerChecked(answered) => state.core.broker_checked(answered, now),
             SupervisorMessage::Tick => {
                 state.armed = None;

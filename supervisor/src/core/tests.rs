@@ -397,14 +397,52 @@ fn wake_ups_coalesce_until_the_drainer_takes_one() {
     tree.perform(now);
     let done = tree.take();
     assert!(matches!(done[..], [Command::Drain(_)]), "{done:?}");
-    // The drainer takes its wake-up (clears the flag): the next one is sent.
-    let Some(TenantSlot::Running { woken, .. }) = tree.core.tenants.get(&tenants[0]) else {
-        panic!("running");
-    };
-    woken.store(false, Ordering::Release);
+    // The drainer takes its wake-up: the ones that came meanwhile are one more `Drain` (its
+    // drain may have read before their commits), and after that one is taken, none.
+    let drainer = tree.drainer_of(&tenants[0]).unwrap();
+    tree.core.drainer_took_wake(drainer);
+    tree.perform(now);
+    assert!(matches!(tree.take()[..], [Command::Drain(_)]));
+    tree.core.drainer_took_wake(drainer);
+    tree.perform(now);
+    assert!(tree.take().is_empty());
+    // Nothing queued: the next wake-up is sent at once.
     tree.core.notified(tenants[0].clone());
     tree.perform(now);
     assert!(matches!(tree.take()[..], [Command::Drain(_)]));
+    // A report of a drainer that is gone changes nothing.
+    tree.core.drainer_took_wake(drainer + 1_000);
+    tree.perform(now);
+    assert!(tree.take().is_empty());
+}
+
+/// An idle drainer is told to retire only while tenants wait for a slot, with the activity
+/// count it reported (it retires only if still idle since then).
+#[test]
+fn an_idle_drainer_is_told_to_retire_only_while_tenants_wait() {
+    let now = Instant::now();
+    let tenants = tenants_in_distinct_buckets(3);
+    let (mut tree, _held) = Tree::holding(2, tenants.iter().map(bucket_of));
+    tree.core.pending(tenants[..2].to_vec());
+    tree.perform(now);
+    tree.take();
+    let first = tree.drainer_of(&tenants[0]).unwrap();
+    tree.core.drainer_idle(first, 7);
+    tree.perform(now);
+    assert!(
+        tree.take().is_empty(),
+        "no one waits: it retires on its own timer"
+    );
+    tree.core.pending(tenants.clone());
+    tree.perform(now);
+    tree.take();
+    assert!(tree.core.crowded());
+    tree.core.drainer_idle(first, 8);
+    tree.perform(now);
+    assert!(
+        matches!(tree.take()[..], [Command::Retire(Fake(id), 8)] if id == first),
+        "crowded: retire now"
+    );
 }
 
 #[test]
@@ -703,6 +741,8 @@ enum Event {
     DrainerEnds(usize, bool),
     /// The nth running drainer takes its wake-up.
     TakesWakeUp(usize),
+    /// The nth running drainer found nothing to do.
+    Idle(usize),
     SpawnFails,
     PublisherEnds(u16),
     /// The shard's publisher (if one runs) has a publish confirmed.
@@ -722,6 +762,7 @@ fn event(tenants: usize) -> impl Strategy<Value = Event> {
         3 => (0..tenants).prop_map(Event::Notified),
         3 => (0..8usize, any::<bool>()).prop_map(|(n, orderly)| Event::DrainerEnds(n, orderly)),
         1 => (0..8usize).prop_map(Event::TakesWakeUp),
+        1 => (0..8usize).prop_map(Event::Idle),
         1 => Just(Event::SpawnFails),
         1 => (0..2u16).prop_map(Event::PublisherEnds),
         1 => (0..2u16).prop_map(Event::PublisherHealthy),
@@ -789,6 +830,10 @@ impl Checked {
                     if self.drainers.remove(&id).is_some() {
                         self.core.child_ended(id, "killed", false, self.now);
                     }
+                }
+                Command::Retire(Fake(id), _) => {
+                    assert!(self.drainers.contains_key(&id), "told a dead drainer");
+                    assert!(self.core.crowded(), "retired while no tenant waits");
                 }
                 Command::Drain(Fake(id))
                 | Command::Resume(Fake(id))
@@ -904,12 +949,13 @@ proptest! {
                     }
                 }
                 Event::TakesWakeUp(n) => {
-                    let woken: Vec<Arc<AtomicBool>> = tree.core.tenants.values().filter_map(|slot| match slot {
-                        TenantSlot::Running { woken, .. } => Some(woken.clone()),
-                        _ => None,
-                    }).collect();
-                    if let Some(woken) = woken.get(n % woken.len().max(1)) {
-                        woken.store(false, Ordering::Release);
+                    if let Some((&id, _)) = tree.drainers.iter().nth(n % tree.drainers.len().max(1)) {
+                        tree.core.drainer_took_wake(id);
+                    }
+                }
+                Event::Idle(n) => {
+                    if let Some((&id, _)) = tree.drainers.iter().nth(n % tree.drainers.len().max(1)) {
+                        tree.core.drainer_idle(id, n as u64);
                     }
                 }
                 Event::SpawnFails => tree.fail_next_spawn = true,

@@ -1,0 +1,107 @@
+//! How a consumer runs.
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use lapin::types::AMQPValue;
+use store::EventType;
+
+use broker::{Partition, RabbitConfig, RetryPolicy};
+
+/// How a [`Consumer`] runs.
+#[derive(Clone, Debug)]
+pub struct ConsumerConfig {
+    /// The broker and topology.
+    pub rabbit: RabbitConfig,
+    /// Partitions to serve; `None` serves all of them. Give each consumer process its own
+    /// subset to scale out (each queue also has single-active-consumer, so overlaps are safe).
+    pub partitions: Option<Vec<Partition>>,
+    /// Deliveries the broker may push ahead per partition. Default 256.
+    pub prefetch: u16,
+    /// Delays between reconnects and between retries of a failing delivery.
+    pub retry: RetryPolicy,
+    /// Longest one fold (begin, your projection, commit) may take before it is abandoned
+    /// (rolled back, or committed unknown to us: the retry is then a no-op) and retried. A
+    /// database connection lost mid-call without a reset would otherwise hold its partition
+    /// until the kernel gives up on the socket (about 15 minutes). The fold's transaction also
+    /// sets `idle_in_transaction_session_timeout` to it, so PostgreSQL ends a transaction whose
+    /// client vanished and releases its locks. Default 60 s. Keep your projection's state in
+    /// its transaction: a cancelled fold leaves nothing else behind.
+    pub fold_timeout: Duration,
+    /// Retire the fold's state of runs whose end marker was folded longer than
+    /// `retention.keep` ago (`store::retire_folded_runs`), checked every quarter of it
+    /// (between 100 ms and 60 s); a later delivery of such a run is dead-lettered as
+    /// `retired`, never applied twice. Default `None`: the fold keeps every run's state.
+    pub retention: Option<store::Retention>,
+    /// Event types this consumer's projection is given; `None` (the default): every intent.
+    /// Intents of other types, and untyped ones, are still folded (their branch's chain
+    /// advances, so nothing waits behind them) but not handed to [`Projection::apply`];
+    /// rewinds and run ends are always handed over. For a consumer group that reads a subset.
+    pub event_types: Option<BTreeSet<EventType>>,
+    /// Where a stream partition (`QueueType::Stream`) is first read when the fold's database
+    /// holds no offset for it (a new group, or one just reset). Default
+    /// [`StreamStart::First`]: the whole retained history is replayed. Once an offset is
+    /// stored the consumer always resumes there. Ignored for classic and quorum queues.
+    pub stream_start: StreamStart,
+    /// A stream partition that delivers nothing for this long is subscribed to again, on a
+    /// fresh channel, at the offset the consumer expects (metric
+    /// `relay_consumer_stream_resubscribes_total{queue}`). RabbitMQ's stream replicas before
+    /// osiris 1.8.5 (rabbitmq-server#12785, RabbitMQ 4.0.x) can fail to tell a consumer of
+    /// committed messages while another reader of the same replica waits for a later offset
+    /// (osiris#172): the consumer then hears of them only when more is written, never if
+    /// writing stops. A new subscription reads what is committed at once. Default 5 s; the
+    /// cost on an idle partition is one channel opened and one closed per period. Ignored for
+    /// classic and quorum queues.
+    pub stream_resubscribe: Duration,
+}
+
+/// Where a consumer group with no stored offset starts reading a stream.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum StreamStart {
+    /// The first retained message: replay the history the stream keeps.
+    #[default]
+    First,
+    /// The next message published: only what comes after the consumer attaches.
+    Next,
+    /// The first message published at or after this time (RabbitMQ's resolution: a chunk,
+    /// so a few earlier messages may come too; the fold absorbs them).
+    At(std::time::SystemTime),
+}
+
+impl StreamStart {
+    /// `basic.consume`'s `x-stream-offset` argument for this start.
+    pub(crate) fn argument(self) -> AMQPValue {
+        match self {
+            StreamStart::First => AMQPValue::LongString("first".into()),
+            StreamStart::Next => AMQPValue::LongString("next".into()),
+            StreamStart::At(at) => AMQPValue::Timestamp(
+                at.duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |since| since.as_secs()),
+            ),
+        }
+    }
+}
+
+impl ConsumerConfig {
+    /// Every partition of `rabbit`'s topology, default prefetch and retry delays.
+    pub fn new(rabbit: RabbitConfig) -> Self {
+        Self {
+            rabbit,
+            partitions: None,
+            prefetch: 256,
+            retry: RetryPolicy::default(),
+            fold_timeout: Duration::from_secs(60),
+            retention: None,
+            event_types: None,
+            stream_start: StreamStart::default(),
+            stream_resubscribe: Duration::from_secs(5),
+        }
+    }
+
+    pub(crate) fn partitions(&self) -> Vec<Partition> {
+        self.partitions.clone().unwrap_or_else(|| {
+            (0..self.rabbit.topology.partitions())
+                .map(Partition)
+                .collect()
+        })
+    }
+}

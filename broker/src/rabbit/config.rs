@@ -1,0 +1,132 @@
+//! How to reach RabbitMQ.
+use std::time::Duration;
+
+use lapin::ConnectionProperties;
+
+use crate::ClosingConnection;
+
+use crate::{AmqpTls, Error, Topology};
+
+/// How to reach RabbitMQ.
+#[derive(Clone, Debug)]
+pub struct RabbitConfig {
+    /// AMQP URI, e.g. `amqp://guest:guest@127.0.0.1:5672/%2f?heartbeat=10`; or the URIs of
+    /// several nodes of one cluster, separated by commas: a connection goes to the node that
+    /// answered last, and to the next one when it fails (percent-encode a comma in a password).
+    pub uri: String,
+    /// Exchange and partition queues.
+    pub topology: Topology,
+    /// Longest wait for a connection (TCP, handshake, channel, topology). Default 5 s.
+    pub connect_timeout: Duration,
+    /// Longest wait for a batch's confirms after its last publish. Default 10 s.
+    pub confirm_timeout: Duration,
+    /// After the broker returned a message (no queue bound for it: a queue or binding was
+    /// deleted), declare the topology again before the next write, so it heals by itself.
+    /// Default true.
+    pub redeclare_on_return: bool,
+    /// Extra TLS trust and a client certificate for `amqps://`. Default none.
+    pub tls: AmqpTls,
+    /// What the relay writes beside the contract: nothing more, or CloudEvents attributes too.
+    /// Default [`crate::WireMode::Plain`].
+    pub wire_mode: crate::WireMode,
+    /// Which of the addresses in `uri` to try first (the last that answered); shared by the
+    /// clones of this configuration.
+    next_address: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl RabbitConfig {
+    /// A configuration with the default timeouts.
+    pub fn new(uri: impl Into<String>, topology: Topology) -> Result<Self, Error> {
+        let uri = uri.into();
+        if !(uri.starts_with("amqp://") || uri.starts_with("amqps://")) {
+            return Err(Error::InvalidConfig(format!(
+                "broker URI must start with amqp:// or amqps://, got {:?}",
+                uri.split('@').next_back().unwrap_or_default()
+            )));
+        }
+        // Parsed once here, as lapin will parse it at every connect: a URI it cannot read is
+        // a configuration error at start (exit 2), not an unreachable broker retried for ever.
+        // lapin's message quotes no part of the URI, so no password can leak through it.
+        for (index, address) in uri.split(',').enumerate() {
+            let address = address.trim();
+            if index > 0 && !(address.starts_with("amqp://") || address.starts_with("amqps://")) {
+                return Err(Error::InvalidConfig(format!(
+                    "broker URI {} must start with amqp:// or amqps://",
+                    index + 1
+                )));
+            }
+            if let Err(why) = address.parse::<lapin::uri::AMQPUri>() {
+                return Err(Error::InvalidConfig(format!(
+                    "not a valid AMQP URI{}: {why}",
+                    if index > 0 {
+                        format!(" (address {})", index + 1)
+                    } else {
+                        String::new()
+                    }
+                )));
+            }
+        }
+        Ok(Self {
+            uri,
+            topology,
+            connect_timeout: Duration::from_secs(5),
+            confirm_timeout: Duration::from_secs(10),
+            redeclare_on_return: true,
+            tls: AmqpTls::default(),
+            wire_mode: crate::WireMode::Plain,
+            next_address: std::sync::Arc::default(),
+        })
+    }
+
+    /// The broker addresses of `uri`, in the order given.
+    pub fn addresses(&self) -> Vec<&str> {
+        self.uri.split(',').map(str::trim).collect()
+    }
+
+    /// Connects to one of the addresses, each under `connect_timeout`: first to the one that
+    /// answered last, then to each next one in turn; the last failure if none answers.
+    pub(crate) async fn connect(
+        &self,
+        properties: ConnectionProperties,
+    ) -> Result<ClosingConnection, ConnectFailure> {
+        use std::sync::atomic::Ordering;
+        let addresses = self.addresses();
+        let first = self.next_address.load(Ordering::Relaxed) % addresses.len();
+        let mut failure = ConnectFailure::TimedOut;
+        for step in 0..addresses.len() {
+            let index = (first + step) % addresses.len();
+            let attempt = tokio::time::timeout(
+                self.connect_timeout,
+                crate::connect::connect(addresses[index], &self.tls, properties.clone()),
+            )
+            .await;
+            match attempt {
+                Ok(Ok(connection)) => {
+                    self.next_address.store(index, Ordering::Relaxed);
+                    if step > 0 {
+                        tracing::info!(
+                            address = index + 1,
+                            of = addresses.len(),
+                            "connected to another broker address"
+                        );
+                    }
+                    return Ok(connection);
+                }
+                Ok(Err(err)) => failure = ConnectFailure::Failed(err),
+                Err(_) => failure = ConnectFailure::TimedOut,
+            }
+        }
+        self.next_address
+            .store((first + 1) % addresses.len(), Ordering::Relaxed);
+        Err(failure)
+    }
+}
+
+/// Why no address of a [`RabbitConfig`] gave a connection (the last one's failure).
+#[derive(Debug)]
+pub(crate) enum ConnectFailure {
+    /// It answered with an error.
+    Failed(lapin::Error),
+    /// It did not answer within the connect timeout.
+    TimedOut,
+}

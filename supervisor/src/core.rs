@@ -16,10 +16,13 @@ use std::time::{Duration, Instant};
 
 use actors::ShardId;
 use broker::{Backoff, RetryPolicy};
-use store::{Bucket, Fence, LeaseChanges, TenantId, bucket_of};
+use store::{Bucket, Fence, TenantId, bucket_of};
 
 use crate::waiting::Waiting;
 
+mod leases;
+mod publishers;
+mod shutdown;
 mod timers;
 use timers::Timers;
 
@@ -266,179 +269,6 @@ impl<H: Handle> Core<H> {
                 Timer::FinishDeadline => self.finish_deadline(),
             }
         }
-    }
-
-    // ----- Publishers -----
-
-    /// The shard's publisher runs as `id`.
-    pub(crate) fn publisher_started(&mut self, shard: ShardId, id: H::Id) {
-        self.publishers[usize::from(shard.0)].state = PublisherState::Up(id);
-        self.children.insert(id, Child::Publisher(shard));
-    }
-
-    /// The shard's publisher could not start: try again after its backoff.
-    pub(crate) fn publisher_failed_to_start(&mut self, shard: ShardId, now: Instant) {
-        let slot = &mut self.publishers[usize::from(shard.0)];
-        slot.state = PublisherState::Down;
-        let delay = slot.backoff.next_delay();
-        self.timers.set(Timer::RespawnPublisher(shard), now + delay);
-        self.check_broker_later(delay, now);
-    }
-
-    /// A publisher waits `delay` to restart: if that is longer than the check's interval,
-    /// check the broker after the interval instead of learning of its return only then.
-    fn check_broker_later(&mut self, delay: Duration, now: Instant) {
-        let Some(every) = self.config.broker_check else {
-            return;
-        };
-        if delay > every && self.check == CheckState::Ready && self.phase == Phase::Running {
-            self.check = CheckState::Scheduled;
-            self.timers.set(Timer::CheckBroker, now + every);
-        }
-    }
-
-    /// What [`Command::CheckBroker`] found: the broker took a connection (and the topology's
-    /// declaration), or not (checked again after the interval while publishers wait).
-    pub(crate) fn broker_checked(&mut self, answered: bool, now: Instant) {
-        if answered {
-            self.check = CheckState::Spent;
-            tracing::info!("the broker answers again; restarting publishers now");
-            self.broker_back();
-            return;
-        }
-        self.check = CheckState::Ready;
-        let longest = self
-            .timers
-            .iter()
-            .filter(|(timer, _)| matches!(timer, Timer::RespawnPublisher(_)))
-            .map(|(_, at)| at.saturating_duration_since(now))
-            .max();
-        if let Some(longest) = longest {
-            self.check_broker_later(longest, now);
-        }
-    }
-
-    /// The shard's publisher had a publish confirmed: its next failure starts a fresh backoff.
-    /// After failures that is the broker back: see [`Core::broker_back`].
-    pub(crate) fn publisher_healthy(&mut self, shard: ShardId) {
-        let backoff = &mut self.publishers[usize::from(shard.0)].backoff;
-        let failures = backoff.failures();
-        backoff.reset();
-        if self.check == CheckState::Spent {
-            self.check = CheckState::Ready;
-        }
-        if failures > 0 {
-            tracing::info!(shard = shard.0, failures, "publisher recovered");
-            self.broker_back();
-        }
-    }
-
-    /// A publisher recovered, so the broker takes publishes again: every publisher waiting out
-    /// its restart delay starts now, with its backoff started over, and every drainer is told
-    /// to stop backing off. Without this each waited out a delay drawn while the broker was
-    /// down (up to the policies' longest, 5 s each, one after the other): after a 10 s broker
-    /// restart some tenants shipped nothing for 8 s (`broker_faults::a_broker_restart_with_
-    /// several_relays_heals_every_tenant_within_seconds_*`).
-    fn broker_back(&mut self) {
-        if self.phase != Phase::Running {
-            return;
-        }
-        let mut waiting = Vec::new();
-        self.timers.retain(|timer| match timer {
-            Timer::RespawnPublisher(shard) => {
-                waiting.push(*shard);
-                false
-            }
-            Timer::CheckBroker => false,
-            _ => true,
-        });
-        if self.check == CheckState::Scheduled {
-            // Its timer is gone; a check already running reports as usual.
-            self.check = CheckState::Ready;
-        }
-        for shard in waiting {
-            let slot = &mut self.publishers[usize::from(shard.0)];
-            slot.backoff.reset();
-            if matches!(slot.state, PublisherState::Down) {
-                slot.state = PublisherState::Starting;
-                self.commands.push_back(Command::SpawnPublisher(shard));
-            }
-        }
-        for slot in self.tenants.values() {
-            if let TenantSlot::Running { drainer, .. } = slot {
-                self.commands.push_back(Command::Resume(drainer.clone()));
-            }
-        }
-    }
-
-    /// Consecutive failures of the shard's publisher (for tests and status).
-    #[cfg(test)]
-    fn publisher_failures(&self, shard: ShardId) -> u64 {
-        self.publishers[usize::from(shard.0)].backoff.failures()
-    }
-
-    // ----- Leases -----
-
-    /// The keeper gained or lost buckets. Lost fences are already closed (nothing more is
-    /// published or acked under them); their drainers are stopped now and not restarted.
-    pub(crate) fn leases_changed(&mut self, changes: LeaseChanges) {
-        for bucket in &changes.lost {
-            self.buckets.remove(bucket);
-        }
-        for fence in changes.gained {
-            if let Some((bucket, _, _)) = fence.lease() {
-                self.buckets.insert(bucket, BucketState::Held(fence));
-            }
-        }
-        if changes.lost.is_empty() {
-            return;
-        }
-        let lost: Vec<TenantId> = self
-            .tenants
-            .keys()
-            .filter(|tenant| changes.lost.contains(&bucket_of(tenant)))
-            .cloned()
-            .collect();
-        for tenant in lost {
-            if let Some(TenantSlot::Running { drainer, .. }) = self.remove_slot(&tenant) {
-                self.children.remove(&drainer.id());
-                self.commands.push_back(Command::Kill(drainer));
-            }
-        }
-        // A finish waiting on those drainers is done if they were the last.
-        self.finish_if_done();
-    }
-
-    /// A planned handover of `buckets`: no drainer starts on them (nor restarts, nor leaves
-    /// the waiting queue); their drainers finish their batches in flight under fences still
-    /// open. A bucket with no drainer is settled at once.
-    pub(crate) fn hand_over(&mut self, buckets: Vec<Bucket>) {
-        for bucket in &buckets {
-            self.buckets.insert(*bucket, BucketState::Leaving);
-        }
-        for bucket in buckets {
-            let mut busy = false;
-            for (tenant, slot) in &self.tenants {
-                if bucket_of(tenant) != bucket {
-                    continue;
-                }
-                if let TenantSlot::Running { drainer, .. } = slot {
-                    busy = true;
-                    self.commands.push_back(Command::Finish(drainer.clone()));
-                }
-            }
-            if !busy {
-                self.commands.push_back(Command::Settled(bucket));
-            }
-        }
-    }
-
-    /// Buckets held, not being handed over.
-    pub(crate) fn buckets_held(&self) -> usize {
-        self.buckets
-            .values()
-            .filter(|state| matches!(state, BucketState::Held(_)))
-            .count()
     }
 
     // ----- Work -----
@@ -721,48 +551,6 @@ impl<H: Handle> Core<H> {
             tracing::debug!(tenant = %tenant, failures, retry_in_ms, reason = %why, "drainer down; restarting");
         }
         self.admit_waiting();
-    }
-
-    // ----- Shutdown -----
-
-    /// Graceful shutdown: drainers finish their batches, then [`Command::Finished`]; after the
-    /// grace what is left is killed (sent again by whoever drains next; nothing is lost).
-    pub(crate) fn finish(&mut self, now: Instant) {
-        if self.phase != Phase::Running {
-            return;
-        }
-        self.phase = Phase::Finishing;
-        for slot in self.tenants.values() {
-            if let TenantSlot::Running { drainer, .. } = slot {
-                self.commands.push_back(Command::Finish(drainer.clone()));
-            }
-        }
-        self.timers
-            .set(Timer::FinishDeadline, now + self.config.finish_grace);
-        self.finish_if_done();
-    }
-
-    fn finish_deadline(&mut self) {
-        if self.phase != Phase::Finishing {
-            return;
-        }
-        let tenants: Vec<TenantId> = self.tenants.keys().cloned().collect();
-        for tenant in tenants {
-            if let Some(TenantSlot::Running { drainer, .. }) = self.remove_slot(&tenant) {
-                self.children.remove(&drainer.id());
-                self.commands.push_back(Command::Kill(drainer));
-            }
-        }
-        self.finish_if_done();
-    }
-
-    fn finish_if_done(&mut self) {
-        if self.phase == Phase::Finishing && self.alive == 0 {
-            self.phase = Phase::Finished;
-            self.tenants.clear();
-            self.timers.clear();
-            self.commands.push_back(Command::Finished);
-        }
     }
 
     // ----- Views -----

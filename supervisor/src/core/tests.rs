@@ -3,7 +3,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 use proptest::prelude::*;
-use store::{Lease, RelayId};
+use store::{Lease, LeaseChanges, RelayId};
 
 use super::*;
 

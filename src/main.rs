@@ -658,6 +658,9 @@ async fn log_broker_version(config: &RelayConfig) {
             for note in version.notes(streams) {
                 tracing::warn!(broker = %version, "{note}");
             }
+            for workaround in version.workarounds(streams) {
+                tracing::info!(broker = %version, workaround, "workaround on");
+            }
         }
         Err(err) => tracing::warn!(error = %err, "the broker's version could not be read"),
     }

@@ -940,7 +940,7 @@ fn discard_rewinds_a_parked_branch_at_its_last_shipped_lsn() {
 }
 
 /// `RELAY_LOG_FORMAT=json`: every line the relay writes on standard error is one JSON object
-/// with a level and a message.
+/// with a level and a message; the start names the broker's version and the workarounds on.
 #[test]
 fn json_logs_are_one_object_per_line() {
     host_runtime().block_on(async {
@@ -956,6 +956,7 @@ fn json_logs_are_one_object_per_line() {
             .env("RELAY_METRICS_ADDR", &addr)
             .env("RELAY_LOG_FORMAT", "json")
             .env("RUST_LOG", "info")
+            .env("RELAY_QUEUE_TYPE", "stream")
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -978,6 +979,15 @@ fn json_logs_are_one_object_per_line() {
             assert!(object["level"].is_string(), "{line}");
             assert!(object["fields"]["message"].is_string(), "{line}");
         }
+        // The start names the broker's version and, on streams, the workarounds in force.
+        let said = |message: &str| {
+            stderr.lines().any(|line| {
+                line.contains(&format!("\"message\":\"{message}\""))
+                    && line.contains("\"broker\":\"RabbitMQ ")
+            })
+        };
+        assert!(said("broker"), "{stderr}");
+        assert!(said("workaround on"), "{stderr}");
         let rabbit = relay_config(&url, &amqp_url(), &topology)
             .rabbit_config()
             .unwrap();

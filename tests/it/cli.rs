@@ -1020,3 +1020,65 @@ fn the_orders_example_runs_to_the_end() {
     assert_eq!(code, 0, "{stdout}\n{stderr}");
     println!("{stdout}");
 }
+
+/// `/readyz` through a broker restart (`stop_app`, then `start_app`) with intents waiting:
+/// not ready, saying why, while the broker is away; ready again, and everything shipped,
+/// within seconds of its return (RabbitMQ 3.10 and 4.0).
+async fn readiness_through_a_restart(rabbit: crate::node::Rabbit) {
+    let node = tokio::task::block_in_place(|| PrivateNode::start_on(rabbit, "readyrestart"));
+    let (pool, url) = fresh_database("cli_ready_restart").await;
+    let addr = free_addr();
+    let mut child = relay()
+        .arg("run")
+        .env("DATABASE_URL", &url)
+        .env("AMQP_URL", node.url())
+        .env("RELAY_TOPOLOGY", unique("relay-ready-restart"))
+        .env("RELAY_METRICS_ADDR", &addr)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    answer_until(&addr, "/readyz", |status| status == 200).await;
+    let branch = write_first_intent(&pool, "ready-restart", b"1").await;
+    let outbox = Outbox::new(pool.clone());
+    wait_until(
+        "the first intent ships",
+        Duration::from_secs(30),
+        || async { pending(&outbox).await == 0 },
+    )
+    .await;
+
+    tokio::task::block_in_place(|| node.stop_app());
+    for lsn in 2..=10 {
+        append_intent(&pool, &branch, lsn, b"during the restart").await;
+    }
+    let (_, body) = answer_until(&addr, "/readyz", |status| status == 503).await;
+    assert!(body.contains("broker down while intents wait"), "{body}");
+    tokio::task::block_in_place(|| node.start_app());
+    let back = Instant::now();
+    answer_until(&addr, "/readyz", |status| status == 200).await;
+    wait_until(
+        "shipped once the broker is back",
+        Duration::from_secs(30),
+        || async { pending(&outbox).await == 0 },
+    )
+    .await;
+    let healed = back.elapsed();
+    println!("ready and shipped {healed:?} after the broker's return");
+    assert!(
+        healed < Duration::from_secs(5),
+        "ready and shipped only {healed:?} after the broker's return"
+    );
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_says_the_broker_is_down_through_a_restart() {
+    readiness_through_a_restart(crate::node::Rabbit::V3_10).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_says_the_broker_is_down_through_a_restart_on_rabbitmq_4_0() {
+    readiness_through_a_restart(crate::node::Rabbit::V4_0).await;
+}

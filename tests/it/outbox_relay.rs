@@ -698,6 +698,8 @@ mod outbox {
             let (pool, config, relay, branch) =
                 unpolled_relay_and_unnotified_intents("waker", "wk").await;
             let outbox = Outbox::new(pool.clone());
+            // Nothing ships before the wake-up: no NOTIFY, no poll for 120 s.
+            assert_eq!(pending(&outbox).await, 5);
             relay.waker().wake(&branch.tenant);
             wait_until("woken relay ships", Duration::from_secs(20), || async {
                 pending(&outbox).await == 0

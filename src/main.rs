@@ -13,21 +13,26 @@
 //! broker refused, unreachable database), 2 a usage or configuration error.
 use std::process::ExitCode;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::{Parser, Subcommand};
 
-use distribution::store::{self, Outbox};
-use distribution::{LogFormat, Relay, RelayConfig, Settings};
+use distribution::store;
+use distribution::{LogFormat, Settings};
 
 mod dead_cli;
 mod demo;
 mod group_cli;
 #[cfg(feature = "otlp")]
 mod otlp;
+mod outbox_cli;
+mod run_cli;
 // The demo takes "the broker" down with the same proxy the tests use, compiled in privately.
 #[allow(dead_code)]
 mod proxy;
 mod serve;
+
+use outbox_cli::{discard, migrate, print_roles, print_sql, release, retire, status};
+use run_cli::run;
 
 /// Ships committed export intents from PostgreSQL to RabbitMQ, in order per branch,
 /// at least once. Every flag can be set by its environment variable instead.
@@ -342,45 +347,6 @@ fn blamed_variable(err: &clap::Error) -> Option<String> {
     None
 }
 
-/// Every migration's SQL, in order, each under a comment with its version: what
-/// `distribution migrate` applies (and records in `relay_migrations`).
-fn print_sql(fold: bool) {
-    let migrator = if fold {
-        &*store::FOLD_MIGRATOR
-    } else {
-        &*store::MIGRATOR
-    };
-    for migration in migrator.iter() {
-        println!(
-            "-- relay migration {} ({})\n{}\n",
-            migration.version,
-            migration.description,
-            migration.sql.as_str().trim_end()
-        );
-    }
-}
-
-/// The grants of `distribution roles`.
-fn print_roles(
-    roles: store::Roles,
-    fold_database: bool,
-    schema: Option<&store::Schema>,
-) -> Result<()> {
-    if roles.host.is_none() && roles.relay.is_none() && roles.consumer.is_none() {
-        anyhow::bail!("name at least one role: --host, --relay or --consumer");
-    }
-    if fold_database && (roles.host.is_some() || roles.relay.is_some()) {
-        anyhow::bail!("a consumer's database (--fold-database) has grants for --consumer only");
-    }
-    let on = if fold_database {
-        store::RolesFor::Fold
-    } else {
-        store::RolesFor::Outbox
-    };
-    print!("{}", store::roles_sql(&roles, on, schema)?);
-    Ok(())
-}
-
 /// The error and its causes on one line, without a backtrace, skipping causes whose text the
 /// line already contains (sqlx repeats its database error at every level).
 fn one_line(err: &anyhow::Error) -> String {
@@ -402,236 +368,6 @@ async fn connect(url: &str, schema: Option<&store::Schema>) -> Result<sqlx::PgPo
 }
 
 /// Creates the relay's schema (if one is set) and brings its tables up to date.
-async fn migrate_in(url: &str, schema: Option<&store::Schema>) -> Result<()> {
-    let pool = connect(url, schema).await?;
-    if let Some(schema) = schema {
-        // Two relays starting at once can race on CREATE SCHEMA IF NOT EXISTS: once more.
-        if store::create_schema(&pool, schema).await.is_err() {
-            store::create_schema(&pool, schema)
-                .await
-                .with_context(|| format!("cannot create schema {schema} (RELAY_SCHEMA)"))?;
-        }
-    }
-    store::migrate(&pool).await?;
-    Ok(())
-}
-
-async fn migrate(database: &Database, fold: bool) -> Result<()> {
-    if fold {
-        let pool = connect(&database.database_url, database.schema.as_ref()).await?;
-        if let Some(schema) = &database.schema {
-            store::create_schema(&pool, schema).await?;
-        }
-        store::migrate_fold(&pool).await?;
-        println!("fold schema is up to date");
-        return Ok(());
-    }
-    migrate_in(&database.database_url, database.schema.as_ref()).await?;
-    println!("outbox schema is up to date");
-    Ok(())
-}
-
-async fn discard(
-    database: &Database,
-    tenant: String,
-    run: String,
-    branch: String,
-    to: Option<String>,
-) -> Result<()> {
-    use distribution::store::{BranchId, BranchKey, RunId, TenantId};
-    let key = BranchKey::new(
-        TenantId::new(tenant)?,
-        RunId::new(run)?,
-        BranchId::new(branch)?,
-    );
-    let outbox = Outbox::new(connect(&database.database_url, database.schema.as_ref()).await?);
-    let to = match to {
-        Some(to) => BranchId::new(to)?,
-        None => BranchId::new(
-            format!("discarded-{}", key.branch)
-                .chars()
-                .take(64)
-                .collect::<String>(),
-        )?,
-    };
-    let discarded = outbox.discard_branch(&key, &to).await?;
-    println!(
-        "discarded {} waiting intent(s) of {key}: its live history ends at lsn {}; consumers get a rewind marker; the run goes on on {}",
-        discarded.discarded, discarded.fork, discarded.live
-    );
-    Ok(())
-}
-
-async fn retire(database: &Database, retention_secs: u64, batch: u32, fold: bool) -> Result<()> {
-    let pool = connect(&database.database_url, database.schema.as_ref()).await?;
-    let retention = store::Retention {
-        keep: std::time::Duration::from_secs(retention_secs),
-        batch,
-    };
-    if fold {
-        let runs = store::retire_folded_runs(&pool, retention).await?;
-        println!("retired the fold state of {runs} completed runs");
-    } else {
-        let runs = store::retire_runs(&pool, retention).await?;
-        println!("retired {runs} closed runs");
-    }
-    Ok(())
-}
-
-async fn run(config: RelayConfig) -> Result<()> {
-    // The schema is applied first (idempotent, safe with several relays starting at once),
-    // unless the host applies it with its own tool (`distribution sql`).
-    if config.skip_migrate {
-        let pool = connect(&config.database_url, config.schema().as_ref()).await?;
-        store::check_schema(&pool)
-            .await
-            .context("RELAY_SKIP_MIGRATE is set")?;
-        pool.close().await;
-    } else {
-        migrate_in(&config.database_url, config.schema().as_ref()).await?;
-    }
-    // One connection to the broker: a refusal is fatal here (no retry fixes it); a broker that
-    // is simply down is normal (everything waits in the outbox until it is back).
-    match distribution::broker::preflight(&config.rabbit_config()?).await {
-        Ok(distribution::broker::Preflight::Ready) => {
-            log_broker_version(&config).await;
-        }
-        Ok(distribution::broker::Preflight::Unreachable(why)) => {
-            tracing::warn!(reason = %why, "broker unreachable at start; intents wait in the outbox");
-            eprintln!("warning: broker unreachable at start ({why}); the relay keeps trying");
-        }
-        Err(err) => {
-            return Err(anyhow::anyhow!(
-                "{err} (AMQP_URL, RELAY_TOPOLOGY, RELAY_QUEUE_TYPE)"
-            ));
-        }
-    }
-    let metrics_addr = config.metrics_addr;
-    let listener = tokio::net::TcpListener::bind(metrics_addr)
-        .await
-        .with_context(|| format!("cannot serve metrics on {metrics_addr} (RELAY_METRICS_ADDR)"))?;
-    let metrics = distribution::prometheus_builder()?
-        .install_recorder()
-        .context("cannot install the metrics recorder")?;
-    distribution::describe_metrics(config.supervisor_config().publishers());
-    let max_parked = u64::from(config.ready_max_parked);
-    // The readiness probe's own connection, so a busy relay pool cannot make it time out.
-    let probe_pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(1)
-        .acquire_timeout(std::time::Duration::from_secs(1))
-        .connect_lazy_with(distribution::connect_options(
-            &config.database_url,
-            config.schema().as_ref(),
-        )?);
-    let relay = Relay::start(config).await?;
-    serve::spawn(
-        listener,
-        serve::Probes {
-            metrics,
-            outbox: Outbox::new(probe_pool),
-            broker: relay.broker_health(),
-            max_parked,
-        },
-    );
-    tracing::info!(%metrics_addr, "relay running");
-    println!("relay running; http://{metrics_addr}/metrics, /healthz and /readyz; Ctrl-C to stop");
-    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = terminate.recv() => {}
-    }
-    println!("shutting down: finishing batches in flight");
-    relay.shutdown().await;
-    Ok(())
-}
-
-async fn status(
-    database: &Database,
-    amqp_url: Option<String>,
-    topology: String,
-    groups: Vec<String>,
-) -> Result<()> {
-    let outbox = Outbox::new(connect(&database.database_url, database.schema.as_ref()).await?);
-    let backlog = outbox
-        .backlog()
-        .await
-        .context("cannot read the backlog (has `distribution migrate` run?)")?;
-    print!("{}", demo::backlog_table(&backlog));
-    let parked = outbox.parked_branches().await?;
-    if parked.is_empty() {
-        println!("no parked branches");
-    } else {
-        println!("parked branches (the broker kept refusing their events):");
-        println!(
-            "{:<40} {:<22} {:>8} {:>12} {:>10} {:>8}",
-            "branch", "reason", "attempts", "failing for", "retry in", "pending"
-        );
-        for branch in parked {
-            println!(
-                "{:<40} {:<22} {:>8} {:>11.0}s {:>9.0}s {:>8}",
-                branch.branch.to_string(),
-                branch.reason,
-                branch.attempts,
-                branch.failing_for.as_secs_f64(),
-                branch.retry_in.as_secs_f64(),
-                branch.pending
-            );
-        }
-    }
-    let Some(amqp_url) = amqp_url else {
-        return Ok(());
-    };
-    let groups = groups.into_iter().filter(|group| group.trim() != "none");
-    for group in groups {
-        let broker = dead_cli::Broker {
-            amqp_url: amqp_url.clone(),
-            topology: topology.clone(),
-            partitions: 1,
-            group: group.trim().to_owned(),
-            queues: distribution::QueueSettings::default(),
-        };
-        let rabbit = broker.rabbit()?;
-        let queue = rabbit.topology.dead_letter_queue();
-        let depth = async {
-            distribution::broker::DeadLetters::open(&rabbit)
-                .await?
-                .depth()
-                .await
-        };
-        let list = match rabbit.topology.group() {
-            distribution::broker::Group::Default => "`distribution dead list`".to_owned(),
-            named => format!("`distribution dead list --group {named}`"),
-        };
-        match depth.await {
-            Ok(0) => println!("no dead letters in {queue}"),
-            Ok(depth) => println!("{depth} dead letter(s) in {queue}: {list} shows them"),
-            // RabbitMQ's answer to a passive declare of a queue that is not there.
-            Err(err) if err.to_string().contains("NOT_FOUND") => {
-                println!("{queue} does not exist: no consumer of the group declared its queues")
-            }
-            Err(err) => println!("dead letters in {queue}: unknown ({err})"),
-        }
-    }
-    Ok(())
-}
-
-async fn release(
-    database: &Database,
-    tenant: String,
-    run: Option<String>,
-    branch: Option<String>,
-) -> Result<()> {
-    use distribution::store::{BranchId, RunId, TenantId};
-    let tenant = TenantId::new(tenant)?;
-    let run = run.map(RunId::new).transpose()?;
-    let branch = branch.map(BranchId::new).transpose()?;
-    let outbox = Outbox::new(connect(&database.database_url, database.schema.as_ref()).await?);
-    let released = outbox
-        .release(&tenant, run.as_ref(), branch.as_ref())
-        .await?;
-    println!("released {released} parked branch(es); relays drain them on their next poll");
-    Ok(())
-}
 
 /// Flushes the OTLP exporter's last spans when `main` returns.
 #[cfg(feature = "otlp")]
@@ -643,25 +379,5 @@ impl Drop for FlushOnDrop {
         if let Some(provider) = self.0.take() {
             let _ = provider.shutdown();
         }
-    }
-}
-
-/// Logs what the broker says it is, and what an operator should know of that version.
-async fn log_broker_version(config: &RelayConfig) {
-    let Ok(rabbit) = config.rabbit_config() else {
-        return;
-    };
-    match distribution::broker::server_version(&rabbit).await {
-        Ok(version) => {
-            tracing::info!(broker = %version, "broker");
-            let streams = config.queue_type == distribution::broker::QueueType::Stream;
-            for note in version.notes(streams) {
-                tracing::warn!(broker = %version, "{note}");
-            }
-            for workaround in version.workarounds(streams) {
-                tracing::info!(broker = %version, workaround, "workaround on");
-            }
-        }
-        Err(err) => tracing::warn!(error = %err, "the broker's version could not be read"),
     }
 }

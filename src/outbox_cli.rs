@@ -1,0 +1,215 @@
+//! The commands on the outbox's database: `migrate`, `sql`, `roles`, `discard`, `retire`,
+//! `status` and `release`.
+use anyhow::{Context, Result};
+
+use distribution::store::{self, Outbox};
+
+use crate::{Database, connect, dead_cli, demo};
+
+/// Every migration's SQL, in order, each under a comment with its version: what
+/// `distribution migrate` applies (and records in `relay_migrations`).
+pub(crate) fn print_sql(fold: bool) {
+    let migrator = if fold {
+        &*store::FOLD_MIGRATOR
+    } else {
+        &*store::MIGRATOR
+    };
+    for migration in migrator.iter() {
+        println!(
+            "-- relay migration {} ({})\n{}\n",
+            migration.version,
+            migration.description,
+            migration.sql.as_str().trim_end()
+        );
+    }
+}
+
+/// The grants of `distribution roles`.
+pub(crate) fn print_roles(
+    roles: store::Roles,
+    fold_database: bool,
+    schema: Option<&store::Schema>,
+) -> Result<()> {
+    if roles.host.is_none() && roles.relay.is_none() && roles.consumer.is_none() {
+        anyhow::bail!("name at least one role: --host, --relay or --consumer");
+    }
+    if fold_database && (roles.host.is_some() || roles.relay.is_some()) {
+        anyhow::bail!("a consumer's database (--fold-database) has grants for --consumer only");
+    }
+    let on = if fold_database {
+        store::RolesFor::Fold
+    } else {
+        store::RolesFor::Outbox
+    };
+    print!("{}", store::roles_sql(&roles, on, schema)?);
+    Ok(())
+}
+
+pub(crate) async fn migrate_in(url: &str, schema: Option<&store::Schema>) -> Result<()> {
+    let pool = connect(url, schema).await?;
+    if let Some(schema) = schema {
+        // Two relays starting at once can race on CREATE SCHEMA IF NOT EXISTS: once more.
+        if store::create_schema(&pool, schema).await.is_err() {
+            store::create_schema(&pool, schema)
+                .await
+                .with_context(|| format!("cannot create schema {schema} (RELAY_SCHEMA)"))?;
+        }
+    }
+    store::migrate(&pool).await?;
+    Ok(())
+}
+
+pub(crate) async fn migrate(database: &Database, fold: bool) -> Result<()> {
+    if fold {
+        let pool = connect(&database.database_url, database.schema.as_ref()).await?;
+        if let Some(schema) = &database.schema {
+            store::create_schema(&pool, schema).await?;
+        }
+        store::migrate_fold(&pool).await?;
+        println!("fold schema is up to date");
+        return Ok(());
+    }
+    migrate_in(&database.database_url, database.schema.as_ref()).await?;
+    println!("outbox schema is up to date");
+    Ok(())
+}
+
+pub(crate) async fn discard(
+    database: &Database,
+    tenant: String,
+    run: String,
+    branch: String,
+    to: Option<String>,
+) -> Result<()> {
+    use distribution::store::{BranchId, BranchKey, RunId, TenantId};
+    let key = BranchKey::new(
+        TenantId::new(tenant)?,
+        RunId::new(run)?,
+        BranchId::new(branch)?,
+    );
+    let outbox = Outbox::new(connect(&database.database_url, database.schema.as_ref()).await?);
+    let to = match to {
+        Some(to) => BranchId::new(to)?,
+        None => BranchId::new(
+            format!("discarded-{}", key.branch)
+                .chars()
+                .take(64)
+                .collect::<String>(),
+        )?,
+    };
+    let discarded = outbox.discard_branch(&key, &to).await?;
+    println!(
+        "discarded {} waiting intent(s) of {key}: its live history ends at lsn {}; consumers get a rewind marker; the run goes on on {}",
+        discarded.discarded, discarded.fork, discarded.live
+    );
+    Ok(())
+}
+
+pub(crate) async fn retire(
+    database: &Database,
+    retention_secs: u64,
+    batch: u32,
+    fold: bool,
+) -> Result<()> {
+    let pool = connect(&database.database_url, database.schema.as_ref()).await?;
+    let retention = store::Retention {
+        keep: std::time::Duration::from_secs(retention_secs),
+        batch,
+    };
+    if fold {
+        let runs = store::retire_folded_runs(&pool, retention).await?;
+        println!("retired the fold state of {runs} completed runs");
+    } else {
+        let runs = store::retire_runs(&pool, retention).await?;
+        println!("retired {runs} closed runs");
+    }
+    Ok(())
+}
+
+pub(crate) async fn status(
+    database: &Database,
+    amqp_url: Option<String>,
+    topology: String,
+    groups: Vec<String>,
+) -> Result<()> {
+    let outbox = Outbox::new(connect(&database.database_url, database.schema.as_ref()).await?);
+    let backlog = outbox
+        .backlog()
+        .await
+        .context("cannot read the backlog (has `distribution migrate` run?)")?;
+    print!("{}", demo::backlog_table(&backlog));
+    let parked = outbox.parked_branches().await?;
+    if parked.is_empty() {
+        println!("no parked branches");
+    } else {
+        println!("parked branches (the broker kept refusing their events):");
+        println!(
+            "{:<40} {:<22} {:>8} {:>12} {:>10} {:>8}",
+            "branch", "reason", "attempts", "failing for", "retry in", "pending"
+        );
+        for branch in parked {
+            println!(
+                "{:<40} {:<22} {:>8} {:>11.0}s {:>9.0}s {:>8}",
+                branch.branch.to_string(),
+                branch.reason,
+                branch.attempts,
+                branch.failing_for.as_secs_f64(),
+                branch.retry_in.as_secs_f64(),
+                branch.pending
+            );
+        }
+    }
+    let Some(amqp_url) = amqp_url else {
+        return Ok(());
+    };
+    let groups = groups.into_iter().filter(|group| group.trim() != "none");
+    for group in groups {
+        let broker = dead_cli::Broker {
+            amqp_url: amqp_url.clone(),
+            topology: topology.clone(),
+            partitions: 1,
+            group: group.trim().to_owned(),
+            queues: distribution::QueueSettings::default(),
+        };
+        let rabbit = broker.rabbit()?;
+        let queue = rabbit.topology.dead_letter_queue();
+        let depth = async {
+            distribution::broker::DeadLetters::open(&rabbit)
+                .await?
+                .depth()
+                .await
+        };
+        let list = match rabbit.topology.group() {
+            distribution::broker::Group::Default => "`distribution dead list`".to_owned(),
+            named => format!("`distribution dead list --group {named}`"),
+        };
+        match depth.await {
+            Ok(0) => println!("no dead letters in {queue}"),
+            Ok(depth) => println!("{depth} dead letter(s) in {queue}: {list} shows them"),
+            // RabbitMQ's answer to a passive declare of a queue that is not there.
+            Err(err) if err.to_string().contains("NOT_FOUND") => {
+                println!("{queue} does not exist: no consumer of the group declared its queues")
+            }
+            Err(err) => println!("dead letters in {queue}: unknown ({err})"),
+        }
+    }
+    Ok(())
+}
+
+pub(crate) async fn release(
+    database: &Database,
+    tenant: String,
+    run: Option<String>,
+    branch: Option<String>,
+) -> Result<()> {
+    use distribution::store::{BranchId, RunId, TenantId};
+    let tenant = TenantId::new(tenant)?;
+    let run = run.map(RunId::new).transpose()?;
+    let branch = branch.map(BranchId::new).transpose()?;
+    let outbox = Outbox::new(connect(&database.database_url, database.schema.as_ref()).await?);
+    let released = outbox
+        .release(&tenant, run.as_ref(), branch.as_ref())
+        .await?;
+    println!("released {released} parked branch(es); relays drain them on their next poll");
+    Ok(())
+}

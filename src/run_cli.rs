@@ -1,0 +1,95 @@
+//! `distribution run`: the standalone relay until Ctrl-C or SIGTERM.
+use anyhow::{Context, Result};
+
+use distribution::store::{self, Outbox};
+use distribution::{Relay, RelayConfig};
+
+use crate::outbox_cli::migrate_in;
+use crate::{connect, serve};
+
+pub(crate) async fn run(config: RelayConfig) -> Result<()> {
+    // The schema is applied first (idempotent, safe with several relays starting at once),
+    // unless the host applies it with its own tool (`distribution sql`).
+    if config.skip_migrate {
+        let pool = connect(&config.database_url, config.schema().as_ref()).await?;
+        store::check_schema(&pool)
+            .await
+            .context("RELAY_SKIP_MIGRATE is set")?;
+        pool.close().await;
+    } else {
+        migrate_in(&config.database_url, config.schema().as_ref()).await?;
+    }
+    // One connection to the broker: a refusal is fatal here (no retry fixes it); a broker that
+    // is simply down is normal (everything waits in the outbox until it is back).
+    match distribution::broker::preflight(&config.rabbit_config()?).await {
+        Ok(distribution::broker::Preflight::Ready) => {
+            log_broker_version(&config).await;
+        }
+        Ok(distribution::broker::Preflight::Unreachable(why)) => {
+            tracing::warn!(reason = %why, "broker unreachable at start; intents wait in the outbox");
+            eprintln!("warning: broker unreachable at start ({why}); the relay keeps trying");
+        }
+        Err(err) => {
+            return Err(anyhow::anyhow!(
+                "{err} (AMQP_URL, RELAY_TOPOLOGY, RELAY_QUEUE_TYPE)"
+            ));
+        }
+    }
+    let metrics_addr = config.metrics_addr;
+    let listener = tokio::net::TcpListener::bind(metrics_addr)
+        .await
+        .with_context(|| format!("cannot serve metrics on {metrics_addr} (RELAY_METRICS_ADDR)"))?;
+    let metrics = distribution::prometheus_builder()?
+        .install_recorder()
+        .context("cannot install the metrics recorder")?;
+    distribution::describe_metrics(config.supervisor_config().publishers());
+    let max_parked = u64::from(config.ready_max_parked);
+    // The readiness probe's own connection, so a busy relay pool cannot make it time out.
+    let probe_pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(std::time::Duration::from_secs(1))
+        .connect_lazy_with(distribution::connect_options(
+            &config.database_url,
+            config.schema().as_ref(),
+        )?);
+    let relay = Relay::start(config).await?;
+    serve::spawn(
+        listener,
+        serve::Probes {
+            metrics,
+            outbox: Outbox::new(probe_pool),
+            broker: relay.broker_health(),
+            max_parked,
+        },
+    );
+    tracing::info!(%metrics_addr, "relay running");
+    println!("relay running; http://{metrics_addr}/metrics, /healthz and /readyz; Ctrl-C to stop");
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = terminate.recv() => {}
+    }
+    println!("shutting down: finishing batches in flight");
+    relay.shutdown().await;
+    Ok(())
+}
+
+/// Logs what the broker says it is, and what an operator should know of that version.
+pub(crate) async fn log_broker_version(config: &RelayConfig) {
+    let Ok(rabbit) = config.rabbit_config() else {
+        return;
+    };
+    match distribution::broker::server_version(&rabbit).await {
+        Ok(version) => {
+            tracing::info!(broker = %version, "broker");
+            let streams = config.queue_type == distribution::broker::QueueType::Stream;
+            for note in version.notes(streams) {
+                tracing::warn!(broker = %version, "{note}");
+            }
+            for workaround in version.workarounds(streams) {
+                tracing::info!(broker = %version, workaround, "workaround on");
+            }
+        }
+        Err(err) => tracing::warn!(error = %err, "the broker's version could not be read"),
+    }
+}

@@ -1,0 +1,319 @@
+//! The relay's settings as flags and environment variables (clap), and what they become.
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use broker::{QueueType, StreamRetention};
+
+use super::{ConfigError, RelayConfig, pem_file};
+
+fn defaults() -> RelayConfig {
+    RelayConfig::new("", "")
+}
+
+fn millis(duration: Duration) -> u64 {
+    duration.as_millis() as u64
+}
+
+/// Every setting of a relay as a command-line flag with its environment variable, default and
+/// bounds (`distribution run --help` lists them). [`RelayConfig::from_env`] reads the same
+/// variables through this parser.
+#[derive(Clone, Debug, clap::Args)]
+#[command(next_help_heading = "Relay settings")]
+pub struct Settings {
+    /// PostgreSQL holding the outbox (`?sslmode=require` for TLS).
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: String,
+    /// RabbitMQ (`amqps://` for TLS). The broker may be down at start.
+    #[arg(long, env = "AMQP_URL", hide_env_values = true)]
+    pub amqp_url: String,
+    /// Exchange name; queues are `<topology>.p<N>`.
+    #[arg(long, env = "RELAY_TOPOLOGY", default_value_t = defaults().topology)]
+    pub topology: String,
+    /// Broker partitions (queues), keyed by (tenant, run).
+    #[arg(long, env = "RELAY_PARTITIONS", default_value_t = defaults().partitions,
+          value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub partitions: u16,
+    /// Queue type, stream retention and the quorum delivery limit.
+    #[command(flatten)]
+    pub queues: QueueSettings,
+    /// Consumer groups whose queues the relay declares (comma-separated; `default`: the
+    /// unnamed group's `<topology>.p<N>`; `none`: the exchange only).
+    #[arg(
+        long,
+        env = "RELAY_GROUPS",
+        default_value = "default",
+        value_delimiter = ','
+    )]
+    pub groups: Vec<String>,
+    /// Also write CloudEvents attributes (`cloudEvents:*` headers, binary content mode).
+    #[arg(long, env = "RELAY_CLOUDEVENTS", action = clap::ArgAction::Set, default_value_t = false)]
+    pub cloudevents: bool,
+    /// Publisher shards (one AMQP connection each). On streams, ignored: one shard per
+    /// partition.
+    #[arg(long, env = "RELAY_SHARDS", default_value_t = defaults().supervisor.shards,
+          value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub shards: u16,
+    /// Most events drained and published at once per tenant.
+    #[arg(long, env = "RELAY_BATCH_SIZE", default_value_t = defaults().supervisor.drainer.batch_size,
+          value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub batch_size: u32,
+    /// Batches of one tenant in flight at once.
+    #[arg(long, env = "RELAY_BATCHES_IN_FLIGHT",
+          default_value_t = defaults().supervisor.drainer.max_batches_in_flight as u32,
+          value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub batches_in_flight: u32,
+    /// Batches of at most this many events take each shard's express publisher (quiet tenants
+    /// never wait behind a backlog); 0: no express lane.
+    #[arg(long, env = "RELAY_EXPRESS_MAX_EVENTS", default_value_t = defaults().supervisor.drainer.express_max_events,
+          value_parser = clap::value_parser!(u32).range(0..=10_000))]
+    pub express_max_events: u32,
+    /// Most payload bytes in one batch (the first event always comes).
+    #[arg(long, env = "RELAY_BATCH_MAX_BYTES", default_value_t = defaults().supervisor.drainer.batch_max_bytes,
+          value_parser = clap::value_parser!(u32).range(1024..=(256 << 20)))]
+    pub batch_max_bytes: u32,
+    /// Events in flight across the relay (the memory bound, in events).
+    #[arg(long, env = "RELAY_MAX_IN_FLIGHT", default_value_t = defaults().supervisor.max_in_flight as u64,
+          value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
+    pub max_in_flight: u64,
+    /// Payload bytes in flight across the relay (the memory bound, in bytes).
+    #[arg(long, env = "RELAY_MAX_IN_FLIGHT_BYTES", default_value_t = defaults().supervisor.max_in_flight_bytes as u64,
+          value_parser = clap::value_parser!(u64).range(1024..=(16 << 30)))]
+    pub max_in_flight_bytes: u64,
+    /// Most drainers alive at once; beyond it tenants wait their turn (bounds memory with any
+    /// number of tenants).
+    #[arg(long, env = "RELAY_MAX_DRAINERS", default_value_t = defaults().supervisor.max_drainers as u32,
+          value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub max_drainers: u32,
+    /// How often pending tenants are polled, in ms (the path behind NOTIFY).
+    #[arg(long, env = "RELAY_POLL_MS", default_value_t = millis(defaults().supervisor.poll_interval),
+          value_parser = clap::value_parser!(u64).range(10..=3_600_000))]
+    pub poll_ms: u64,
+    /// Lease lifetime in ms: a dead relay's tenants move after about this long.
+    #[arg(long, env = "RELAY_LEASE_TTL_MS", default_value_t = millis(defaults().supervisor.lease.ttl),
+          value_parser = clap::value_parser!(u64).range(150..=600_000))]
+    pub lease_ttl_ms: u64,
+    /// Lease renewal period in ms (at most a third of the TTL).
+    #[arg(long, env = "RELAY_LEASE_HEARTBEAT_MS", default_value_t = millis(defaults().supervisor.lease.heartbeat),
+          value_parser = clap::value_parser!(u64).range(50..=200_000))]
+    pub lease_heartbeat_ms: u64,
+    /// Refusals in a row after which a branch is parked.
+    #[arg(long, env = "RELAY_PARK_AFTER_ATTEMPTS", default_value_t = defaults().supervisor.drainer.park_after_attempts,
+          value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub park_after_attempts: u32,
+    /// How long a parked branch waits before it is tried again, in ms.
+    #[arg(long, env = "RELAY_PARK_RETRY_MS", default_value_t = millis(defaults().supervisor.drainer.park_retry),
+          value_parser = clap::value_parser!(u64).range(100..=86_400_000))]
+    pub park_retry_ms: u64,
+    /// Runtime threads of the relay.
+    #[arg(long, env = "RELAY_THREADS", default_value_t = defaults().worker_threads as u16,
+          value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub threads: u16,
+    /// Database connections for drains and acks.
+    #[arg(long, env = "RELAY_DB_CONNECTIONS", default_value_t = defaults().db_connections,
+          value_parser = clap::value_parser!(u32).range(2..=1000))]
+    pub db_connections: u32,
+    /// Where `/metrics`, `/healthz` and `/readyz` are served.
+    #[arg(long, env = "RELAY_METRICS_ADDR", default_value_t = defaults().metrics_addr)]
+    pub metrics_addr: SocketAddr,
+    /// Longest wait for a broker connection, in ms.
+    #[arg(long, env = "RELAY_AMQP_CONNECT_TIMEOUT_MS", default_value_t = millis(defaults().amqp_connect_timeout),
+          value_parser = clap::value_parser!(u64).range(100..=600_000))]
+    pub amqp_connect_timeout_ms: u64,
+    /// Longest wait for a batch's confirms, in ms.
+    #[arg(long, env = "RELAY_AMQP_CONFIRM_TIMEOUT_MS", default_value_t = millis(defaults().amqp_confirm_timeout),
+          value_parser = clap::value_parser!(u64).range(100..=600_000))]
+    pub amqp_confirm_timeout_ms: u64,
+    /// PEM file of certificates trusted for `amqps://` besides the system's roots.
+    #[arg(long, env = "RELAY_AMQP_CA_FILE")]
+    pub amqp_ca_file: Option<std::path::PathBuf>,
+    /// PEM certificate chain presented to the broker (with --amqp-client-key-file).
+    #[arg(
+        long,
+        env = "RELAY_AMQP_CLIENT_CERT_FILE",
+        requires = "amqp_client_key_file"
+    )]
+    pub amqp_client_cert_file: Option<std::path::PathBuf>,
+    /// PEM private key of the client certificate.
+    #[arg(
+        long,
+        env = "RELAY_AMQP_CLIENT_KEY_FILE",
+        requires = "amqp_client_cert_file"
+    )]
+    pub amqp_client_key_file: Option<std::path::PathBuf>,
+    /// PostgreSQL schema of the relay's tables (default: the connection's search_path).
+    #[arg(long, env = "RELAY_SCHEMA")]
+    pub schema: Option<String>,
+    /// Do not apply the schema at start (the host applies `distribution sql` itself).
+    #[arg(long, env = "RELAY_SKIP_MIGRATE")]
+    pub skip_migrate: bool,
+    /// `/readyz` fails when more branches than this are parked.
+    #[arg(long, env = "RELAY_READY_MAX_PARKED", default_value_t = defaults().ready_max_parked,
+          value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
+    pub ready_max_parked: u32,
+    /// Retire closed and shipped runs this many seconds after they closed (default: never).
+    #[arg(long, env = "RELAY_RETENTION_SECS",
+          value_parser = clap::value_parser!(u64).range(1..=3_153_600_000))]
+    pub retention_secs: Option<u64>,
+}
+
+/// `RELAY_GROUPS`: `none`, or group names.
+fn groups(names: &[String]) -> Result<Vec<broker::Group>, ConfigError> {
+    if let [only] = names
+        && only.trim() == "none"
+    {
+        return Ok(Vec::new());
+    }
+    names
+        .iter()
+        .map(|name| {
+            broker::Group::parse(name.trim()).map_err(|err| ConfigError::Invalid {
+                var: "RELAY_GROUPS",
+                value: names.join(","),
+                reason: err.to_string(),
+            })
+        })
+        .collect()
+}
+
+/// How the topology's queues are declared: the relay's, and the commands' that declare or
+/// read them (`group`, `dead`), so that every declare agrees.
+#[derive(Clone, Debug, clap::Args)]
+pub struct QueueSettings {
+    /// Queue type: classic, quorum (replicated) or stream (replicated, replayable by
+    /// consumer groups from an offset kept in their fold database).
+    #[arg(long, env = "RELAY_QUEUE_TYPE", value_enum, default_value_t = QueueType::Classic)]
+    pub queue_type: QueueType,
+    /// Streams: the longest a partition keeps a message (a number and one of Y M D h m s).
+    #[arg(long, env = "RELAY_STREAM_MAX_AGE")]
+    pub stream_max_age: Option<String>,
+    /// Streams: the most bytes a partition keeps.
+    #[arg(long, env = "RELAY_STREAM_MAX_BYTES", value_parser = clap::value_parser!(u64).range(1..))]
+    pub stream_max_bytes: Option<u64>,
+    /// Streams: the segment size retention removes whole (RabbitMQ's default 500 MB).
+    #[arg(long, env = "RELAY_STREAM_SEGMENT_BYTES", value_parser = clap::value_parser!(u64).range(1..))]
+    pub stream_segment_bytes: Option<u64>,
+    /// Quorum queues: redeliveries of one message before the broker dead-letters it to the
+    /// group's dead-letter queue (never dropped).
+    #[arg(long, env = "RELAY_DELIVERY_LIMIT", default_value_t = broker::DEFAULT_DELIVERY_LIMIT,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub delivery_limit: u32,
+    /// Quorum queues and streams: members each starts with (default: every node).
+    #[arg(long, env = "RELAY_QUEUE_REPLICAS", value_parser = clap::value_parser!(u16).range(1..=9))]
+    pub queue_replicas: Option<u16>,
+}
+
+impl Default for QueueSettings {
+    /// Classic queues, the defaults above.
+    fn default() -> Self {
+        Self {
+            queue_type: QueueType::Classic,
+            stream_max_age: None,
+            stream_max_bytes: None,
+            stream_segment_bytes: None,
+            delivery_limit: broker::DEFAULT_DELIVERY_LIMIT,
+            queue_replicas: None,
+        }
+    }
+}
+
+impl QueueSettings {
+    /// Writes these settings into `config`, refusing retention a stream would not take (and
+    /// retention given for another queue type, which would be silently ignored).
+    pub fn apply(&self, config: &mut RelayConfig) -> Result<(), ConfigError> {
+        let retention = StreamRetention {
+            max_age: self.stream_max_age.clone(),
+            max_bytes: self.stream_max_bytes,
+            segment_bytes: self.stream_segment_bytes,
+        };
+        retention.validate().map_err(|err| ConfigError::Invalid {
+            var: "RELAY_STREAM_MAX_AGE",
+            value: self.stream_max_age.clone().unwrap_or_default(),
+            reason: err.to_string(),
+        })?;
+        if retention != StreamRetention::default() && self.queue_type != QueueType::Stream {
+            return Err(ConfigError::Invalid {
+                var: "RELAY_QUEUE_TYPE",
+                value: format!("{:?}", self.queue_type).to_lowercase(),
+                reason: "RELAY_STREAM_* retention applies to streams only: set \
+                         RELAY_QUEUE_TYPE=stream or unset them"
+                    .into(),
+            });
+        }
+        config.queue_type = self.queue_type;
+        config.stream_retention = retention;
+        config.delivery_limit = self.delivery_limit;
+        config.replicas = self.queue_replicas;
+        Ok(())
+    }
+}
+
+impl Settings {
+    /// The configuration these settings describe, validated (cross-field rules included).
+    pub fn into_config(self) -> Result<RelayConfig, ConfigError> {
+        let mut config = RelayConfig::new(self.database_url, self.amqp_url);
+        config.topology = self.topology;
+        config.partitions = self.partitions;
+        self.queues.apply(&mut config)?;
+        config.groups = groups(&self.groups)?;
+        config.cloudevents = self.cloudevents;
+        let supervisor = &mut config.supervisor;
+        supervisor.shards = self.shards;
+        supervisor.drainer.batch_size = self.batch_size;
+        supervisor.drainer.max_batches_in_flight = self.batches_in_flight as usize;
+        supervisor.drainer.batch_max_bytes = self.batch_max_bytes;
+        supervisor.drainer.express_max_events = self.express_max_events;
+        supervisor.max_in_flight = self.max_in_flight as usize;
+        supervisor.max_drainers = self.max_drainers as usize;
+        supervisor.max_in_flight_bytes = self.max_in_flight_bytes as usize;
+        supervisor.poll_interval = Duration::from_millis(self.poll_ms);
+        supervisor.lease.ttl = Duration::from_millis(self.lease_ttl_ms);
+        supervisor.lease.heartbeat = Duration::from_millis(self.lease_heartbeat_ms);
+        supervisor.drainer.park_after_attempts = self.park_after_attempts;
+        supervisor.drainer.park_retry = Duration::from_millis(self.park_retry_ms);
+        config.worker_threads = usize::from(self.threads);
+        config.db_connections = self.db_connections;
+        config.metrics_addr = self.metrics_addr;
+        config.amqp_connect_timeout = Duration::from_millis(self.amqp_connect_timeout_ms);
+        config.amqp_confirm_timeout = Duration::from_millis(self.amqp_confirm_timeout_ms);
+        config.ready_max_parked = self.ready_max_parked;
+        config.schema = self.schema;
+        config.skip_migrate = self.skip_migrate;
+        config.retention = self.retention_secs.map(Duration::from_secs);
+        if let Some(path) = &self.amqp_ca_file {
+            let pem = pem_file("RELAY_AMQP_CA_FILE", path, "CERTIFICATE")?;
+            config.amqp_tls.ca_pem = Some(String::from_utf8_lossy(&pem).into_owned());
+        }
+        if let (Some(cert), Some(key)) = (&self.amqp_client_cert_file, &self.amqp_client_key_file) {
+            config.amqp_tls.client_identity = Some((
+                pem_file("RELAY_AMQP_CLIENT_CERT_FILE", cert, "CERTIFICATE")?,
+                pem_file("RELAY_AMQP_CLIENT_KEY_FILE", key, "PRIVATE KEY")?,
+            ));
+        }
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// The environment variables these settings read.
+    pub fn variables() -> Vec<String> {
+        use clap::Args as _;
+        Self::augment_args(clap::Command::new("relay"))
+            .get_arguments()
+            .filter_map(|arg| arg.get_env())
+            .map(|name| name.to_string_lossy().into_owned())
+            .collect()
+    }
+}
+
+/// `RELAY_*` variables set in the environment that no setting reads (a typo such as
+/// `RELAY_PARTITONS` would otherwise be ignored silently). `also_known` adds variables read
+/// elsewhere (the binary's `RELAY_LOG_FORMAT`).
+pub fn unknown_relay_variables(also_known: &[&str]) -> Vec<String> {
+    let known = Settings::variables();
+    let mut unknown: Vec<String> = std::env::vars_os()
+        .filter_map(|(name, _)| name.into_string().ok())
+        .filter(|name| name.starts_with("RELAY_"))
+        .filter(|name| !known.contains(name) && !also_known.contains(&name.as_str()))
+        .collect();
+    unknown.sort();
+    unknown
+}

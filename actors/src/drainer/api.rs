@@ -1,0 +1,152 @@
+//! What a drainer is given, what it is told, and what it reports.
+use std::sync::Arc;
+use std::time::Duration;
+
+use broker::Outcome;
+use store::{Fence, Outbox, TenantId};
+use tokio::sync::Semaphore;
+
+use crate::{PublisherDirectory, RetryPolicy, ShardId};
+
+/// How a drainer works.
+#[derive(Clone, Copy, Debug)]
+pub struct DrainerConfig {
+    /// Largest number of events drained and published at once. Default 1000.
+    pub batch_size: u32,
+    /// Longest wait for any one database call of the drainer before failing it (see
+    /// `answered`). Default 30 s. (A batch's outcomes need no timeout here: the publisher
+    /// answers every part it was given, bounded by the broker's confirm timeout, and at once if
+    /// it dies; only a broker that blocked the connection makes it wait, for as long as the
+    /// broker holds what was written.)
+    pub batch_timeout: Duration,
+    /// Delays between retries after a batch had failures.
+    pub retry: RetryPolicy,
+    /// Batches of one tenant in flight at once. Default 1: on the 2-core reference machine a
+    /// window of 4 raised load without lowering latency (see ARCHITECTURE.md); a wider window
+    /// pays where the broker round trip, not CPU, dominates.
+    pub max_batches_in_flight: usize,
+    /// A drainer with nothing to do for this long stops and frees what it holds; the next
+    /// wake-up or poll starts a new one. Default 30 s.
+    pub idle_retire: Duration,
+    /// Most payload bytes drained into one batch (the first event always comes, however
+    /// large). Default 4 MiB.
+    pub batch_max_bytes: u32,
+    /// A branch whose events the broker refused (returned, nacked) this many times in a row
+    /// is parked in PostgreSQL. Until then it is retried alone, with backoff. Default 5.
+    pub park_after_attempts: u32,
+    /// How long a parked branch is skipped before it is tried again. Default 60 s.
+    pub park_retry: Duration,
+    /// Batches of at most this many events (and 256 KiB) go through each shard's express
+    /// publisher when nothing else of their tenant is in flight, so quiet tenants never queue
+    /// behind another tenant's backlog. Default 32; 0: one publisher per shard, no lanes.
+    pub express_max_events: u32,
+}
+
+impl Default for DrainerConfig {
+    fn default() -> Self {
+        Self {
+            batch_size: 1000,
+            batch_timeout: Duration::from_secs(30),
+            retry: RetryPolicy::default(),
+            max_batches_in_flight: 1,
+            idle_retire: Duration::from_secs(30),
+            batch_max_bytes: 4 << 20,
+            park_after_attempts: 5,
+            park_retry: Duration::from_secs(60),
+            express_max_events: 32,
+        }
+    }
+}
+
+/// Why a drainer stopped on its own: the supervisor restarts none of these.
+pub mod stop_reason {
+    /// Graceful shutdown finished its batches.
+    pub const FINISHED: &str = "finished";
+    /// Its tenant's lease is gone: another relay may own the tenant now.
+    pub const FENCED: &str = "fenced";
+    /// Nothing to do for `idle_retire`.
+    pub const IDLE: &str = "idle";
+
+    /// Whether `reason` is one of the above (an orderly stop, not a failure).
+    pub fn is_orderly(reason: &str) -> bool {
+        [FINISHED, FENCED, IDLE].contains(&reason)
+    }
+}
+
+/// Arguments of a drainer.
+#[derive(Clone)]
+pub struct DrainerArgs {
+    /// The tenant it drains (the supervisor holds the tenant's lease).
+    pub tenant: TenantId,
+    /// The outbox.
+    pub outbox: Outbox,
+    /// The live publisher of each shard.
+    pub publishers: PublisherDirectory,
+    /// Events in flight across the whole relay, shared by every drainer: one permit per event.
+    pub budget: Arc<Semaphore>,
+    /// Payload bytes in flight across the whole relay (drained, in a publisher's mailbox, or
+    /// awaiting confirms), shared by every drainer: one permit per byte.
+    pub byte_budget: Arc<Semaphore>,
+    /// The tenant's lease: every publish and ack is fenced by it.
+    pub fence: Fence,
+    /// Where the drainer reports to its supervisor (a message, never shared state): that it
+    /// took a wake-up, and that it found nothing to do.
+    pub report: DrainerReporter,
+    /// Batch size, timeouts, retry delays.
+    pub config: DrainerConfig,
+}
+
+impl std::fmt::Debug for DrainerArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DrainerArgs")
+            .field("tenant", &self.tenant)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a drainer tells its supervisor, whose core decides what follows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DrainerReport {
+    /// It took a `Drain` (its drain starts now): a later wake-up needs a `Drain` of its own.
+    WakeTaken,
+    /// Its drain found nothing and nothing is in flight, at this activity number: it retires
+    /// after `idle_retire`, or sooner when told to ([`DrainerMessage::Retire`]).
+    Idle {
+        /// The window's activity count then.
+        activity: u64,
+    },
+}
+
+/// Sends a drainer's reports (with its actor id) to its supervisor.
+pub type DrainerReporter = Arc<dyn Fn(ractor::ActorId, DrainerReport) + Send + Sync>;
+
+/// Messages to a drainer.
+#[derive(Debug)]
+pub enum DrainerMessage {
+    /// There may be pending work: drain unless a batch is in flight or a retry is scheduled.
+    Drain,
+    /// The drainer's one timer fired: the window says what is due.
+    Tick,
+    /// A publisher's outcomes for the part of batch `batch` it was given.
+    Confirmed {
+        /// Batch number.
+        batch: u64,
+        /// The shard that answered.
+        shard: ShardId,
+        /// One outcome per event sent to that shard, in order.
+        outcomes: Vec<Outcome>,
+    },
+    /// A batch none of whose parts could be sent (no live publisher): settle it.
+    Unsent,
+    /// The broker is back (a publisher recovered): a tenant backing off after a failed batch
+    /// drains now ([`crate::window`]'s `resume`); otherwise nothing.
+    Resume,
+    /// Graceful shutdown: finish the batch in flight (or abandon it to a timeout), then stop.
+    Finish,
+    /// Retire now if still idle since `activity` (tenants wait for a drainer slot).
+    Retire {
+        /// The activity count of the [`DrainerReport::Idle`] this answers.
+        activity: u64,
+    },
+}

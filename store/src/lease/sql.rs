@@ -1,0 +1,170 @@
+//! The lease tables' SQL: membership, heartbeats, claims, releases.
+use std::time::Duration;
+
+use sqlx::PgPool;
+
+use super::*;
+use crate::Error;
+
+/// The lease tables' SQL. Cheap to clone (a pool handle). Give it its own small pool, so
+/// heartbeats never queue behind drains.
+#[derive(Clone, Debug)]
+pub struct LeaseStore {
+    pool: PgPool,
+}
+
+/// One bucket as `distribution status` shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BucketHolder {
+    /// The bucket.
+    pub bucket: Bucket,
+    /// Its owner, if any lease is current.
+    pub owner: Option<String>,
+    /// Its epoch.
+    pub epoch: i64,
+}
+
+fn ms(duration: Duration) -> i64 {
+    duration.as_millis().min(i64::MAX as u128) as i64
+}
+
+fn buckets(rows: Vec<(i32, i64)>) -> Vec<(Bucket, i64)> {
+    rows.into_iter()
+        .map(|(bucket, epoch)| (Bucket(bucket.clamp(0, i32::from(u16::MAX)) as u16), epoch))
+        .collect()
+}
+
+impl LeaseStore {
+    /// The lease tables on `pool`.
+    pub fn new(pool: PgPool) -> Self {
+        Self { pool }
+    }
+
+    /// Registers (or renews) relay `me` as a member for `ttl`; returns the live members,
+    /// itself included.
+    pub async fn heartbeat(&self, me: &RelayId, ttl: Duration) -> Result<u32, Error> {
+        let others: i64 = sqlx::query_scalar(
+            "WITH up AS (
+                 INSERT INTO relay_member (relay_id, expires_at)
+                 VALUES ($1, now() + $2 * interval '1 millisecond')
+                 ON CONFLICT (relay_id) DO UPDATE SET expires_at = EXCLUDED.expires_at
+                 RETURNING 1
+             ), gone AS (
+                 DELETE FROM relay_member WHERE expires_at < now() - interval '1 hour'
+             )
+             SELECT count(*) FROM relay_member, up WHERE relay_id <> $1 AND expires_at > now()",
+        )
+        .bind(me.as_str())
+        .bind(ms(ttl))
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(others.max(0) as u32 + 1)
+    }
+
+    /// Renews, for `ttl`, exactly the leases `held` (bucket, epoch) of `me` that are still
+    /// current; returns those. Only what the caller still holds is renewed: a lease it dropped
+    /// (its fence lapsed) must expire, or nobody could ever claim that bucket again.
+    pub async fn renew(
+        &self,
+        me: &RelayId,
+        ttl: Duration,
+        held: &[(Bucket, i64)],
+    ) -> Result<Vec<(Bucket, i64)>, Error> {
+        let buckets_held: Vec<i32> = held.iter().map(|(b, _)| i32::from(b.0)).collect();
+        let epochs: Vec<i64> = held.iter().map(|(_, e)| *e).collect();
+        let rows: Vec<(i32, i64)> = sqlx::query_as(
+            "UPDATE relay_lease l SET expires_at = now() + $2 * interval '1 millisecond'
+               FROM unnest($3::int[], $4::bigint[]) AS h(bucket, epoch)
+              WHERE l.bucket = h.bucket AND l.epoch = h.epoch
+                AND l.owner = $1 AND l.expires_at > now()
+             RETURNING l.bucket, l.epoch",
+        )
+        .bind(me.as_str())
+        .bind(ms(ttl))
+        .bind(&buckets_held)
+        .bind(&epochs)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(buckets(rows))
+    }
+
+    /// Claims up to `n` free or expired buckets for `me`, each with a new epoch. Buckets that
+    /// another relay is claiming, or whose old owner is acking right now, are skipped (taken
+    /// on a later heartbeat). FOR UPDATE waits for no one and conflicts with the FOR KEY SHARE
+    /// of a fenced ack, so an ack and a takeover never overlap.
+    pub async fn claim(
+        &self,
+        me: &RelayId,
+        ttl: Duration,
+        n: u16,
+    ) -> Result<Vec<(Bucket, i64)>, Error> {
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let rows: Vec<(i32, i64)> = sqlx::query_as(
+            "UPDATE relay_lease l
+                SET owner = $1, epoch = l.epoch + 1,
+                    expires_at = now() + $2 * interval '1 millisecond'
+               FROM (SELECT bucket FROM relay_lease
+                      WHERE expires_at <= now()
+                      ORDER BY bucket
+                      LIMIT $3
+                      FOR UPDATE SKIP LOCKED) free
+              WHERE l.bucket = free.bucket
+             RETURNING l.bucket, l.epoch",
+        )
+        .bind(me.as_str())
+        .bind(ms(ttl))
+        .bind(i64::from(n))
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(buckets(rows))
+    }
+
+    /// Releases `leases` of `me` (already revoked locally) so others may claim them at once.
+    pub async fn release(&self, me: &RelayId, leases: &[(Bucket, i64)]) -> Result<(), Error> {
+        if leases.is_empty() {
+            return Ok(());
+        }
+        let buckets: Vec<i32> = leases.iter().map(|(b, _)| i32::from(b.0)).collect();
+        let epochs: Vec<i64> = leases.iter().map(|(_, e)| *e).collect();
+        sqlx::query(
+            "UPDATE relay_lease l SET owner = NULL, expires_at = '-infinity'
+               FROM unnest($2::int[], $3::bigint[]) AS r(bucket, epoch)
+              WHERE l.bucket = r.bucket AND l.epoch = r.epoch AND l.owner = $1",
+        )
+        .bind(me.as_str())
+        .bind(&buckets)
+        .bind(&epochs)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Leaves the membership (graceful shutdown), so the others' shares grow at once.
+    pub async fn leave(&self, me: &RelayId) -> Result<(), Error> {
+        sqlx::query("DELETE FROM relay_member WHERE relay_id = $1")
+            .bind(me.as_str())
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Every bucket and its current owner (status and tests).
+    pub async fn holders(&self) -> Result<Vec<BucketHolder>, Error> {
+        let rows: Vec<(i32, Option<String>, i64)> = sqlx::query_as(
+            "SELECT bucket, CASE WHEN expires_at > now() THEN owner END, epoch
+               FROM relay_lease ORDER BY bucket",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(bucket, owner, epoch)| BucketHolder {
+                bucket: Bucket(bucket.clamp(0, i32::from(u16::MAX)) as u16),
+                owner,
+                epoch,
+            })
+            .collect())
+    }
+}

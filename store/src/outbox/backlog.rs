@@ -1,0 +1,96 @@
+//! What waits: pending tenants, backlog and oldest age, readiness facts.
+use std::time::Duration;
+
+use crate::{Error, TenantId};
+
+use super::*;
+
+impl Outbox {
+    /// Whether any intent waits, and how many branches are parked: two index probes, for a
+    /// readiness check that must stay cheap however large the backlog.
+    pub async fn pending_and_parked(&self) -> Result<(bool, u64), Error> {
+        let (pending, parked): (bool, i64) = sqlx::query_as(
+            "SELECT EXISTS (SELECT 1 FROM relay_outbox), (SELECT count(*) FROM relay_parked_branch)",
+        )
+        .fetch_one(&self.pool)
+        .await?;
+        Ok((pending, parked.max(0) as u64))
+    }
+
+    /// The tenants that have pending intents (a skip scan over the drain index: one index probe
+    /// per tenant, however large the backlog).
+    pub async fn tenants_with_pending(&self) -> Result<Vec<TenantId>, Error> {
+        let tenants: Vec<String> = sqlx::query_scalar(
+            "WITH RECURSIVE t(tenant_id) AS (
+                 (SELECT tenant_id FROM relay_outbox ORDER BY tenant_id LIMIT 1)
+                 UNION ALL
+                 SELECT (SELECT o.tenant_id FROM relay_outbox o
+                          WHERE o.tenant_id > t.tenant_id ORDER BY o.tenant_id LIMIT 1)
+                   FROM t WHERE t.tenant_id IS NOT NULL
+             )
+             SELECT tenant_id FROM t WHERE tenant_id IS NOT NULL",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        tenants.into_iter().map(TenantId::new).collect()
+    }
+
+    /// Pending intents (counted up to `cap`) and the age of the oldest, for `tenants` (in
+    /// their order; a tenant without intents reads as zero): the
+    /// lag gauges' read. Its cost is at most `cap` index entries and one index probe per
+    /// tenant, whatever the backlog (the full [`Outbox::backlog`] counts every row).
+    pub async fn backlog_of(&self, tenants: &[TenantId], cap: u32) -> Result<Vec<Backlog>, Error> {
+        let names: Vec<&str> = tenants.iter().map(TenantId::as_str).collect();
+        let rows: Vec<(String, i64, Option<f64>)> = sqlx::query_as(
+            "SELECT t.tenant_id,
+                    (SELECT count(*) FROM (SELECT 1 FROM relay_outbox o
+                                            WHERE o.tenant_id = t.tenant_id LIMIT $2) AS capped),
+                    (SELECT extract(epoch FROM clock_timestamp() - o.created_at)::float8
+                       FROM relay_outbox o WHERE o.tenant_id = t.tenant_id
+                      ORDER BY o.seq LIMIT 1)
+               FROM unnest($1::text[]) WITH ORDINALITY AS t(tenant_id, ord)
+              ORDER BY t.ord",
+        )
+        .bind(&names)
+        .bind(i64::from(cap))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.into_iter()
+            .map(|(tenant, pending, age_secs)| {
+                Backlog::from_row(tenant, pending, age_secs.unwrap_or(0.0))
+            })
+            .collect()
+    }
+
+    /// Pending intents and the age of the oldest, per tenant with pending work.
+    pub async fn backlog(&self) -> Result<Vec<Backlog>, Error> {
+        let rows: Vec<(String, i64, f64)> = sqlx::query_as(
+            "SELECT tenant_id, count(*),
+                    extract(epoch FROM clock_timestamp() - min(created_at))::float8
+               FROM relay_outbox
+              GROUP BY tenant_id
+              ORDER BY tenant_id",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        rows.into_iter()
+            .map(|(tenant, pending, age_secs)| Backlog::from_row(tenant, pending, age_secs))
+            .collect()
+    }
+
+    /// Backlog of one tenant (zero pending if it has none).
+    pub async fn tenant_backlog(&self, tenant: &TenantId) -> Result<Backlog, Error> {
+        let (pending, age_secs): (i64, Option<f64>) = sqlx::query_as(
+            "SELECT count(*), extract(epoch FROM clock_timestamp() - min(created_at))::float8
+               FROM relay_outbox WHERE tenant_id = $1",
+        )
+        .bind(tenant.as_str())
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(Backlog {
+            tenant: tenant.clone(),
+            pending: pending.max(0) as u64,
+            oldest_age: Duration::from_secs_f64(age_secs.unwrap_or(0.0).max(0.0)),
+        })
+    }
+}

@@ -22,6 +22,13 @@ use store::{BranchKey, EventKey, Lsn};
 
 use crate::{Backoff, Lane, RetryPolicy, ShardId};
 
+mod refusal;
+mod stall;
+use refusal::Cooling;
+pub(crate) use refusal::{Refusal, RefusalAction};
+use stall::Stall;
+pub(crate) use stall::{StallCause, StallNotice};
+
 /// What the drainer's one timer is set for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Due {
@@ -95,37 +102,6 @@ struct Batch<H> {
     _held: H,
 }
 
-/// A branch the broker refused events of, retried alone with its own backoff.
-#[derive(Debug)]
-struct Cooling {
-    attempts: u32,
-    first_failed: Instant,
-    retry_at: Instant,
-    backoff: Backoff,
-}
-
-/// What to do about a branch the broker refused.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) enum RefusalAction {
-    /// Drain it again after this delay (it is skipped until then).
-    RetryAfter(Duration),
-    /// Park it in PostgreSQL: it has been refused `attempts` times over `failing_for`.
-    Park {
-        /// Time since its first refusal in this run of refusals.
-        failing_for: Duration,
-    },
-}
-
-/// A branch the broker refused in the batches just settled.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Refusal {
-    pub(crate) branch: BranchKey,
-    pub(crate) reason: &'static str,
-    /// Refusals in a row, this one included.
-    pub(crate) attempts: u32,
-    pub(crate) action: RefusalAction,
-}
-
 /// What the drainer does after acking a settlement.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Next {
@@ -138,52 +114,6 @@ pub(crate) enum Next {
     Retry(Duration),
     /// Ack, then stop: graceful shutdown has nothing left in flight.
     Stop,
-}
-
-/// How long a tenant's batches may go unanswered (its publisher down, or the broker away)
-/// before the drainer says which tenant waits and why: short outages pass in silence, since
-/// the publishers' own warnings say the broker is away.
-pub(crate) const STALL_NOTICE_AFTER: Duration = Duration::from_secs(5);
-
-/// Why a tenant's batches went unanswered.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum StallCause {
-    /// Sent, and the session failed before the broker confirmed them.
-    Unconfirmed,
-    /// Never sent: its shard's publisher was down or its session had failed.
-    NotSent,
-}
-
-impl StallCause {
-    pub(crate) fn as_str(self) -> &'static str {
-        match self {
-            StallCause::Unconfirmed => "the broker did not confirm its batch",
-            StallCause::NotSent => "its shard's publisher was down",
-        }
-    }
-}
-
-/// A streak of failed sessions of one tenant, and whether the drainer has said so.
-#[derive(Clone, Copy, Debug)]
-struct Stall {
-    since: Instant,
-    failures: u32,
-    cause: StallCause,
-    told: bool,
-}
-
-/// What the drainer logs about a tenant's stall ([`Settlement::stall`]): once when it has
-/// lasted [`STALL_NOTICE_AFTER`], once when the tenant ships again after that.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum StallNotice {
-    /// The tenant's batches have gone unanswered for `waited`.
-    Waiting {
-        waited: Duration,
-        failures: u32,
-        cause: StallCause,
-    },
-    /// The tenant ships again after a stall it was told of.
-    Shipping { waited: Duration, failures: u32 },
 }
 
 /// The outcome of settling the complete batches at the front of the window.
@@ -596,79 +526,7 @@ impl<H> Window<H> {
             stall,
         })
     }
-
-    /// Follows the tenant's streak of failed sessions: one started or went on (`failed`), or
-    /// the broker confirmed something of it (`shipped`) and it ended.
-    fn stall(
-        &mut self,
-        failed: Option<StallCause>,
-        shipped: bool,
-        now: Instant,
-    ) -> Option<StallNotice> {
-        if let Some(cause) = failed {
-            let stall = self.stalled.get_or_insert(Stall {
-                since: now,
-                failures: 0,
-                cause,
-                told: false,
-            });
-            stall.failures += 1;
-            stall.cause = cause;
-            let waited = now.saturating_duration_since(stall.since);
-            if !stall.told && waited >= STALL_NOTICE_AFTER {
-                stall.told = true;
-                return Some(StallNotice::Waiting {
-                    waited,
-                    failures: stall.failures,
-                    cause,
-                });
-            }
-            return None;
-        }
-        if !shipped {
-            return None;
-        }
-        let stall = self.stalled.take()?;
-        stall.told.then(|| StallNotice::Shipping {
-            waited: now.saturating_duration_since(stall.since),
-            failures: stall.failures,
-        })
-    }
-
-    /// The broker refused an event of `branch`: retry it alone after its backoff, or park it
-    /// after `park_after_attempts` refusals in a row.
-    fn refused(&mut self, branch: BranchKey, reason: &'static str, now: Instant) -> Refusal {
-        let retry = self.config.retry;
-        let cooling = self
-            .cooling
-            .entry(branch.clone())
-            .or_insert_with(|| Cooling {
-                attempts: 0,
-                first_failed: now,
-                retry_at: now,
-                backoff: Backoff::new(retry),
-            });
-        cooling.attempts += 1;
-        let attempts = cooling.attempts;
-        let action = if attempts >= self.config.park_after_attempts.max(1) {
-            let failing_for = now.saturating_duration_since(cooling.first_failed);
-            self.cooling.remove(&branch);
-            RefusalAction::Park { failing_for }
-        } else {
-            let delay = cooling.backoff.next_delay();
-            cooling.retry_at = now + delay;
-            self.timers.insert((now + delay, Due::Drain));
-            RefusalAction::RetryAfter(delay)
-        };
-        Refusal {
-            branch,
-            reason,
-            attempts,
-            action,
-        }
-    }
 }
 
-#[cfg(test)]
 #[cfg(test)]
 mod tests;

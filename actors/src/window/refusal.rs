@@ -1,0 +1,79 @@
+//! A branch the broker refused: retried alone on its own backoff, parked after repeated
+//! refusals, while its tenant flows.
+use std::time::{Duration, Instant};
+
+use store::BranchKey;
+
+use super::{Due, Window};
+use crate::Backoff;
+
+/// A branch the broker refused events of, retried alone with its own backoff.
+#[derive(Debug)]
+pub(super) struct Cooling {
+    pub(super) attempts: u32,
+    pub(super) first_failed: Instant,
+    pub(super) retry_at: Instant,
+    pub(super) backoff: Backoff,
+}
+
+/// What to do about a branch the broker refused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum RefusalAction {
+    /// Drain it again after this delay (it is skipped until then).
+    RetryAfter(Duration),
+    /// Park it in PostgreSQL: it has been refused `attempts` times over `failing_for`.
+    Park {
+        /// Time since its first refusal in this run of refusals.
+        failing_for: Duration,
+    },
+}
+
+/// A branch the broker refused in the batches just settled.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Refusal {
+    pub(crate) branch: BranchKey,
+    pub(crate) reason: &'static str,
+    /// Refusals in a row, this one included.
+    pub(crate) attempts: u32,
+    pub(crate) action: RefusalAction,
+}
+
+impl<H> Window<H> {
+    /// The broker refused an event of `branch`: retry it alone after its backoff, or park it
+    /// after `park_after_attempts` refusals in a row.
+    pub(super) fn refused(
+        &mut self,
+        branch: BranchKey,
+        reason: &'static str,
+        now: Instant,
+    ) -> Refusal {
+        let retry = self.config.retry;
+        let cooling = self
+            .cooling
+            .entry(branch.clone())
+            .or_insert_with(|| Cooling {
+                attempts: 0,
+                first_failed: now,
+                retry_at: now,
+                backoff: Backoff::new(retry),
+            });
+        cooling.attempts += 1;
+        let attempts = cooling.attempts;
+        let action = if attempts >= self.config.park_after_attempts.max(1) {
+            let failing_for = now.saturating_duration_since(cooling.first_failed);
+            self.cooling.remove(&branch);
+            RefusalAction::Park { failing_for }
+        } else {
+            let delay = cooling.backoff.next_delay();
+            cooling.retry_at = now + delay;
+            self.timers.insert((now + delay, Due::Drain));
+            RefusalAction::RetryAfter(delay)
+        };
+        Refusal {
+            branch,
+            reason,
+            attempts,
+            action,
+        }
+    }
+}

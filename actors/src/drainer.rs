@@ -21,7 +21,9 @@ use store::{EventKey, OutboxEvent};
 use tokio::sync::{OwnedSemaphorePermit, TryAcquireError};
 use tracing::Instrument;
 
-use crate::window::{Next, Refusal, RefusalAction, StallNotice, Window, WindowConfig};
+use crate::window::{
+    Dispatch, Next, Refusal, RefusalAction, StallNotice, Window, WindowConfig, Woken,
+};
 use crate::{PublisherMessage, Reply, ShardId};
 
 mod api;
@@ -251,7 +253,12 @@ impl Drainer {
                 };
                 publisher.cast(message).is_ok()
             });
-            state.window.dispatched(id, shard, sent, indexes);
+            let dispatch = if sent {
+                Dispatch::Sent
+            } else {
+                Dispatch::NotSent
+            };
+            state.window.dispatched(id, shard, dispatch, indexes);
         }
         if state.window.is_answered(id) {
             // Every part failed to send: settle it as the next message (no recursion here).
@@ -399,10 +406,10 @@ impl Drainer {
             }
             DrainerMessage::Tick => {
                 let woken = state.window.handle_timeout(Instant::now());
-                if woken.retire {
-                    myself.stop(Some(stop_reason::IDLE.into()));
-                } else if woken.drain {
-                    return self.drain(&myself, state).await;
+                match woken {
+                    Woken::Retire => myself.stop(Some(stop_reason::IDLE.into())),
+                    Woken::Drain => return self.drain(&myself, state).await,
+                    Woken::Nothing => {}
                 }
                 return Ok(());
             }

@@ -40,13 +40,25 @@ enum Due {
     IdleCheck(u64),
 }
 
-/// What the timers due at some instant ask of the drainer.
+/// What the timers due at some instant ask of the drainer (retiring wins over draining).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct Woken {
+pub(crate) enum Woken {
+    /// Nothing is due.
+    #[default]
+    Nothing,
     /// Drain (a retry is due).
-    pub(crate) drain: bool,
+    Drain,
     /// Stop: idle since the check was set.
-    pub(crate) retire: bool,
+    Retire,
+}
+
+/// Where a part of a batch went.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Dispatch {
+    /// To its shard's publisher, which will answer.
+    Sent,
+    /// Nowhere: no live publisher (it is being restarted); settled as not sent.
+    NotSent,
 }
 
 /// Number of a batch within one drainer's life.
@@ -187,7 +199,7 @@ impl<H> Window<H> {
 
     /// Fires every timer due at `now` and says what the drainer must do.
     pub(crate) fn handle_timeout(&mut self, now: Instant) -> Woken {
-        let mut woken = Woken::default();
+        let (mut drain, mut retire) = (false, false);
         while let Some(&(at, due)) = self.timers.first()
             && at <= now
         {
@@ -195,16 +207,17 @@ impl<H> Window<H> {
             match due {
                 Due::Retry => {
                     self.retry_due();
-                    woken.drain = true;
+                    drain = true;
                 }
-                Due::Drain => woken.drain = true,
-                Due::IdleCheck(activity) => woken.retire |= self.idle_since(activity),
+                Due::Drain => drain = true,
+                Due::IdleCheck(activity) => retire |= self.idle_since(activity),
             }
         }
-        if woken.retire {
-            woken.drain = false;
+        match (retire, drain) {
+            (true, _) => Woken::Retire,
+            (false, true) => Woken::Drain,
+            (false, false) => Woken::Nothing,
         }
-        woken
     }
 
     /// The last drain found nothing and nothing is in flight: retire at `now + after` unless
@@ -380,23 +393,26 @@ impl<H> Window<H> {
         id
     }
 
-    /// The events at `indexes` of batch `batch` went to the shard's publisher (`sent`), or
-    /// could not be sent (no live publisher): they are settled as not sent.
+    /// The events at `indexes` of batch `batch` went to the shard's publisher, or could not be
+    /// sent (no live publisher): then they are settled as not sent.
     pub(crate) fn dispatched(
         &mut self,
         batch: BatchId,
         shard: ShardId,
-        sent: bool,
+        dispatch: Dispatch,
         indexes: Vec<usize>,
     ) {
         let Some(batch) = self.batches.iter_mut().find(|b| b.id == batch) else {
             return;
         };
-        if sent {
-            batch.pending.insert(shard, indexes);
-        } else {
-            for index in indexes {
-                batch.outcomes[index] = Some(Outcome::NotSent);
+        match dispatch {
+            Dispatch::Sent => {
+                batch.pending.insert(shard, indexes);
+            }
+            Dispatch::NotSent => {
+                for index in indexes {
+                    batch.outcomes[index] = Some(Outcome::NotSent);
+                }
             }
         }
     }

@@ -45,7 +45,7 @@ fn answered(window: &mut Window<()>, keys: &[EventKey], outcomes: &[Outcome]) ->
 fn sent(window: &mut Window<()>, keys: &[EventKey]) -> BatchId {
     let lane = window.lane_for(keys.len(), 0);
     let id = window.open(keys.to_vec(), vec![Utc::now(); keys.len()], lane, ());
-    window.dispatched(id, SHARD, true, (0..keys.len()).collect());
+    window.dispatched(id, SHARD, Dispatch::Sent, (0..keys.len()).collect());
     id
 }
 
@@ -170,15 +170,9 @@ fn the_window_owns_its_timers_and_wakes_the_drainer_for_what_is_due() {
     assert_eq!(window.poll_timeout(), Some(now + delay));
     assert!(!window.may_start());
     let early = window.handle_timeout(now + delay - Duration::from_millis(1));
-    assert_eq!(early, Woken::default(), "nothing before it is due");
+    assert_eq!(early, Woken::Nothing, "nothing before it is due");
     let due = window.handle_timeout(now + delay);
-    assert_eq!(
-        due,
-        Woken {
-            drain: true,
-            retire: false
-        }
-    );
+    assert_eq!(due, Woken::Drain);
     assert!(window.may_start(), "the retry ends the backoff");
     assert_eq!(window.poll_timeout(), None);
     // A refusal: its branch's retry wakes the drainer to drain again.
@@ -188,7 +182,7 @@ fn the_window_owns_its_timers_and_wakes_the_drainer_for_what_is_due() {
         panic!("the branch cools");
     };
     assert_eq!(window.poll_timeout(), Some(now + delay));
-    assert!(window.handle_timeout(now + delay).drain);
+    assert_eq!(window.handle_timeout(now + delay), Woken::Drain);
 }
 
 #[test]
@@ -203,26 +197,24 @@ fn an_idle_spell_keeps_one_check_and_a_busy_one_retires_nothing() {
     }
     assert_eq!(window.timers(), 1);
     assert_eq!(window.poll_timeout(), Some(now + idle));
-    assert_eq!(
-        window.handle_timeout(now + idle),
-        Woken {
-            drain: false,
-            retire: true
-        }
-    );
+    assert_eq!(window.handle_timeout(now + idle), Woken::Retire);
     // A batch opened in between: the old spell's check cannot retire the drainer, and a
     // new spell's check replaces it.
     window.idle(now, idle);
     answered(&mut window, &[key("a", 1)], &[Accepted]);
     window.settle(now).unwrap();
-    assert!(!window.handle_timeout(now + idle).retire, "busy since");
+    assert_ne!(
+        window.handle_timeout(now + idle),
+        Woken::Retire,
+        "busy since"
+    );
     window.idle(now, idle);
     answered(&mut window, &[key("a", 2)], &[Accepted]);
     window.settle(now).unwrap();
     window.idle(now + idle, idle);
     assert_eq!(window.timers(), 1, "the older spell's check went");
     assert_eq!(window.poll_timeout(), Some(now + idle + idle));
-    assert!(window.handle_timeout(now + idle + idle).retire);
+    assert_eq!(window.handle_timeout(now + idle + idle), Woken::Retire);
 }
 
 #[test]
@@ -405,8 +397,8 @@ fn a_part_that_could_not_be_sent_is_not_sent() {
         Lane::Bulk,
         (),
     );
-    window.dispatched(id, ShardId(0), false, vec![0]);
-    window.dispatched(id, ShardId(1), true, vec![1]);
+    window.dispatched(id, ShardId(0), Dispatch::NotSent, vec![0]);
+    window.dispatched(id, ShardId(1), Dispatch::Sent, vec![1]);
     assert!(!window.is_answered(id));
     window.confirmed(id, ShardId(1), vec![Accepted]);
     let settled = window.settle(Instant::now()).unwrap();

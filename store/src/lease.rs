@@ -329,8 +329,18 @@ impl LeaseBook {
 
     /// Buckets handed over for `grace` or longer by `now` without settling: their fences close
     /// and they leave the book (what was in flight is sent again by the next owner: at most
-    /// what was in flight). Returned with their epochs, to release.
-    pub fn overdue(&mut self, now: Instant, grace: Duration) -> Vec<(Bucket, i64)> {
+    /// what was in flight). Returned with their epochs, to release. None while the broker holds
+    /// a connection of this relay blocked (`broker_blocked`): what was written on it may still
+    /// land, so no other relay may send those events yet (the handover waits for the alarm).
+    pub fn overdue(
+        &mut self,
+        now: Instant,
+        grace: Duration,
+        broker_blocked: bool,
+    ) -> Vec<(Bucket, i64)> {
+        if broker_blocked {
+            return Vec::new();
+        }
         let late: Vec<Bucket> = self
             .leaving
             .iter()
@@ -575,9 +585,19 @@ mod tests {
         let fences = book.claimed(&[(Bucket(1), 4)], t0);
         book.hand_over(1, t0);
         let grace = Duration::from_secs(3);
-        assert!(book.overdue(t0 + Duration::from_secs(2), grace).is_empty());
+        assert!(
+            book.overdue(t0 + Duration::from_secs(2), grace, false)
+                .is_empty()
+        );
+        // Never while the broker blocks a connection: what was written on it may still land.
+        assert!(
+            book.overdue(t0 + Duration::from_secs(60), grace, true)
+                .is_empty()
+        );
+        assert_eq!(book.leaving(), vec![Bucket(1)], "still handing over");
+        assert!(fences[0].is_open_at(t0), "its fence stays open");
         assert_eq!(
-            book.overdue(t0 + Duration::from_secs(3), grace),
+            book.overdue(t0 + Duration::from_secs(3), grace, false),
             vec![(Bucket(1), 4)]
         );
         assert!(!fences[0].is_open_at(t0));

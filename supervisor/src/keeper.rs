@@ -286,11 +286,7 @@ impl Keeper {
             let mut release = Vec::new();
             // Handovers that did not settle in time are forced: the fence decides, as after a
             // crash (duplicates bounded by what was in flight).
-            let forced = if self.broker.blocked() {
-                Vec::new()
-            } else {
-                book.overdue(Instant::now(), self.handover_grace)
-            };
+            let forced = book.overdue(Instant::now(), self.handover_grace, self.broker.blocked());
             if !forced.is_empty() {
                 tracing::warn!(
                     buckets = forced.len(),

@@ -558,30 +558,18 @@ fn readiness_names_an_unreachable_database() {
 fn readiness_says_the_broker_blocks_the_relay_through_an_alarm() {
     host_runtime().block_on(async {
         let node = PrivateNode::start("ready");
-        let (pool, url) = fresh_database("cli_ready_alarm").await;
-        let addr = free_addr();
-        let mut child = relay()
-            .arg("run")
-            .env("DATABASE_URL", &url)
-            .env("AMQP_URL", node.url())
-            .env("RELAY_TOPOLOGY", unique("relay-ready-alarm"))
-            .env("RELAY_POLL_MS", "100")
-            .env("RELAY_AMQP_CONNECT_TIMEOUT_MS", "1000")
-            .env("RELAY_AMQP_CONFIRM_TIMEOUT_MS", "1000")
-            .env("RELAY_METRICS_ADDR", &addr)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        answer_until(&addr, "/readyz", |status| status == 200).await;
-        let branch = write_first_intent(&pool, "ready-alarm", b"1").await;
-        let outbox = Outbox::new(pool.clone());
-        wait_until(
-            "the first intent ships",
-            Duration::from_secs(30),
-            || async { pending(&outbox).await == 0 },
-        )
-        .await;
+        let settings = [
+            ("RELAY_POLL_MS", "100"),
+            ("RELAY_AMQP_CONNECT_TIMEOUT_MS", "1000"),
+            ("RELAY_AMQP_CONFIRM_TIMEOUT_MS", "1000"),
+        ];
+        let Shipping {
+            mut child,
+            addr,
+            pool,
+            branch,
+            outbox,
+        } = Shipping::start(&node, "ready_alarm", &settings).await;
 
         tokio::task::block_in_place(|| node.memory_alarm(true));
         for lsn in 2..=10 {
@@ -1021,32 +1009,62 @@ fn the_orders_example_runs_to_the_end() {
     println!("{stdout}");
 }
 
+/// `distribution run` on a private node, ready, its first intent shipped: where the readiness
+/// tests start.
+struct Shipping {
+    child: std::process::Child,
+    addr: String,
+    pool: sqlx::PgPool,
+    branch: distribution::store::BranchKey,
+    outbox: Outbox,
+}
+
+impl Shipping {
+    async fn start(node: &PrivateNode, label: &str, settings: &[(&str, &str)]) -> Self {
+        let (pool, url) = fresh_database(&format!("cli_{label}")).await;
+        let addr = free_addr();
+        let child = relay()
+            .arg("run")
+            .env("DATABASE_URL", &url)
+            .env("AMQP_URL", node.url())
+            .env("RELAY_TOPOLOGY", unique(&format!("relay-{label}")))
+            .env("RELAY_METRICS_ADDR", &addr)
+            .envs(settings.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        answer_until(&addr, "/readyz", |status| status == 200).await;
+        let branch = write_first_intent(&pool, label, b"1").await;
+        let outbox = Outbox::new(pool.clone());
+        wait_until(
+            "the first intent ships",
+            Duration::from_secs(30),
+            || async { pending(&outbox).await == 0 },
+        )
+        .await;
+        Self {
+            child,
+            addr,
+            pool,
+            branch,
+            outbox,
+        }
+    }
+}
+
 /// `/readyz` through a broker restart (`stop_app`, then `start_app`) with intents waiting:
 /// not ready, saying why, while the broker is away; ready again, and everything shipped,
 /// within seconds of its return (RabbitMQ 3.10 and 4.0).
 async fn readiness_through_a_restart(rabbit: crate::node::Rabbit) {
     let node = tokio::task::block_in_place(|| PrivateNode::start_on(rabbit, "readyrestart"));
-    let (pool, url) = fresh_database("cli_ready_restart").await;
-    let addr = free_addr();
-    let mut child = relay()
-        .arg("run")
-        .env("DATABASE_URL", &url)
-        .env("AMQP_URL", node.url())
-        .env("RELAY_TOPOLOGY", unique("relay-ready-restart"))
-        .env("RELAY_METRICS_ADDR", &addr)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    answer_until(&addr, "/readyz", |status| status == 200).await;
-    let branch = write_first_intent(&pool, "ready-restart", b"1").await;
-    let outbox = Outbox::new(pool.clone());
-    wait_until(
-        "the first intent ships",
-        Duration::from_secs(30),
-        || async { pending(&outbox).await == 0 },
-    )
-    .await;
+    let Shipping {
+        mut child,
+        addr,
+        pool,
+        branch,
+        outbox,
+    } = Shipping::start(&node, "ready_restart", &[]).await;
 
     tokio::task::block_in_place(|| node.stop_app());
     for lsn in 2..=10 {

@@ -51,6 +51,20 @@ fn sent(window: &mut Window<()>, keys: &[EventKey]) -> BatchId {
 
 use Outcome::{Accepted, Nacked, NotSent, Returned, TooLarge, Unconfirmed};
 
+/// An event of branch `a` goes unanswered and its batch settles: the tenant backs off, by
+/// this delay.
+fn backs_off(window: &mut Window<()>, now: Instant) -> Duration {
+    answered(window, &[key("a", 1)], &[Unconfirmed]);
+    let Some(Settlement {
+        next: Next::Retry(delay),
+        ..
+    }) = window.settle(now)
+    else {
+        panic!("the tenant backs off");
+    };
+    delay
+}
+
 /// A tenant that backed off through an outage (its retry grown to the policy's longest)
 /// drains at once when the broker is back, with its backoff started over; a tenant that is
 /// not backing off, or a cooling branch (a refusal, not an outage), is left as it was.
@@ -61,15 +75,7 @@ fn the_broker_back_ends_a_tenants_backoff_and_only_that() {
     assert!(!window.resume(), "nothing to resume while flowing");
     let mut delay = Duration::ZERO;
     for _ in 0..6 {
-        answered(&mut window, &[key("a", 1)], &[Unconfirmed]);
-        let Some(Settlement {
-            next: Next::Retry(next),
-            ..
-        }) = window.settle(now)
-        else {
-            panic!("the tenant backs off");
-        };
-        delay = next;
+        delay = backs_off(&mut window, now);
         window.handle_timeout(now + delay);
     }
     assert!(delay >= Duration::from_millis(500), "grown: {delay:?}");
@@ -81,14 +87,7 @@ fn the_broker_back_ends_a_tenants_backoff_and_only_that() {
     assert_eq!(window.poll_timeout(), None, "its retry is gone");
     assert!(!window.resume(), "once");
     // Its backoff starts over: the next failure waits about the shortest delay.
-    answered(&mut window, &[key("a", 1)], &[Unconfirmed]);
-    let Some(Settlement {
-        next: Next::Retry(next),
-        ..
-    }) = window.settle(now)
-    else {
-        panic!("the tenant backs off");
-    };
+    let next = backs_off(&mut window, now);
     // (The policy's shortest, 100 ms, plus at most as much jitter.)
     assert!(next <= Duration::from_millis(200), "{next:?}");
 
@@ -159,14 +158,7 @@ fn the_window_owns_its_timers_and_wakes_the_drainer_for_what_is_due() {
     let mut window = Window::new(config(1, 5));
     assert_eq!(window.poll_timeout(), None);
     // A session failure: the tenant backs off, its retry is the one timer.
-    answered(&mut window, &[key("a", 1)], &[Unconfirmed]);
-    let Some(Settlement {
-        next: Next::Retry(delay),
-        ..
-    }) = window.settle(now)
-    else {
-        panic!("the tenant backs off");
-    };
+    let delay = backs_off(&mut window, now);
     assert_eq!(window.poll_timeout(), Some(now + delay));
     assert!(!window.may_start());
     let early = window.handle_timeout(now + delay - Duration::from_millis(1));

@@ -418,6 +418,25 @@ async fn get(addr: &str, path: &str) -> Option<(u16, String)> {
     Some((status, String::from_utf8_lossy(&body).into_owned()))
 }
 
+/// Stops a `distribution run` with SIGTERM (its graceful stop): its exit code.
+fn terminate(child: &mut std::process::Child) -> Option<i32> {
+    let signalled = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(signalled.success(), "kill -TERM");
+    child.wait().unwrap().code()
+}
+
+/// Deletes the exchange and queues of the topology named `topology` (the harness's 4
+/// partitions).
+async fn drop_topology_named(url: &str, topology: &str) {
+    let rabbit = relay_config(url, &amqp_url(), topology)
+        .rabbit_config()
+        .unwrap();
+    drop_topology(&rabbit.topology).await;
+}
+
 /// Asks `path` until it answers with a status `wanted` accepts (30 s at most).
 async fn answer_until(addr: &str, path: &str, wanted: impl Fn(u16) -> bool) -> (u16, String) {
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -486,17 +505,8 @@ fn a_running_relay_answers_health_and_readiness() {
                 .is_some_and(|(status, _)| status == 200)
         })
         .await;
-        let terminated = Command::new("kill")
-            .args(["-TERM", &child.id().to_string()])
-            .status()
-            .unwrap();
-        assert!(terminated.success());
-        let status = child.wait().unwrap();
-        assert_eq!(status.code(), Some(0), "graceful stop on SIGTERM");
-        let rabbit = relay_config(&url, &amqp_url(), &topology)
-            .rabbit_config()
-            .unwrap();
-        drop_topology(&rabbit.topology).await;
+        assert_eq!(terminate(&mut child), Some(0), "graceful stop on SIGTERM");
+        drop_topology_named(&url, &topology).await;
     });
 }
 
@@ -543,10 +553,7 @@ fn readiness_names_an_unreachable_database() {
         .await;
         child.kill().unwrap();
         child.wait().unwrap();
-        let rabbit = relay_config(&url, &amqp_url(), &topology)
-            .rabbit_config()
-            .unwrap();
-        drop_topology(&rabbit.topology).await;
+        drop_topology_named(&url, &topology).await;
     });
 }
 
@@ -810,14 +817,8 @@ fn a_failing_drainer_restarts_on_its_backoff_under_notify_load() {
             during <= 12,
             "{during} restarts in {elapsed:?} under {commits} commits"
         );
-        let _ = Command::new("kill")
-            .args(["-TERM", &child.id().to_string()])
-            .status();
-        let _ = child.wait();
-        let rabbit = relay_config(&url, &amqp_url(), &topology)
-            .rabbit_config()
-            .unwrap();
-        drop_topology(&rabbit.topology).await;
+        terminate(&mut child);
+        drop_topology_named(&url, &topology).await;
     });
 }
 
@@ -953,6 +954,7 @@ fn json_logs_are_one_object_per_line() {
         let _ = Command::new("kill")
             .args(["-TERM", &child.id().to_string()])
             .status();
+        // Read to its end (the process's exit) before waiting: a full pipe would block it.
         let mut stderr = String::new();
         std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
         assert_eq!(child.wait().unwrap().code(), Some(0));
@@ -976,10 +978,7 @@ fn json_logs_are_one_object_per_line() {
         };
         assert!(said("broker"), "{stderr}");
         assert!(said("workaround on"), "{stderr}");
-        let rabbit = relay_config(&url, &amqp_url(), &topology)
-            .rabbit_config()
-            .unwrap();
-        drop_topology(&rabbit.topology).await;
+        drop_topology_named(&url, &topology).await;
     });
 }
 

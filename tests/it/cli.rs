@@ -31,6 +31,23 @@ fn relay() -> Command {
     command
 }
 
+/// `distribution run` on the database `url` and the broker `amqp`, with its own topology (the
+/// harness's 4 partitions, so `drop_topology_named` removes every queue) and `/metrics`
+/// address, silent; add settings with `.env`.
+fn run_command(url: &str, amqp: &str, topology: &str, addr: &str) -> Command {
+    let mut command = relay();
+    command
+        .arg("run")
+        .env("DATABASE_URL", url)
+        .env("AMQP_URL", amqp)
+        .env("RELAY_TOPOLOGY", topology)
+        .env("RELAY_PARTITIONS", "4")
+        .env("RELAY_METRICS_ADDR", addr)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    command
+}
+
 fn output(command: &mut Command) -> (i32, String, String) {
     let Output {
         status,
@@ -246,16 +263,9 @@ fn the_printed_sql_builds_a_working_outbox() {
         // and leaves the migrations to the host's tool (no relay_migrations table).
         let topology = unique("relay-skip");
         let addr = free_addr();
-        let mut child = relay()
-            .arg("run")
-            .env("DATABASE_URL", &url)
-            .env("AMQP_URL", amqp_url())
-            .env("RELAY_TOPOLOGY", &topology)
+        let mut child = run_command(&url, &amqp_url(), &topology, &addr)
             .env("RELAY_POLL_MS", "100")
-            .env("RELAY_METRICS_ADDR", &addr)
             .env("RELAY_SKIP_MIGRATE", "true")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
             .spawn()
             .unwrap();
         let outbox = Outbox::new(pool.clone());
@@ -458,18 +468,9 @@ fn a_running_relay_answers_health_and_readiness() {
         let proxy = BrokerProxy::start(&amqp_url()).unwrap();
         let topology = unique("relay-ready");
         let addr = free_addr();
-        let mut child = relay()
-            .arg("run")
-            .env("DATABASE_URL", &url)
-            .env("AMQP_URL", proxy.amqp_url())
-            .env("RELAY_TOPOLOGY", &topology)
-            // The harness's partitions, so drop_topology below removes every queue.
-            .env("RELAY_PARTITIONS", "4")
+        let mut child = run_command(&url, &proxy.amqp_url(), &topology, &addr)
             .env("RELAY_POLL_MS", "100")
             .env("RELAY_AMQP_CONNECT_TIMEOUT_MS", "1000")
-            .env("RELAY_METRICS_ADDR", &addr)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
             .spawn()
             .unwrap();
         let (status, _) = answer_until(&addr, "/healthz", |_| true).await;
@@ -520,17 +521,8 @@ fn readiness_names_an_unreachable_database() {
         let database = BrokerProxy::start(&url).unwrap();
         let topology = unique("relay-ready-db");
         let addr = free_addr();
-        let mut child = relay()
-            .arg("run")
-            .env("DATABASE_URL", database.amqp_url())
-            .env("AMQP_URL", amqp_url())
-            .env("RELAY_TOPOLOGY", &topology)
-            // The harness's partitions, so drop_topology below removes every queue.
-            .env("RELAY_PARTITIONS", "4")
+        let mut child = run_command(&database.amqp_url(), &amqp_url(), &topology, &addr)
             .env("RELAY_POLL_MS", "100")
-            .env("RELAY_METRICS_ADDR", &addr)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
             .spawn()
             .unwrap();
         answer_until(&addr, "/readyz", |status| status == 200).await;
@@ -770,15 +762,7 @@ fn a_failing_drainer_restarts_on_its_backoff_under_notify_load() {
             .await
             .unwrap();
         let addr = free_addr();
-        let mut child = relay()
-            .arg("run")
-            .env("DATABASE_URL", &url)
-            .env("AMQP_URL", amqp_url())
-            .env("RELAY_TOPOLOGY", &topology)
-            .env("RELAY_PARTITIONS", "4")
-            .env("RELAY_METRICS_ADDR", &addr)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
+        let mut child = run_command(&url, &amqp_url(), &topology, &addr)
             .spawn()
             .unwrap();
         let restarts = || async {
@@ -936,13 +920,7 @@ fn json_logs_are_one_object_per_line() {
         let (_pool, url) = fresh_database("cli_json").await;
         let topology = unique("relay-json");
         let addr = free_addr();
-        let mut child = relay()
-            .arg("run")
-            .env("DATABASE_URL", &url)
-            .env("AMQP_URL", amqp_url())
-            .env("RELAY_TOPOLOGY", &topology)
-            .env("RELAY_PARTITIONS", "4")
-            .env("RELAY_METRICS_ADDR", &addr)
+        let mut child = run_command(&url, &amqp_url(), &topology, &addr)
             .env("RELAY_LOG_FORMAT", "json")
             .env("RUST_LOG", "info")
             .env("RELAY_QUEUE_TYPE", "stream")
@@ -1022,15 +1000,9 @@ impl Shipping {
     async fn start(node: &PrivateNode, label: &str, settings: &[(&str, &str)]) -> Self {
         let (pool, url) = fresh_database(&format!("cli_{label}")).await;
         let addr = free_addr();
-        let child = relay()
-            .arg("run")
-            .env("DATABASE_URL", &url)
-            .env("AMQP_URL", node.url())
-            .env("RELAY_TOPOLOGY", unique(&format!("relay-{label}")))
-            .env("RELAY_METRICS_ADDR", &addr)
+        let topology = unique(&format!("relay-{label}"));
+        let child = run_command(&url, &node.url(), &topology, &addr)
             .envs(settings.iter().copied())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
             .spawn()
             .unwrap();
         answer_until(&addr, "/readyz", |status| status == 200).await;

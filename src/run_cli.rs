@@ -86,7 +86,13 @@ pub(crate) async fn log_broker_version(config: &RelayConfig) {
             for note in version.notes(streams) {
                 tracing::warn!(broker = %version, "{note}");
             }
-            for workaround in version.workarounds(streams) {
+            // The same on every version: the fixes behind them are not verified here.
+            let workarounds = if streams {
+                distribution::broker::STREAM_WORKAROUNDS
+            } else {
+                &[]
+            };
+            for workaround in workarounds {
                 tracing::info!(broker = %version, workaround, "workaround on");
             }
         }

@@ -41,10 +41,9 @@ enum Due {
 }
 
 /// What the timers due at some instant ask of the drainer (retiring wins over draining).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Woken {
     /// Nothing is due.
-    #[default]
     Nothing,
     /// Drain (a retry is due).
     Drain,

@@ -105,16 +105,9 @@ impl BrokerVersion {
 pub const STREAM_WORKAROUNDS: &[&str] = &[
     "one publisher shard per stream partition, so a channel writes one stream \
      (rabbitmq-server#9457)",
-    "a stream consumer subscribes again to a partition silent for 5 s (osiris#172)",
+    "a stream consumer subscribes again to a silent partition \
+     (ConsumerConfig::stream_resubscribe, 5 s by default; osiris#172)",
 ];
-
-impl BrokerVersion {
-    /// The workarounds in force for a relay on this broker ([`STREAM_WORKAROUNDS`] on
-    /// streams; none otherwise).
-    pub fn workarounds(&self, streams: bool) -> &'static [&'static str] {
-        if streams { STREAM_WORKAROUNDS } else { &[] }
-    }
-}
 
 impl std::fmt::Display for BrokerVersion {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -217,7 +210,5 @@ mod tests {
         assert_eq!(v310.notes(false).len(), 1);
         assert_eq!(other.notes(false).len(), 1);
         assert_eq!(v40.to_string(), "RabbitMQ 4.0.5");
-        assert_eq!(v40.workarounds(true).len(), 2);
-        assert!(v40.workarounds(false).is_empty() && v310.workarounds(false).is_empty());
     }
 }

@@ -270,13 +270,9 @@ async fn a_consumer_declares_every_queue_exactly_as_wire_md_says() {
                     .unwrap_or_else(|err| panic!("{label}: {queue} refused: {err}"));
             }
         }
-        cleanup_all(&channel, &topology).await;
+        topology
+            .delete(&channel)
+            .await
+            .expect("delete the test's topology");
     }
-}
-
-async fn cleanup_all(channel: &lapin::Channel, topology: &Topology) {
-    topology
-        .delete(channel)
-        .await
-        .expect("delete the test's topology");
 }

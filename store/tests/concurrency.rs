@@ -492,6 +492,42 @@ async fn a_close_waiting_on_an_append_ends_the_run_after_it(pool: PgPool) {
     );
 }
 
+/// WIRE.md: "A second close is refused (`RL110`): a run has one end marker", also when two
+/// closes race: the second waits on the branch's lock while the first is uncommitted, then is
+/// refused, and the outbox holds one end marker.
+#[sqlx::test(migrator = "store::MIGRATOR")]
+async fn two_racing_closes_write_one_end_marker(pool: PgPool) {
+    let branch = key("t", "r", "main");
+    appended(&pool, &branch, 1..=2).await;
+    let writer = IntentWriter::default().with_notify(false);
+    let mut first = pool.begin().await.unwrap();
+    writer
+        .close_run(&mut first, &branch.tenant, &branch.run)
+        .await
+        .unwrap();
+    let second = tokio::spawn({
+        let (pool, writer, branch) = (pool.clone(), writer.clone(), branch.clone());
+        async move {
+            let mut conn = pool.acquire().await.unwrap();
+            writer
+                .close_run(&mut conn, &branch.tenant, &branch.run)
+                .await
+        }
+    });
+    blocked_on_lock(&pool, "relay_close_run").await;
+    first.commit().await.unwrap();
+    let refused = second.await.unwrap();
+    assert!(
+        matches!(refused, Err(store::Error::RunClosed { .. })),
+        "{refused:?}"
+    );
+    let ends: i64 = sqlx::query_scalar("SELECT count(*) FROM relay_outbox WHERE kind = 2")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(ends, 1, "one end marker");
+}
+
 /// Retirement never waits for anyone: a host transaction holding an open run's branch, and
 /// another holding a closed run's, leave it free to retire every other due run at once; the
 /// held run goes in a later pass, once it is free.

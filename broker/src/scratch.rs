@@ -1,8 +1,11 @@
 //! Scratch broker names for tests (feature `fixtures`): a test that names its topology with
 //! [`unique`] has its exchange and queues deleted when its process exits, whether its tests
 //! passed or failed. The broker is listed with `rabbitmqctl` (AMQP cannot list queues, and the
-//! machine's broker has no management plugin), and every exchange and queue whose name starts
-//! with one of this process's names is deleted over AMQP (`AMQP_URL`). Names of a process that
+//! machine's broker has no management plugin), aimed at the node `AMQP_URL` reaches (`-n`,
+//! from the `cluster_name` its `connection.start` says, see [`listing`]; a bare `rabbitmqctl`
+//! would list this machine's node, whatever `AMQP_URL` names),
+//! and every exchange and queue whose name starts with one of this process's names is deleted
+//! over AMQP (`AMQP_URL`). Names of a process that
 //! never reached its exit are deleted by a later one once over an hour old, as
 //! `store::scratch` does with databases.
 use std::process::Command;
@@ -44,10 +47,14 @@ fn ours(name: &str, pid: u32, now_micros: u128) -> bool {
     plausible && (owner == pid || now_micros.saturating_sub(micros) > 3_600_000_000)
 }
 
-/// `rabbitmqctl list_<what> name`: one name per line; none if the tool is missing, fails, or
-/// gets no answer within 10 s.
-fn listed(what: &str) -> Vec<String> {
-    let output = Command::new("rabbitmqctl")
+/// `rabbitmqctl [-n node] list_<what> name`: one name per line; `None` if the tool is missing,
+/// fails, or gets no answer within 10 s.
+fn listed(what: &str, node: Option<&str>) -> Option<Vec<String>> {
+    let mut command = Command::new("rabbitmqctl");
+    if let Some(node) = node {
+        command.args(["-n", node]);
+    }
+    let output = command
         .args([
             what,
             "name",
@@ -56,16 +63,43 @@ fn listed(what: &str) -> Vec<String> {
             "--timeout",
             "10",
         ])
-        .output();
-    match output {
-        Ok(output) if output.status.success() => String::from_utf8_lossy(&output.stdout)
+        .output()
+        .ok()?;
+    output.status.success().then(|| {
+        String::from_utf8_lossy(&output.stdout)
             .lines()
             .map(str::trim)
             .filter(|line| !line.is_empty())
             .map(str::to_owned)
-            .collect(),
-        _ => Vec::new(),
+            .collect()
+    })
+}
+
+/// The queues and exchanges of the node `AMQP_URL` reached, else of the node a bare
+/// `rabbitmqctl` reaches: names listed from another broker than `AMQP_URL`'s only make
+/// deletes over AMQP that find nothing. `cluster_name` defaults to the node's name with the
+/// host's full name (`rabbit@vm`), which is the node's own name unless the node was named
+/// `@localhost`, as private test nodes are: both are tried.
+fn listing(cluster_name: Option<&str>) -> (Vec<String>, Vec<String>) {
+    let mut nodes: Vec<String> = Vec::new();
+    if let Some(name) = cluster_name {
+        nodes.push(name.to_owned());
+        if let Some((id, _host)) = name.split_once('@') {
+            nodes.push(format!("{id}@localhost"));
+        }
     }
+    let list = |what: &str| {
+        nodes
+            .iter()
+            .find_map(|node| listed(what, Some(node)))
+            .or_else(|| listed(what, None))
+            .unwrap_or_default()
+    };
+    std::thread::scope(|scope| {
+        let queues = scope.spawn(|| list("list_queues"));
+        let exchanges = list("list_exchanges");
+        (queues.join().unwrap_or_default(), exchanges)
+    })
 }
 
 /// At the process's exit: deletes this process's (and stale) queues and exchanges, bounded to
@@ -75,20 +109,21 @@ extern "C" fn delete_at_exit() {
         return;
     };
     let deleted = store::scratch::finish_on_own_thread(Duration::from_secs(30), move || {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |since| since.as_micros());
-        let pid = std::process::id();
-        let (queues, exchanges) = std::thread::scope(|scope| {
-            let queues = scope.spawn(|| listed("list_queues"));
-            let exchanges = listed("list_exchanges");
-            (queues.join().unwrap_or_default(), exchanges)
-        });
-        let doomed: Vec<(bool, String)> = (queues.into_iter().map(|name| (true, name)))
-            .chain(exchanges.into_iter().map(|name| (false, name)))
-            .filter(|(_, name)| ours(name, pid, now))
-            .collect();
         async move {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |since| since.as_micros());
+            let pid = std::process::id();
+            let cluster_name = crate::version::read_start_at(&url, Default::default())
+                .await
+                .ok()
+                .map(|broker| broker.cluster_name)
+                .filter(|name| !name.is_empty());
+            let (queues, exchanges) = listing(cluster_name.as_deref());
+            let doomed: Vec<(bool, String)> = (queues.into_iter().map(|name| (true, name)))
+                .chain(exchanges.into_iter().map(|name| (false, name)))
+                .filter(|(_, name)| ours(name, pid, now))
+                .collect();
             if doomed.is_empty() {
                 return Ok(0);
             }

@@ -19,6 +19,9 @@ pub struct BrokerVersion {
     pub product: String,
     /// `version` as said (`3.10.8`, `4.0.5`), empty if not said.
     pub version: String,
+    /// `cluster_name` as said: by default the name of the node the connection reached
+    /// (`rabbit@host`); empty if not said.
+    pub cluster_name: String,
     /// `version`'s leading numbers, if it has them.
     numbers: Option<(u32, u32, u32)>,
 }
@@ -39,6 +42,7 @@ impl BrokerVersion {
         Self {
             product: product.to_owned(),
             version: version.to_owned(),
+            cluster_name: String::new(),
             numbers,
         }
     }
@@ -50,7 +54,10 @@ impl BrokerVersion {
             Some(AMQPValue::ShortString(text)) => text.as_str().to_owned(),
             _ => String::new(),
         };
-        Self::new(&text("product"), &text("version"))
+        Self {
+            cluster_name: text("cluster_name"),
+            ..Self::new(&text("product"), &text("version"))
+        }
     }
 
     /// Whether it is RabbitMQ `major.minor.patch` or later (unknown: false).
@@ -131,13 +138,20 @@ pub async fn server_version(config: &RabbitConfig) -> Result<BrokerVersion, Erro
 }
 
 async fn read_start(config: &RabbitConfig) -> Result<BrokerVersion, Error> {
-    let address = config.addresses()[0];
+    read_start_at(config.addresses()[0], config.tls.owned()).await
+}
+
+/// What the broker at `address` (one AMQP URI) says it is, read over `tls` when the URI is
+/// `amqps`.
+pub(crate) async fn read_start_at(
+    address: &str,
+    tls: lapin::tcp::OwnedTLSConfig,
+) -> Result<BrokerVersion, Error> {
     let uri: AMQPUri = address
         .parse()
         .map_err(|why: String| Error::InvalidConfig(format!("not a valid AMQP URI: {why}")))?;
     let unreachable = |err: std::io::Error| Error::Unreachable(err.to_string());
     let runtime = lapin::runtime::default_runtime().map_err(Error::Channel)?;
-    let tls = config.tls.owned();
     let mut stream = uri
         .connect_with_config_async(tls.as_ref(), &runtime)
         .await
@@ -210,5 +224,26 @@ mod tests {
         assert_eq!(v310.notes(false).len(), 1);
         assert_eq!(other.notes(false).len(), 1);
         assert_eq!(v40.to_string(), "RabbitMQ 4.0.5");
+    }
+
+    #[test]
+    fn server_properties_name_the_product_version_and_node() {
+        let mut properties = FieldTable::default();
+        for (name, value) in [
+            ("product", "RabbitMQ"),
+            ("version", "4.0.5"),
+            ("cluster_name", "rabbit@host"),
+        ] {
+            properties.insert(name.into(), AMQPValue::LongString(value.into()));
+        }
+        let said = BrokerVersion::from_server_properties(&properties);
+        assert_eq!(
+            (said.to_string().as_str(), said.cluster_name.as_str()),
+            ("RabbitMQ 4.0.5", "rabbit@host")
+        );
+        assert!(said.is_at_least(4, 0, 5));
+        let unnamed = BrokerVersion::from_server_properties(&FieldTable::default());
+        assert_eq!(unnamed.to_string(), "an unnamed broker");
+        assert!(unnamed.cluster_name.is_empty());
     }
 }

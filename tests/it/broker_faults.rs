@@ -564,3 +564,76 @@ mod outbox {
         relay.shutdown().await;
     }
 }
+
+/// A test's scratch topology is deleted at its process's exit from the broker `AMQP_URL` names,
+/// also when that is not this machine's node (a bare `rabbitmqctl` lists this machine's).
+mod scratch {
+    use distribution::broker::{Partition, Topology};
+    use lapin::{Connection, ConnectionProperties};
+
+    use crate::node::PrivateNode;
+
+    /// Run only as the child of the test below, with `AMQP_URL` naming a private node:
+    /// declares a scratch topology with a message in a queue, prints its name and fails.
+    #[tokio::test]
+    #[ignore = "the child of a_scratch_topology_is_deleted_from_the_broker_amqp_url_names"]
+    async fn child_declares_a_topology_on_a_private_node_and_fails() {
+        if std::env::var_os("SCRATCH_CHILD").is_none() {
+            return;
+        }
+        let url = std::env::var("AMQP_URL").unwrap();
+        let topology = Topology::new(&crate::harness::unique("relay-test-away"), 2).unwrap();
+        let connection = Connection::connect(&url, ConnectionProperties::default())
+            .await
+            .unwrap();
+        let channel = connection.create_channel().await.unwrap();
+        topology.declare(&channel).await.unwrap();
+        channel
+            .basic_publish(
+                "".into(),
+                topology.queue(Partition(1)),
+                Default::default(),
+                b"left behind",
+                Default::default(),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        println!("SCRATCH={}", topology.exchange());
+        panic!("this test fails on purpose");
+    }
+
+    #[test]
+    fn a_scratch_topology_is_deleted_from_the_broker_amqp_url_names() {
+        let node = PrivateNode::start("scratch");
+        let output = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--ignored",
+                "--exact",
+                "broker_faults::scratch::child_declares_a_topology_on_a_private_node_and_fails",
+                "--nocapture",
+            ])
+            .env("SCRATCH_CHILD", "1")
+            .env("AMQP_URL", node.url())
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(!output.status.success(), "the child failed: {stdout}");
+        let name = stdout
+            .lines()
+            .find_map(|line| line.strip_prefix("SCRATCH="))
+            .unwrap_or_else(|| panic!("the child named its topology: {stdout}"))
+            .to_owned();
+        // Not vacuous: the node is not the one a bare `rabbitmqctl` reaches.
+        assert!(node.url() != std::env::var("AMQP_URL").unwrap());
+        let queues = node.ctl(&["list_queues", "name", "--quiet", "--no-table-headers"]);
+        let exchanges = node.ctl(&["list_exchanges", "name", "--quiet", "--no-table-headers"]);
+        let left: Vec<&str> = queues
+            .lines()
+            .chain(exchanges.lines())
+            .filter(|line| line.trim().starts_with(&name))
+            .collect();
+        assert!(left.is_empty(), "left on the private node: {left:?}");
+    }
+}

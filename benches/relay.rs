@@ -11,7 +11,9 @@
 //! 5. peak RSS of the standalone relay draining a small and a 10x larger backlog;
 //! 6. database queries per second and CPU of the relay while 1,000 tenants sit idle;
 //! 13. classic, quorum and stream queues on one node and on a private 3-node cluster, and a
-//!     consumer group replaying a stream (`BENCH_ONLY=queues` runs this section alone).
+//!     consumer group replaying a stream (`BENCH_ONLY=queues` runs this section alone); 13b:
+//!     on RabbitMQ 4.0, streams written with and without a shard per partition
+//!     (`BENCH_ONLY=streamshards` runs it alone).
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
@@ -1580,6 +1582,111 @@ async fn queue_types(
     measured
 }
 
+/// Section 13b: what the per-partition shards cost on streams (`Sharding::Partition`, the
+/// workaround for rabbitmq-server#9457, applied on every version): on a private RabbitMQ 4.0
+/// node (`scripts/rabbitmq-root`), the backlog drain into 8 streams with one publisher shard
+/// per partition (the relay as it runs) next to the default 4 shards by branch, median of 3,
+/// alternated. The second is started through `Relay::start_with` with a relay configuration of
+/// classic queues (so no per-partition override) and publishers on the stream topology.
+async fn stream_shards(
+    env: &mut Env,
+    mode: &Mode,
+    row: &mut impl FnMut(&str, String, &str),
+) -> Result<()> {
+    let per_run = (mode.backlog_per_run / 4).max(1);
+    let scripts = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts");
+    let root = std::process::Command::new(format!("{scripts}/rabbitmq-root"))
+        .arg("ensure")
+        .output()?;
+    anyhow::ensure!(
+        root.status.success(),
+        "building the RabbitMQ 4.0 root: {}",
+        String::from_utf8_lossy(&root.stderr)
+    );
+    let root = String::from_utf8_lossy(&root.stdout).trim().to_owned();
+    let dir = format!("{root}/tmp/{}", unique("relay-bench-v4"));
+    let cluster = |args: &[&str]| {
+        std::process::Command::new(format!("{scripts}/rabbitmq-cluster"))
+            .args(args)
+            .env("RABBITMQ_ROOT", &root)
+            .output()
+    };
+    let started = cluster(&["start", &dir, "1"])?;
+    anyhow::ensure!(
+        started.status.success(),
+        "starting a RabbitMQ 4.0 node: {}",
+        String::from_utf8_lossy(&started.stderr)
+    );
+    let single = std::mem::replace(
+        &mut env.amqp,
+        String::from_utf8_lossy(&started.stdout).trim().to_owned(),
+    );
+    env.queue_type = QueueType::Stream;
+    let measured = async {
+        let (mut by_partition, mut by_branch) = (Vec::new(), Vec::new());
+        let mut publishers = (0, 0);
+        for _ in 0..3 {
+            let (rate, count) = stream_drain(env, per_run, true).await?;
+            by_partition.push(rate);
+            publishers.0 = count;
+            let (rate, count) = stream_drain(env, per_run, false).await?;
+            by_branch.push(rate);
+            publishers.1 = count;
+        }
+        let (partition, branch) = (
+            min_median_max(by_partition).1,
+            min_median_max(by_branch).1,
+        );
+        row(
+            "13b. RabbitMQ 4.0, 8 streams: drain with a shard per partition vs 4 shards by branch",
+            format!("{partition:.0} vs {branch:.0} ev/s"),
+            &format!(
+                "{} events, median of 3, alternated; {:.2}x; {} vs {} publishers (an AMQP connection and channel each)",
+                per_run * 1000,
+                partition / branch,
+                publishers.0,
+                publishers.1
+            ),
+        );
+        anyhow::Ok(())
+    }
+    .await;
+    env.amqp = single;
+    env.queue_type = QueueType::Classic;
+    let _ = cluster(&["stop", &dir]);
+    measured
+}
+
+/// One backlog drain into streams (50 tenants x 20 runs x `per_run` intents): with the relay's
+/// per-partition shards or with shards by branch; (ev/s, publishers).
+async fn stream_drain(env: &mut Env, per_run: u32, per_partition: bool) -> Result<(f64, u16)> {
+    let (pool, url) = env.database("streamshards").await?;
+    let rabbit = env.rabbit("streamshards", 8)?;
+    let written = store::fixtures::fill_backlog(&pool, "t", 50, 20, per_run, PAYLOAD_BYTES).await?;
+    env.checkpoint().await?;
+    let outbox = Outbox::new(pool.clone());
+    let mut config = env.relay_config(&url, &rabbit);
+    let started = Instant::now();
+    let (relay, publishers) = if per_partition {
+        let publishers = config.supervisor_config().publishers();
+        (Relay::start(config).await?, publishers)
+    } else {
+        config.queue_type = QueueType::Classic;
+        let publishers = config.supervisor_config().publishers();
+        let on_streams = rabbit.clone();
+        let factory: distribution::PublisherFactory = Arc::new(move |_| {
+            Box::new(RabbitPublisher::new(on_streams.clone())) as Box<dyn Publisher>
+        });
+        (Relay::start_with(config, factory).await?, publishers)
+    };
+    wait_drained(&outbox, Duration::from_secs(900)).await?;
+    let rate = written as f64 / started.elapsed().as_secs_f64();
+    relay.shutdown().await;
+    drop_topology(&env.amqp, &rabbit.topology).await?;
+    pool.close().await;
+    Ok((rate, publishers))
+}
+
 /// Section 13: the relay drains `per_run x 1000` events into streams, then a consumer group
 /// with its own fold database replays them from the first offset; (drain, replay) in ev/s.
 async fn stream_replay(env: &mut Env, per_run: u32) -> Result<(f64, f64)> {
@@ -2130,6 +2237,12 @@ async fn run(mode: &Mode) -> Result<String> {
     }
     if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "queues") {
         queue_types(&mut env, mode, &mut row).await?;
+        stream_shards(&mut env, mode, &mut row).await?;
+        env.cleanup().await;
+        return Ok(table);
+    }
+    if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "streamshards") {
+        stream_shards(&mut env, mode, &mut row).await?;
         env.cleanup().await;
         return Ok(table);
     }
@@ -2281,6 +2394,7 @@ async fn run(mode: &Mode) -> Result<String> {
     scale(&mut env, mode, &mut row).await?;
     metadata_and_groups(&mut env, mode, &mut row).await?;
     queue_types(&mut env, mode, &mut row).await?;
+    stream_shards(&mut env, mode, &mut row).await?;
 
     let (qps, cpu) = idle(&mut env, mode.idle_tenants, mode.idle_secs).await?;
     let tenants = mode.idle_tenants;

@@ -41,6 +41,7 @@ pub use telemetry::LAG_BUCKETS;
 pub use telemetry::LogFormat;
 pub use telemetry::SERIES_IDLE_TIMEOUT;
 pub use telemetry::describe_metrics;
+pub use telemetry::metric_names;
 pub use telemetry::prometheus_builder;
 
 /// Tools for tests of a host or consumer (feature `test-tools`; not for production).

@@ -75,27 +75,34 @@ fn text(status: StatusCode, body: String) -> Response<Full<Bytes>> {
     response
 }
 
+/// The rules of `/readyz` applied to what the probes read now.
+async fn ready(probes: &Probes) -> Result<(), Vec<String>> {
+    let facts = match tokio::time::timeout(READY_TIMEOUT, probes.outbox.pending_and_parked()).await
+    {
+        Ok(Ok(facts)) => Ok(facts),
+        Ok(Err(err)) => Err(err.to_string()),
+        Err(_) => Err(format!("no answer within {} ms", READY_TIMEOUT.as_millis())),
+    };
+    let (state, blocked) = (probes.broker.state(), probes.broker.blocked());
+    readiness(facts, state, blocked, probes.max_parked)
+}
+
 async fn answer(probes: &Probes, request: Request<Incoming>) -> Response<Full<Bytes>> {
     match request.uri().path() {
-        "/metrics" => text(StatusCode::OK, probes.metrics.render()),
-        "/healthz" => text(StatusCode::OK, "ok\n".into()),
-        "/readyz" => {
-            let facts =
-                match tokio::time::timeout(READY_TIMEOUT, probes.outbox.pending_and_parked()).await
-                {
-                    Ok(Ok(facts)) => Ok(facts),
-                    Ok(Err(err)) => Err(err.to_string()),
-                    Err(_) => Err(format!("no answer within {} ms", READY_TIMEOUT.as_millis())),
-                };
-            let (state, blocked) = (probes.broker.state(), probes.broker.blocked());
-            match readiness(facts, state, blocked, probes.max_parked) {
-                Ok(()) => text(StatusCode::OK, "ready\n".into()),
-                Err(problems) => text(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    format!("not ready: {}\n", problems.join("; ")),
-                ),
-            }
+        "/metrics" => {
+            // What `/readyz` would answer, for alerts (Prometheus scrapes only this).
+            let ready = ready(probes).await.is_ok();
+            metrics::gauge!("relay_ready").set(if ready { 1.0 } else { 0.0 });
+            text(StatusCode::OK, probes.metrics.render())
         }
+        "/healthz" => text(StatusCode::OK, "ok\n".into()),
+        "/readyz" => match ready(probes).await {
+            Ok(()) => text(StatusCode::OK, "ready\n".into()),
+            Err(problems) => text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("not ready: {}\n", problems.join("; ")),
+            ),
+        },
         _ => text(
             StatusCode::NOT_FOUND,
             "not found: try /metrics, /healthz or /readyz\n".into(),

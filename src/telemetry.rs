@@ -1,5 +1,6 @@
 //! What the relay reports: metric descriptions (`# HELP`), histogram buckets, counters that
 //! exist from the start, and the binary's log format.
+use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
 use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder};
 
 /// Buckets of `relay_write_to_confirm_seconds`, 1 ms to 60 s: a histogram (aggregatable across
@@ -32,7 +33,7 @@ pub fn prometheus_builder() -> Result<PrometheusBuilder, BuildError> {
 /// `publishers` is [`supervisor::SupervisorConfig::publishers`] (the `shard` label of the
 /// publisher metrics counts every publisher, express lane included).
 pub fn describe_metrics(publishers: u16) {
-    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+    use metrics::{describe_counter, describe_gauge, describe_histogram};
     describe_gauge!(
         "relay_backlog_pending",
         "Intents waiting in the outbox (counted up to 1,000), for the 100 tenants being drained with the oldest intents."
@@ -131,8 +132,13 @@ pub fn describe_metrics(publishers: u16) {
         "relay_consumer_stream_resubscribes_total",
         "Times a stream consumer subscribed again to a silent partition at the offset its fold expects, per queue."
     );
+    describe_gauge!(
+        "relay_ready",
+        "1 if /readyz would answer ready, else 0, computed at each scrape of the standalone relay's /metrics (deploy/prometheus/rules.yml alerts on it)."
+    );
     metrics::counter!("relay_drainer_restarts_total").absolute(0);
     metrics::counter!("relay_broker_refusals_total").absolute(0);
+    metrics::gauge!("relay_broker_blocked_connections").set(0.0);
     metrics::counter!("relay_leases_lost_total").absolute(0);
     for shard in 0..publishers {
         let shard = shard.to_string();
@@ -154,50 +160,54 @@ pub enum LogFormat {
     Json,
 }
 
+/// Every metric the relay and the consumer register: the names [`describe_metrics`]
+/// describes (what alerts and dashboards may name; every one has HELP text).
+pub fn metric_names() -> std::collections::BTreeSet<String> {
+    let described = Described::default();
+    metrics::with_local_recorder(&described, || describe_metrics(1));
+    described
+        .0
+        .into_inner()
+        .unwrap_or_else(|poison| poison.into_inner())
+}
+
+/// Takes note of every metric described with a HELP text.
+#[derive(Default)]
+struct Described(std::sync::Mutex<std::collections::BTreeSet<String>>);
+
+impl Described {
+    fn note(&self, key: KeyName, description: SharedString) {
+        if !description.is_empty() {
+            let mut names = self.0.lock().unwrap_or_else(|poison| poison.into_inner());
+            names.insert(key.as_str().to_owned());
+        }
+    }
+}
+
+impl Recorder for Described {
+    fn describe_counter(&self, key: KeyName, _: Option<Unit>, description: SharedString) {
+        self.note(key, description);
+    }
+    fn describe_gauge(&self, key: KeyName, _: Option<Unit>, description: SharedString) {
+        self.note(key, description);
+    }
+    fn describe_histogram(&self, key: KeyName, _: Option<Unit>, description: SharedString) {
+        self.note(key, description);
+    }
+    fn register_counter(&self, _: &Key, _: &Metadata<'_>) -> Counter {
+        Counter::noop()
+    }
+    fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
+        Gauge::noop()
+    }
+    fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
+        Histogram::noop()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeSet;
-    use std::sync::Mutex;
-
-    use metrics::{
-        Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit,
-    };
-
-    /// Takes note of every metric described.
-    #[derive(Default)]
-    struct Described(Mutex<BTreeSet<String>>);
-
-    impl Described {
-        fn note(&self, key: KeyName, description: SharedString) {
-            assert!(
-                !description.is_empty(),
-                "{} has an empty HELP",
-                key.as_str()
-            );
-            self.0.lock().unwrap().insert(key.as_str().to_owned());
-        }
-    }
-
-    impl Recorder for Described {
-        fn describe_counter(&self, key: KeyName, _: Option<Unit>, description: SharedString) {
-            self.note(key, description);
-        }
-        fn describe_gauge(&self, key: KeyName, _: Option<Unit>, description: SharedString) {
-            self.note(key, description);
-        }
-        fn describe_histogram(&self, key: KeyName, _: Option<Unit>, description: SharedString) {
-            self.note(key, description);
-        }
-        fn register_counter(&self, _: &Key, _: &Metadata<'_>) -> Counter {
-            Counter::noop()
-        }
-        fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
-            Gauge::noop()
-        }
-        fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
-            Histogram::noop()
-        }
-    }
 
     /// Every metric name the relay's crates record (`counter!("relay_...`, `gauge!`,
     /// `histogram!` in their sources).
@@ -253,9 +263,7 @@ mod tests {
             recorded.len() >= 20,
             "the scan found the metrics: {recorded:?}"
         );
-        let described = Described::default();
-        metrics::with_local_recorder(&described, || super::describe_metrics(2));
-        let described = described.0.into_inner().unwrap();
+        let described = super::metric_names();
         let missing: Vec<&String> = recorded.difference(&described).collect();
         assert!(
             missing.is_empty(),

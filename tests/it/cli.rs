@@ -483,12 +483,16 @@ fn a_running_relay_answers_health_and_readiness() {
             body.contains("# HELP relay_drainer_restarts_total"),
             "{body}"
         );
+        // What `/readyz` says, for alerts (deploy/prometheus/rules.yml: RelayNotReady).
+        assert!(body.contains("\nrelay_ready 1\n"), "{body}");
         assert_eq!(get(&addr, "/elsewhere").await.unwrap().0, 404);
 
         proxy.cut();
         write_first_intent(&pool, "ready", b"x").await;
         let (_, body) = answer_until(&addr, "/readyz", |status| status == 503).await;
         assert!(body.contains("broker down while intents wait"), "{body}");
+        let (_, body) = get(&addr, "/metrics").await.unwrap();
+        assert!(body.contains("\nrelay_ready 0\n"), "{body}");
         // Healthy all the same: restarting would not bring the broker back.
         assert_eq!(get(&addr, "/healthz").await.unwrap().0, 200);
 

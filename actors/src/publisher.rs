@@ -158,21 +158,10 @@ impl std::fmt::Debug for PublisherState {
 #[derive(Debug, Default)]
 pub struct PublisherActor;
 
-/// Every `outcome` label of `relay_publish_failures_total` (what `outcome_label` gives for a
+/// Every `outcome` label of `relay_publish_failures_total` (what `Outcome::label` gives for a
 /// failure), for registering the counters at zero and keeping them alive.
 pub const FAILURE_OUTCOMES: [&str; 5] =
     ["nacked", "returned", "too_large", "unconfirmed", "not_sent"];
-
-fn outcome_label(outcome: Outcome) -> &'static str {
-    match outcome {
-        Outcome::Accepted => "accepted",
-        Outcome::Nacked => "nacked",
-        Outcome::Returned => "returned",
-        Outcome::TooLarge => "too_large",
-        Outcome::Unconfirmed => "unconfirmed",
-        Outcome::NotSent => "not_sent",
-    }
-}
 
 const FAULTED: &str = "the broker session faulted; restarting";
 
@@ -228,7 +217,7 @@ impl Actor for PublisherActor {
                 .iter()
                 .filter(|outcome| !outcome.is_accepted())
             {
-                metrics::counter!("relay_publish_failures_total", "shard" => shard.0.to_string(), "outcome" => outcome_label(*outcome)).increment(1);
+                metrics::counter!("relay_publish_failures_total", "shard" => shard.0.to_string(), "outcome" => outcome.label()).increment(1);
             }
             let fault = report.fault.as_ref().map(ToString::to_string);
             reply.answer(report.outcomes);

@@ -67,4 +67,5 @@ pub use wire::CLOUDEVENTS_PREFIX;
 pub use wire::WIRE_VERSION;
 pub use wire::WireMode;
 pub use wire::decode;
+pub use wire::message_id;
 pub use wire::properties as encode;

@@ -33,6 +33,19 @@ impl Outcome {
     pub fn is_accepted(self) -> bool {
         self == Outcome::Accepted
     }
+
+    /// Its name in metrics (`relay_publish_failures_total{outcome}`) and traces
+    /// (`error.type`): `accepted`, `nacked`, `returned`, `too_large`, `unconfirmed`, `not_sent`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Outcome::Accepted => "accepted",
+            Outcome::Nacked => "nacked",
+            Outcome::Returned => "returned",
+            Outcome::TooLarge => "too_large",
+            Outcome::Unconfirmed => "unconfirmed",
+            Outcome::NotSent => "not_sent",
+        }
+    }
 }
 
 /// The result of publishing a batch: one outcome per event, in the batch's order.

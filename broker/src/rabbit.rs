@@ -181,17 +181,38 @@ impl RabbitPublisher {
         Ok(self.session.as_ref().expect("session is open"))
     }
 
-    /// Writes one batch inside its span `relay.publish`: with feature `otel`, a child of the
-    /// first traced event's trace and linked to every other one's, so a host's trace shows
-    /// where its event was shipped.
+    /// Writes one batch inside its span `relay.publish`, named and attributed by OpenTelemetry's
+    /// messaging conventions (`send <exchange>`, kind PRODUCER, `messaging.*`, `error.type` and
+    /// an error status when an event is not accepted); it ends when the batch's report is
+    /// made, confirms included. With feature `otel`, a child of the first traced event's trace
+    /// and linked to every other one's, so a host's trace shows where its event was shipped.
     async fn send_batch(&mut self, events: &[OutboxEvent], fence: &Fence, done: OnReport) {
         use tracing::Instrument;
+        let topology = &self.config.topology;
+        let exchange = topology.exchange().as_str();
+        let single = (events.len() == 1).then(|| &events[0]);
         // A root span (no parent from the actor's span: its parent is the host's trace), made
         // under the global dispatcher itself (see `connect::global_dispatch`).
         let make = || {
             tracing::info_span!(
                 parent: None,
                 "relay.publish",
+                otel.name = format!("send {exchange}"),
+                otel.kind = "producer",
+                otel.status_code = tracing::field::Empty,
+                messaging.system = "rabbitmq",
+                messaging.operation.name = "send",
+                messaging.operation.type = "send",
+                messaging.destination.name = exchange,
+                messaging.batch.message_count = (events.len() > 1).then_some(events.len() as i64),
+                messaging.message.id = single.map(|event| wire::message_id(&event.key).to_string()),
+                messaging.rabbitmq.destination.routing_key = single.map(|event| {
+                    let branch = &event.key.branch;
+                    topology
+                        .routing_key(topology.partition_of(&branch.tenant, &branch.run))
+                        .to_string()
+                }),
+                error.type = tracing::field::Empty,
                 events = events.len(),
                 tenant = events.first().map(|e| e.key.branch.tenant.as_str()).unwrap_or_default(),
             )
@@ -212,6 +233,15 @@ impl RabbitPublisher {
                 span.add_link(context.span().span_context().clone());
             }
         }
+        let reported = span.clone();
+        let done: OnReport = Box::new(move |report: PublishReport| {
+            if let Some(failed) = failure_type(&report) {
+                reported.record("error.type", failed);
+                reported.record("otel.status_code", "error");
+            }
+            drop(reported);
+            done(report)
+        });
         self.write_batch(events, fence, done).instrument(span).await
     }
 
@@ -372,12 +402,44 @@ impl Publisher for RabbitPublisher {
     }
 }
 
+/// A failed batch's `error.type` (OpenTelemetry): the first event's outcome that was not
+/// accepted (`nacked`, `returned`, `too_large`, `unconfirmed`, `not_sent`); `None` if all were.
+fn failure_type(report: &PublishReport) -> Option<&'static str> {
+    report
+        .outcomes
+        .iter()
+        .find(|outcome| !outcome.is_accepted())
+        .map(|outcome| outcome.label())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use flow::extended;
     use session::{explain, size_limit};
     use tokio::time::Instant;
+
+    /// The publish span's `error.type`: the first outcome not accepted, none if all were.
+    #[test]
+    fn a_batch_fails_with_its_first_outcome_not_accepted() {
+        let report = |outcomes: Vec<Outcome>| PublishReport {
+            outcomes,
+            fault: None,
+        };
+        assert_eq!(failure_type(&report(vec![Outcome::Accepted; 3])), None);
+        assert_eq!(
+            failure_type(&report(vec![
+                Outcome::Accepted,
+                Outcome::Returned,
+                Outcome::NotSent
+            ])),
+            Some("returned")
+        );
+        assert_eq!(
+            failure_type(&report(vec![Outcome::TooLarge])),
+            Some("too_large")
+        );
+    }
 
     /// A wait counts only unblocked time: blocked, it goes on; unblocked recently, it has its
     /// whole limit from the unblock; otherwise it is over.

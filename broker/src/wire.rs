@@ -39,9 +39,9 @@ pub(crate) const TYPE_END: &str = "outbox.end";
 
 use crate::WireError;
 
-/// Message id: `tenant/run/branch/lsn`. Ids are at most 64 bytes each, so this stays far
+/// An event's `message_id` (WIRE.md): `tenant/run/branch/lsn`. Ids are at most 64 bytes each, so this stays far
 /// below the 255-byte AMQP short-string limit.
-pub(crate) fn message_id(key: &EventKey) -> ShortString {
+pub fn message_id(key: &EventKey) -> ShortString {
     ShortString::from(format!("{}/{}", key.branch, key.lsn))
 }
 

@@ -33,6 +33,7 @@ mod fold_consumer;
 mod serve;
 mod stats;
 mod stream;
+mod verdict;
 
 pub use broker::DEAD_LETTER_REASON;
 pub use config::{ConsumerConfig, StreamStart};
@@ -210,8 +211,8 @@ mod tests {
     use store::{BranchId, BranchKey, FoldError, FoldOutcome, Lsn, RunId, TenantId};
 
     use super::*;
-    use crate::serve::{Verdict, verdict};
     use crate::stream::{StreamStep, stream_step, subscribe_at};
+    use crate::verdict::{DeadReason, Verdict, verdict};
 
     #[derive(Debug, thiserror::Error)]
     #[error("handler says {0}")]
@@ -228,7 +229,13 @@ mod tests {
     fn label(verdict: &Verdict) -> (&'static str, String) {
         match verdict {
             Verdict::Folded(_) => ("folded", String::new()),
-            Verdict::DeadLetter(reason) => ("dead_letter", reason.clone()),
+            Verdict::DeadLetter(why, reason) => {
+                assert!(
+                    reason.starts_with(&format!("{}: ", why.label())),
+                    "{reason}"
+                );
+                ("dead_letter", reason.clone())
+            }
             Verdict::Retry(reason) => ("retry", reason.clone()),
         }
     }
@@ -269,7 +276,7 @@ mod tests {
             Err(FoldError::Projection(Handler("never")));
         assert_eq!(
             verdict(never, permanent),
-            Verdict::DeadLetter("handler: handler says never".into())
+            Verdict::DeadLetter(DeadReason::Handler, "handler: handler says never".into())
         );
         let later: Result<FoldOutcome, FoldError<Handler>> =
             Err(FoldError::Projection(Handler("later")));
@@ -277,6 +284,23 @@ mod tests {
             verdict(later, permanent),
             Verdict::Retry("handler: handler says later".into())
         );
+        // The fold span's `error.type`: the dead letter's reason, `retry`, or none.
+        assert_eq!(Verdict::Folded(outcome).error_type(), None);
+        assert_eq!(
+            Verdict::Retry("database: x".into()).error_type(),
+            Some("retry")
+        );
+        for (why, label) in [
+            (DeadReason::Contract, "contract"),
+            (DeadReason::BrokenChain, "broken_chain"),
+            (DeadReason::Retired, "retired"),
+            (DeadReason::Handler, "handler"),
+        ] {
+            assert_eq!(
+                Verdict::DeadLetter(why, String::new()).error_type(),
+                Some(label)
+            );
+        }
     }
 
     /// A stream consumer folds the message it expects and the one after it (a segment's

@@ -12,22 +12,15 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Channel, Confirmation};
 use sqlx::{PgConnection, PgPool};
-use store::{EventType, FoldError, FoldOutcome, OutboxEvent, Projection};
+use store::{EventType, OutboxEvent, Projection};
 use tokio::sync::watch;
 use tracing::Instrument;
 
 use broker::{Backoff, Error, Partition, QueueType, open, within};
 
 use crate::stream::{StreamStep, delivery_offset, stream_step, subscribe_at};
+use crate::verdict::{DeadReason, Verdict, verdict};
 use crate::{ConsumerConfig, DEAD_LETTER_REASON, FoldStats, Observer};
-
-/// What to do with a delivery after trying to fold it.
-#[derive(Debug, PartialEq, Eq)]
-pub(crate) enum Verdict {
-    Folded(FoldOutcome),
-    DeadLetter(String),
-    Retry(String),
-}
 
 /// One partition's loop.
 pub(crate) struct Serve<P> {
@@ -270,10 +263,21 @@ where
         let partition = self.partition.0;
         let mut retry = Backoff::new(self.config.retry);
         let verdict = match broker::decode(&delivery.properties, &delivery.data) {
-            Err(err) => Verdict::DeadLetter(format!("contract: {err}")),
+            Err(err) => DeadReason::Contract.because(err),
             Ok(event) => loop {
-                let span = fold_span(&event);
-                match self.fold(&event, offset).instrument(span).await {
+                let topology = &self.config.rabbit.topology;
+                let span = fold_span(
+                    &event,
+                    topology.queue(self.partition).as_str(),
+                    topology.group().name(),
+                );
+                let verdict = self.fold(&event, offset).instrument(span.clone()).await;
+                if let Some(failed) = verdict.error_type() {
+                    span.record("error.type", failed);
+                    span.record("otel.status_code", "error");
+                }
+                drop(span);
+                match verdict {
                     Verdict::Retry(why) => {
                         let delay = retry.next_delay();
                         if retry.failures().is_power_of_two() {
@@ -294,10 +298,10 @@ where
             Verdict::Folded(outcome) => {
                 self.record(|stats| stats.add(outcome));
             }
-            Verdict::DeadLetter(reason) => {
+            Verdict::DeadLetter(why, reason) => {
                 // Logged without the body: a payload never reaches a log line.
                 tracing::error!(partition, reason = %reason, bytes = delivery.data.len(), "dead-lettering a message");
-                let label = reason.split(':').next().unwrap_or("other").to_owned();
+                let label = why.label();
                 self.dead_letter(session, &delivery, &reason).await?;
                 if let Some(offset) = offset {
                     self.save_offset_alone(offset).await?;
@@ -434,39 +438,25 @@ where
     }
 }
 
-/// What a fold's result means for its delivery (pure): folded (commit it, then ack the
-/// delivery); dead-letter it (the chain is broken, the store refuses it for good, or the
-/// handler says it will never succeed: the branch waits behind it); or retry it with backoff
-/// (anything that may pass later). The reason's first word labels the dead-letter metric.
-pub(crate) fn verdict<E: std::fmt::Display>(
-    folded: Result<FoldOutcome, FoldError<E>>,
-    is_permanent: impl Fn(&E) -> bool,
-) -> Verdict {
-    match folded {
-        Ok(outcome) => Verdict::Folded(outcome),
-        Err(FoldError::Store(err @ store::Error::BrokenChain { .. })) => {
-            Verdict::DeadLetter(format!("broken_chain: {err}"))
-        }
-        Err(FoldError::Store(err @ store::Error::RetiredRun { .. })) => {
-            Verdict::DeadLetter(format!("retired: {err}"))
-        }
-        Err(FoldError::Store(err)) if err.is_transient() => {
-            Verdict::Retry(format!("database: {err}"))
-        }
-        Err(FoldError::Store(err)) => Verdict::DeadLetter(format!("contract: {err}")),
-        Err(FoldError::Projection(err)) if is_permanent(&err) => {
-            Verdict::DeadLetter(format!("handler: {err}"))
-        }
-        Err(FoldError::Projection(err)) => Verdict::Retry(format!("handler: {err}")),
-    }
-}
-
-/// The span of one delivery's fold, `relay.fold`: a child (feature `otel`) of the trace the
-/// event carries, so one trace shows the host's write, the relay's publish and this fold.
-pub(crate) fn fold_span(event: &OutboxEvent) -> tracing::Span {
+/// The span of one delivery's fold, `relay.fold`, named and attributed by OpenTelemetry's
+/// messaging conventions (`process <queue>`, kind CONSUMER, `messaging.*`, `error.type` and an
+/// error status when the fold is retried or dead-letters): a child (feature `otel`) of the
+/// trace the event carries, so one trace shows the host's write, the relay's publish and this
+/// fold.
+pub(crate) fn fold_span(event: &OutboxEvent, queue: &str, group: &str) -> tracing::Span {
     let key = &event.key.branch;
     let span = tracing::info_span!(
         "relay.fold",
+        otel.name = format!("process {queue}"),
+        otel.kind = "consumer",
+        otel.status_code = tracing::field::Empty,
+        messaging.system = "rabbitmq",
+        messaging.operation.name = "process",
+        messaging.operation.type = "process",
+        messaging.destination.name = queue,
+        messaging.consumer.group.name = group,
+        messaging.message.id = broker::message_id(&event.key).to_string(),
+        error.type = tracing::field::Empty,
         tenant = key.tenant.as_str(),
         run = key.run.as_str(),
         branch = key.branch.as_str(),

@@ -77,9 +77,11 @@ pub struct RelayConfig {
     /// only the exchange; each group's consumer (or `distribution group create`) declares its
     /// own. Env `RELAY_GROUPS`, default `default`.
     pub groups: Vec<broker::Group>,
-    /// Also write CloudEvents attributes (`cloudEvents:*` headers, binary content mode). Env
-    /// `RELAY_CLOUDEVENTS`, default false.
-    pub cloudevents: bool,
+    /// What is written beside the contract: nothing (the default), or CloudEvents attributes
+    /// too (binary content mode), as `cloudEvents_*` headers ([`broker::WireMode::CloudEvents`],
+    /// env `RELAY_CLOUDEVENTS=true`) or `cloudEvents:*` ([`broker::WireMode::CloudEventsColon`],
+    /// `RELAY_CLOUDEVENTS=colon`).
+    pub wire_mode: broker::WireMode,
     /// `/readyz` fails when more branches than this are parked. Env `RELAY_READY_MAX_PARKED`,
     /// default 100.
     pub ready_max_parked: u32,
@@ -152,7 +154,7 @@ impl RelayConfig {
             delivery_limit: broker::DEFAULT_DELIVERY_LIMIT,
             replicas: None,
             groups: vec![broker::Group::Default],
-            cloudevents: false,
+            wire_mode: broker::WireMode::Plain,
             ready_max_parked: 100,
             amqp_tls: broker::AmqpTls::default(),
             schema: None,
@@ -329,9 +331,7 @@ impl RelayConfig {
             .with_delivery_limit(self.delivery_limit)
             .with_replicas(self.replicas)
             .declaring(self.groups.clone());
-        if self.cloudevents {
-            rabbit.wire_mode = broker::WireMode::CloudEvents;
-        }
+        rabbit.wire_mode = self.wire_mode;
         rabbit.tls = self.amqp_tls.clone();
         rabbit.connect_timeout = self.amqp_connect_timeout;
         rabbit.confirm_timeout = self.amqp_confirm_timeout;
@@ -374,6 +374,40 @@ mod tests {
 
     /// On streams the relay runs one publisher shard per partition, whatever `RELAY_SHARDS`
     /// says; on other queue types the shards are as set.
+    /// `RELAY_CLOUDEVENTS`: off, the binding's `cloudEvents_` prefix, or its first `cloudEvents:`.
+    #[test]
+    fn cloudevents_are_written_under_the_prefix_asked_for() {
+        #[derive(clap::Parser)]
+        #[command(no_binary_name = true)]
+        struct Flags {
+            #[command(flatten)]
+            settings: Settings,
+        }
+        use clap::Parser as _;
+        for (value, mode) in [
+            ("false", broker::WireMode::Plain),
+            ("true", broker::WireMode::CloudEvents),
+            ("colon", broker::WireMode::CloudEventsColon),
+        ] {
+            let flags = Flags::try_parse_from([
+                "--database-url",
+                "postgres://postgres@127.0.0.1/test",
+                "--amqp-url",
+                "amqp://127.0.0.1:5672/%2f",
+                "--cloudevents",
+                value,
+            ])
+            .unwrap();
+            let config = flags.settings.into_config().unwrap();
+            assert_eq!(config.wire_mode, mode, "{value}");
+            assert_eq!(config.rabbit_config().unwrap().wire_mode, mode);
+        }
+        assert!(
+            Flags::try_parse_from(["--cloudevents", "yes"]).is_err(),
+            "an unknown value is refused"
+        );
+    }
+
     #[test]
     fn streams_run_one_publisher_shard_per_partition() {
         let mut config = RelayConfig::new(

@@ -63,6 +63,7 @@ pub use topology::StreamRetention;
 pub use topology::Topology;
 pub use topology::partition_of;
 pub use version::{BrokerVersion, STREAM_WORKAROUNDS, server_version};
+pub use wire::CLOUDEVENTS_COLON_PREFIX;
 pub use wire::CLOUDEVENTS_PREFIX;
 pub use wire::WIRE_VERSION;
 pub use wire::WireMode;

@@ -14,9 +14,14 @@ pub const WIRE_VERSION: i64 = 3;
 pub(crate) const OCTET_STREAM: &str = "application/octet-stream";
 
 /// Prefix of the CloudEvents attributes in opt-in CloudEvents mode (binary content mode of the
-/// CloudEvents AMQP protocol binding 1.0: attributes as application properties named
-/// `cloudEvents:<attribute>`; AMQP 0-9-1 carries them as headers).
-pub const CLOUDEVENTS_PREFIX: &str = "cloudEvents:";
+/// CloudEvents AMQP protocol binding: attributes as application properties named
+/// `cloudEvents_<attribute>`, the binding's prefix since 1.0.2; AMQP 0-9-1 carries them as
+/// headers).
+pub const CLOUDEVENTS_PREFIX: &str = "cloudEvents_";
+
+/// The binding's first prefix, `cloudEvents:` (1.0), which this relay wrote before it wrote
+/// [`CLOUDEVENTS_PREFIX`]: [`WireMode::CloudEventsColon`].
+pub const CLOUDEVENTS_COLON_PREFIX: &str = "cloudEvents:";
 
 /// How events are written beside the contract's own properties and headers.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -24,10 +29,24 @@ pub enum WireMode {
     /// The contract alone (WIRE.md).
     #[default]
     Plain,
-    /// The contract plus CloudEvents attributes (`cloudEvents:specversion`, `id`, `source`,
+    /// The contract plus CloudEvents attributes (`cloudEvents_specversion`, `id`, `source`,
     /// `type`, `time`, `subject`), so CloudEvents SDKs read the message as an event in binary
     /// content mode. Opt-in (`RELAY_CLOUDEVENTS=true`).
     CloudEvents,
+    /// The same attributes under the binding's first prefix (`cloudEvents:specversion`, ...),
+    /// for readers written for it (`RELAY_CLOUDEVENTS=colon`).
+    CloudEventsColon,
+}
+
+impl WireMode {
+    /// The prefix of the CloudEvents attributes it writes, if any.
+    pub fn cloudevents_prefix(self) -> Option<&'static str> {
+        match self {
+            WireMode::Plain => None,
+            WireMode::CloudEvents => Some(CLOUDEVENTS_PREFIX),
+            WireMode::CloudEventsColon => Some(CLOUDEVENTS_COLON_PREFIX),
+        }
+    }
 }
 
 /// AMQP `type` of an export intent.
@@ -127,7 +146,7 @@ pub fn properties(event: &OutboxEvent, mode: WireMode) -> BasicProperties {
         _ => kind,
     };
     let id = message_id(&event.key);
-    if mode == WireMode::CloudEvents {
+    if let Some(prefix) = mode.cloudevents_prefix() {
         let time = event
             .created_at
             .to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
@@ -139,11 +158,7 @@ pub fn properties(event: &OutboxEvent, mode: WireMode) -> BasicProperties {
             ("time", &time),
             ("subject", branch.branch.as_str()),
         ] {
-            text_header(
-                &mut headers,
-                &format!("{CLOUDEVENTS_PREFIX}{attribute}"),
-                value,
-            );
+            text_header(&mut headers, &format!("{prefix}{attribute}"), value);
         }
     }
     let mut properties = BasicProperties::default()
@@ -367,9 +382,9 @@ mod tests {
             Some(AMQPValue::LongString(v)) => String::from_utf8(v.as_bytes().to_vec()).unwrap(),
             other => panic!("{name}: {other:?}"),
         };
-        assert_eq!(text("cloudEvents:type"), "outbox.end");
-        assert_eq!(text("cloudEvents:time"), "2023-11-14T22:13:20.000000Z");
-        assert_eq!(text("cloudEvents:subject"), "retry-1");
+        assert_eq!(text("cloudEvents_type"), "outbox.end");
+        assert_eq!(text("cloudEvents_time"), "2023-11-14T22:13:20.000000Z");
+        assert_eq!(text("cloudEvents_subject"), "retry-1");
         assert_eq!(text("kind"), "end");
         assert_eq!(
             props.content_type().as_ref().unwrap().as_str(),
@@ -424,7 +439,11 @@ mod tests {
             parent: None,
             meta: meta.clone(),
         };
-        for mode in [WireMode::Plain, WireMode::CloudEvents] {
+        for mode in [
+            WireMode::Plain,
+            WireMode::CloudEvents,
+            WireMode::CloudEventsColon,
+        ] {
             let props = properties(&event, mode);
             assert_eq!(props.kind().as_ref().unwrap().as_str(), "order.created");
             assert_eq!(
@@ -441,21 +460,32 @@ mod tests {
                 Some(&AMQPValue::LongLongInt(3))
             );
             assert_eq!(
-                headers.contains_key("cloudEvents:type"),
+                headers.contains_key("cloudEvents_type"),
                 mode == WireMode::CloudEvents
+            );
+            assert_eq!(
+                headers.contains_key("cloudEvents:type"),
+                mode == WireMode::CloudEventsColon
             );
             assert_eq!(decode(&props, b"{}").unwrap(), event, "{mode:?}");
         }
-        let ce = properties(&event, WireMode::CloudEvents);
-        let ce = ce.headers().as_ref().unwrap().inner();
-        let text = |name: &str| match ce.get(name) {
-            Some(AMQPValue::LongString(v)) => String::from_utf8(v.as_bytes().to_vec()).unwrap(),
-            other => panic!("{name}: {other:?}"),
-        };
-        assert_eq!(text("cloudEvents:specversion"), "1.0");
-        assert_eq!(text("cloudEvents:id"), "acme/run-7/main/1");
-        assert_eq!(text("cloudEvents:source"), "/acme/run-7");
-        assert_eq!(text("cloudEvents:time"), "2023-11-14T22:13:20.123456Z");
+        for (mode, prefix) in [
+            (WireMode::CloudEvents, "cloudEvents_"),
+            (WireMode::CloudEventsColon, "cloudEvents:"),
+        ] {
+            let ce = properties(&event, mode);
+            let ce = ce.headers().as_ref().unwrap().inner();
+            let text = |name: &str| match ce.get(format!("{prefix}{name}").as_str()) {
+                Some(AMQPValue::LongString(v)) => String::from_utf8(v.as_bytes().to_vec()).unwrap(),
+                other => panic!("{prefix}{name}: {other:?}"),
+            };
+            assert_eq!(text("specversion"), "1.0");
+            assert_eq!(text("id"), "acme/run-7/main/1");
+            assert_eq!(text("source"), "/acme/run-7");
+            assert_eq!(text("type"), "order.created");
+            assert_eq!(text("time"), "2023-11-14T22:13:20.123456Z");
+            assert_eq!(text("subject"), "main");
+        }
         // An intent without metadata is exactly a version 2 intent but for `wire_version`.
         let plain = OutboxEvent {
             meta: Metadata::default(),

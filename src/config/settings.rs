@@ -45,9 +45,10 @@ pub struct Settings {
         value_delimiter = ','
     )]
     pub groups: Vec<String>,
-    /// Also write CloudEvents attributes (`cloudEvents:*` headers, binary content mode).
-    #[arg(long, env = "RELAY_CLOUDEVENTS", action = clap::ArgAction::Set, default_value_t = false)]
-    pub cloudevents: bool,
+    /// Also write CloudEvents attributes (binary content mode): `true` as `cloudEvents_*`
+    /// headers (the AMQP binding's prefix), `colon` as `cloudEvents:*` (its first prefix).
+    #[arg(long, env = "RELAY_CLOUDEVENTS", value_enum, default_value = "false")]
+    pub cloudevents: CloudEventsSetting,
     /// Publisher shards (one AMQP connection each). On streams, ignored: one shard per
     /// partition.
     #[arg(long, env = "RELAY_SHARDS", default_value_t = defaults().supervisor.shards,
@@ -255,7 +256,11 @@ impl Settings {
         config.partitions = self.partitions;
         self.queues.apply(&mut config)?;
         config.groups = groups(&self.groups)?;
-        config.cloudevents = self.cloudevents;
+        config.wire_mode = match self.cloudevents {
+            CloudEventsSetting::False => broker::WireMode::Plain,
+            CloudEventsSetting::True => broker::WireMode::CloudEvents,
+            CloudEventsSetting::Colon => broker::WireMode::CloudEventsColon,
+        };
         let supervisor = &mut config.supervisor;
         supervisor.shards = self.shards;
         supervisor.drainer.batch_size = self.batch_size;
@@ -316,4 +321,16 @@ pub fn unknown_relay_variables(also_known: &[&str]) -> Vec<String> {
         .collect();
     unknown.sort();
     unknown
+}
+
+/// `RELAY_CLOUDEVENTS`: whether, and under which prefix, CloudEvents attributes are written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum CloudEventsSetting {
+    /// The contract alone.
+    False,
+    /// Headers `cloudEvents_<attribute>`, the CloudEvents AMQP binding's prefix.
+    True,
+    /// Headers `cloudEvents:<attribute>`, the binding's first prefix (what `true` wrote
+    /// before).
+    Colon,
 }

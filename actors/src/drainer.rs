@@ -176,8 +176,44 @@ impl Drainer {
         .await;
         match drained {
             Ok(events) => self.start_batch(myself, state, events, permits),
-            Err(err) => Self::store_failed(myself, err),
+            Err(err) => self.drain_failed(myself, state, err).await,
         }
+    }
+
+    /// A drain failed. A row it cannot read parks that row's branch, with the reason, and the
+    /// drain goes on without it (released with `distribution release` once the row is
+    /// repaired; tried again after `park_retry` anyway); anything else is [`Self::store_failed`].
+    async fn drain_failed(
+        &self,
+        myself: &ActorRef<DrainerMessage>,
+        state: &mut DrainerState,
+        err: store::Error,
+    ) -> Result<(), ActorProcessingErr> {
+        let store::Error::Unreadable {
+            branch,
+            lsn,
+            reason,
+        } = &err
+        else {
+            return Self::store_failed(myself, err);
+        };
+        let park_retry = state.args.config.park_retry;
+        let reason = format!("unreadable: lsn {lsn}: {reason}");
+        let call = state.args.outbox.park_branch(
+            branch,
+            &reason,
+            1,
+            std::time::Duration::ZERO,
+            park_retry,
+        );
+        if let Err(park) = answered(state.args.config.batch_timeout, call).await {
+            return Self::store_failed(myself, park);
+        }
+        metrics::counter!("relay_branches_parked_total", "tenant" => branch.tenant.to_string())
+            .increment(1);
+        tracing::warn!(branch = %branch, lsn = lsn.get(), reason = %reason, retry_in_s = park_retry.as_secs(), "branch parked: a row of it cannot be read; the rest of the tenant flows (repair the row, then `distribution release`)");
+        myself.send_message(DrainerMessage::Drain)?;
+        Ok(())
     }
 
     /// A store call failed: a lost lease stops the drainer in order; anything else fails it
@@ -331,7 +367,8 @@ impl Drainer {
                         .ack_and_drain(fence, acks, tenant, limit, &in_flight);
                     return match answered(state.args.config.batch_timeout, call).await {
                         Ok(events) => self.start_batch(myself, state, events, permits),
-                        Err(err) => Self::store_failed(myself, err),
+                        // The acks committed with the call, whatever its drain returned.
+                        Err(err) => self.drain_failed(myself, state, err).await,
                     };
                 }
             }

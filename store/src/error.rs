@@ -172,6 +172,18 @@ pub enum Error {
         .0.join(", ")
     )]
     SchemaMissing(Vec<&'static str>),
+    /// A pending row the relay cannot read (its metadata does not decode: written past
+    /// `relay_append`, or by a newer schema): the relay parks its branch with this reason, and
+    /// the rest of the tenant ships.
+    #[error("the row {branch} lsn {lsn} cannot be read: {reason}")]
+    Unreadable {
+        /// Its branch.
+        branch: BranchKey,
+        /// Its Lsn.
+        lsn: Lsn,
+        /// What does not decode.
+        reason: String,
+    },
     /// The database failed or is unreachable.
     #[error("database error: {0}")]
     Database(#[from] sqlx::Error),

@@ -159,7 +159,7 @@ type EventRow = (
     i16,
     Option<String>,
     Option<String>,
-    Option<sqlx::types::Json<Metadata>>,
+    Option<sqlx::types::Json<serde_json::Value>>,
 );
 
 /// Columns of [`EventRow`], in order.
@@ -374,15 +374,28 @@ fn events_of(tenant: &TenantId, rows: Vec<EventRow>) -> Result<Vec<OutboxEvent>,
                     (2, _) => EventKind::End,
                     _ => EventKind::Intent,
                 };
+                let key = EventKey::from_db(tenant, run, branch, lsn)?;
+                // Decoded row by row: one row's metadata that does not decode names that row
+                // (`Error::Unreadable`) instead of failing the whole batch unnamed.
+                let meta = match meta {
+                    None => Metadata::default(),
+                    Some(json) => {
+                        serde_json::from_value(json.0).map_err(|err| Error::Unreadable {
+                            branch: key.branch.clone(),
+                            lsn: key.lsn,
+                            reason: format!("metadata: {err}"),
+                        })?
+                    }
+                };
                 Ok(OutboxEvent {
-                    key: EventKey::from_db(tenant, run, branch, lsn)?,
+                    key,
                     prev_lsn: Lsn::from_db(prev_lsn),
                     base_lsn: Lsn::from_db(base_lsn),
                     payload,
                     created_at,
                     kind,
                     parent: parent.map(BranchId::new).transpose()?,
-                    meta: meta.map(|json| json.0).unwrap_or_default(),
+                    meta,
                 })
             },
         )

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use distribution::Relay;
-use distribution::store::{BranchKey, FoldStore, Outbox};
+use distribution::store::{BranchId, BranchKey, FoldStore, IntentWriter, Outbox, RunId};
 
 use crate::double::{Double, Refuse, Script};
 use crate::harness::*;
@@ -287,6 +287,93 @@ fn a_parked_branch_discarded_for_good_ends_on_the_wire_and_its_run_goes_on() {
         assert!(outbox.parked_branches().await.unwrap().is_empty());
         assert_eq!(pending(&outbox).await, 0);
         relay.shutdown().await;
+        drop_topology(&config.rabbit_config().unwrap().topology).await;
+    });
+}
+
+/// A pending row the relay cannot read (metadata written past `relay_append`: a field this
+/// relay does not know) parks its branch with the reason, naming the row; the rest of its
+/// tenant ships (before, every drain of the tenant failed and nothing of it shipped again).
+/// Repaired and released, the branch ships in order, exactly once at the fold.
+#[test]
+fn a_row_the_relay_cannot_read_parks_its_branch_and_the_tenant_ships() {
+    host_runtime().block_on(async {
+        let (pool, url) = fresh_database("unreadable").await;
+        let config = relay_config(&url, &amqp_url(), &unique("relay-unreadable"));
+        let fold = FoldStore::new(pool.clone());
+        let folding = Folding::start(direct_rabbit(&config), &fold);
+        let sick = write_first_intent(&pool, "mixed", b"a1").await;
+        append_intent(&pool, &sick, 2, b"a2").await;
+        append_intent(&pool, &sick, 3, b"a3").await;
+        let well = BranchKey::new(
+            sick.tenant.clone(),
+            RunId::new("r2").unwrap(),
+            BranchId::new("b").unwrap(),
+        );
+        let writer = IntentWriter::default();
+        let mut tx = pool.begin().await.unwrap();
+        writer.open_run(&mut tx, &well).await.unwrap();
+        tx.commit().await.unwrap();
+        for lsn in 1..=3 {
+            append_intent(&pool, &well, lsn, format!("w{lsn}").as_bytes()).await;
+        }
+        // A field no version of the contract has, written past `relay_append`.
+        let corrupted = sqlx::query(
+            "UPDATE relay_outbox SET meta = '{\"priority\": 1}'::jsonb
+              WHERE tenant_id = 'mixed' AND run_id = 'r' AND branch_id = 'b' AND lsn = 2",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        assert_eq!(corrupted.rows_affected(), 1);
+
+        let relay = Relay::start(config.clone()).await.unwrap();
+        let outbox = Outbox::new(pool.clone());
+        wait_until(
+            "the sick branch parked",
+            Duration::from_secs(30),
+            || async { !outbox.parked_branches().await.unwrap().is_empty() },
+        )
+        .await;
+        let parked = outbox.parked_branches().await.unwrap();
+        assert_eq!(parked.len(), 1, "{parked:?}");
+        assert_eq!(parked[0].branch, sick);
+        assert!(
+            parked[0]
+                .reason
+                .starts_with("unreadable: lsn 2: metadata: unknown field `priority`"),
+            "the reason names the row and what does not decode: {}",
+            parked[0].reason
+        );
+        // The rest of the tenant ships; the parked branch waits whole, in order.
+        wait_until("the other run folded", Duration::from_secs(30), || async {
+            fold.folded(&sick.tenant).await.unwrap().len() == 3
+        })
+        .await;
+        let folded = fold.folded(&sick.tenant).await.unwrap();
+        assert!(folded.iter().all(|e| e.key.branch == well), "{folded:?}");
+        assert_eq!(pending(&outbox).await, 3, "the sick branch's three wait");
+
+        // Repaired and released: it ships, in order.
+        sqlx::query("UPDATE relay_outbox SET meta = NULL WHERE tenant_id = 'mixed' AND lsn = 2")
+            .execute(&pool)
+            .await
+            .unwrap();
+        assert_eq!(outbox.release(&sick.tenant, None, None).await.unwrap(), 1);
+        wait_until("everything folded", Duration::from_secs(30), || async {
+            fold.folded(&sick.tenant).await.unwrap().len() == 6
+        })
+        .await;
+        let folded = fold.folded(&sick.tenant).await.unwrap();
+        let lsns: Vec<u64> = folded
+            .iter()
+            .filter(|e| e.key.branch == sick)
+            .map(|e| e.key.lsn.get())
+            .collect();
+        assert_eq!(lsns, [1, 2, 3], "in order, once each");
+        assert!(outbox.parked_branches().await.unwrap().is_empty());
+        relay.shutdown().await;
+        folding.stop().await;
         drop_topology(&config.rabbit_config().unwrap().topology).await;
     });
 }

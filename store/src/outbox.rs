@@ -367,25 +367,30 @@ fn events_of(tenant: &TenantId, rows: Vec<EventRow>) -> Result<Vec<OutboxEvent>,
                 to,
                 meta,
             )| {
+                let key = EventKey::from_db(tenant, run, branch, lsn)?;
+                // Decoded row by row: a row whose key reads but whose other columns do not
+                // names that row (`Error::Unreadable`, its branch is then parked) instead of
+                // failing the whole batch unnamed.
+                let unreadable = |what: &str, err: &dyn std::fmt::Display| Error::Unreadable {
+                    branch: key.branch.clone(),
+                    lsn: key.lsn,
+                    reason: format!("{what}: {err}"),
+                };
                 let kind = match (kind, to) {
                     (1, Some(to)) => EventKind::Rewind {
-                        to: BranchId::new(to)?,
+                        to: BranchId::new(to).map_err(|err| unreadable("rewound_to", &err))?,
                     },
                     (2, _) => EventKind::End,
                     _ => EventKind::Intent,
                 };
-                let key = EventKey::from_db(tenant, run, branch, lsn)?;
-                // Decoded row by row: one row's metadata that does not decode names that row
-                // (`Error::Unreadable`) instead of failing the whole batch unnamed.
+                let parent = parent
+                    .map(BranchId::new)
+                    .transpose()
+                    .map_err(|err| unreadable("parent_branch_id", &err))?;
                 let meta = match meta {
                     None => Metadata::default(),
-                    Some(json) => {
-                        serde_json::from_value(json.0).map_err(|err| Error::Unreadable {
-                            branch: key.branch.clone(),
-                            lsn: key.lsn,
-                            reason: format!("metadata: {err}"),
-                        })?
-                    }
+                    Some(json) => serde_json::from_value(json.0)
+                        .map_err(|err| unreadable("metadata", &err))?,
                 };
                 Ok(OutboxEvent {
                     key,
@@ -394,7 +399,7 @@ fn events_of(tenant: &TenantId, rows: Vec<EventRow>) -> Result<Vec<OutboxEvent>,
                     payload,
                     created_at,
                     kind,
-                    parent: parent.map(BranchId::new).transpose()?,
+                    parent,
                     meta,
                 })
             },

@@ -750,21 +750,24 @@ fn counter(scrape: &str, name: &str) -> u64 {
         .map_or(0, |value| value as u64)
 }
 
-/// A tenant whose drainer fails on every drain (a row it cannot read: metadata written past
-/// `relay_append`'s checks) while its host commits hundreds of NOTIFYing intents a second is
-/// restarted on its backoff (100 ms doubling to 5 s), not at the host's commit rate. Before,
-/// every NOTIFY restarted it.
+/// A tenant whose drainer fails on every drain (a row whose key it cannot read: inserted past
+/// `relay_append`'s checks with an invalid branch id, so not even its branch can be parked)
+/// while its host commits hundreds of NOTIFYing intents a second is restarted on its backoff
+/// (100 ms doubling to 5 s), not at the host's commit rate. Before, every NOTIFY restarted it.
 #[test]
 fn a_failing_drainer_restarts_on_its_backoff_under_notify_load() {
     host_runtime().block_on(async {
         let (pool, url) = fresh_database("cli_backoff").await;
         let topology = unique("relay-backoff");
         let poison = write_first_intent(&pool, "poison", b"x").await;
-        sqlx::query("UPDATE relay_outbox SET meta = '{\"bogus\": 1}' WHERE tenant_id = $1")
-            .bind(poison.tenant.as_str())
-            .execute(&pool)
-            .await
-            .unwrap();
+        sqlx::query(
+            "INSERT INTO relay_outbox (tenant_id, run_id, branch_id, lsn, prev_lsn, base_lsn, payload)
+             VALUES ($1, 'r', 'not a branch!', 1, 0, 0, 'x')",
+        )
+        .bind(poison.tenant.as_str())
+        .execute(&pool)
+        .await
+        .unwrap();
         let addr = free_addr();
         let mut child = run_command(&url, &amqp_url(), &topology, &addr)
             .spawn()

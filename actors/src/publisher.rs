@@ -1,8 +1,6 @@
 //! One publisher actor per shard: the only place the relay calls the broker.
 use std::sync::Arc;
 
-use std::sync::atomic::{AtomicU8, Ordering};
-
 use broker::{OnReport, Outcome, Publisher};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use store::{Fence, OutboxEvent};
@@ -102,35 +100,48 @@ impl std::fmt::Debug for PublisherArgs {
     }
 }
 
-/// What a publisher's broker session has shown so far: one state, shared with the confirm
-/// callbacks of its batches (they run on the adapter's confirm pump, not in the actor).
+/// What a publisher's broker session has shown so far.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum SessionState {
+    /// Nothing yet accepted nor faulted.
+    #[default]
+    Starting,
+    /// A batch was accepted without fault.
+    Healthy,
+    /// A batch reported a broker fault: the actor stops.
+    Faulted,
+}
+
+/// The session's state, shared with the confirm callbacks of its batches (they run on the
+/// adapter's confirm pump, not in the actor).
 #[derive(Debug, Default)]
-struct Session(AtomicU8);
+struct Session(std::sync::Mutex<SessionState>);
 
 impl Session {
-    const STARTING: u8 = 0;
-    const HEALTHY: u8 = 1;
-    const FAULTED: u8 = 2;
+    fn update<T>(&self, change: impl FnOnce(&mut SessionState) -> T) -> T {
+        change(&mut self.0.lock().unwrap_or_else(|poison| poison.into_inner()))
+    }
 
     /// A batch was accepted without fault; true the first time (the recovery signal).
     fn healthy(&self) -> bool {
-        self.0
-            .compare_exchange(
-                Self::STARTING,
-                Self::HEALTHY,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            )
-            .is_ok()
+        self.update(|state| {
+            let first = *state == SessionState::Starting;
+            if first {
+                *state = SessionState::Healthy;
+            }
+            first
+        })
     }
 
     /// A batch reported a broker fault; true the first time (the actor is stopped once).
     fn fault(&self) -> bool {
-        self.0.swap(Self::FAULTED, Ordering::AcqRel) != Self::FAULTED
+        self.update(|state| {
+            std::mem::replace(state, SessionState::Faulted) != SessionState::Faulted
+        })
     }
 
     fn is_faulted(&self) -> bool {
-        self.0.load(Ordering::Acquire) == Self::FAULTED
+        self.update(|state| *state == SessionState::Faulted)
     }
 }
 

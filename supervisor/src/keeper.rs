@@ -166,7 +166,7 @@ impl Keeper {
         ));
         let mut ticker = tokio::time::interval(self.config.heartbeat);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut first = true;
+        let mut beat = Beat::First;
         loop {
             tokio::select! {
                 _ = ticker.tick() => {}
@@ -179,22 +179,22 @@ impl Keeper {
             if *stop.borrow() {
                 break;
             }
-            let was_first = std::mem::take(&mut first);
-            let beat = self.heartbeat(
+            let this = std::mem::replace(&mut beat, Beat::Later);
+            let beaten = self.heartbeat(
                 &supervisor,
                 &mut book,
                 &plan,
                 &mut members,
                 &mut failures,
                 limit,
-                was_first,
+                this,
             );
-            match beat.await {
-                None => break,
-                Some(true) => early.notify_one(),
-                Some(false) => {}
+            match beaten.await {
+                Beaten::SupervisorGone => break,
+                Beaten::Gained => early.notify_one(),
+                Beaten::Held => {}
             }
-            if was_first {
+            if this == Beat::First {
                 // The first beat left room for a relay starting beside this one; the second
                 // comes a quarter heartbeat later, so a lone relay holds its whole share then
                 // rather than a heartbeat later (relays started within that quarter have
@@ -236,8 +236,8 @@ impl Keeper {
         }
     }
 
-    /// Renews membership and leases and moves toward this relay's share. Returns whether
-    /// buckets were gained, or `None` once the supervisor is gone.
+    /// Renews membership and leases and moves toward this relay's share (`beat`: the relay's
+    /// first heartbeat leaves room for a relay starting beside it).
     #[allow(clippy::too_many_arguments)]
     async fn heartbeat(
         &self,
@@ -247,8 +247,8 @@ impl Keeper {
         members: &mut u32,
         failures: &mut KeeperFailures,
         limit: Duration,
-        first: bool,
-    ) -> Option<bool> {
+        beat: Beat,
+    ) -> Beaten {
         {
             let mut changes = LeaseChanges::default();
             match within(limit, self.leases.heartbeat(&self.me, self.config.ttl)).await {
@@ -298,10 +298,9 @@ impl Keeper {
                     .extend(forced.iter().map(|(bucket, _)| *bucket));
                 release.extend(forced);
             }
-            let step = if first {
-                plan.first_step(book.staying(), *members)
-            } else {
-                plan.step(book.staying(), *members)
+            let step = match beat {
+                Beat::First => plan.first_step(book.staying(), *members),
+                Beat::Later => plan.step(book.staying(), *members),
             };
             match step {
                 LeaseStep::Claim(n) => {
@@ -327,7 +326,7 @@ impl Keeper {
                         .cast(SupervisorMessage::HandOver(leaving))
                         .is_err()
                     {
-                        return None;
+                        return Beaten::SupervisorGone;
                     }
                 }
                 LeaseStep::Hold => {}
@@ -336,7 +335,7 @@ impl Keeper {
             metrics::gauge!("relay_members").set(f64::from(*members));
             let gained = !changes.gained.is_empty();
             if !changes.is_empty() && supervisor.cast(SupervisorMessage::Leases(changes)).is_err() {
-                return None;
+                return Beaten::SupervisorGone;
             }
             // Lapsed leases are released too: claimable at once instead of after the TTL.
             release.extend(lapsed);
@@ -346,7 +345,27 @@ impl Keeper {
                 // They expire by themselves within the TTL.
                 tracing::warn!(error = %err, "could not release buckets; they expire instead");
             }
-            Some(gained)
+            if gained { Beaten::Gained } else { Beaten::Held }
         }
     }
+}
+
+/// Which heartbeat of this relay's life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Beat {
+    /// The first: it leaves room for a relay starting beside this one (`LeasePlan::first_step`).
+    First,
+    /// Any later one.
+    Later,
+}
+
+/// What a heartbeat did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Beaten {
+    /// Buckets were gained: their tenants are polled at once.
+    Gained,
+    /// Nothing gained.
+    Held,
+    /// The supervisor is gone: the keeper ends.
+    SupervisorGone,
 }

@@ -15,7 +15,6 @@ mod alerts {
 
     use distribution::consumer::{Consumer, ConsumerConfig};
     use distribution::store::{Outbox, TenantId};
-    use http_body_util::BodyExt;
 
     use crate::harness::*;
 
@@ -99,20 +98,6 @@ mod alerts {
         name.to_owned()
     }
 
-    async fn get(addr: &str, path: &str) -> Option<String> {
-        let stream = tokio::net::TcpStream::connect(addr).await.ok()?;
-        let io = hyper_util::rt::TokioIo::new(stream);
-        let (mut sender, connection) = hyper::client::conn::http1::handshake(io).await.ok()?;
-        tokio::spawn(connection);
-        let request = hyper::Request::get(path)
-            .header("host", addr)
-            .body(http_body_util::Empty::<hyper::body::Bytes>::new())
-            .ok()?;
-        let response = sender.send_request(request).await.ok()?;
-        let body = response.into_body().collect().await.ok()?.to_bytes();
-        Some(String::from_utf8_lossy(&body).into_owned())
-    }
-
     /// Stops the relay on drop, also when the test fails.
     struct Running(std::process::Child);
 
@@ -150,22 +135,14 @@ mod alerts {
             let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
             let addr = format!("127.0.0.1:{}", listener.local_addr().unwrap().port());
             drop(listener);
-            let mut command = Command::new(env!("CARGO_BIN_EXE_distribution"));
-            for (name, _) in std::env::vars_os() {
-                let name = name.to_string_lossy();
-                if name.starts_with("RELAY_") || name == "DATABASE_URL" || name == "AMQP_URL" {
-                    command.env_remove(name.as_ref());
-                }
-            }
             let relay = Running(
-                command
+                relay_command()
                     .arg("run")
                     .env("DATABASE_URL", &url)
                     .env("AMQP_URL", amqp_url())
                     .env("RELAY_TOPOLOGY", &topology)
                     .env("RELAY_PARTITIONS", "4")
                     .env("RELAY_METRICS_ADDR", &addr)
-                    .stdin(Stdio::null())
                     .stdout(Stdio::null())
                     .stderr(Stdio::null())
                     .spawn()
@@ -190,10 +167,12 @@ mod alerts {
                 "the relay reports the parked branch and a confirm",
                 Duration::from_secs(30),
                 || async {
-                    get(&addr, "/metrics").await.is_some_and(|scraped| {
-                        scraped.contains(&parked_line)
-                            && scraped.contains("relay_write_to_confirm_seconds_count 1")
-                    })
+                    http_get(&addr, "/metrics")
+                        .await
+                        .is_some_and(|(_, scraped)| {
+                            scraped.contains(&parked_line)
+                                && scraped.contains("relay_write_to_confirm_seconds_count 1")
+                        })
                 },
             )
             .await;
@@ -204,7 +183,7 @@ mod alerts {
             )
             .await;
             let mut scraped = Shapes::new();
-            shapes(&get(&addr, "/metrics").await.unwrap(), &mut scraped);
+            shapes(&http_get(&addr, "/metrics").await.unwrap().1, &mut scraped);
             shapes(&handle.render(), &mut scraped);
             let described = distribution::metric_names();
             let _ = stop.send(true);

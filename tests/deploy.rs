@@ -4,28 +4,20 @@
 //! the probes name the routes and the port it serves, and the image builds the binary the way
 //! a clone builds (`--locked`) and runs it as a non-root user. Not checked: that the image
 //! builds and starts, and that the manifest applies to a cluster.
+#[path = "it/harness.rs"]
+mod harness;
+
 use std::collections::BTreeSet;
 use std::path::Path;
 use std::process::{Command, Stdio};
+
+use harness::relay_command as distribution;
 
 fn deploy(file: &str) -> String {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("deploy")
         .join(file);
     std::fs::read_to_string(&path).unwrap_or_else(|err| panic!("{path:?}: {err}"))
-}
-
-fn distribution() -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_distribution"));
-    // Only what each test sets: the suite's own environment must not leak in.
-    for (name, _) in std::env::vars_os() {
-        let name = name.to_string_lossy();
-        if name.starts_with("RELAY_") || name == "DATABASE_URL" || name == "AMQP_URL" {
-            command.env_remove(name.as_ref());
-        }
-    }
-    command.stdin(Stdio::null());
-    command
 }
 
 /// The variables `distribution <command>` reads (`[env: NAME` in its help).

@@ -25,6 +25,34 @@ pub fn unique(label: &str) -> String {
     store::scratch::unique(label)
 }
 
+/// For a test of this clean-up: declares a topology named [`unique`]`(label)` (2 partitions)
+/// on the broker at `url` and leaves a message in its partition 1; returns its name.
+pub async fn leave_a_topology(url: &str, label: &str) -> Result<String, crate::Error> {
+    let topology = crate::Topology::new(&unique(label), 2)?;
+    let connection = Connection::connect(url, ConnectionProperties::default())
+        .await
+        .map_err(crate::Error::Channel)?;
+    let channel = connection
+        .create_channel()
+        .await
+        .map_err(crate::Error::Channel)?;
+    topology.declare(&channel).await?;
+    channel
+        .basic_publish(
+            "".into(),
+            topology.queue(crate::Partition(1)),
+            Default::default(),
+            b"left behind",
+            Default::default(),
+        )
+        .await
+        .map_err(crate::Error::Channel)?
+        .await
+        .map_err(crate::Error::Channel)?;
+    let _ = connection.close(200, "left behind".into()).await;
+    Ok(topology.exchange().to_string())
+}
+
 /// Whether the broker object `name` (an exchange, or a queue `<exchange>.<...>`) was named by
 /// [`unique`] in process `pid`, or over an hour before `now_micros`.
 fn ours(name: &str, pid: u32, now_micros: u128) -> bool {

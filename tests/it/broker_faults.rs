@@ -568,9 +568,6 @@ mod outbox {
 /// A test's scratch topology is deleted at its process's exit from the broker `AMQP_URL` names,
 /// also when that is not this machine's node (a bare `rabbitmqctl` lists this machine's).
 mod scratch {
-    use distribution::broker::{Partition, Topology};
-    use lapin::{Connection, ConnectionProperties};
-
     use crate::node::PrivateNode;
 
     /// Run only as the child of the test below, with `AMQP_URL` naming a private node:
@@ -582,25 +579,10 @@ mod scratch {
             return;
         }
         let url = std::env::var("AMQP_URL").unwrap();
-        let topology = Topology::new(&crate::harness::unique("relay-test-away"), 2).unwrap();
-        let connection = Connection::connect(&url, ConnectionProperties::default())
+        let name = distribution::broker::scratch::leave_a_topology(&url, "relay-test-away")
             .await
             .unwrap();
-        let channel = connection.create_channel().await.unwrap();
-        topology.declare(&channel).await.unwrap();
-        channel
-            .basic_publish(
-                "".into(),
-                topology.queue(Partition(1)),
-                Default::default(),
-                b"left behind",
-                Default::default(),
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
-        println!("SCRATCH={}", topology.exchange());
+        println!("SCRATCH={name}");
         panic!("this test fails on purpose");
     }
 

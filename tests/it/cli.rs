@@ -7,7 +7,6 @@ use std::time::{Duration, Instant};
 
 use distribution::store::Outbox;
 use distribution::testing::BrokerProxy;
-use http_body_util::BodyExt;
 
 use crate::harness::*;
 use crate::node::PrivateNode;
@@ -18,24 +17,11 @@ fn free_addr() -> String {
     format!("127.0.0.1:{}", listener.local_addr().unwrap().port())
 }
 
-fn relay() -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_distribution"));
-    // Only what each test sets: the suite's own environment must not leak in.
-    for (name, _) in std::env::vars_os() {
-        let name = name.to_string_lossy();
-        if name.starts_with("RELAY_") || name == "DATABASE_URL" || name == "AMQP_URL" {
-            command.env_remove(name.as_ref());
-        }
-    }
-    command.stdin(Stdio::null());
-    command
-}
-
 /// `distribution run` on the database `url` and the broker `amqp`, with its own topology (the
 /// harness's 4 partitions, so `drop_topology_named` removes every queue) and `/metrics`
 /// address, silent; add settings with `.env`.
 fn run_command(url: &str, amqp: &str, topology: &str, addr: &str) -> Command {
-    let mut command = relay();
+    let mut command = relay_command();
     command
         .arg("run")
         .env("DATABASE_URL", url)
@@ -103,11 +89,11 @@ fn help_and_version_exit_0_usage_errors_exit_2() {
         &["run", "--help"],
         &["--version"],
     ] {
-        let (code, stdout, _) = output(relay().args(args));
+        let (code, stdout, _) = output(relay_command().args(args));
         assert_eq!(code, 0, "{args:?}");
         assert!(!stdout.is_empty(), "{args:?} printed nothing");
     }
-    let (_, help, _) = output(relay().args(["run", "--help"]));
+    let (_, help, _) = output(relay_command().args(["run", "--help"]));
     for variable in [
         "DATABASE_URL",
         "RELAY_THREADS",
@@ -116,7 +102,7 @@ fn help_and_version_exit_0_usage_errors_exit_2() {
     ] {
         assert!(help.contains(variable), "run --help lacks {variable}");
     }
-    let (_, version, _) = output(relay().arg("--version"));
+    let (_, version, _) = output(relay_command().arg("--version"));
     assert!(version.contains(env!("CARGO_PKG_VERSION")), "{version}");
     for args in [
         &[][..],
@@ -125,7 +111,7 @@ fn help_and_version_exit_0_usage_errors_exit_2() {
         &["release"],
     ] {
         let (code, _, stderr) = output(
-            relay()
+            relay_command()
                 .args(args)
                 .env("DATABASE_URL", "postgres://x@127.0.0.1/x"),
         );
@@ -141,7 +127,7 @@ fn bad_settings_exit_2_naming_the_variable() {
             .env("DATABASE_URL", "postgres://postgres@127.0.0.1:1/x")
             .env("AMQP_URL", "amqp://127.0.0.1:1/%2f");
     };
-    let mut command = relay();
+    let mut command = relay_command();
     base(&mut command);
     let (code, _, stderr) = output(command.env("RELAY_THREADS", "100000"));
     assert_eq!(code, 2, "{stderr}");
@@ -151,7 +137,7 @@ fn bad_settings_exit_2_naming_the_variable() {
     );
 
     // A URI lapin cannot parse is a configuration error, not an unreachable broker.
-    let mut command = relay();
+    let mut command = relay_command();
     base(&mut command);
     let (code, _, stderr) = output(command.env("AMQP_URL", "amqp://%%%:@@@"));
     assert_eq!(code, 2, "{stderr}");
@@ -160,13 +146,13 @@ fn bad_settings_exit_2_naming_the_variable() {
         "{stderr}"
     );
 
-    let mut command = relay();
+    let mut command = relay_command();
     base(&mut command);
     let (code, _, stderr) = output(command.args(["--partitions", "abc"]));
     assert_eq!(code, 2, "{stderr}");
     assert!(stderr.contains("--partitions"), "{stderr}");
 
-    let mut command = relay();
+    let mut command = relay_command();
     base(&mut command);
     let (code, _, stderr) = output(
         command
@@ -179,14 +165,14 @@ fn bad_settings_exit_2_naming_the_variable() {
         stderr.contains("warning: RELAY_PARTITONS is not a setting"),
         "{stderr}"
     );
-    let mut command = relay();
+    let mut command = relay_command();
     base(&mut command);
     let (code, _, stderr) = output(command.env("RELAY_QUEUE_TYPE", "lazy"));
     assert_eq!(code, 2, "{stderr}");
     assert!(stderr.contains("classic, quorum, stream"), "{stderr}");
 
     // Stream retention a stream would not take, or given to another queue type.
-    let mut command = relay();
+    let mut command = relay_command();
     base(&mut command);
     let (code, _, stderr) = output(
         command
@@ -199,7 +185,7 @@ fn bad_settings_exit_2_naming_the_variable() {
             && stderr.contains("Y M D h m s"),
         "{stderr}"
     );
-    let mut command = relay();
+    let mut command = relay_command();
     base(&mut command);
     let (code, _, stderr) = output(command.env("RELAY_STREAM_MAX_BYTES", "1000000"));
     assert_eq!(code, 2, "{stderr}");
@@ -227,7 +213,7 @@ fn database_problems_are_named_within_seconds() {
     ];
     for (url, cause) in cases {
         let started = Instant::now();
-        let (code, _, stderr) = output(relay().arg("status").env("DATABASE_URL", &url));
+        let (code, _, stderr) = output(relay_command().arg("status").env("DATABASE_URL", &url));
         assert_eq!(code, 1, "{stderr}");
         assert!(stderr.contains(cause), "{url}: {stderr}");
         assert!(!stderr.contains("pool timed out"), "{stderr}");
@@ -243,7 +229,7 @@ fn database_problems_are_named_within_seconds() {
 /// the host writes and the relay's drain reads.
 #[test]
 fn the_printed_sql_builds_a_working_outbox() {
-    let (code, sql, stderr) = output(relay().arg("sql"));
+    let (code, sql, stderr) = output(relay_command().arg("sql"));
     assert_eq!(code, 0, "{stderr}");
     assert!(sql.contains("-- relay migration 1 "), "{sql}");
     host_runtime().block_on(async {
@@ -312,11 +298,15 @@ fn group_reset_empties_the_projection_with_the_fold_or_refuses() {
                     .unwrap()
             }
         };
-        let (code, _, stderr) = output(relay().args(["group", "reset"]).env("DATABASE_URL", &url));
+        let (code, _, stderr) = output(
+            relay_command()
+                .args(["group", "reset"])
+                .env("DATABASE_URL", &url),
+        );
         assert_eq!(code, 2, "a usage error: {stderr}");
         assert!(stderr.contains("--truncate <TABLE>"), "{stderr}");
         let (code, _, stderr) = output(
-            relay()
+            relay_command()
                 .args(["group", "reset", "--truncate", "Orders; DROP"])
                 .env("DATABASE_URL", &url),
         );
@@ -328,7 +318,7 @@ fn group_reset_empties_the_projection_with_the_fold_or_refuses() {
         );
         assert_eq!(count("SELECT count(*) FROM relay_fold_offset").await, 1);
         let (code, stdout, stderr) = output(
-            relay()
+            relay_command()
                 .args(["group", "reset", "--truncate", "public.orders"])
                 .env("DATABASE_URL", &url),
         );
@@ -343,7 +333,7 @@ fn group_reset_empties_the_projection_with_the_fold_or_refuses() {
 /// `relay_fold` folds. `distribution roles` prints grants, and refuses a bad call with exit 2.
 #[test]
 fn the_printed_fold_sql_folds_and_roles_refuse_bad_names() {
-    let (code, sql, stderr) = output(relay().args(["sql", "--fold"]));
+    let (code, sql, stderr) = output(relay_command().args(["sql", "--fold"]));
     assert_eq!(code, 0, "{stderr}");
     assert!(
         !sql.contains("relay_outbox ("),
@@ -365,16 +355,16 @@ fn the_printed_fold_sql_folds_and_roles_refuse_bad_names() {
         assert_eq!(actions, ["apply"]);
     });
     let (code, grants, stderr) =
-        output(relay().args(["roles", "--consumer", "app_fold", "--fold-database"]));
+        output(relay_command().args(["roles", "--consumer", "app_fold", "--fold-database"]));
     assert_eq!(code, 0, "{stderr}");
     assert!(
         grants.contains("GRANT EXECUTE ON FUNCTION relay_fold, relay_fold_retire, relay_fold_offset, relay_fold_save_offset, relay_fold_reset TO app_fold;"),
         "{grants}"
     );
-    let (code, _, stderr) = output(relay().arg("roles"));
+    let (code, _, stderr) = output(relay_command().arg("roles"));
     assert_eq!(code, 2);
     assert!(stderr.contains("name at least one role"), "{stderr}");
-    let (code, _, stderr) = output(relay().args(["roles", "--host", "App-Host"]));
+    let (code, _, stderr) = output(relay_command().args(["roles", "--host", "App-Host"]));
     assert_eq!(code, 2);
     assert!(stderr.contains("invalid host role"), "{stderr}");
 }
@@ -386,7 +376,7 @@ fn skip_migrate_without_the_schema_fails_at_start_naming_what_is_missing() {
     host_runtime().block_on(async {
         let (pool, url) = empty_database("cli_skip").await;
         let (code, _, stderr) = output_within(
-            relay()
+            relay_command()
                 .arg("run")
                 .env("DATABASE_URL", &url)
                 .env("AMQP_URL", amqp_url())
@@ -413,21 +403,6 @@ fn skip_migrate_without_the_schema_fails_at_start_naming_what_is_missing() {
     });
 }
 
-async fn get(addr: &str, path: &str) -> Option<(u16, String)> {
-    let stream = tokio::net::TcpStream::connect(addr).await.ok()?;
-    let io = hyper_util::rt::TokioIo::new(stream);
-    let (mut sender, connection) = hyper::client::conn::http1::handshake(io).await.ok()?;
-    tokio::spawn(connection);
-    let request = hyper::Request::get(path)
-        .header("host", addr)
-        .body(http_body_util::Empty::<hyper::body::Bytes>::new())
-        .ok()?;
-    let response = sender.send_request(request).await.ok()?;
-    let status = response.status().as_u16();
-    let body = response.into_body().collect().await.ok()?.to_bytes();
-    Some((status, String::from_utf8_lossy(&body).into_owned()))
-}
-
 /// Stops a `distribution run` with SIGTERM (its graceful stop): its exit code.
 fn terminate(child: &mut std::process::Child) -> Option<i32> {
     let signalled = Command::new("kill")
@@ -451,7 +426,7 @@ async fn drop_topology_named(url: &str, topology: &str) {
 async fn answer_until(addr: &str, path: &str, wanted: impl Fn(u16) -> bool) -> (u16, String) {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        match get(addr, path).await {
+        match http_get(addr, path).await {
             Some(answer) if wanted(answer.0) => return answer,
             answer => assert!(Instant::now() < deadline, "{path} answered {answer:?}"),
         }
@@ -475,9 +450,9 @@ fn a_running_relay_answers_health_and_readiness() {
             .unwrap();
         let (status, _) = answer_until(&addr, "/healthz", |_| true).await;
         assert_eq!(status, 200);
-        let (status, body) = get(&addr, "/readyz").await.unwrap();
+        let (status, body) = http_get(&addr, "/readyz").await.unwrap();
         assert_eq!(status, 200, "{body}");
-        let (status, body) = get(&addr, "/metrics").await.unwrap();
+        let (status, body) = http_get(&addr, "/metrics").await.unwrap();
         assert_eq!(status, 200);
         assert!(
             body.contains("# HELP relay_drainer_restarts_total"),
@@ -485,16 +460,16 @@ fn a_running_relay_answers_health_and_readiness() {
         );
         // What `/readyz` says, for alerts (deploy/prometheus/rules.yml: RelayNotReady).
         assert!(body.contains("\nrelay_ready 1\n"), "{body}");
-        assert_eq!(get(&addr, "/elsewhere").await.unwrap().0, 404);
+        assert_eq!(http_get(&addr, "/elsewhere").await.unwrap().0, 404);
 
         proxy.cut();
         write_first_intent(&pool, "ready", b"x").await;
         let (_, body) = answer_until(&addr, "/readyz", |status| status == 503).await;
         assert!(body.contains("broker down while intents wait"), "{body}");
-        let (_, body) = get(&addr, "/metrics").await.unwrap();
+        let (_, body) = http_get(&addr, "/metrics").await.unwrap();
         assert!(body.contains("\nrelay_ready 0\n"), "{body}");
         // Healthy all the same: restarting would not bring the broker back.
-        assert_eq!(get(&addr, "/healthz").await.unwrap().0, 200);
+        assert_eq!(http_get(&addr, "/healthz").await.unwrap().0, 200);
 
         proxy.restore();
         let outbox = Outbox::new(pool.clone());
@@ -505,7 +480,7 @@ fn a_running_relay_answers_health_and_readiness() {
         )
         .await;
         wait_until("ready again", Duration::from_secs(10), || async {
-            get(&addr, "/readyz")
+            http_get(&addr, "/readyz")
                 .await
                 .is_some_and(|(status, _)| status == 200)
         })
@@ -534,7 +509,7 @@ fn readiness_names_an_unreachable_database() {
         database.cut();
         let (_, body) = answer_until(&addr, "/readyz", |status| status == 503).await;
         assert!(body.contains("database unreachable"), "{body}");
-        assert_eq!(get(&addr, "/healthz").await.unwrap().0, 200);
+        assert_eq!(http_get(&addr, "/healthz").await.unwrap().0, 200);
         // The host writes on its own connection meanwhile (the proxy is the relay's only).
         write_first_intent(&pool, "ready-db", b"x").await;
 
@@ -584,7 +559,7 @@ fn readiness_says_the_broker_blocks_the_relay_through_an_alarm() {
         // AMQP timeout of the relay).
         let until = Instant::now() + Duration::from_secs(3);
         while Instant::now() < until {
-            let (status, body) = get(&addr, "/readyz").await.unwrap();
+            let (status, body) = http_get(&addr, "/readyz").await.unwrap();
             assert_eq!(status, 503, "ready during the alarm: {body}");
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -609,7 +584,7 @@ fn readiness_says_the_broker_blocks_the_relay_through_an_alarm() {
 /// (README and docs/operations.md promise both; before, its exchange and queues stayed on the broker).
 #[test]
 fn the_demo_ships_everything_and_leaves_nothing_behind() {
-    let child = relay()
+    let child = relay_command()
         .arg("demo")
         .env("DATABASE_URL", std::env::var("DATABASE_URL").unwrap())
         .env("AMQP_URL", amqp_url())
@@ -705,7 +680,7 @@ fn an_old_dead_letter_queue_stops_the_relay_with_the_way_out() {
             .await
             .unwrap();
         let (code, _, stderr) = output_within(
-            relay()
+            relay_command()
                 .arg("run")
                 .env("DATABASE_URL", &url)
                 .env("AMQP_URL", amqp_url())
@@ -773,7 +748,7 @@ fn a_failing_drainer_restarts_on_its_backoff_under_notify_load() {
             .spawn()
             .unwrap();
         let restarts = || async {
-            get(&addr, "/metrics").await.map_or(0, |(_, body)| {
+            http_get(&addr, "/metrics").await.map_or(0, |(_, body)| {
                 counter(&body, "relay_drainer_restarts_total")
             })
         };
@@ -847,7 +822,7 @@ fn retire_removes_closed_shipped_runs_past_the_retention() {
         .await
         .unwrap();
         let (code, stdout, stderr) = output(
-            relay()
+            relay_command()
                 .args(["retire", "--retention-secs", "3600"])
                 .env("DATABASE_URL", &url),
         );
@@ -877,7 +852,7 @@ fn discard_rewinds_a_parked_branch_at_its_last_shipped_lsn() {
         outbox.ack_outbox(&[first[0].key.clone()]).await.unwrap();
         let discard = |url: &str| {
             output(
-                relay()
+                relay_command()
                     .args([
                         "discard",
                         "acme",

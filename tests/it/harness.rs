@@ -19,6 +19,38 @@ use sqlx::PgPool;
 /// Name prefix of the host's executor threads: the broker client must never run on them.
 pub const HOST_THREADS: &str = "host-executor";
 
+/// The `distribution` binary with none of the suite's own relay settings (`RELAY_*`,
+/// `DATABASE_URL`, `AMQP_URL`) leaking in: each test sets what it means.
+pub fn relay_command() -> std::process::Command {
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_distribution"));
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        if name.starts_with("RELAY_") || name == "DATABASE_URL" || name == "AMQP_URL" {
+            command.env_remove(name.as_ref());
+        }
+    }
+    command.stdin(std::process::Stdio::null());
+    command
+}
+
+/// `GET path` on `addr` (a relay's `/metrics`, `/healthz`, `/readyz`): status and body, or
+/// `None` if nothing answers.
+pub async fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
+    use http_body_util::BodyExt;
+    let stream = tokio::net::TcpStream::connect(addr).await.ok()?;
+    let io = hyper_util::rt::TokioIo::new(stream);
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(io).await.ok()?;
+    tokio::spawn(connection);
+    let request = hyper::Request::get(path)
+        .header("host", addr)
+        .body(http_body_util::Empty::<hyper::body::Bytes>::new())
+        .ok()?;
+    let response = sender.send_request(request).await.ok()?;
+    let status = response.status().as_u16();
+    let body = response.into_body().collect().await.ok()?.to_bytes();
+    Some((status, String::from_utf8_lossy(&body).into_owned()))
+}
+
 pub fn amqp_url() -> String {
     std::env::var("AMQP_URL").expect("AMQP_URL (set in .cargo/config.toml)")
 }

@@ -698,8 +698,13 @@ mod outbox {
             let (pool, config, relay, branch) =
                 unpolled_relay_and_unnotified_intents("waker", "wk").await;
             let outbox = Outbox::new(pool.clone());
-            // Nothing ships before the wake-up: no NOTIFY, no poll for 120 s.
-            assert_eq!(pending(&outbox).await, 5);
+            // Nothing ships before the wake-up (no NOTIFY, no poll for 120 s): a second after
+            // the commit, with every lease held, all five still wait.
+            let shipped = || async { pending(&outbox).await < 5 };
+            assert!(
+                !holds_within(Duration::from_secs(1), shipped).await,
+                "something shipped before the wake-up"
+            );
             relay.waker().wake(&branch.tenant);
             wait_until("woken relay ships", Duration::from_secs(20), || async {
                 pending(&outbox).await == 0
@@ -731,7 +736,11 @@ mod outbox {
                 listening > 0
             })
             .await;
-            assert_eq!(pending(&outbox).await, 5);
+            let shipped = || async { pending(&outbox).await < 5 };
+            assert!(
+                !holds_within(Duration::from_secs(1), shipped).await,
+                "something shipped before the wake-up"
+            );
             let mut conn = pool.acquire().await.unwrap();
             IntentWriter::default()
                 .wake_relays(&mut conn, &branch.tenant)

@@ -10,7 +10,7 @@ mod harness;
 mod alerts {
     use std::collections::{BTreeMap, BTreeSet};
     use std::path::{Path, PathBuf};
-    use std::process::{Command, Stdio};
+    use std::process::Command;
     use std::time::Duration;
 
     use distribution::consumer::{Consumer, ConsumerConfig};
@@ -132,19 +132,9 @@ mod alerts {
                 )
                 .await
                 .unwrap();
-            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            let addr = format!("127.0.0.1:{}", listener.local_addr().unwrap().port());
-            drop(listener);
+            let addr = free_addr();
             let relay = Running(
-                relay_command()
-                    .arg("run")
-                    .env("DATABASE_URL", &url)
-                    .env("AMQP_URL", amqp_url())
-                    .env("RELAY_TOPOLOGY", &topology)
-                    .env("RELAY_PARTITIONS", "4")
-                    .env("RELAY_METRICS_ADDR", &addr)
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
+                run_command(&url, &amqp_url(), &topology, &addr)
                     .spawn()
                     .unwrap(),
             );

@@ -81,12 +81,7 @@ fn the_manifests_settings_are_accepted_by_the_binary() {
     let manifest = deploy("kubernetes/relay.yaml");
     let settings = config_map(&manifest);
     assert!(settings.len() >= 5, "{settings:?}");
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let unreachable = format!(
-        "postgres://postgres@127.0.0.1:{}/none",
-        listener.local_addr().unwrap().port()
-    );
-    drop(listener);
+    let unreachable = format!("postgres://postgres@{}/none", harness::free_addr());
     let mut command = distribution();
     command
         .arg("run")

@@ -45,6 +45,22 @@ async fn blocked_on_lock(pool: &PgPool, fragment: &str) {
     }
 }
 
+/// `close_run` of `branch`'s run on a connection of its own, in the background (it may wait
+/// on a lock the test holds).
+fn close_on_another_connection(
+    pool: &PgPool,
+    writer: &IntentWriter,
+    branch: &BranchKey,
+) -> tokio::task::JoinHandle<Result<store::Closed, store::Error>> {
+    let (pool, writer, branch) = (pool.clone(), writer.clone(), branch.clone());
+    tokio::spawn(async move {
+        let mut conn = pool.acquire().await.unwrap();
+        writer
+            .close_run(&mut conn, &branch.tenant, &branch.run)
+            .await
+    })
+}
+
 async fn appended(pool: &PgPool, branch: &BranchKey, lsns: std::ops::RangeInclusive<u64>) {
     let writer = IntentWriter::default().with_notify(false);
     let mut conn = pool.acquire().await.unwrap();
@@ -467,15 +483,7 @@ async fn a_close_waiting_on_an_append_ends_the_run_after_it(pool: PgPool) {
         .append(&mut append, &branch, Lsn::new(4), b"4")
         .await
         .unwrap();
-    let close = tokio::spawn({
-        let (pool, writer, branch) = (pool.clone(), writer.clone(), branch.clone());
-        async move {
-            let mut conn = pool.acquire().await.unwrap();
-            writer
-                .close_run(&mut conn, &branch.tenant, &branch.run)
-                .await
-        }
-    });
+    let close = close_on_another_connection(&pool, &writer, &branch);
     blocked_on_lock(&pool, "relay_close_run").await;
     append.commit().await.unwrap();
     let closed = close.await.unwrap().unwrap();
@@ -505,15 +513,7 @@ async fn two_racing_closes_write_one_end_marker(pool: PgPool) {
         .close_run(&mut first, &branch.tenant, &branch.run)
         .await
         .unwrap();
-    let second = tokio::spawn({
-        let (pool, writer, branch) = (pool.clone(), writer.clone(), branch.clone());
-        async move {
-            let mut conn = pool.acquire().await.unwrap();
-            writer
-                .close_run(&mut conn, &branch.tenant, &branch.run)
-                .await
-        }
-    });
+    let second = close_on_another_connection(&pool, &writer, &branch);
     blocked_on_lock(&pool, "relay_close_run").await;
     first.commit().await.unwrap();
     let refused = second.await.unwrap();

@@ -11,29 +11,6 @@ use distribution::testing::BrokerProxy;
 use crate::harness::*;
 use crate::node::PrivateNode;
 
-/// A loopback address with a port free right now, for a relay's `/metrics` listener.
-fn free_addr() -> String {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    format!("127.0.0.1:{}", listener.local_addr().unwrap().port())
-}
-
-/// `distribution run` on the database `url` and the broker `amqp`, with its own topology (the
-/// harness's 4 partitions, so `drop_topology_named` removes every queue) and `/metrics`
-/// address, silent; add settings with `.env`.
-fn run_command(url: &str, amqp: &str, topology: &str, addr: &str) -> Command {
-    let mut command = relay_command();
-    command
-        .arg("run")
-        .env("DATABASE_URL", url)
-        .env("AMQP_URL", amqp)
-        .env("RELAY_TOPOLOGY", topology)
-        .env("RELAY_PARTITIONS", "4")
-        .env("RELAY_METRICS_ADDR", addr)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
-    command
-}
-
 fn output(command: &mut Command) -> (i32, String, String) {
     let Output {
         status,

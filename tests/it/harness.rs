@@ -33,6 +33,29 @@ pub fn relay_command() -> std::process::Command {
     command
 }
 
+/// A loopback address with a port free right now, for a relay's `/metrics` listener.
+pub fn free_addr() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    format!("127.0.0.1:{}", listener.local_addr().unwrap().port())
+}
+
+/// `distribution run` on the database `url` and the broker `amqp`, with its own topology (the
+/// harness's 4 partitions, so `drop_topology_named` removes every queue) and `/metrics`
+/// address, silent; add settings with `.env`.
+pub fn run_command(url: &str, amqp: &str, topology: &str, addr: &str) -> std::process::Command {
+    let mut command = relay_command();
+    command
+        .arg("run")
+        .env("DATABASE_URL", url)
+        .env("AMQP_URL", amqp)
+        .env("RELAY_TOPOLOGY", topology)
+        .env("RELAY_PARTITIONS", "4")
+        .env("RELAY_METRICS_ADDR", addr)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    command
+}
+
 /// `GET path` on `addr` (a relay's `/metrics`, `/healthz`, `/readyz`): status and body, or
 /// `None` if nothing answers.
 pub async fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {

@@ -157,7 +157,8 @@ enum Command {
         fold: bool,
     },
     /// Print least-privilege grants: the host's role may only write intents, the relay's only
-    /// drain, ack, park and hold leases, a consumer's only fold. Apply as the objects' owner.
+    /// drain, ack, park and hold leases, a consumer's only fold, an operator's only read the
+    /// status and release or discard parked branches. Apply as the objects' owner.
     Roles {
         /// The host's role (the write functions only).
         #[arg(long)]
@@ -168,6 +169,10 @@ enum Command {
         /// A consumer's role (relay_fold only).
         #[arg(long)]
         consumer: Option<String>,
+        /// An operator's role (`distribution console`, `status`, `release`, `discard`): the
+        /// status views, relay_release and relay_discard_branch; never a payload.
+        #[arg(long)]
+        operator: Option<String>,
         /// Grants for a consumer's own database (migrated with the fold's migrations only).
         #[arg(long)]
         fold_database: bool,
@@ -233,6 +238,7 @@ fn main() -> ExitCode {
         host,
         relay,
         consumer,
+        operator,
         fold_database,
         schema,
     } = &cli.command
@@ -241,6 +247,7 @@ fn main() -> ExitCode {
             host: host.clone(),
             relay: relay.clone(),
             consumer: consumer.clone(),
+            operator: operator.clone(),
         };
         return match print_roles(roles, *fold_database, schema.as_ref()) {
             Ok(()) => ExitCode::SUCCESS,

@@ -30,10 +30,15 @@ pub(crate) fn print_roles(
     fold_database: bool,
     schema: Option<&store::Schema>,
 ) -> Result<()> {
-    if roles.host.is_none() && roles.relay.is_none() && roles.consumer.is_none() {
-        anyhow::bail!("name at least one role: --host, --relay or --consumer");
+    if roles.host.is_none()
+        && roles.relay.is_none()
+        && roles.consumer.is_none()
+        && roles.operator.is_none()
+    {
+        anyhow::bail!("name at least one role: --host, --relay, --consumer or --operator");
     }
-    if fold_database && (roles.host.is_some() || roles.relay.is_some()) {
+    if fold_database && (roles.host.is_some() || roles.relay.is_some() || roles.operator.is_some())
+    {
         anyhow::bail!("a consumer's database (--fold-database) has grants for --consumer only");
     }
     let on = if fold_database {

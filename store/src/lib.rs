@@ -84,6 +84,7 @@ pub use outbox::EventKind;
 pub use outbox::Outbox;
 pub use outbox::OutboxEvent;
 pub use outbox::ParkedBranch;
+pub use outbox::RelayShare;
 pub use retention::Retention;
 pub use retention::retire_folded_runs;
 pub use retention::retire_runs;

@@ -142,6 +142,17 @@ pub struct ParkedBranch {
     pub pending: u64,
 }
 
+/// A relay alive and its share of the lease buckets.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RelayShare {
+    /// Its id (host, process and start time).
+    pub relay: String,
+    /// Since it joined.
+    pub member_for: Duration,
+    /// Lease buckets it holds now (of 128).
+    pub buckets: u64,
+}
+
 /// Reads and retires committed intents. Cheap to clone (a pool handle).
 #[derive(Clone, Debug)]
 pub struct Outbox {

@@ -12,7 +12,11 @@
 //!   offset functions (`relay_fold_offset`, `relay_fold_save_offset`, `relay_fold_reset`) (and own its
 //!   projection's tables).
 //!
-//! `relay_discard_branch` is the operator's (the objects' owner): no role is granted it.
+//! - the **operator** role (the console's, or a person's with `distribution status`,
+//!   `release` and `discard`) may read the status views (`relay_backlog_status`,
+//!   `relay_parked_status`, `relay_relays_status`) and call `relay_release` and
+//!   `relay_discard_branch`: it sees counts, ages and reasons, never a payload, and changes
+//!   nothing but parked branches.
 //!
 //! The write functions and `relay_fold` are `SECURITY DEFINER` (they act as the objects'
 //! owner), so the roles need no privilege on the tables behind them. PostgreSQL grants EXECUTE on
@@ -29,6 +33,8 @@ pub struct Roles {
     pub relay: Option<String>,
     /// A consumer's role: `relay_fold` only.
     pub consumer: Option<String>,
+    /// An operator's role: the status views, release and discard.
+    pub operator: Option<String>,
 }
 
 /// Which database the grants are for.
@@ -47,6 +53,12 @@ const HOST_FUNCTIONS: &[&str] = &[
     "relay_close_run",
 ];
 const RELAY_FUNCTIONS: &[&str] = &["relay_ack_and_drain", "relay_retire_runs"];
+const OPERATOR_FUNCTIONS: &[&str] = &["relay_release", "relay_discard_branch"];
+const OPERATOR_VIEWS: &[&str] = &[
+    "relay_backlog_status",
+    "relay_parked_status",
+    "relay_relays_status",
+];
 const CONSUMER_FUNCTIONS: &[&str] = &[
     "relay_fold",
     "relay_fold_retire",
@@ -79,6 +91,11 @@ pub fn roles_sql(roles: &Roles, on: RolesFor, schema: Option<&Schema>) -> Result
         .as_deref()
         .map(|r| role("consumer role", r))
         .transpose()?;
+    let operator = roles
+        .operator
+        .as_deref()
+        .map(|r| role("operator role", r))
+        .transpose()?;
     // Objects named in the schema; role names are never touched.
     let names = |objects: &[&str]| {
         objects
@@ -105,6 +122,7 @@ pub fn roles_sql(roles: &Roles, on: RolesFor, schema: Option<&Schema>) -> Result
             "relay_ack_and_drain",
             "relay_retire_runs",
             "relay_discard_branch",
+            "relay_release",
             "relay_fold",
             "relay_fold_retire",
             "relay_fold_offset",
@@ -145,6 +163,17 @@ pub fn roles_sql(roles: &Roles, on: RolesFor, schema: Option<&Schema>) -> Result
             ));
             usage(&mut sql, relay);
         }
+        if let Some(operator) = &operator {
+            sql.push_str(&format!(
+                "-- An operator: the status views (counts, ages, reasons; no payload), release and\n\
+                 -- discard parked branches.\n\
+                 GRANT EXECUTE ON FUNCTION {} TO {operator};\n\
+                 GRANT SELECT ON {} TO {operator};\n",
+                names(OPERATOR_FUNCTIONS),
+                names(OPERATOR_VIEWS),
+            ));
+            usage(&mut sql, operator);
+        }
     }
     if let Some(consumer) = &consumer {
         sql.push_str(&format!(
@@ -167,6 +196,7 @@ mod tests {
             host: Some("app_host".into()),
             relay: Some("relay_runner".into()),
             consumer: None,
+            operator: Some("relay_ops".into()),
         };
         let sql = roles_sql(&roles, RolesFor::Outbox, None).unwrap();
         let host: Vec<&str> = sql
@@ -182,6 +212,17 @@ mod tests {
         assert!(!sql.contains("ON relay_outbox TO app_host"));
         assert!(sql.contains("GRANT SELECT, DELETE ON relay_outbox TO relay_runner;"));
         assert!(sql.starts_with("--") && sql.contains("FROM PUBLIC;"));
+        let operator: Vec<&str> = sql
+            .lines()
+            .filter(|l| l.ends_with("TO relay_ops;"))
+            .collect();
+        assert_eq!(
+            operator,
+            [
+                "GRANT EXECUTE ON FUNCTION relay_release, relay_discard_branch TO relay_ops;",
+                "GRANT SELECT ON relay_backlog_status, relay_parked_status, relay_relays_status TO relay_ops;"
+            ]
+        );
 
         let schema = Schema::new("ops").unwrap();
         let fold = Roles {

@@ -90,9 +90,10 @@ async fn an_upgrade_keeps_the_roles_grants() {
     before.dangerous_set_table_name(store::MIGRATIONS_TABLE);
     before.run(&pool).await.unwrap();
     let suffix = std::process::id();
-    let [host, relay, consumer, other] =
-        ["host", "relay", "consumer", "other"].map(|role| format!("mig_{role}_{suffix}"));
-    for role in [&host, &relay, &consumer, &other] {
+    let [host, relay, consumer, other, operator] =
+        ["host", "relay", "consumer", "other", "operator"]
+            .map(|role| format!("mig_{role}_{suffix}"));
+    for role in [&host, &relay, &consumer, &other, &operator] {
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE ROLE {role}")))
             .execute(&pool)
             .await
@@ -102,12 +103,14 @@ async fn an_upgrade_keeps_the_roles_grants() {
         host: Some(host.clone()),
         relay: Some(relay.clone()),
         consumer: Some(consumer.clone()),
+        operator: None,
     };
     // The script as the version 7 relay printed it (no relay_require_meta nor stream offset
     // functions yet).
     let grants = store::roles_sql(&roles, store::RolesFor::Outbox, None)
         .unwrap()
         .replace("relay_require_meta, ", "")
+        .replace("relay_release, ", "")
         .replace(
             ", relay_fold_offset, relay_fold_save_offset, relay_fold_reset",
             "",
@@ -119,6 +122,32 @@ async fn an_upgrade_keeps_the_roles_grants() {
         .unwrap();
 
     store::migrate(&pool).await.unwrap();
+    // The operator's role came with version 9: granted after the upgrade.
+    let operator_grants = store::roles_sql(
+        &store::Roles {
+            operator: Some(operator.clone()),
+            ..store::Roles::default()
+        },
+        store::RolesFor::Outbox,
+        None,
+    )
+    .unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(operator_grants))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let may_read = |role: &str, table: &str| {
+        let pool = pool.clone();
+        let (role, table) = (role.to_owned(), table.to_owned());
+        async move {
+            sqlx::query_scalar::<_, bool>("SELECT has_table_privilege($1, $2, 'SELECT')")
+                .bind(role)
+                .bind(table)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
     let may = |role: &str, function: &str| {
         let pool = pool.clone();
         let (role, function) = (role.to_owned(), function.to_owned());
@@ -149,12 +178,38 @@ async fn an_upgrade_keeps_the_roles_grants() {
             (&consumer, "relay_fold_save_offset(text, bigint)", true),
             (&host, "relay_fold_reset()", false),
             (&other, "relay_fold_offset(text)", false),
+            (&operator, "relay_release(text, text, text)", true),
+            (
+                &operator,
+                "relay_discard_branch(text, text, text, text)",
+                true,
+            ),
+            (&operator, append, false),
+            (&operator, drain, false),
+            // Revoked from PUBLIC by its migration, whatever script ran before.
+            (&other, "relay_release(text, text, text)", false),
+            (&relay, "relay_release(text, text, text)", false),
         ] {
             assert_eq!(may(role, function).await, expected, "{role} on {function}");
         }
+        // Counts, ages and reasons, never a payload.
+        for (role, table, expected) in [
+            (&operator, "relay_backlog_status", true),
+            (&operator, "relay_parked_status", true),
+            (&operator, "relay_relays_status", true),
+            (&operator, "relay_outbox", false),
+            (&operator, "relay_parked_branch", false),
+            (&other, "relay_backlog_status", false),
+        ] {
+            assert_eq!(
+                may_read(role, table).await,
+                expected,
+                "{role} reads {table}"
+            );
+        }
     };
     let checked = futures_catch(outcome).await;
-    for role in [&host, &relay, &consumer, &other] {
+    for role in [&host, &relay, &consumer, &other, &operator] {
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
             "DROP OWNED BY {role}; DROP ROLE {role}"
         )))

@@ -144,12 +144,7 @@ mod outbox {
     /// and its answer, or any publisher's recovery, restarts every publisher and resumes every
     /// drainer at once (`supervisor::core`, `Core::broker_back`): 0.02 to 0.66 s here.
     async fn restart_with_several_relays(rabbit: Rabbit, queue_type: QueueType) {
-        // The relays' own account (errors by default; `RUST_LOG` for more), shown with a
-        // failure.
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-            .with_test_writer()
-            .try_init();
+        crate::harness::capture_logs();
         let node = tokio::task::block_in_place(|| PrivateNode::start_on(rabbit, "restartmany"));
         let (pool, url) = fresh_database("brokerrestartmany").await;
         let topology = unique("restartmany");

@@ -438,12 +438,7 @@ async fn diagnose(
 
 /// Runs the failures on a cluster of its own and checks what they cost.
 async fn on_a_cluster(rabbit: Rabbit, queue_type: QueueType) {
-    // The relay's and the consumer's own account (errors by default; `RUST_LOG` for more),
-    // shown with a failure.
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
+    crate::harness::capture_logs();
     let cluster = tokio::task::block_in_place(|| PrivateCluster::start_on(rabbit, "failures"));
     let costs = failures_under_load(&cluster, queue_type).await;
     println!(

@@ -59,10 +59,7 @@ mod outbox {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn repeated_broker_cuts_stall_no_tenant_while_the_broker_is_reachable() {
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-            .with_test_writer()
-            .try_init();
+        crate::harness::capture_logs();
         let (pool, url) = fresh_database("cuts").await;
         let proxy = BrokerProxy::start(&amqp_url()).unwrap();
         // The relay's own defaults (timeouts, backoffs, shards): what users run.

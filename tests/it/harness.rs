@@ -74,6 +74,18 @@ pub async fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
     Some((status, String::from_utf8_lossy(&body).into_owned()))
 }
 
+/// The relays' and consumers' own account in a test's captured output (shown with a failure):
+/// `RUST_LOG` if set, else errors, without lapin's own (a connection a fault cuts is logged
+/// by lapin at ERROR each time, which buries the failure's message).
+pub fn capture_logs() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("error,lapin=off"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_test_writer()
+        .try_init();
+}
+
 pub fn amqp_url() -> String {
     std::env::var("AMQP_URL").expect("AMQP_URL (set in .cargo/config.toml)")
 }

@@ -389,6 +389,9 @@ impl PrivateCluster {
     /// Starts three nodes of `rabbit`'s version and joins them.
     pub fn start_on(rabbit: Rabbit, label: &str) -> Self {
         static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        // One cluster boots at a time: six nodes booting at once on two cores can outlast the
+        // script's 120 s wait for a node.
+        static BOOTING: std::sync::Mutex<()> = std::sync::Mutex::new(());
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         sweep_stale_nodes(rabbit);
         // Names and directories the sweep above recognises, should this process be killed.
@@ -396,6 +399,7 @@ impl PrivateCluster {
         let dir = rabbit
             .outside(&std::env::temp_dir())
             .join(format!("relay-node-{pid}-cluster{n}-{label}"));
+        let _booting = BOOTING.lock().unwrap_or_else(|poison| poison.into_inner());
         let mut cluster = Self {
             rabbit,
             dir,

@@ -62,13 +62,11 @@ impl Outbox {
             .collect()
     }
 
-    /// Pending intents and the age of the oldest, per tenant with pending work.
+    /// Pending intents and the age of the oldest, per tenant with pending work, by tenant
+    /// (`relay_backlog_status`, which an operator's role may read).
     pub async fn backlog(&self) -> Result<Vec<Backlog>, Error> {
         let rows: Vec<(String, i64, f64)> = sqlx::query_as(
-            "SELECT tenant_id, count(*),
-                    extract(epoch FROM clock_timestamp() - min(created_at))::float8
-               FROM relay_outbox
-              GROUP BY tenant_id
+            "SELECT tenant_id, pending, oldest_age_secs FROM relay_backlog_status
               ORDER BY tenant_id",
         )
         .fetch_all(&self.pool)
@@ -76,6 +74,59 @@ impl Outbox {
         rows.into_iter()
             .map(|(tenant, pending, age_secs)| Backlog::from_row(tenant, pending, age_secs))
             .collect()
+    }
+
+    /// One page of [`Outbox::backlog`], the oldest waits first (then by tenant), and how many
+    /// tenants have intents waiting in all.
+    pub async fn backlog_worst_first(
+        &self,
+        offset: u64,
+        limit: u32,
+    ) -> Result<(Vec<Backlog>, u64), Error> {
+        let rows: Vec<(String, i64, f64, i64)> = sqlx::query_as(
+            "SELECT tenant_id, pending, oldest_age_secs, count(*) OVER ()
+               FROM relay_backlog_status
+              ORDER BY oldest_age_secs DESC, tenant_id
+             OFFSET $1 LIMIT $2",
+        )
+        .bind(i64::try_from(offset).unwrap_or(i64::MAX))
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?;
+        let total = match rows.first() {
+            Some(row) => row.3.max(0) as u64,
+            // Past the last page: count them alone.
+            None if offset > 0 => {
+                let total: i64 = sqlx::query_scalar("SELECT count(*) FROM relay_backlog_status")
+                    .fetch_one(&self.pool)
+                    .await?;
+                total.max(0) as u64
+            }
+            None => 0,
+        };
+        let page = rows
+            .into_iter()
+            .map(|(tenant, pending, age_secs, _)| Backlog::from_row(tenant, pending, age_secs))
+            .collect::<Result<_, _>>()?;
+        Ok((page, total))
+    }
+
+    /// The relays alive, by id: how long each has been a member and how many lease buckets
+    /// it holds (`relay_relays_status`).
+    pub async fn relays(&self) -> Result<Vec<RelayShare>, Error> {
+        let rows: Vec<(String, f64, i64)> = sqlx::query_as(
+            "SELECT relay_id, member_for_secs, buckets FROM relay_relays_status ORDER BY relay_id",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(relay, member_for, buckets)| RelayShare {
+                relay,
+                member_for: Duration::from_secs_f64(member_for.max(0.0)),
+                buckets: buckets.max(0) as u64,
+            })
+            .collect())
     }
 
     /// Backlog of one tenant (zero pending if it has none).

@@ -40,24 +40,21 @@ impl Outbox {
     }
 
     /// Releases parked branches of `tenant` (all, one run's, or one branch): they are drained
-    /// again at once. Returns how many were released.
+    /// again at once (the relays are woken). Returns how many were released.
     pub async fn release(
         &self,
         tenant: &TenantId,
         run: Option<&crate::RunId>,
         branch: Option<&BranchId>,
     ) -> Result<u64, Error> {
-        let released = sqlx::query(
-            "DELETE FROM relay_parked_branch
-              WHERE tenant_id = $1 AND ($2::text IS NULL OR run_id = $2)
-                AND ($3::text IS NULL OR branch_id = $3)",
-        )
-        .bind(tenant.as_str())
-        .bind(run.map(crate::RunId::as_str))
-        .bind(branch.map(BranchId::as_str))
-        .execute(&self.pool)
-        .await?
-        .rows_affected();
+        // `relay_release` (an operator's role may call it) also wakes the relays at once.
+        let released: i64 = sqlx::query_scalar("SELECT relay_release($1, $2, $3)")
+            .bind(tenant.as_str())
+            .bind(run.map(crate::RunId::as_str))
+            .bind(branch.map(BranchId::as_str))
+            .fetch_one(&self.pool)
+            .await?;
+        let released = released.max(0) as u64;
         Ok(released)
     }
 
@@ -109,18 +106,15 @@ impl Outbox {
         })
     }
 
-    /// Every parked branch, with its reason, age and pending events.
+    /// Every parked branch, with its reason, age and pending events (`relay_parked_status`,
+    /// which an operator's role may read).
     pub async fn parked_branches(&self) -> Result<Vec<ParkedBranch>, Error> {
         type Row = (String, String, String, String, i32, f64, f64, i64);
         let rows: Vec<Row> = sqlx::query_as(
-            "SELECT p.tenant_id, p.run_id, p.branch_id, p.reason, p.attempts,
-                    extract(epoch FROM now() - p.first_failed_at)::float8,
-                    greatest(extract(epoch FROM p.retry_at - now())::float8, 0),
-                    (SELECT count(*) FROM relay_outbox o
-                      WHERE o.tenant_id = p.tenant_id AND o.run_id = p.run_id
-                        AND o.branch_id = p.branch_id)
-               FROM relay_parked_branch p
-              ORDER BY p.tenant_id, p.run_id, p.branch_id",
+            "SELECT tenant_id, run_id, branch_id, reason, attempts, failing_for_secs,
+                    retry_in_secs, pending
+               FROM relay_parked_status
+              ORDER BY tenant_id, run_id, branch_id",
         )
         .fetch_all(&self.pool)
         .await?;

@@ -7,6 +7,7 @@
 //! - `release`: drain parked branches again now.
 //! - `retire`: retire closed runs now (outbox or fold).
 //! - `dead`: the dead-letter queue: list, show, replay, purge.
+//! - `console`: the same in a browser, with an overview.
 //! - `demo`: the whole walk on this machine (broker down during a run, then everything ships).
 //!
 //! Exit codes: 0 success (help and version included), 1 a failure while running (database or
@@ -19,6 +20,7 @@ use clap::{Parser, Subcommand};
 use distribution::store;
 use distribution::{LogFormat, Settings};
 
+mod console;
 mod dead_cli;
 mod demo;
 mod group_cli;
@@ -147,6 +149,9 @@ enum Command {
         #[arg(long)]
         fold: bool,
     },
+    /// Serve the operators' console: overview, parked branches (release, discard) and dead
+    /// letters (show, replay, purge), on loopback unless given a token.
+    Console(Box<console::ConsoleSettings>),
     /// The broker-down walk, end to end, on this machine's PostgreSQL and RabbitMQ.
     Demo,
     /// Print the schema's SQL (every migration, in order) for hosts with another migration
@@ -265,6 +270,13 @@ fn main() -> ExitCode {
                 return ExitCode::from(USAGE);
             }
         },
+        Command::Console(settings) => {
+            if let Err(err) = settings.check() {
+                eprintln!("error: {}", one_line(&err));
+                return ExitCode::from(USAGE);
+            }
+            None
+        }
         _ => None,
     };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
@@ -308,6 +320,7 @@ fn main() -> ExitCode {
                 batch,
                 fold,
             } => retire(&database, retention_secs, batch, fold).await,
+            Command::Console(settings) => console::run(*settings).await,
             Command::Demo => demo::run().await,
             Command::Sql { fold } => {
                 print_sql(fold);

@@ -64,14 +64,25 @@ pub(crate) async fn run(config: RelayConfig) -> Result<()> {
     );
     tracing::info!(%metrics_addr, "relay running");
     println!("relay running; http://{metrics_addr}/metrics, /healthz and /readyz; Ctrl-C to stop");
-    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = terminate.recv() => {}
-    }
+    shutdown_signal().await;
     println!("shutting down: finishing batches in flight");
     relay.shutdown().await;
     Ok(())
+}
+
+/// Returns at Ctrl-C or SIGTERM.
+pub(crate) async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match signal(SignalKind::terminate()) {
+        Ok(mut terminate) => tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = terminate.recv() => {}
+        },
+        // No SIGTERM handler: Ctrl-C alone.
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
 }
 
 /// Logs what the broker says it is, and what an operator should know of that version.

@@ -206,56 +206,61 @@ impl DeadLetters {
             publish.confirm_select(ConfirmSelectOptions::default()),
         )
         .await?;
-        let replayed = self
-            .take(filter, async |letter, properties| {
-                let Ok(event) = &letter.event else {
-                    return Ok(false);
-                };
-                let topology = &self.config.topology;
-                let partition =
-                    topology.partition_of(&event.key.branch.tenant, &event.key.branch.run);
-                let confirm = within(
-                    "basic.publish",
-                    self.config.connect_timeout,
-                    // Straight to this group's queue of the partition (the default exchange):
-                    // other consumer groups folded the message already.
-                    publish.basic_publish(
-                        "".into(),
-                        topology.queue(partition),
-                        BasicPublishOptions {
-                            mandatory: true,
-                            ..BasicPublishOptions::default()
-                        },
-                        &letter.body,
-                        properties,
-                    ),
-                )
-                .await?;
-                match within("publish confirm", self.config.confirm_timeout, confirm).await? {
-                    Confirmation::Ack(None) => Ok(true),
-                    other => Err(Error::Unreachable(format!(
-                        "the partition queue did not take the replayed message: {other:?}"
-                    ))),
-                }
-            })
-            .await?;
+        let replayed = self.take(filter, Some(&publish)).await?;
         close_within(&self.config, &publish, "replayed").await;
         Ok(replayed)
     }
 
     /// Removes every dead letter `filter` takes, for good. Returns how many.
     pub async fn purge(&self, filter: &DeadFilter) -> Result<u64, Error> {
-        self.take(filter, async |_, _| Ok(true)).await
+        self.take(filter, None).await
     }
 
-    /// Reads the whole queue once (as many messages as it held when this started), hands each
-    /// message `filter` takes to `act` with its properties minus the dead-letter reason, acks it
-    /// when `act` says so; every other message goes back in place when the channel closes.
-    async fn take(
+    /// Publishes `letter` back to its partition's queue on `publish` (a confirming channel)
+    /// with `properties`; `false` if it is not an event (it cannot be routed).
+    async fn republish(
         &self,
-        filter: &DeadFilter,
-        act: impl AsyncFn(&DeadLetter, BasicProperties) -> Result<bool, Error>,
-    ) -> Result<u64, Error> {
+        publish: &Channel,
+        letter: &DeadLetter,
+        properties: BasicProperties,
+    ) -> Result<bool, Error> {
+        let Ok(event) = &letter.event else {
+            return Ok(false);
+        };
+        let topology = &self.config.topology;
+        let partition = topology.partition_of(&event.key.branch.tenant, &event.key.branch.run);
+        let confirm = within(
+            "basic.publish",
+            self.config.connect_timeout,
+            // Straight to this group's queue of the partition (the default exchange): other
+            // consumer groups folded the message already.
+            publish.basic_publish(
+                "".into(),
+                topology.queue(partition),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
+                &letter.body,
+                properties,
+            ),
+        )
+        .await?;
+        match within("publish confirm", self.config.confirm_timeout, confirm).await? {
+            Confirmation::Ack(None) => Ok(true),
+            other => Err(Error::Unreachable(format!(
+                "the partition queue did not take the replayed message: {other:?}"
+            ))),
+        }
+    }
+
+    /// Reads the whole queue once (as many messages as it held when this started); each
+    /// message `filter` takes is republished on `replay` (if given) with its properties minus
+    /// the dead-letter reason, and acked (removed) once republished, or at once without
+    /// `replay`; every other message goes back in place when the channel closes. (A plain
+    /// option, not a closure: a closure over `&DeadLetter` makes the future not `Send` for a
+    /// web handler.)
+    async fn take(&self, filter: &DeadFilter, replay: Option<&Channel>) -> Result<u64, Error> {
         let held = u64::from(self.depth().await?);
         let channel = self.channel().await?;
         let mut taken = 0;
@@ -272,7 +277,11 @@ impl DeadLetters {
             headers.remove(DEAD_LETTER_REASON);
             let headers = FieldTable::from(headers);
             let properties = delivery.properties.clone().with_headers(headers);
-            if act(&letter, properties).await? {
+            let remove = match replay {
+                Some(publish) => self.republish(publish, &letter, properties).await?,
+                None => true,
+            };
+            if remove {
                 within(
                     "basic.ack",
                     self.config.connect_timeout,

@@ -13,6 +13,7 @@
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
 mod backoff;
+mod checkup;
 mod connect;
 mod dead;
 mod error;
@@ -28,6 +29,7 @@ mod wire;
 
 pub use backoff::Backoff;
 pub use backoff::RetryPolicy;
+pub use checkup::{Checkup, checkup};
 pub use connect::AmqpTls;
 pub use connect::ClosingConnection;
 pub use connect::DEFAULT_FRAME_MAX;

@@ -1,0 +1,90 @@
+//! An operator's look at the broker (the console's): what it is, and whether it blocks
+//! publishers now (a resource alarm), found the only way a client can: by publishing.
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use lapin::ConnectionProperties;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+
+use crate::{BrokerVersion, Error, RabbitConfig, within};
+
+/// What [`checkup`] found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Checkup {
+    /// What the broker says it is (`connection.start`).
+    pub version: BrokerVersion,
+    /// `Some(reason)` while the broker blocks publishing connections (`connection.blocked`:
+    /// a memory or disk alarm), as it said; `None` when it confirmed a publish.
+    pub blocked: Option<String>,
+}
+
+/// The routing key of the probe: the default exchange routes it to a queue of that name, and
+/// no client can declare a queue whose name starts with `amq.`, so it is dropped (and
+/// confirmed) without reaching anyone.
+const PROBE_ROUTING_KEY: &str = "amq.relay.checkup";
+
+/// Connects to `config`'s broker, reads its version and publishes one empty message that no
+/// queue receives, with a confirm: a broker under a resource alarm answers with
+/// `connection.blocked` instead. Waits at most `config.connect_timeout` for each step and
+/// `wait` for the verdict.
+pub async fn checkup(config: &RabbitConfig, wait: Duration) -> Result<Checkup, Error> {
+    let version = crate::server_version(config).await?;
+    let properties =
+        ConnectionProperties::default().with_connection_name("outbox-relay-checkup".into());
+    let connection = match config.connect(properties).await {
+        Ok(connection) => connection,
+        Err(crate::rabbit::ConnectFailure::Failed(err)) => return Err(err.into()),
+        Err(crate::rabbit::ConnectFailure::TimedOut) => {
+            return Err(Error::Unreachable(format!(
+                "no connection within {} ms",
+                config.connect_timeout.as_millis()
+            )));
+        }
+    };
+    let mut events = std::pin::pin!(connection.events_listener());
+    let limit = config.connect_timeout;
+    let channel = within("channel.open", limit, connection.create_channel()).await?;
+    within(
+        "confirm.select",
+        limit,
+        channel.confirm_select(ConfirmSelectOptions::default()),
+    )
+    .await?;
+    let confirmed = async {
+        let confirm = channel
+            .basic_publish(
+                "".into(),
+                PROBE_ROUTING_KEY.into(),
+                BasicPublishOptions::default(),
+                &[],
+                lapin::BasicProperties::default(),
+            )
+            .await?;
+        confirm.await
+    };
+    let blocked = async {
+        while let Some(event) = events.next().await {
+            if let lapin::Event::ConnectionBlocked(reason) = event {
+                return reason;
+            }
+        }
+        std::future::pending().await
+    };
+    let verdict = tokio::time::timeout(wait, async {
+        tokio::select! {
+            confirmed = confirmed => confirmed.map(|_| None),
+            reason = blocked => Ok(Some(reason)),
+        }
+    })
+    .await;
+    // A blocked connection's socket is not read: its close is not awaited (the drop sends it).
+    drop(channel);
+    match verdict {
+        Ok(Ok(blocked)) => Ok(Checkup { version, blocked }),
+        Ok(Err(err)) => Err(err.into()),
+        Err(_) => Err(Error::Timeout {
+            operation: "basic.publish confirm",
+            timeout_ms: wait.as_millis() as u64,
+        }),
+    }
+}

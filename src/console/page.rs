@@ -1,0 +1,482 @@
+//! The console's pages, rendered from plain data (no I/O): every value is escaped by maud,
+//! bodies are cut and shown as text or hex, and every form carries the CSRF token.
+use std::time::Duration;
+
+use distribution::broker::{Checkup, DeadLetter};
+use distribution::store::{Backlog, EventKind, ParkedBranch, RelayShare};
+use maud::{DOCTYPE, Markup, html};
+
+use super::lag::LagHistory;
+
+/// Bytes of a dead letter's body shown; the rest is counted, not shown.
+pub const BODY_SHOWN: usize = 4096;
+
+/// Tenants per page of the backlog table.
+pub const TENANTS_PER_PAGE: u32 = 25;
+
+/// Dead letters listed per page.
+pub const LETTERS_LISTED: u64 = 100;
+
+/// A body as shown: UTF-8 text, else hex; cut to `limit` bytes.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Shown {
+    /// `text` or `hex`.
+    pub kind: &'static str,
+    /// What is shown.
+    pub shown: String,
+    /// Bytes left out.
+    pub cut: usize,
+}
+
+/// `body` as shown: the longest valid UTF-8 prefix within `limit` bytes if the whole shown part
+/// is text, else hex of the first `limit / 2` bytes (two characters per byte).
+pub fn shown(body: &[u8], limit: usize) -> Shown {
+    let head = &body[..body.len().min(limit)];
+    let text = match std::str::from_utf8(head) {
+        Ok(text) => Some(text),
+        // Cut inside a character: what comes before the cut.
+        Err(err) if err.error_len().is_none() => std::str::from_utf8(&head[..err.valid_up_to()]).ok(),
+        Err(_) => None,
+    };
+    match text {
+        Some(text) => Shown {
+            kind: "text",
+            shown: text.to_owned(),
+            cut: body.len() - text.len(),
+        },
+        None => {
+            let head = &body[..body.len().min(limit / 2)];
+            Shown {
+                kind: "hex",
+                shown: head.iter().map(|byte| format!("{byte:02x}")).collect(),
+                cut: body.len() - head.len(),
+            }
+        }
+    }
+}
+
+/// A duration as a person reads it: `850 ms`, `12 s`, `4 min 5 s`, `3 h 20 min`.
+pub fn age(duration: Duration) -> String {
+    let secs = duration.as_secs();
+    match secs {
+        0 => format!("{} ms", duration.as_millis()),
+        1..60 => format!("{secs} s"),
+        60..3600 => format!("{} min {} s", secs / 60, secs % 60),
+        _ => format!("{} h {} min", secs / 3600, secs % 3600 / 60),
+    }
+}
+
+/// The sections of the navigation bar.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Section {
+    Overview,
+    Parked,
+    Dead,
+    None,
+}
+
+/// A whole page: `title`, the navigation (groups with a dead-letter page), `body`.
+pub fn layout(title: &str, section: Section, groups: &[String], body: Markup) -> Markup {
+    html! {
+        (DOCTYPE)
+        html lang="en" {
+            head {
+                meta charset="utf-8";
+                meta name="viewport" content="width=device-width, initial-scale=1";
+                title { (title) " · outbox relay" }
+                link rel="stylesheet" href="/console.css";
+            }
+            body {
+                nav {
+                    a href="/" class=[(section == Section::Overview).then_some("on")] { "Overview" }
+                    a href="/parked" class=[(section == Section::Parked).then_some("on")] { "Parked branches" }
+                    @for group in groups {
+                        a href={ "/dead/" (group) } class=[(section == Section::Dead).then_some("on")] {
+                            "Dead letters: " (group)
+                        }
+                    }
+                }
+                main {
+                    h1 { (title) }
+                    (body)
+                }
+            }
+        }
+    }
+}
+
+/// The hidden CSRF field every form carries.
+fn csrf_field(csrf: &str) -> Markup {
+    html! { input type="hidden" name="csrf" value=(csrf); }
+}
+
+/// What the overview shows.
+pub struct Overview {
+    pub relays: Vec<RelayShare>,
+    pub backlog: Vec<Backlog>,
+    pub tenants: u64,
+    pub page: u64,
+    pub parked: usize,
+    /// `None`: no broker configured (AMQP_URL).
+    pub broker: Option<(String, Result<Checkup, String>)>,
+    /// Per group: its dead-letter queue and depth (or why it is unknown).
+    pub dead: Vec<(String, String, Result<u32, String>)>,
+}
+
+pub fn overview(data: &Overview, lag: &LagHistory, now: std::time::SystemTime) -> Markup {
+    let pages = data.tenants.div_ceil(u64::from(TENANTS_PER_PAGE)).max(1);
+    html! {
+        section #broker {
+            h2 { "Broker" }
+            @match &data.broker {
+                None => p { "No broker configured: set AMQP_URL to see its health and the dead letters." },
+                Some((shown, Ok(checkup))) => p {
+                    span .state.(if checkup.blocked.is_some() { "bad" } else { "good" }) {
+                        @if let Some(reason) = &checkup.blocked { "blocked: " (reason) } @else { "up" }
+                    }
+                    " " (checkup.version) " at " (shown)
+                    @if !checkup.version.cluster_name.is_empty() { " (cluster " (checkup.version.cluster_name) ")" }
+                },
+                Some((shown, Err(err))) => p { span .state.bad { "down" } " " (shown) ": " (err) },
+            }
+        }
+        section #relays {
+            h2 { "Relays alive" }
+            @if data.relays.is_empty() {
+                p .warn { "No relay is alive: nothing is shipped." }
+            } @else {
+                table {
+                    thead { tr { th { "relay" } th { "member for" } th { "lease buckets held (of 128)" } } }
+                    tbody {
+                        @for relay in &data.relays {
+                            tr { td { (relay.relay) } td { (age(relay.member_for)) } td .num { (relay.buckets) } }
+                        }
+                    }
+                }
+            }
+        }
+        section #lag {
+            h2 { "Oldest waiting intent" }
+            p .note { "The age of the oldest intent not yet confirmed by the broker, of any tenant, sampled every "
+                (lag.every().as_secs()) " s by this console (last " (age(lag.span())) ")." }
+            (lag.svg(now))
+        }
+        section #backlog {
+            h2 { "Backlog: " (data.tenants) " tenant(s) with intents waiting" }
+            @if data.parked > 0 {
+                p .warn { a href="/parked" { (data.parked) " parked branch(es)" } " wait for an operator." }
+            }
+            @if !data.backlog.is_empty() {
+                table {
+                    thead { tr { th { "tenant" } th { "waiting" } th { "oldest waits for" } } }
+                    tbody {
+                        @for tenant in &data.backlog {
+                            tr { td { (tenant.tenant) } td .num { (tenant.pending) } td { (age(tenant.oldest_age)) } }
+                        }
+                    }
+                }
+                p .pages {
+                    "Page " (data.page + 1) " of " (pages) ", the longest waits first. "
+                    @if data.page > 0 { a href={ "/?page=" (data.page - 1) } { "newer waits" } " " }
+                    @if data.page + 1 < pages { a href={ "/?page=" (data.page + 1) } { "longer waits" } }
+                }
+            }
+        }
+        section #groups {
+            h2 { "Consumer groups" }
+            @if data.dead.is_empty() {
+                p { "No broker configured." }
+            } @else {
+                table {
+                    thead { tr { th { "group" } th { "dead-letter queue" } th { "dead letters" } } }
+                    tbody {
+                        @for (group, queue, depth) in &data.dead {
+                            tr {
+                                td { a href={ "/dead/" (group) } { (group) } }
+                                td { (queue) }
+                                @match depth {
+                                    Ok(0) => td .num { "0" },
+                                    Ok(depth) => td .num.bad { (depth) },
+                                    Err(err) => td { "unknown: " (err) },
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A branch's three ids as hidden fields.
+fn branch_fields(branch: &distribution::store::BranchKey) -> Markup {
+    html! {
+        input type="hidden" name="tenant" value=(branch.tenant);
+        input type="hidden" name="run" value=(branch.run);
+        input type="hidden" name="branch" value=(branch.branch);
+    }
+}
+
+pub fn parked(branches: &[ParkedBranch], csrf: &str) -> Markup {
+    html! {
+        p .note {
+            "A branch is parked after the broker kept refusing its events: they wait, in order, and the relay tries again on its own at the next retry. "
+            b { "Release" } " tries again now. " b { "Discard" } " drops its waiting events for good (you will be asked to confirm)."
+        }
+        @if branches.is_empty() {
+            p #none { "No parked branches." }
+        } @else {
+            table #parked {
+                thead { tr {
+                    th { "tenant" } th { "run" } th { "branch" } th { "broker's last refusal" }
+                    th { "attempts" } th { "failing for" } th { "next try in" } th { "waiting" } th {}
+                } }
+                tbody {
+                    @for parked in branches {
+                        tr {
+                            td { (parked.branch.tenant) } td { (parked.branch.run) } td { (parked.branch.branch) }
+                            td .reason { (parked.reason) } td .num { (parked.attempts) }
+                            td { (age(parked.failing_for)) } td { (age(parked.retry_in)) } td .num { (parked.pending) }
+                            td .actions {
+                                form method="post" action="/parked/act" {
+                                    (csrf_field(csrf)) (branch_fields(&parked.branch))
+                                    button name="action" value="release" { "Release" }
+                                    button name="action" value="discard" class="danger" { "Discard…" }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The confirmation of a discard: what it does on the wire, and the new branch's name.
+pub fn confirm_discard(branch: &distribution::store::BranchKey, to: &str, csrf: &str) -> Markup {
+    html! {
+        p { "Discard the waiting events of " b { (branch) } " for good?" }
+        ul .note {
+            li { "Its waiting intents are deleted from the outbox; they are never shipped." }
+            li { "Consumers get a rewind marker at its last shipped Lsn (never a silent gap): they undo nothing they applied." }
+            li { "The run goes on on a new live branch; the host's later appends to this branch are refused as abandoned." }
+        }
+        form method="post" action="/parked/act" {
+            (csrf_field(csrf)) (branch_fields(branch))
+            input type="hidden" name="confirmed" value="yes";
+            label { "New live branch " input type="text" name="to" value=(to) maxlength="64"; }
+            " "
+            button name="action" value="discard" class="danger" { "Discard for good" }
+            " " a href="/parked" { "Cancel" }
+        }
+    }
+}
+
+/// What an action did, and where to look next.
+pub fn done(message: &str, back: &str) -> Markup {
+    html! {
+        p #done { (message) }
+        p { a href=(back) { "Back" } }
+    }
+}
+
+fn kind(letter: &DeadLetter) -> &'static str {
+    match &letter.event {
+        Ok(event) => match event.kind {
+            EventKind::Intent => "intent",
+            EventKind::Rewind { .. } => "rewind",
+            EventKind::End => "end",
+        },
+        Err(_) => "not an event",
+    }
+}
+
+/// The selection form of the dead-letter page (all, or a tenant and maybe a run).
+fn selection_form(group: &str, csrf: &str) -> Markup {
+    html! {
+        form method="post" action={ "/dead/" (group) "/act" } #selection {
+            (csrf_field(csrf))
+            label { input type="radio" name="select" value="all" checked; " every dead letter" }
+            " "
+            label { input type="radio" name="select" value="tenant"; " of tenant " input type="text" name="tenant" maxlength="64"; }
+            " "
+            label { "run (optional) " input type="text" name="run" maxlength="64"; }
+            " "
+            button name="action" value="replay" { "Replay…" }
+            " "
+            button name="action" value="purge" class="danger" { "Purge…" }
+        }
+    }
+}
+
+pub fn dead_list(group: &str, queue: &str, depth: u32, letters: &[DeadLetter], csrf: &str) -> Markup {
+    html! {
+        p {
+            (depth) " dead letter(s) in " code { (queue) }
+            @if u64::from(depth) > LETTERS_LISTED { " (the first " (LETTERS_LISTED) " below)" }
+            ". " b { "Replay" } " publishes them back to their partitions for the consumers to fold again (duplicates are ignored); "
+            b { "purge" } " removes them for good. Both ask first."
+        }
+        (selection_form(group, csrf))
+        @if !letters.is_empty() {
+            table #letters {
+                thead { tr { th { "#" } th { "message id" } th { "kind" } th { "why" } th {} } }
+                tbody {
+                    @for letter in letters {
+                        tr {
+                            td .num { (letter.position) }
+                            td {
+                                @if let Some(id) = &letter.message_id {
+                                    a href={ "/dead/" (group) "/show?id=" (urlencode(id)) } { (id) }
+                                } @else { "(no message id)" }
+                            }
+                            td { (kind(letter)) }
+                            td .reason { (letter.reason.as_deref().unwrap_or("(no reason)")) }
+                            td .actions {
+                                @if let Some(id) = &letter.message_id {
+                                    form method="post" action={ "/dead/" (group) "/act" } {
+                                        (csrf_field(csrf))
+                                        input type="hidden" name="select" value="message";
+                                        input type="hidden" name="message_id" value=(id);
+                                        button name="action" value="replay" { "Replay…" }
+                                        button name="action" value="purge" class="danger" { "Purge…" }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A query-string value.
+pub fn urlencode(value: &str) -> String {
+    url::form_urlencoded::byte_serialize(value.as_bytes()).collect()
+}
+
+pub fn dead_show(group: &str, letter: &DeadLetter) -> Markup {
+    let body = shown(&letter.body, BODY_SHOWN);
+    html! {
+        dl {
+            dt { "position" } dd { (letter.position) }
+            dt { "message id" } dd { (letter.message_id.as_deref().unwrap_or("(none)")) }
+            dt { "kind" } dd { (kind(letter)) }
+            dt { "why" } dd .reason { (letter.reason.as_deref().unwrap_or("(no reason)")) }
+            @if let Err(err) = &letter.event { dt { "not an event" } dd { (err) } }
+        }
+        h2 { "Headers" }
+        table #headers {
+            tbody {
+                @for (name, value) in letter.headers.inner() {
+                    tr { td { (name) } td { code { (format!("{value:?}")) } } }
+                }
+            }
+        }
+        h2 { "Body: " (letter.body.len()) " bytes, shown as " (body.kind) }
+        pre #body { (body.shown) }
+        @if body.cut > 0 { p .note { (body.cut) " more byte(s) not shown." } }
+        p { a href={ "/dead/" (group) } { "All dead letters of " (group) } }
+    }
+}
+
+/// The confirmation of a replay or purge: what it takes, and how many of the listed match.
+pub fn confirm_dead(
+    group: &str,
+    action: &str,
+    fields: &[(&str, String)],
+    what: &str,
+    matching: usize,
+    listed: usize,
+    csrf: &str,
+) -> Markup {
+    html! {
+        p {
+            (if action == "purge" { "Purge " } else { "Replay " }) (what) "? "
+            (matching) " of the " (listed) " dead letter(s) read now match."
+        }
+        p .note {
+            @if action == "purge" { "Purged letters are removed for good." }
+            @else { "Each leaves the dead-letter queue once its partition confirmed it; the consumers fold it again." }
+        }
+        form method="post" action={ "/dead/" (group) "/act" } {
+            (csrf_field(csrf))
+            @for (name, value) in fields { input type="hidden" name=(name) value=(value); }
+            input type="hidden" name="confirmed" value="yes";
+            button name="action" value=(action) class=[(action == "purge").then_some("danger")] {
+                (if action == "purge" { "Purge for good" } else { "Replay" })
+            }
+            " " a href={ "/dead/" (group) } { "Cancel" }
+        }
+    }
+}
+
+pub fn error(status: u16, message: &str) -> Markup {
+    html! {
+        p #error { (message) }
+        p .note { "HTTP " (status) ". " a href="/" { "Overview" } }
+    }
+}
+
+/// The console's one style sheet (served as /console.css: the pages carry no inline style,
+/// so the content security policy allows styles from the console alone).
+pub const STYLE: &str = "
+body { font: 15px/1.45 system-ui, sans-serif; margin: 0; color: #1d232a; background: #f6f7f9; }
+nav { background: #1d232a; padding: .6em 1em; }
+nav a { color: #cfd6de; margin-right: 1.2em; text-decoration: none; }
+nav a.on { color: #fff; font-weight: 600; }
+main { padding: 1em 1.5em; max-width: 72em; }
+section { background: #fff; border: 1px solid #dde1e6; border-radius: 6px; padding: .4em 1em 1em; margin-bottom: 1em; }
+table { border-collapse: collapse; width: 100%; }
+th, td { text-align: left; padding: .3em .6em; border-bottom: 1px solid #eceff2; vertical-align: top; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+td.reason, dd.reason { font-family: ui-monospace, monospace; font-size: 90%; }
+.state { padding: .1em .5em; border-radius: 4px; color: #fff; }
+.good { background: #2f855a; } .bad { background: #c53030; color: #fff; }
+.warn { color: #9c4221; font-weight: 600; } .note { color: #5a6572; }
+button { margin-right: .3em; } button.danger { color: #c53030; }
+pre#body { background: #fff; border: 1px solid #dde1e6; padding: .6em; white-space: pre-wrap; word-break: break-all; }
+p#error { color: #c53030; font-weight: 600; }
+svg.lag { background: #fff; } svg.lag polyline { fill: none; stroke: #2b6cb0; stroke-width: 2; }
+svg.lag text { font-size: 11px; fill: #5a6572; } svg.lag line { stroke: #dde1e6; }
+";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_body_is_shown_as_text_or_hex_and_cut() {
+        assert_eq!(
+            shown(b"{\"a\":1}", 100),
+            Shown { kind: "text", shown: "{\"a\":1}".into(), cut: 0 }
+        );
+        // Cut inside a two-byte character: the text before it.
+        let text = "é".repeat(10);
+        let cut = shown(text.as_bytes(), 5);
+        assert_eq!((cut.kind, cut.shown.as_str(), cut.cut), ("text", "éé", 16));
+        let binary = [0u8, 159, 146, 150, 1, 2];
+        assert_eq!(
+            shown(&binary, 8),
+            Shown { kind: "hex", shown: "009f9296".into(), cut: 2 }
+        );
+    }
+
+    #[test]
+    fn what_a_page_shows_is_escaped() {
+        let page = error(400, "<script>alert(1)</script>").into_string();
+        assert!(page.contains("&lt;script&gt;alert(1)&lt;/script&gt;"), "{page}");
+        assert!(!page.contains("<script>"));
+        let page = done("\"><img src=x onerror=alert(1)>", "/parked").into_string();
+        assert!(!page.contains("<img"), "{page}");
+    }
+
+    #[test]
+    fn ages_read_as_a_person_reads_them() {
+        assert_eq!(age(Duration::from_millis(850)), "850 ms");
+        assert_eq!(age(Duration::from_secs(12)), "12 s");
+        assert_eq!(age(Duration::from_secs(245)), "4 min 5 s");
+        assert_eq!(age(Duration::from_secs(12_000)), "3 h 20 min");
+    }
+}

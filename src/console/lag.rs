@@ -112,9 +112,15 @@ mod tests {
             [(LEFT, 72.0), (232.0, 48.0), (416.0, 24.0), (WIDTH, 0.0)]
         );
         let svg = lag.svg(now).into_string();
-        assert!(svg.contains("<polyline points=\"48,72 232,48 416,24 600,0\"></polyline>"), "{svg}");
+        assert!(
+            svg.contains("<polyline points=\"48,72 232,48 416,24 600,0\"></polyline>"),
+            "{svg}"
+        );
         // SVG in HTML has no void elements: every one is closed.
-        assert!(svg.contains("<line x1=\"48\" y1=\"0\" x2=\"600\" y2=\"0\"></line>"), "{svg}");
+        assert!(
+            svg.contains("<line x1=\"48\" y1=\"0\" x2=\"600\" y2=\"0\"></line>"),
+            "{svg}"
+        );
     }
 
     #[test]
@@ -124,6 +130,9 @@ mod tests {
         assert!(lag.svg(now).into_string().contains("No sample yet"));
         lag.push(now, Duration::ZERO);
         let (points, top) = lag.points(now);
-        assert_eq!((points, top), (vec![(WIDTH, HEIGHT)], Duration::from_secs(1)));
+        assert_eq!(
+            (points, top),
+            (vec![(WIDTH, HEIGHT)], Duration::from_secs(1))
+        );
     }
 }

@@ -150,7 +150,12 @@ pub async fn run(settings: ConsoleSettings) -> Result<()> {
     let sampler = tokio::spawn(sample_lag(console.clone()));
     let listener = tokio::net::TcpListener::bind(settings.listen)
         .await
-        .with_context(|| format!("cannot listen on {} (RELAY_CONSOLE_LISTEN)", settings.listen))?;
+        .with_context(|| {
+            format!(
+                "cannot listen on {} (RELAY_CONSOLE_LISTEN)",
+                settings.listen
+            )
+        })?;
     // Tests and scripts read the address from here (port 0 picks one).
     eprintln!(
         "console listening on http://{}/",
@@ -252,9 +257,10 @@ impl From<distribution::store::Error> for Failure {
     fn from(err: distribution::store::Error) -> Self {
         use distribution::store::Error;
         match err {
-            Error::Database(_) | Error::Migrate(_) => {
-                Self::new(StatusCode::SERVICE_UNAVAILABLE, format!("the database: {err}"))
-            }
+            Error::Database(_) | Error::Migrate(_) => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("the database: {err}"),
+            ),
             refused => Self::bad(refused),
         }
     }
@@ -282,7 +288,10 @@ type Page = Result<Markup, Failure>;
 
 impl Console {
     fn groups(&self) -> Vec<String> {
-        self.brokers.iter().map(|(group, _)| group.clone()).collect()
+        self.brokers
+            .iter()
+            .map(|(group, _)| group.clone())
+            .collect()
     }
 
     fn page(&self, title: &str, section: Section, body: Markup) -> Markup {
@@ -299,7 +308,8 @@ impl Console {
                 Failure::new(
                     StatusCode::NOT_FOUND,
                     if self.brokers.is_empty() {
-                        "no broker configured (AMQP_URL): there are no dead letters to show".to_owned()
+                        "no broker configured (AMQP_URL): there are no dead letters to show"
+                            .to_owned()
                     } else {
                         format!("{group} is not a consumer group of this console (RELAY_GROUPS)")
                     },
@@ -372,7 +382,8 @@ async fn guard(State(console): Shared, request: Request, next: Next) -> Response
             "default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
         ),
         (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
-        (header::REFERRER_POLICY, "no-referrer"),
+        // `no-referrer` would make the browser send `Origin: null` with the pages' own forms.
+        (header::REFERRER_POLICY, "same-origin"),
         (header::CACHE_CONTROL, "no-store"),
         (header::X_FRAME_OPTIONS, "DENY"),
     ] {
@@ -385,10 +396,10 @@ async fn guard(State(console): Shared, request: Request, next: Next) -> Response
 /// names the host the request was sent to. (Non-browser clients send neither: the CSRF token
 /// still has to match.)
 fn same_origin(headers: &HeaderMap) -> bool {
-    if let Some(site) = headers.get("sec-fetch-site") {
-        if !matches!(site.to_str(), Ok("same-origin" | "none")) {
-            return false;
-        }
+    if let Some(site) = headers.get("sec-fetch-site")
+        && !matches!(site.to_str(), Ok("same-origin" | "none"))
+    {
+        return false;
     }
     match (headers.get(header::ORIGIN), headers.get(header::HOST)) {
         (None, _) => true,
@@ -397,8 +408,13 @@ fn same_origin(headers: &HeaderMap) -> bool {
                 return false;
             };
             url::Url::parse(origin).is_ok_and(|origin| {
-                let port = origin.port().map(|port| format!(":{port}")).unwrap_or_default();
-                origin.host_str().is_some_and(|name| format!("{name}{port}") == host)
+                let port = origin
+                    .port()
+                    .map(|port| format!(":{port}"))
+                    .unwrap_or_default();
+                origin
+                    .host_str()
+                    .is_some_and(|name| format!("{name}{port}") == host)
             })
         }
         (Some(_), None) => false,
@@ -406,7 +422,10 @@ fn same_origin(headers: &HeaderMap) -> bool {
 }
 
 async fn style() -> impl IntoResponse {
-    ([(header::CONTENT_TYPE, "text/css; charset=utf-8")], page::STYLE)
+    (
+        [(header::CONTENT_TYPE, "text/css; charset=utf-8")],
+        page::STYLE,
+    )
 }
 
 async fn not_found() -> Failure {
@@ -438,18 +457,27 @@ async fn overview(State(console): Shared, query: Result<Query<PageQuery>, QueryR
             .map_err(|err| err.to_string());
         Some((console.broker_shown.clone(), checkup))
     };
-    let dead = futures_util::future::join_all(console.brokers.iter().map(|(group, rabbit)| async move {
-        let depth = async { DeadLetters::open(rabbit).await?.depth().await }
-            .await
-            .map_err(|err| match err.to_string() {
-                text if text.contains("NOT_FOUND") => "no such queue: no consumer of the group declared it".to_owned(),
-                text => text,
-            });
-        (group.clone(), rabbit.topology.dead_letter_queue().to_string(), depth)
-    }));
+    let dead =
+        futures_util::future::join_all(console.brokers.iter().map(|(group, rabbit)| async move {
+            let depth = async { DeadLetters::open(rabbit).await?.depth().await }
+                .await
+                .map_err(|err| match err.to_string() {
+                    text if text.contains("NOT_FOUND") => {
+                        "no such queue: no consumer of the group declared it".to_owned()
+                    }
+                    text => text,
+                });
+            (
+                group.clone(),
+                rabbit.topology.dead_letter_queue().to_string(),
+                depth,
+            )
+        }));
     let (relays, backlog, parked, broker, dead) = tokio::join!(
         console.outbox.relays(),
-        console.outbox.backlog_worst_first(offset, page::TENANTS_PER_PAGE),
+        console
+            .outbox
+            .backlog_worst_first(offset, page::TENANTS_PER_PAGE),
         console.outbox.parked_branches(),
         broker,
         dead,
@@ -515,15 +543,16 @@ async fn parked_act(State(console): Shared, form: Result<Form<ParkedForm>, FormR
                 .release(&key.tenant, Some(&key.run), Some(&key.branch))
                 .await?;
             let message = match released {
-                0 => format!("{key} was not parked (a relay shipped it, or someone released it first)."),
+                0 => format!(
+                    "{key} was not parked (a relay shipped it, or someone released it first)."
+                ),
                 _ => format!("Released {key}: the relays drain it now."),
             };
             page("Released", page::done(&message, "/parked"))
         }
         (ParkedAction::Discard, Some("yes")) => {
-            let to = BranchId::new(form.to.unwrap_or_default().trim().to_owned()).map_err(|err| {
-                Failure::bad(format!("the new live branch: {err}"))
-            })?;
+            let to = BranchId::new(form.to.unwrap_or_default().trim())
+                .map_err(|err| Failure::bad(format!("the new live branch: {err}")))?;
             let discarded = console.outbox.discard_branch(&key, &to).await?;
             let message = format!(
                 "Discarded {} waiting intent(s) of {key}: its live history ends at lsn {}; consumers get a rewind marker; the run goes on on {}.",
@@ -532,8 +561,14 @@ async fn parked_act(State(console): Shared, form: Result<Form<ParkedForm>, FormR
             page("Discarded", page::done(&message, "/parked"))
         }
         (ParkedAction::Discard, _) => {
-            let to: String = format!("discarded-{}", key.branch).chars().take(64).collect();
-            page("Discard a parked branch?", page::confirm_discard(&key, &to, &console.csrf))
+            let to: String = format!("discarded-{}", key.branch)
+                .chars()
+                .take(64)
+                .collect();
+            page(
+                "Discard a parked branch?",
+                page::confirm_discard(&key, &to, &console.csrf),
+            )
         }
     }
 }
@@ -568,12 +603,19 @@ async fn dead_show(
 ) -> Page {
     let Query(ShowQuery { id }) = query?;
     let rabbit = console.group(&group)?;
-    let letter = DeadLetters::open(rabbit).await?.find(&id).await?.ok_or_else(|| {
-        Failure::new(
-            StatusCode::NOT_FOUND,
-            format!("no dead letter with message id {id} in {}", rabbit.topology.dead_letter_queue()),
-        )
-    })?;
+    let letter = DeadLetters::open(rabbit)
+        .await?
+        .find(&id)
+        .await?
+        .ok_or_else(|| {
+            Failure::new(
+                StatusCode::NOT_FOUND,
+                format!(
+                    "no dead letter with message id {id} in {}",
+                    rabbit.topology.dead_letter_queue()
+                ),
+            )
+        })?;
     Ok(console.page(
         &format!("Dead letter {id}"),
         Section::Dead,
@@ -607,15 +649,33 @@ struct DeadForm {
     confirmed: Option<String>,
 }
 
+/// A selection of dead letters: the filter, the form fields that carry it, and what it is in
+/// words.
+type Selection = (DeadFilter, Vec<(&'static str, String)>, String);
+
 /// The form's selection: the filter, the fields that carry it to the confirmation, and what
 /// it is in words.
-fn selection(form: &DeadForm) -> Result<(DeadFilter, Vec<(&'static str, String)>, String), Failure> {
-    let given = |value: &Option<String>| value.as_deref().map(str::trim).filter(|v| !v.is_empty()).map(str::to_owned);
+fn selection(form: &DeadForm) -> Result<Selection, Failure> {
+    let given = |value: &Option<String>| {
+        value
+            .as_deref()
+            .map(str::trim)
+            .filter(|v| !v.is_empty())
+            .map(str::to_owned)
+    };
     Ok(match form.select {
-        Select::All => (DeadFilter::All, vec![("select", "all".into())], "every dead letter".into()),
+        Select::All => (
+            DeadFilter::All,
+            vec![("select", "all".into())],
+            "every dead letter".into(),
+        ),
         Select::Tenant => {
-            let tenant = TenantId::new(given(&form.tenant).unwrap_or_default()).map_err(Failure::bad)?;
-            let run = given(&form.run).map(RunId::new).transpose().map_err(Failure::bad)?;
+            let tenant =
+                TenantId::new(given(&form.tenant).unwrap_or_default()).map_err(Failure::bad)?;
+            let run = given(&form.run)
+                .map(RunId::new)
+                .transpose()
+                .map_err(Failure::bad)?;
             let mut fields = vec![("select", "tenant".into()), ("tenant", tenant.to_string())];
             let what = match &run {
                 Some(run) => {
@@ -627,7 +687,8 @@ fn selection(form: &DeadForm) -> Result<(DeadFilter, Vec<(&'static str, String)>
             (DeadFilter::Tenant(tenant, run), fields, what)
         }
         Select::Message => {
-            let id = given(&form.message_id).ok_or_else(|| Failure::bad("name the dead letter's message id"))?;
+            let id = given(&form.message_id)
+                .ok_or_else(|| Failure::bad("name the dead letter's message id"))?;
             let what = format!("the dead letter {id}");
             (
                 DeadFilter::MessageId(id.clone()),
@@ -649,20 +710,44 @@ async fn dead_act(
     let (filter, fields, what) = selection(&form)?;
     let dead = DeadLetters::open(rabbit).await?;
     let queue = rabbit.topology.dead_letter_queue();
-    let action = if form.action == DeadAction::Purge { "purge" } else { "replay" };
+    let action = if form.action == DeadAction::Purge {
+        "purge"
+    } else {
+        "replay"
+    };
     if form.confirmed.as_deref() != Some("yes") {
         let letters = dead.list(10_000).await?;
-        let matching = letters.iter().filter(|letter| filter.matches(letter)).count();
+        let matching = letters
+            .iter()
+            .filter(|letter| filter.matches(letter))
+            .count();
         return Ok(console.page(
-            &format!("{}?", if action == "purge" { "Purge dead letters" } else { "Replay dead letters" }),
+            &format!(
+                "{}?",
+                if action == "purge" {
+                    "Purge dead letters"
+                } else {
+                    "Replay dead letters"
+                }
+            ),
             Section::Dead,
-            page::confirm_dead(&group, action, &fields, &what, matching, letters.len(), &console.csrf),
+            page::confirm_dead(
+                &group,
+                action,
+                &fields,
+                &what,
+                matching,
+                letters.len(),
+                &console.csrf,
+            ),
         ));
     }
     let message = match form.action {
         DeadAction::Replay => {
             let replayed = dead.replay(&filter).await?;
-            format!("Replayed {replayed} dead letter(s) ({what}) to their partitions; the consumers fold them again.")
+            format!(
+                "Replayed {replayed} dead letter(s) ({what}) to their partitions; the consumers fold them again."
+            )
         }
         DeadAction::Purge => {
             let purged = dead.purge(&filter).await?;
@@ -673,6 +758,9 @@ async fn dead_act(
     Ok(console.page(
         "Done",
         Section::Dead,
-        page::done(&format!("{message} {queue} now holds {left}."), &format!("/dead/{group}")),
+        page::done(
+            &format!("{message} {queue} now holds {left}."),
+            &format!("/dead/{group}"),
+        ),
     ))
 }

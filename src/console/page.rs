@@ -35,7 +35,9 @@ pub fn shown(body: &[u8], limit: usize) -> Shown {
     let text = match std::str::from_utf8(head) {
         Ok(text) => Some(text),
         // Cut inside a character: what comes before the cut.
-        Err(err) if err.error_len().is_none() => std::str::from_utf8(&head[..err.valid_up_to()]).ok(),
+        Err(err) if err.error_len().is_none() => {
+            std::str::from_utf8(&head[..err.valid_up_to()]).ok()
+        }
         Err(_) => None,
     };
     match text {
@@ -309,7 +311,13 @@ fn selection_form(group: &str, csrf: &str) -> Markup {
     }
 }
 
-pub fn dead_list(group: &str, queue: &str, depth: u32, letters: &[DeadLetter], csrf: &str) -> Markup {
+pub fn dead_list(
+    group: &str,
+    queue: &str,
+    depth: u32,
+    letters: &[DeadLetter],
+    csrf: &str,
+) -> Markup {
     html! {
         p {
             (depth) " dead letter(s) in " code { (queue) }
@@ -450,7 +458,11 @@ mod tests {
     fn a_body_is_shown_as_text_or_hex_and_cut() {
         assert_eq!(
             shown(b"{\"a\":1}", 100),
-            Shown { kind: "text", shown: "{\"a\":1}".into(), cut: 0 }
+            Shown {
+                kind: "text",
+                shown: "{\"a\":1}".into(),
+                cut: 0
+            }
         );
         // Cut inside a two-byte character: the text before it.
         let text = "é".repeat(10);
@@ -459,14 +471,21 @@ mod tests {
         let binary = [0u8, 159, 146, 150, 1, 2];
         assert_eq!(
             shown(&binary, 8),
-            Shown { kind: "hex", shown: "009f9296".into(), cut: 2 }
+            Shown {
+                kind: "hex",
+                shown: "009f9296".into(),
+                cut: 2
+            }
         );
     }
 
     #[test]
     fn what_a_page_shows_is_escaped() {
         let page = error(400, "<script>alert(1)</script>").into_string();
-        assert!(page.contains("&lt;script&gt;alert(1)&lt;/script&gt;"), "{page}");
+        assert!(
+            page.contains("&lt;script&gt;alert(1)&lt;/script&gt;"),
+            "{page}"
+        );
         assert!(!page.contains("<script>"));
         let page = done("\"><img src=x onerror=alert(1)>", "/parked").into_string();
         assert!(!page.contains("<img"), "{page}");

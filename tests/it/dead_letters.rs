@@ -12,65 +12,13 @@ use distribution::Relay;
 use distribution::broker::{DeadFilter, DeadLetters};
 use distribution::consumer::{Consumer, ConsumerConfig};
 use futures_util::FutureExt;
-use sqlx::PgConnection;
-use store::{
-    BranchId, BranchKey, EventTable, FoldStore, IntentWriter, Lsn, OutboxEvent, Projection,
-    RewindNotice, RunId, TenantId,
-};
+use store::{BranchId, BranchKey, FoldStore, IntentWriter, Lsn, OutboxEvent, RunId, TenantId};
 
 use crate::harness::{
-    Expected, amqp_url, assert_folded_exactly, declare_topology, declare_topology_at,
+    Expected, Picky, amqp_url, assert_folded_exactly, declare_topology, declare_topology_at,
     drop_topology, drop_topology_at, fresh_database, relay_config, unique, wait_until,
 };
 use crate::node::{PrivateNode, Rabbit};
-
-/// Why the handler refused an event.
-#[derive(Debug)]
-enum Refused {
-    Poison,
-    Store(store::Error),
-}
-
-impl std::fmt::Display for Refused {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Refused::Poison => write!(f, "poison: the handler cannot take this event yet"),
-            Refused::Store(err) => write!(f, "{err}"),
-        }
-    }
-}
-
-impl std::error::Error for Refused {}
-
-/// The project's event table, refusing (permanently) events whose body starts with `poison`
-/// while `refusing` is set: a handler bug, fixed later.
-#[derive(Clone)]
-struct Picky {
-    refusing: Arc<AtomicBool>,
-}
-
-impl Projection for Picky {
-    type Error = Refused;
-
-    fn is_permanent(error: &Refused) -> bool {
-        matches!(error, Refused::Poison)
-    }
-
-    async fn apply(&mut self, tx: &mut PgConnection, event: &OutboxEvent) -> Result<(), Refused> {
-        if self.refusing.load(Ordering::SeqCst) && event.payload.starts_with(b"poison") {
-            return Err(Refused::Poison);
-        }
-        EventTable.apply(tx, event).await.map_err(Refused::Store)
-    }
-
-    async fn rewind(
-        &mut self,
-        tx: &mut PgConnection,
-        rewind: &RewindNotice,
-    ) -> Result<(), Refused> {
-        EventTable.rewind(tx, rewind).await.map_err(Refused::Store)
-    }
-}
 
 fn run_of(tenant: &str, run: &str) -> BranchKey {
     BranchKey::new(

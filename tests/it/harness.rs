@@ -59,19 +59,42 @@ pub fn run_command(url: &str, amqp: &str, topology: &str, addr: &str) -> std::pr
 /// `GET path` on `addr` (a relay's `/metrics`, `/healthz`, `/readyz`): status and body, or
 /// `None` if nothing answers.
 pub async fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
+    let (status, _, body) = http_send(addr, "GET", path, &[], Vec::new()).await?;
+    Some((status, body))
+}
+
+/// `method path` on `addr` with `headers` (a `host` header is added unless given) and `body`:
+/// status, headers and body (as text), or `None` if nothing answers.
+pub async fn http_send(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Vec<u8>,
+) -> Option<(u16, hyper::HeaderMap, String)> {
     use http_body_util::BodyExt;
     let stream = tokio::net::TcpStream::connect(addr).await.ok()?;
     let io = hyper_util::rt::TokioIo::new(stream);
     let (mut sender, connection) = hyper::client::conn::http1::handshake(io).await.ok()?;
     tokio::spawn(connection);
-    let request = hyper::Request::get(path)
-        .header("host", addr)
-        .body(http_body_util::Empty::<hyper::body::Bytes>::new())
+    let mut request = hyper::Request::builder().method(method).uri(path);
+    if !headers
+        .iter()
+        .any(|(name, _)| name.eq_ignore_ascii_case("host"))
+    {
+        request = request.header("host", addr);
+    }
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let request = request
+        .body(http_body_util::Full::new(hyper::body::Bytes::from(body)))
         .ok()?;
     let response = sender.send_request(request).await.ok()?;
     let status = response.status().as_u16();
+    let headers = response.headers().clone();
     let body = response.into_body().collect().await.ok()?.to_bytes();
-    Some((status, String::from_utf8_lossy(&body).into_owned()))
+    Some((status, headers, String::from_utf8_lossy(&body).into_owned()))
 }
 
 /// The relays' and consumers' own account in a test's captured output (shown with a failure):
@@ -565,4 +588,64 @@ pub async fn buckets(relay: &RelayHandle) -> usize {
         .await
         .map(|tree| tree.buckets_held)
         .unwrap_or(0)
+}
+
+/// Why the handler refused an event.
+#[derive(Debug)]
+pub enum Refused {
+    Poison,
+    Store(store::Error),
+}
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Refused::Poison => write!(f, "poison: the handler cannot take this event yet"),
+            Refused::Store(err) => write!(f, "{err}"),
+        }
+    }
+}
+
+impl std::error::Error for Refused {}
+
+/// The project's event table, refusing (permanently) events whose body starts with `poison`
+/// while `refusing` is set: a handler bug, fixed later.
+#[derive(Clone)]
+pub struct Picky {
+    pub refusing: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl store::Projection for Picky {
+    type Error = Refused;
+
+    fn is_permanent(error: &Refused) -> bool {
+        matches!(error, Refused::Poison)
+    }
+
+    async fn apply(
+        &mut self,
+        tx: &mut sqlx::PgConnection,
+        event: &store::OutboxEvent,
+    ) -> Result<(), Refused> {
+        if self.refusing.load(std::sync::atomic::Ordering::SeqCst)
+            && event.payload.starts_with(b"poison")
+        {
+            return Err(Refused::Poison);
+        }
+        store::EventTable
+            .apply(tx, event)
+            .await
+            .map_err(Refused::Store)
+    }
+
+    async fn rewind(
+        &mut self,
+        tx: &mut sqlx::PgConnection,
+        rewind: &store::RewindNotice,
+    ) -> Result<(), Refused> {
+        store::EventTable
+            .rewind(tx, rewind)
+            .await
+            .map_err(Refused::Store)
+    }
 }

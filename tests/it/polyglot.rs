@@ -321,6 +321,7 @@ async fn the_relay_and_both_examples_run_under_least_privilege_roles() {
             host: Some(host_role.clone()),
             relay: Some(relay_role.clone()),
             consumer: None,
+            operator: None,
         },
         RolesFor::Outbox,
         None,

@@ -3,8 +3,8 @@
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 use distribution::RelayConfig;
-use distribution::broker::{DeadFilter, DeadLetter, DeadLetters, Group, RabbitConfig};
-use distribution::store::{EventKind, RunId, TenantId};
+use distribution::broker::{DeadFilter, DeadLetters, Group, RabbitConfig};
+use distribution::store::{RunId, TenantId};
 
 /// The broker and topology whose dead letters are read.
 #[derive(Clone, Debug, Args)]
@@ -108,17 +108,6 @@ impl Selection {
     }
 }
 
-fn kind(letter: &DeadLetter) -> &'static str {
-    match &letter.event {
-        Ok(event) => match event.kind {
-            EventKind::Intent => "intent",
-            EventKind::Rewind { .. } => "rewind",
-            EventKind::End => "end",
-        },
-        Err(_) => "not an event",
-    }
-}
-
 pub async fn run(action: DeadAction) -> Result<()> {
     let broker = match &action {
         DeadAction::List { broker, .. }
@@ -151,7 +140,7 @@ pub async fn run(action: DeadAction) -> Result<()> {
                     "{:>5}  {:<48} {:<12} {}",
                     letter.position,
                     letter.message_id.as_deref().unwrap_or("(no message id)"),
-                    kind(letter),
+                    letter.kind(),
                     letter.reason.as_deref().unwrap_or("(no reason)")
                 );
             }
@@ -162,13 +151,13 @@ pub async fn run(action: DeadAction) -> Result<()> {
             })?;
             println!("position: {}", letter.position);
             println!("message_id: {message_id}");
-            println!("kind: {}", kind(&letter));
+            println!("kind: {}", letter.kind());
             println!("reason: {}", letter.reason.as_deref().unwrap_or("(none)"));
             if let Err(err) = &letter.event {
                 println!("not an event: {err}");
             }
-            for (name, value) in letter.headers.inner() {
-                println!("header {name}: {value:?}");
+            for (name, value) in letter.header_texts() {
+                println!("header {name}: {value}");
             }
             match std::str::from_utf8(&letter.body) {
                 Ok(text) => println!("body ({} bytes, UTF-8):\n{text}", letter.body.len()),

@@ -3,7 +3,6 @@
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use lapin::ConnectionProperties;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 
 use crate::{BrokerVersion, Error, RabbitConfig, within};
@@ -29,18 +28,7 @@ const PROBE_ROUTING_KEY: &str = "amq.relay.checkup";
 /// `wait` for the verdict.
 pub async fn checkup(config: &RabbitConfig, wait: Duration) -> Result<Checkup, Error> {
     let version = crate::server_version(config).await?;
-    let properties =
-        ConnectionProperties::default().with_connection_name("outbox-relay-checkup".into());
-    let connection = match config.connect(properties).await {
-        Ok(connection) => connection,
-        Err(crate::rabbit::ConnectFailure::Failed(err)) => return Err(err.into()),
-        Err(crate::rabbit::ConnectFailure::TimedOut) => {
-            return Err(Error::Unreachable(format!(
-                "no connection within {} ms",
-                config.connect_timeout.as_millis()
-            )));
-        }
-    };
+    let connection = config.connect_named("outbox-relay-checkup").await?;
     let mut events = std::pin::pin!(connection.events_listener());
     let limit = config.connect_timeout;
     let channel = within("channel.open", limit, connection.create_channel()).await?;

@@ -13,7 +13,7 @@ use lapin::options::{
     QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{BasicProperties, Channel, Confirmation, ConnectionProperties};
+use lapin::{BasicProperties, Channel, Confirmation};
 use store::{OutboxEvent, RunId, TenantId};
 
 use crate::{Error, RabbitConfig, WireError, within};
@@ -65,6 +65,50 @@ pub enum DeadFilter {
     MessageId(String),
 }
 
+impl DeadLetter {
+    /// Its headers as a person reads them, in order: strings as text (invalid UTF-8 replaced),
+    /// numbers and booleans as such, anything else (tables, arrays) as lapin shows it.
+    pub fn header_texts(&self) -> Vec<(String, String)> {
+        self.headers
+            .inner()
+            .iter()
+            .map(|(name, value)| (name.to_string(), header_text(value)))
+            .collect()
+    }
+
+    /// What it carries: `intent`, `rewind`, `end`, or `not an event`.
+    pub fn kind(&self) -> &'static str {
+        match &self.event {
+            Ok(event) => match event.kind {
+                store::EventKind::Intent => "intent",
+                store::EventKind::Rewind { .. } => "rewind",
+                store::EventKind::End => "end",
+            },
+            Err(_) => "not an event",
+        }
+    }
+}
+
+/// One header value as text.
+fn header_text(value: &AMQPValue) -> String {
+    match value {
+        AMQPValue::LongString(text) => String::from_utf8_lossy(text.as_bytes()).into_owned(),
+        AMQPValue::ShortString(text) => text.to_string(),
+        AMQPValue::Boolean(b) => b.to_string(),
+        AMQPValue::ShortShortInt(n) => n.to_string(),
+        AMQPValue::ShortShortUInt(n) => n.to_string(),
+        AMQPValue::ShortInt(n) => n.to_string(),
+        AMQPValue::ShortUInt(n) => n.to_string(),
+        AMQPValue::LongInt(n) => n.to_string(),
+        AMQPValue::LongUInt(n) => n.to_string(),
+        AMQPValue::LongLongInt(n) => n.to_string(),
+        AMQPValue::Timestamp(n) => n.to_string(),
+        AMQPValue::Float(n) => n.to_string(),
+        AMQPValue::Double(n) => n.to_string(),
+        other => format!("{other:?}"),
+    }
+}
+
 impl DeadFilter {
     /// Whether `letter` is taken.
     pub fn matches(&self, letter: &DeadLetter) -> bool {
@@ -96,18 +140,7 @@ impl DeadLetters {
     /// Connects (under the config's timeouts, TLS as configured). Declares nothing: the queue
     /// must exist (a consumer or the relay declared the topology).
     pub async fn open(config: &RabbitConfig) -> Result<Self, Error> {
-        let properties =
-            ConnectionProperties::default().with_connection_name("outbox-relay-dead".into());
-        let connection = match config.connect(properties).await {
-            Ok(connection) => connection,
-            Err(crate::rabbit::ConnectFailure::Failed(err)) => return Err(err.into()),
-            Err(crate::rabbit::ConnectFailure::TimedOut) => {
-                return Err(Error::Unreachable(format!(
-                    "no connection within {} ms",
-                    config.connect_timeout.as_millis()
-                )));
-            }
-        };
+        let connection = config.connect_named("outbox-relay-dead").await?;
         Ok(Self {
             config: config.clone(),
             connection,

@@ -45,7 +45,6 @@ mod confirms;
 mod flow;
 mod session;
 
-pub(crate) use config::ConnectFailure;
 pub use config::RabbitConfig;
 pub use flow::within;
 pub use session::{Preflight, open, preflight};

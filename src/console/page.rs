@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use distribution::broker::{Checkup, DeadLetter};
-use distribution::store::{Backlog, EventKind, ParkedBranch, RelayShare};
+use distribution::store::{Backlog, ParkedBranch, RelayShare};
 use maud::{DOCTYPE, Markup, html};
 
 use super::lag::LagHistory;
@@ -282,17 +282,6 @@ pub fn done(message: &str, back: &str) -> Markup {
     }
 }
 
-fn kind(letter: &DeadLetter) -> &'static str {
-    match &letter.event {
-        Ok(event) => match event.kind {
-            EventKind::Intent => "intent",
-            EventKind::Rewind { .. } => "rewind",
-            EventKind::End => "end",
-        },
-        Err(_) => "not an event",
-    }
-}
-
 /// The selection form of the dead-letter page (all, or a tenant and maybe a run).
 fn selection_form(group: &str, csrf: &str) -> Markup {
     html! {
@@ -338,7 +327,7 @@ pub fn dead_list(
                                     a href={ "/dead/" (group) "/show?id=" (urlencode(id)) } { (id) }
                                 } @else { "(no message id)" }
                             }
-                            td { (kind(letter)) }
+                            td { (letter.kind()) }
                             td .reason { (letter.reason.as_deref().unwrap_or("(no reason)")) }
                             td .actions {
                                 @if let Some(id) = &letter.message_id {
@@ -370,15 +359,15 @@ pub fn dead_show(group: &str, letter: &DeadLetter) -> Markup {
         dl {
             dt { "position" } dd { (letter.position) }
             dt { "message id" } dd { (letter.message_id.as_deref().unwrap_or("(none)")) }
-            dt { "kind" } dd { (kind(letter)) }
+            dt { "kind" } dd { (letter.kind()) }
             dt { "why" } dd .reason { (letter.reason.as_deref().unwrap_or("(no reason)")) }
             @if let Err(err) = &letter.event { dt { "not an event" } dd { (err) } }
         }
         h2 { "Headers" }
         table #headers {
             tbody {
-                @for (name, value) in letter.headers.inner() {
-                    tr { td { (name) } td { code { (format!("{value:?}")) } } }
+                @for (name, value) in letter.header_texts() {
+                    tr { td { (name) } td { code { (value) } } }
                 }
             }
         }

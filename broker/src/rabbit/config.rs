@@ -85,6 +85,20 @@ impl RabbitConfig {
 
     /// Connects to one of the addresses, each under `connect_timeout`: first to the one that
     /// answered last, then to each next one in turn; the last failure if none answers.
+    /// [`RabbitConfig::connect`] with the connection named `name` (as the broker lists it),
+    /// its failure as an [`Error`].
+    pub(crate) async fn connect_named(&self, name: &str) -> Result<ClosingConnection, Error> {
+        let properties = ConnectionProperties::default().with_connection_name(name.into());
+        match self.connect(properties).await {
+            Ok(connection) => Ok(connection),
+            Err(ConnectFailure::Failed(err)) => Err(err.into()),
+            Err(ConnectFailure::TimedOut) => Err(Error::Unreachable(format!(
+                "no connection within {} ms",
+                self.connect_timeout.as_millis()
+            ))),
+        }
+    }
+
     pub(crate) async fn connect(
         &self,
         properties: ConnectionProperties,

@@ -8,6 +8,12 @@
 //! `IntentWriter::append`, one call of `relay_append`. Both run against the same tables, in
 //! alternating rounds (statement, function, statement, function, ...), with NOTIFY off and on;
 //! the table gives the median of the rounds and the ratio function / statement.
+//!
+//! A second table (issue 36) gives what the outbox costs a host at all, by payload size: the same
+//! transaction with `relay_append` against a plain `INSERT` of the same bytes into a table of the
+//! host's own (`host_event`, a `bytea` column with PostgreSQL's default storage), at 256 B,
+//! 64 KiB and 256 KiB of incompressible bytes, NOTIFY off and on, alternating rounds, the tables
+//! emptied before each. `BENCH_SIZES=off` skips it; `BENCH_SIZES=only` runs it alone.
 use std::time::{Duration, Instant};
 
 use sqlx::{Connection, PgConnection, PgPool};
@@ -47,6 +53,8 @@ const STATEMENT_NOTIFY: &str =
 enum Way {
     Statement,
     Function,
+    /// A plain insert into the host's own table: no outbox at all.
+    Plain,
 }
 
 fn setting(name: &str, default: u64) -> u64 {
@@ -68,10 +76,14 @@ async fn fresh_database() -> (PgPool, String) {
     let url = format!("{base}/{name}");
     let pool = PgPool::connect(&url).await.expect("bench database");
     store::migrate(&pool).await.expect("migrate");
-    sqlx::query("CREATE TABLE host_state (run text PRIMARY KEY, step bigint NOT NULL)")
-        .execute(&pool)
-        .await
-        .expect("host table");
+    sqlx::raw_sql(
+        "CREATE TABLE host_state (run text PRIMARY KEY, step bigint NOT NULL);
+         CREATE TABLE host_event (run text NOT NULL, lsn bigint NOT NULL, payload bytea NOT NULL,
+                                  PRIMARY KEY (run, lsn));",
+    )
+    .execute(&pool)
+    .await
+    .expect("host tables");
     (pool, name)
 }
 
@@ -84,10 +96,11 @@ async fn round(
     seconds: u64,
     next: &mut [u64],
     runs: &[BranchKey],
+    payload: &[u8],
 ) -> f64 {
     let writer = IntentWriter::default().with_notify(notify);
     let deadline = Instant::now() + Duration::from_secs(seconds);
-    let payload = vec![7u8; 256];
+    let payload = payload.to_vec();
     let mut tasks = Vec::new();
     for (index, branch) in runs.iter().enumerate() {
         let (url, writer, branch, payload) = (
@@ -127,6 +140,15 @@ async fn round(
                             .await
                             .expect("append statement");
                         assert_eq!(done.rows_affected(), 1);
+                    }
+                    Way::Plain => {
+                        sqlx::query("INSERT INTO host_event VALUES ($1, $2, $3)")
+                            .bind(branch.run.as_str())
+                            .bind(lsn as i64)
+                            .bind(&payload)
+                            .execute(&mut *tx)
+                            .await
+                            .expect("plain insert");
                     }
                 }
                 tx.commit().await.expect("commit");
@@ -185,6 +207,44 @@ async fn main() {
         runs.push(branch);
     }
     let mut next = vec![1u64; writers];
+    let sizes = std::env::var("BENCH_SIZES").unwrap_or_default();
+    if sizes != "only" {
+        statement_and_function(&pool, &url, writers, rounds, seconds, &mut next, &runs).await;
+    }
+    if sizes != "off" {
+        outbox_and_plain(&pool, &url, writers, rounds, seconds, &mut next, &runs).await;
+    }
+    pool.close().await;
+    let mut admin = PgConnection::connect(&std::env::var("DATABASE_URL").unwrap())
+        .await
+        .unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE {name} WITH (FORCE)"
+    )))
+    .execute(&mut admin)
+    .await
+    .unwrap();
+}
+
+/// Empties the outbox and the host's event table (between rounds: each starts on empty tables).
+async fn empty(pool: &PgPool) {
+    sqlx::raw_sql("TRUNCATE relay_outbox, host_event")
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
+/// The first table: the former statement against `relay_append`, 256 B.
+async fn statement_and_function(
+    pool: &PgPool,
+    url: &str,
+    writers: usize,
+    rounds: usize,
+    seconds: u64,
+    next: &mut [u64],
+    runs: &[BranchKey],
+) {
+    let payload = vec![7u8; 256];
     println!(
         "| host commits/s, {writers} writers, 256 B | statement (before) | function (after) | after / before |"
     );
@@ -200,15 +260,12 @@ async fn main() {
                 [Way::Function, Way::Statement]
             };
             for way in order {
-                let rate = round(&url, way, notify, seconds, &mut next, &runs).await;
+                let rate = round(url, way, notify, seconds, next, runs, &payload).await;
                 match way {
                     Way::Statement => before.push(rate),
-                    Way::Function => after.push(rate),
+                    _ => after.push(rate),
                 }
-                sqlx::query("DELETE FROM relay_outbox")
-                    .execute(&pool)
-                    .await
-                    .unwrap();
+                empty(pool).await;
             }
         }
         let (before, after) = (median(&mut before), median(&mut after));
@@ -218,14 +275,48 @@ async fn main() {
             after / before
         );
     }
-    pool.close().await;
-    let mut admin = PgConnection::connect(&std::env::var("DATABASE_URL").unwrap())
-        .await
-        .unwrap();
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "DROP DATABASE {name} WITH (FORCE)"
-    )))
-    .execute(&mut admin)
-    .await
-    .unwrap();
+}
+
+/// The second table: `relay_append` against a plain insert of the same bytes, by size.
+async fn outbox_and_plain(
+    pool: &PgPool,
+    url: &str,
+    writers: usize,
+    rounds: usize,
+    seconds: u64,
+    next: &mut [u64],
+    runs: &[BranchKey],
+) {
+    println!();
+    println!(
+        "| host commits/s, {writers} writers, incompressible payload | plain insert into the host's table | `relay_append` | outbox / plain |"
+    );
+    println!("|---|---|---|---|");
+    for (bytes, label) in [(256, "256 B"), (64 << 10, "64 KiB"), (256 << 10, "256 KiB")] {
+        let payload = store::fixtures::Incompressible::default().bytes(bytes);
+        for notify in [false, true] {
+            let (mut plain, mut outbox) = (Vec::new(), Vec::new());
+            for index in 0..rounds {
+                let order = if index % 2 == 0 {
+                    [Way::Plain, Way::Function]
+                } else {
+                    [Way::Function, Way::Plain]
+                };
+                for way in order {
+                    let rate = round(url, way, notify, seconds, next, runs, &payload).await;
+                    match way {
+                        Way::Plain => plain.push(rate),
+                        _ => outbox.push(rate),
+                    }
+                    empty(pool).await;
+                }
+            }
+            let (plain, outbox) = (median(&mut plain), median(&mut outbox));
+            println!(
+                "| {label}, NOTIFY {} | {plain:.0} | {outbox:.0} | {:.2} |",
+                if notify { "on" } else { "off" },
+                outbox / plain
+            );
+        }
+    }
 }

@@ -1,0 +1,379 @@
+//! The pages and their actions: each reads through the store or the broker and renders with
+//! `page`; every action checks the CSRF token first.
+use std::time::{Duration, SystemTime};
+
+use axum::extract::rejection::{FormRejection, QueryRejection};
+use axum::extract::{Form, Path, Query, State};
+use axum::http::StatusCode;
+use distribution::broker::{self, DeadFilter, DeadLetters, RabbitConfig};
+use distribution::store::{BranchId, BranchKey, RunId, TenantId};
+use maud::Markup;
+use serde::Deserialize;
+
+use super::guard::{Failure, Page};
+use super::page::{self, Section};
+use super::{Console, Shared};
+
+impl Console {
+    pub(super) fn groups(&self) -> Vec<String> {
+        self.brokers
+            .iter()
+            .map(|(group, _)| group.clone())
+            .collect()
+    }
+
+    pub(super) fn page(&self, title: &str, section: Section, body: Markup) -> Markup {
+        page::layout(title, section, &self.groups(), body)
+    }
+
+    /// The group's broker settings, or a 404 page.
+    pub(super) fn group(&self, group: &str) -> Result<&RabbitConfig, Failure> {
+        self.brokers
+            .iter()
+            .find(|(name, _)| name == group)
+            .map(|(_, rabbit)| rabbit)
+            .ok_or_else(|| {
+                Failure::new(
+                    StatusCode::NOT_FOUND,
+                    if self.brokers.is_empty() {
+                        "no broker configured (AMQP_URL): there are no dead letters to show"
+                            .to_owned()
+                    } else {
+                        format!("{group} is not a consumer group of this console (RELAY_GROUPS)")
+                    },
+                )
+            })
+    }
+}
+
+#[derive(Deserialize)]
+pub(super) struct PageQuery {
+    #[serde(default)]
+    page: u64,
+}
+
+pub(super) async fn overview(
+    State(console): Shared,
+    query: Result<Query<PageQuery>, QueryRejection>,
+) -> Page {
+    let Query(PageQuery { page }) = query?;
+    let offset = page
+        .checked_mul(u64::from(page::TENANTS_PER_PAGE))
+        .ok_or_else(|| Failure::bad("no such page"))?;
+    let broker = async {
+        let (_, rabbit) = console.brokers.first()?;
+        let checkup = broker::checkup(rabbit, Duration::from_secs(2))
+            .await
+            .map_err(|err| err.to_string());
+        Some((console.broker_shown.clone(), checkup))
+    };
+    let dead =
+        futures_util::future::join_all(console.brokers.iter().map(|(group, rabbit)| async move {
+            let depth = async { DeadLetters::open(rabbit).await?.depth().await }
+                .await
+                .map_err(|err| match err.to_string() {
+                    text if text.contains("NOT_FOUND") => {
+                        "no such queue: no consumer of the group declared it".to_owned()
+                    }
+                    text => text,
+                });
+            (
+                group.clone(),
+                rabbit.topology.dead_letter_queue().to_string(),
+                depth,
+            )
+        }));
+    let (relays, backlog, parked, broker, dead) = tokio::join!(
+        console.outbox.relays(),
+        console
+            .outbox
+            .backlog_worst_first(offset, page::TENANTS_PER_PAGE),
+        console.outbox.parked_branches(),
+        broker,
+        dead,
+    );
+    let (backlog, tenants) = backlog?;
+    let data = page::Overview {
+        relays: relays?,
+        backlog,
+        tenants,
+        page,
+        parked: parked?.len(),
+        broker,
+        dead,
+    };
+    let lag = console.lag.lock().expect("lag history");
+    Ok(console.page(
+        "Overview",
+        Section::Overview,
+        page::overview(&data, &lag, SystemTime::now()),
+    ))
+}
+
+pub(super) async fn parked(State(console): Shared) -> Page {
+    let branches = console.outbox.parked_branches().await?;
+    Ok(console.page(
+        "Parked branches",
+        Section::Parked,
+        page::parked(&branches, &console.csrf),
+    ))
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub(super) enum ParkedAction {
+    Release,
+    Discard,
+}
+
+#[derive(Deserialize)]
+pub(super) struct ParkedForm {
+    csrf: String,
+    action: ParkedAction,
+    tenant: String,
+    run: String,
+    branch: String,
+    to: Option<String>,
+    confirmed: Option<String>,
+}
+
+pub(super) async fn parked_act(
+    State(console): Shared,
+    form: Result<Form<ParkedForm>, FormRejection>,
+) -> Page {
+    let Form(form) = form?;
+    console.check_csrf(&form.csrf)?;
+    let key = BranchKey::new(
+        TenantId::new(form.tenant).map_err(Failure::bad)?,
+        RunId::new(form.run).map_err(Failure::bad)?,
+        BranchId::new(form.branch).map_err(Failure::bad)?,
+    );
+    let page = |title: &str, body| Ok(console.page(title, Section::Parked, body));
+    match (form.action, form.confirmed.as_deref()) {
+        (ParkedAction::Release, _) => {
+            let released = console
+                .outbox
+                .release(&key.tenant, Some(&key.run), Some(&key.branch))
+                .await?;
+            let message = match released {
+                0 => format!(
+                    "{key} was not parked (a relay shipped it, or someone released it first)."
+                ),
+                _ => format!("Released {key}: the relays drain it now."),
+            };
+            page("Released", page::done(&message, "/parked"))
+        }
+        (ParkedAction::Discard, Some("yes")) => {
+            let to = BranchId::new(form.to.unwrap_or_default().trim())
+                .map_err(|err| Failure::bad(format!("the new live branch: {err}")))?;
+            let discarded = console.outbox.discard_branch(&key, &to).await?;
+            let message = format!(
+                "Discarded {} waiting intent(s) of {key}: its live history ends at lsn {}; consumers get a rewind marker; the run goes on on {}.",
+                discarded.discarded, discarded.fork, discarded.live
+            );
+            page("Discarded", page::done(&message, "/parked"))
+        }
+        (ParkedAction::Discard, _) => {
+            let to: String = format!("discarded-{}", key.branch)
+                .chars()
+                .take(64)
+                .collect();
+            page(
+                "Discard a parked branch?",
+                page::confirm_discard(&key, &to, &console.csrf),
+            )
+        }
+    }
+}
+
+#[derive(Deserialize)]
+pub(super) struct ShowQuery {
+    id: String,
+}
+
+pub(super) async fn dead_list(State(console): Shared, Path(group): Path<String>) -> Page {
+    let rabbit = console.group(&group)?;
+    let dead = DeadLetters::open(rabbit).await?;
+    let depth = dead.depth().await?;
+    let letters = dead.list(page::LETTERS_LISTED).await?;
+    Ok(console.page(
+        &format!("Dead letters: {group}"),
+        Section::Dead,
+        page::dead_list(
+            &group,
+            rabbit.topology.dead_letter_queue().as_str(),
+            depth,
+            &letters,
+            &console.csrf,
+        ),
+    ))
+}
+
+pub(super) async fn dead_show(
+    State(console): Shared,
+    Path(group): Path<String>,
+    query: Result<Query<ShowQuery>, QueryRejection>,
+) -> Page {
+    let Query(ShowQuery { id }) = query?;
+    let rabbit = console.group(&group)?;
+    let letter = DeadLetters::open(rabbit)
+        .await?
+        .find(&id)
+        .await?
+        .ok_or_else(|| {
+            Failure::new(
+                StatusCode::NOT_FOUND,
+                format!(
+                    "no dead letter with message id {id} in {}",
+                    rabbit.topology.dead_letter_queue()
+                ),
+            )
+        })?;
+    Ok(console.page(
+        &format!("Dead letter {id}"),
+        Section::Dead,
+        page::dead_show(&group, &letter),
+    ))
+}
+
+#[derive(Deserialize, PartialEq)]
+#[serde(rename_all = "lowercase")]
+pub(super) enum DeadAction {
+    Replay,
+    Purge,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub(super) enum Select {
+    All,
+    Tenant,
+    Message,
+}
+
+#[derive(Deserialize)]
+pub(super) struct DeadForm {
+    csrf: String,
+    action: DeadAction,
+    select: Select,
+    tenant: Option<String>,
+    run: Option<String>,
+    message_id: Option<String>,
+    confirmed: Option<String>,
+}
+
+/// A selection of dead letters: the filter, the form fields that carry it, and what it is in
+/// words.
+type Selection = (DeadFilter, Vec<(&'static str, String)>, String);
+
+/// The form's selection: the filter, the fields that carry it to the confirmation, and what
+/// it is in words.
+fn selection(form: &DeadForm) -> Result<Selection, Failure> {
+    let given = |value: &Option<String>| {
+        value
+            .as_deref()
+            .map(str::trim)
+            .filter(|v| !v.is_empty())
+            .map(str::to_owned)
+    };
+    Ok(match form.select {
+        Select::All => (
+            DeadFilter::All,
+            vec![("select", "all".into())],
+            "every dead letter".into(),
+        ),
+        Select::Tenant => {
+            let tenant =
+                TenantId::new(given(&form.tenant).unwrap_or_default()).map_err(Failure::bad)?;
+            let run = given(&form.run)
+                .map(RunId::new)
+                .transpose()
+                .map_err(Failure::bad)?;
+            let mut fields = vec![("select", "tenant".into()), ("tenant", tenant.to_string())];
+            let what = match &run {
+                Some(run) => {
+                    fields.push(("run", run.to_string()));
+                    format!("the dead letters of tenant {tenant}, run {run}")
+                }
+                None => format!("the dead letters of tenant {tenant}"),
+            };
+            (DeadFilter::Tenant(tenant, run), fields, what)
+        }
+        Select::Message => {
+            let id = given(&form.message_id)
+                .ok_or_else(|| Failure::bad("name the dead letter's message id"))?;
+            let what = format!("the dead letter {id}");
+            (
+                DeadFilter::MessageId(id.clone()),
+                vec![("select", "message".into()), ("message_id", id)],
+                what,
+            )
+        }
+    })
+}
+
+pub(super) async fn dead_act(
+    State(console): Shared,
+    Path(group): Path<String>,
+    form: Result<Form<DeadForm>, FormRejection>,
+) -> Page {
+    let rabbit = console.group(&group)?;
+    let Form(form) = form?;
+    console.check_csrf(&form.csrf)?;
+    let (filter, fields, what) = selection(&form)?;
+    let dead = DeadLetters::open(rabbit).await?;
+    let queue = rabbit.topology.dead_letter_queue();
+    let action = if form.action == DeadAction::Purge {
+        "purge"
+    } else {
+        "replay"
+    };
+    if form.confirmed.as_deref() != Some("yes") {
+        let letters = dead.list(10_000).await?;
+        let matching = letters
+            .iter()
+            .filter(|letter| filter.matches(letter))
+            .count();
+        return Ok(console.page(
+            &format!(
+                "{}?",
+                if action == "purge" {
+                    "Purge dead letters"
+                } else {
+                    "Replay dead letters"
+                }
+            ),
+            Section::Dead,
+            page::confirm_dead(
+                &group,
+                action,
+                &fields,
+                &what,
+                matching,
+                letters.len(),
+                &console.csrf,
+            ),
+        ));
+    }
+    let message = match form.action {
+        DeadAction::Replay => {
+            let replayed = dead.replay(&filter).await?;
+            format!(
+                "Replayed {replayed} dead letter(s) ({what}) to their partitions; the consumers fold them again."
+            )
+        }
+        DeadAction::Purge => {
+            let purged = dead.purge(&filter).await?;
+            format!("Purged {purged} dead letter(s) ({what}) from {queue}.")
+        }
+    };
+    let left = dead.depth().await?;
+    Ok(console.page(
+        "Done",
+        Section::Dead,
+        page::done(
+            &format!("{message} {queue} now holds {left}."),
+            &format!("/dead/{group}"),
+        ),
+    ))
+}

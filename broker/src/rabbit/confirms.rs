@@ -81,6 +81,54 @@ pub(crate) fn track(batch: PendingBatch) -> Tracked {
     Tracked { slots, batch }
 }
 
+/// Each event's outcome in a batch, from what the broker said of it (`said`: its confirm's
+/// outcome, `None` if it was never written), the broker's size limit once a refusal named it,
+/// and the channel-wide set of returned message ids, from which this batch's ids are taken.
+/// Returns the outcomes and whether any event came back returned (its topology is to be
+/// declared again).
+///
+/// - never written: `NotSent`;
+/// - unconfirmed and larger than the size limit: `TooLarge` (the one the broker refused, and
+///   any later one it would refuse);
+/// - acked but returned (nothing routed it): `Returned`, whatever confirm lapin attached the
+///   return to;
+/// - otherwise what its confirm said.
+///
+/// Every id of the batch leaves `returned`; the ids of other batches stay.
+pub(crate) fn attribute(
+    said: &[Option<Outcome>],
+    ids: &[ShortString],
+    sizes: &[usize],
+    size_limit: Option<usize>,
+    returned: &mut HashSet<ShortString>,
+) -> (Vec<Outcome>, bool) {
+    let mut any_returned = false;
+    let outcomes = said
+        .iter()
+        .enumerate()
+        .map(|(index, said)| {
+            let size = sizes.get(index).copied().unwrap_or(0);
+            let outcome = match said {
+                None => Outcome::NotSent,
+                Some(Outcome::Unconfirmed) if size_limit.is_some_and(|limit| size > limit) => {
+                    Outcome::TooLarge
+                }
+                Some(outcome) => *outcome,
+            };
+            // Its return is taken out of the set whatever it says (a return of an event not
+            // acked is no delivery either way).
+            let was_returned = ids.get(index).is_some_and(|id| returned.remove(id));
+            if was_returned && outcome == Outcome::Accepted {
+                any_returned = true;
+                Outcome::Returned
+            } else {
+                outcome
+            }
+        })
+        .collect();
+    (outcomes, any_returned)
+}
+
 /// Awaits a channel's confirms strictly in write order and decides each event's outcome from
 /// everything the broker said, not from which confirm lapin attached a return to.
 ///
@@ -144,22 +192,13 @@ pub(crate) async fn confirm_pump(
         }
         let batch = current.batch;
         let mut fault = batch.write_fault;
-        let mut outcomes = vec![Outcome::NotSent; batch.n_events];
+        let mut said = vec![None; batch.n_events];
         for (index, slot) in current.slots.into_iter().enumerate() {
             if let Slot::Seen(outcome, err) = slot {
-                outcomes[index] = outcome;
+                said[index] = Some(outcome);
                 if let Some(err) = err {
                     size_limit_seen = size_limit_seen.or(size_limit(&err));
                     fault.get_or_insert(Error::Channel(err));
-                }
-            }
-        }
-        // Refused for its size: every unconfirmed event above the limit the broker named (the
-        // one it refused, and any later one it would refuse) counts against its branch.
-        if let Some(limit) = size_limit_seen {
-            for (outcome, size) in outcomes.iter_mut().zip(&batch.sizes) {
-                if *outcome == Outcome::Unconfirmed && *size > limit {
-                    *outcome = Outcome::TooLarge;
                 }
             }
         }
@@ -169,14 +208,93 @@ pub(crate) async fn confirm_pump(
                 timeout_ms: confirm_timeout.as_millis() as u64,
             });
         }
-        for (outcome, id) in outcomes.iter_mut().zip(&batch.ids) {
-            // Acked but returned: nothing routed it, so it was not delivered.
-            if returned.remove(id) && *outcome == Outcome::Accepted {
-                *outcome = Outcome::Returned;
-                redeclare.store(true, Ordering::Release);
-            }
+        let (outcomes, any_returned) = attribute(
+            &said,
+            &batch.ids,
+            &batch.sizes,
+            size_limit_seen,
+            &mut returned,
+        );
+        if any_returned {
+            redeclare.store(true, Ordering::Release);
         }
         health.report(fault.is_none());
         (batch.done)(PublishReport { outcomes, fault });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn outcome() -> impl Strategy<Value = Option<Outcome>> {
+        prop_oneof![
+            Just(None),
+            Just(Some(Outcome::Accepted)),
+            Just(Some(Outcome::Nacked)),
+            Just(Some(Outcome::Unconfirmed)),
+        ]
+    }
+
+    proptest! {
+        /// Whatever the broker said and returned, in any batch: one outcome per event; only an
+        /// acked event that was not returned is accepted; a returned acked one is `Returned`;
+        /// only an unconfirmed one above a named limit is `TooLarge`; the batch's returns leave
+        /// the set and other batches' stay.
+        #[test]
+        fn each_event_gets_the_outcome_the_broker_gave_it(
+            events in proptest::collection::vec((outcome(), 0usize..200, any::<bool>()), 0..40),
+            limit in proptest::option::of(0usize..200),
+            others in proptest::collection::btree_set(0u32..20, 0..5),
+        ) {
+            let ids: Vec<ShortString> = (0..events.len()).map(|n| format!("b/{n}").into()).collect();
+            let said: Vec<Option<Outcome>> = events.iter().map(|(said, _, _)| *said).collect();
+            let sizes: Vec<usize> = events.iter().map(|(_, size, _)| *size).collect();
+            let mut returned: HashSet<ShortString> = events
+                .iter()
+                .zip(&ids)
+                .filter(|((_, _, returned), _)| *returned)
+                .map(|(_, id)| id.clone())
+                .collect();
+            let other: HashSet<ShortString> = others.iter().map(|n| format!("other/{n}").into()).collect();
+            returned.extend(other.iter().cloned());
+
+            let (outcomes, any_returned) = attribute(&said, &ids, &sizes, limit, &mut returned);
+
+            prop_assert_eq!(outcomes.len(), events.len());
+            prop_assert_eq!(&returned, &other);
+            let mut expect_returned = false;
+            for ((said, size, was_returned), got) in events.iter().zip(&outcomes) {
+                let want = match said {
+                    None => Outcome::NotSent,
+                    Some(Outcome::Unconfirmed) if limit.is_some_and(|l| *size > l) => Outcome::TooLarge,
+                    Some(Outcome::Accepted) if *was_returned => {
+                        expect_returned = true;
+                        Outcome::Returned
+                    }
+                    Some(outcome) => *outcome,
+                };
+                prop_assert_eq!(*got, want);
+                prop_assert_eq!(got.is_accepted(), *said == Some(Outcome::Accepted) && !was_returned);
+            }
+            prop_assert_eq!(any_returned, expect_returned);
+        }
+    }
+
+    #[test]
+    fn a_return_lapin_attached_to_another_confirm_still_counts() {
+        // The return of event 1 arrived with event 0's confirm: both acked; 1 was not routed.
+        let ids: Vec<ShortString> = vec!["e/0".into(), "e/1".into()];
+        let mut returned: HashSet<ShortString> = ["e/1".into()].into_iter().collect();
+        let (outcomes, any) = attribute(
+            &[Some(Outcome::Accepted), Some(Outcome::Accepted)],
+            &ids,
+            &[10, 10],
+            None,
+            &mut returned,
+        );
+        assert_eq!(outcomes, [Outcome::Accepted, Outcome::Returned]);
+        assert!(any && returned.is_empty());
     }
 }

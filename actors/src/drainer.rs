@@ -28,7 +28,7 @@ use crate::{PublisherMessage, Reply, ShardId};
 
 mod api;
 pub use api::{
-    DrainerArgs, DrainerConfig, DrainerMessage, DrainerReport, DrainerReporter, stop_reason,
+    DrainerArgs, DrainerConfig, DrainerMessage, DrainerReport, DrainerReporter, StopReason,
 };
 
 /// A batch's share of the relay-wide budgets, given back when the batch settles.
@@ -154,7 +154,7 @@ impl Drainer {
         state: &mut DrainerState,
     ) -> Result<(), ActorProcessingErr> {
         if state.window.finished() {
-            myself.stop(Some(stop_reason::FINISHED.into()));
+            myself.stop(Some(StopReason::Finished.as_str().into()));
             return Ok(());
         }
         if !state.window.may_start() {
@@ -224,7 +224,7 @@ impl Drainer {
     ) -> Result<(), ActorProcessingErr> {
         if matches!(err, store::Error::Fenced { .. }) {
             tracing::info!(error = %err, "lease lost; drainer stops");
-            myself.stop(Some(stop_reason::FENCED.into()));
+            myself.stop(Some(StopReason::Fenced.as_str().into()));
             return Ok(());
         }
         Err(err.into())
@@ -381,7 +381,7 @@ impl Drainer {
         }
         // A retry's timer is the window's (`Next::Retry`).
         if settled.next == Next::Stop {
-            myself.stop(Some(stop_reason::FINISHED.into()));
+            myself.stop(Some(StopReason::Finished.as_str().into()));
         }
         Ok(())
     }
@@ -437,14 +437,14 @@ impl Drainer {
             }
             DrainerMessage::Retire { activity } => {
                 if state.window.idle_since(activity) {
-                    myself.stop(Some(stop_reason::IDLE.into()));
+                    myself.stop(Some(StopReason::Idle.as_str().into()));
                 }
                 return Ok(());
             }
             DrainerMessage::Tick => {
                 let woken = state.window.handle_timeout(Instant::now());
                 match woken {
-                    Woken::Retire => myself.stop(Some(stop_reason::IDLE.into())),
+                    Woken::Retire => myself.stop(Some(StopReason::Idle.as_str().into())),
                     Woken::Drain => return self.drain(&myself, state).await,
                     Woken::Nothing => {}
                 }
@@ -465,7 +465,7 @@ impl Drainer {
             DrainerMessage::Finish => {
                 state.window.finish();
                 if state.window.finished() {
-                    myself.stop(Some(stop_reason::FINISHED.into()));
+                    myself.stop(Some(StopReason::Finished.as_str().into()));
                 }
                 return Ok(());
             }

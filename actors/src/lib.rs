@@ -22,7 +22,7 @@ pub use drainer::DrainerConfig;
 pub use drainer::DrainerMessage;
 pub use drainer::DrainerReport;
 pub use drainer::DrainerReporter;
-pub use drainer::stop_reason;
+pub use drainer::StopReason;
 pub use publisher::DEFAULT_MAX_UNCONFIRMED;
 pub use publisher::FAILURE_OUTCOMES;
 pub use publisher::PublisherActor;

@@ -320,12 +320,18 @@ impl<H: Handle> Core<H> {
         }
     }
 
-    /// A child ended; `orderly` when it stopped by itself for a reason that needs no restart
+    /// A child ended; `stop` when it stopped by itself for a reason that needs no restart
     /// (a drainer retired idle, finished or fenced).
-    pub(crate) fn child_ended(&mut self, id: H::Id, why: &str, orderly: bool, now: Instant) {
+    pub(crate) fn child_ended(
+        &mut self,
+        id: H::Id,
+        why: &str,
+        stop: Option<actors::StopReason>,
+        now: Instant,
+    ) {
         match self.children.remove(&id) {
             Some(Child::Publisher(shard)) => self.publisher_ended(shard, why, now),
-            Some(Child::Drainer(tenant)) => self.drainer_ended(tenant, why, orderly, now),
+            Some(Child::Drainer(tenant)) => self.drainer_ended(tenant, why, stop, now),
             None => {}
         }
     }

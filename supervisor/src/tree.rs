@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use actors::{
     Drainer, DrainerArgs, DrainerConfig, DrainerMessage, DrainerReport, PublisherActor,
     PublisherArgs, PublisherDirectory, PublisherFactory, PublisherMessage, ShardId, Sharding,
-    stop_reason,
+    StopReason,
 };
 use broker::{Backoff, RetryPolicy};
 use ractor::{
@@ -517,10 +517,10 @@ impl Actor for RelaySupervisor {
             SupervisionEvent::ActorFailed(cell, err) => (cell, err.to_string()),
             _ => return Ok(()),
         };
-        let orderly = stop_reason::is_orderly(&why);
+        let stop = StopReason::parse(&why);
         state
             .core
-            .child_ended(cell.get_id(), &why, orderly, Instant::now());
+            .child_ended(cell.get_id(), &why, stop, Instant::now());
         self.perform(&myself, state).await;
         Ok(())
     }

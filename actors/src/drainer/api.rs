@@ -58,18 +58,57 @@ impl Default for DrainerConfig {
     }
 }
 
-/// Why a drainer stopped on its own: the supervisor restarts none of these.
-pub mod stop_reason {
+/// Why a drainer stopped on its own: the supervisor restarts none of these. It travels as the
+/// text of ractor's stop reason ([`StopReason::as_str`]); [`StopReason::parse`] is the one place
+/// that reads it back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopReason {
     /// Graceful shutdown finished its batches.
-    pub const FINISHED: &str = "finished";
+    Finished,
     /// Its tenant's lease is gone: another relay may own the tenant now.
-    pub const FENCED: &str = "fenced";
+    Fenced,
     /// Nothing to do for `idle_retire`.
-    pub const IDLE: &str = "idle";
+    Idle,
+}
 
-    /// Whether `reason` is one of the above (an orderly stop, not a failure).
-    pub fn is_orderly(reason: &str) -> bool {
-        [FINISHED, FENCED, IDLE].contains(&reason)
+impl StopReason {
+    const ALL: [StopReason; 3] = [StopReason::Finished, StopReason::Fenced, StopReason::Idle];
+
+    /// Its text, as the drainer gives it to ractor.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StopReason::Finished => "finished",
+            StopReason::Fenced => "fenced",
+            StopReason::Idle => "idle",
+        }
+    }
+
+    /// The orderly stop a stopped actor's reason names, or `None` for anything else (a failure,
+    /// or a stop of another kind).
+    pub fn parse(reason: &str) -> Option<StopReason> {
+        Self::ALL.into_iter().find(|stop| stop.as_str() == reason)
+    }
+}
+
+#[cfg(test)]
+mod stop_tests {
+    use super::StopReason;
+
+    #[test]
+    fn each_stop_reason_reads_back_as_itself_and_nothing_else_does() {
+        for stop in StopReason::ALL {
+            assert_eq!(StopReason::parse(stop.as_str()), Some(stop));
+        }
+        for other in [
+            "",
+            "stopped",
+            "Idle",
+            "idle ",
+            "database down",
+            "panicked: idle",
+        ] {
+            assert_eq!(StopReason::parse(other), None, "{other:?}");
+        }
     }
 }
 

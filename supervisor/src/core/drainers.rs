@@ -168,7 +168,7 @@ impl<H: Handle> Core<H> {
         &mut self,
         tenant: TenantId,
         why: &str,
-        orderly: bool,
+        stop: Option<actors::StopReason>,
         now: Instant,
     ) {
         let Some(TenantSlot::Running {
@@ -197,7 +197,7 @@ impl<H: Handle> Core<H> {
             self.commands.push_back(Command::Settled(bucket));
         }
         let held = matches!(state, Some(BucketState::Held(_)));
-        if orderly || !held {
+        if stop.is_some() || !held {
             // Retired (idle), fenced or finished: nothing to restart, nothing to keep.
             tracing::debug!(tenant = %tenant, reason = %why, "drainer stopped");
             self.admit_waiting();

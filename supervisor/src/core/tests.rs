@@ -133,7 +133,8 @@ impl Tree {
         let id = self.drainer_of(tenant).expect("a drainer runs");
         self.drainers.remove(&id);
         let why = if orderly { "idle" } else { "database down" };
-        self.core.child_ended(id, why, orderly, now);
+        self.core
+            .child_ended(id, why, orderly.then_some(actors::StopReason::Idle), now);
         self.perform(now);
     }
 }
@@ -144,7 +145,7 @@ fn every_publisher_starts_and_a_dead_one_restarts_after_its_backoff() {
     let mut tree = Tree::new(10);
     assert_eq!(tree.publishers.len(), 2);
     let first = tree.publishers[&1];
-    tree.core.child_ended(first, "connection lost", false, now);
+    tree.core.child_ended(first, "connection lost", None, now);
     tree.perform(now);
     assert!(matches!(
         tree.take()[..],
@@ -162,8 +163,8 @@ fn every_publisher_starts_and_a_dead_one_restarts_after_its_backoff() {
     tree.core.publisher_healthy(ShardId(1));
     assert_eq!(tree.core.publisher_failures(ShardId(1)), 0);
     // The end of a child the core no longer knows (or never knew) changes nothing.
-    tree.core.child_ended(first, "late", false, due);
-    tree.core.child_ended(999, "unknown", false, due);
+    tree.core.child_ended(first, "late", None, due);
+    tree.core.child_ended(999, "unknown", None, due);
     tree.perform(due);
     assert!(tree.take().is_empty());
 }
@@ -186,7 +187,7 @@ fn a_recovered_publisher_restarts_the_others_now_and_resumes_every_drainer() {
         let ended = [tree.publishers[&0], tree.publishers[&1]];
         for id in ended {
             tree.core
-                .child_ended(id, "the broker session faulted", false, now);
+                .child_ended(id, "the broker session faulted", None, now);
         }
         tree.perform(now);
         // Both restart, each after its own delay.
@@ -200,7 +201,7 @@ fn a_recovered_publisher_restarts_the_others_now_and_resumes_every_drainer() {
     // Shard 1 fails once more: its restart waits a grown delay.
     let id = tree.publishers[&1];
     tree.core
-        .child_ended(id, "the broker session faulted", false, now);
+        .child_ended(id, "the broker session faulted", None, now);
     tree.perform(now);
     tree.take();
     let due = tree.core.poll_timeout().expect("shard 1's respawn is due");
@@ -245,7 +246,7 @@ fn the_broker_is_checked_while_publishers_wait_and_its_answer_restarts_them() {
         let ended = [tree.publishers[&0], tree.publishers[&1]];
         for id in ended {
             tree.core
-                .child_ended(id, "the broker session faulted", false, now);
+                .child_ended(id, "the broker session faulted", None, now);
         }
         tree.perform(now);
         ended
@@ -346,7 +347,7 @@ fn a_publisher_that_cannot_start_is_tried_again_and_none_restarts_while_finishin
     ));
     core.finish(due);
     assert!(matches!(core.poll(), Some(Command::Finished)));
-    core.child_ended(7, "stopped", false, due);
+    core.child_ended(7, "stopped", None, due);
     assert!(matches!(
         core.poll(),
         Some(Command::PublisherGone(ShardId(1)))
@@ -569,7 +570,7 @@ fn a_lost_lease_stops_its_drainers_and_forgets_them() {
     assert!(matches!(tree.take()[..], [Command::Kill(Fake(id))] if id == killed));
     assert_eq!(tree.core.slots(), 1, "nothing kept for lost buckets");
     // The killed drainer's end arrives later and restarts nothing; neither does the timer.
-    tree.core.child_ended(killed, "killed", false, now);
+    tree.core.child_ended(killed, "killed", None, now);
     tree.core.handle_timeout(now + Duration::from_secs(60));
     tree.core.notified(tenants[0].clone());
     tree.perform(now);
@@ -828,7 +829,7 @@ impl Checked {
                 Command::Kill(Fake(id)) => {
                     // ractor reports a killed child's end as well.
                     if self.drainers.remove(&id).is_some() {
-                        self.core.child_ended(id, "killed", false, self.now);
+                        self.core.child_ended(id, "killed", None, self.now);
                     }
                 }
                 Command::Retire(Fake(id), _) => {
@@ -945,7 +946,12 @@ proptest! {
                 Event::DrainerEnds(n, orderly) => {
                     if let Some((&id, _)) = tree.drainers.iter().nth(n % tree.drainers.len().max(1)) {
                         tree.drainers.remove(&id);
-                        tree.core.child_ended(id, "ended", orderly, tree.now);
+                        tree.core.child_ended(
+                            id,
+                            "ended",
+                            orderly.then_some(actors::StopReason::Finished),
+                            tree.now,
+                        );
                     }
                 }
                 Event::TakesWakeUp(n) => {
@@ -961,7 +967,7 @@ proptest! {
                 Event::SpawnFails => tree.fail_next_spawn = true,
                 Event::PublisherEnds(shard) => {
                     if let Some(id) = tree.publishers.remove(&shard) {
-                        tree.core.child_ended(id, "connection lost", false, tree.now);
+                        tree.core.child_ended(id, "connection lost", None, tree.now);
                     }
                 }
                 Event::PublisherHealthy(shard) => {
@@ -994,7 +1000,7 @@ proptest! {
         let ids: Vec<u64> = tree.drainers.keys().copied().collect();
         for id in ids {
             tree.drainers.remove(&id);
-            tree.core.child_ended(id, "finished", true, tree.now);
+            tree.core.child_ended(id, "finished", Some(actors::StopReason::Finished), tree.now);
             tree.perform();
         }
         // (A finish stops the keeper too: what it was handing over is released with the rest.)

@@ -614,3 +614,66 @@ mod scratch {
         assert!(left.is_empty(), "left on the private node: {left:?}");
     }
 }
+
+/// The console's look at the broker (`broker::checkup`), on a private node: up with its version
+/// while it serves; blocked, with the broker's reason, while a memory alarm holds (a client can
+/// only learn that by publishing); up again once the alarm clears; an error when the broker
+/// application is stopped.
+mod checkup {
+    use std::time::Duration;
+
+    use distribution::broker::{self, RabbitConfig};
+
+    use crate::harness::*;
+    use crate::node::{PrivateNode, Rabbit};
+
+    async fn sees_an_alarm(rabbit: Rabbit, version: &str) {
+        let node = tokio::task::block_in_place(|| PrivateNode::start_on(rabbit, "checkup"));
+        let mut config: RabbitConfig = relay_config("postgres://unused", &node.url(), "checkup")
+            .rabbit_config()
+            .unwrap();
+        config.connect_timeout = Duration::from_secs(2);
+        let look = || broker::checkup(&config, Duration::from_secs(5));
+
+        let up = look().await.unwrap();
+        assert_eq!(up.blocked, None, "{up:?}");
+        assert!(up.version.version.starts_with(version), "{up:?}");
+
+        tokio::task::block_in_place(|| node.memory_alarm(true));
+        wait_until(
+            "the node raises its alarm",
+            Duration::from_secs(30),
+            || async { tokio::task::block_in_place(|| node.alarmed()) },
+        )
+        .await;
+        let blocked = look().await.unwrap();
+        assert!(
+            blocked
+                .blocked
+                .as_deref()
+                .is_some_and(|reason| reason.contains("memory")),
+            "{blocked:?}"
+        );
+
+        tokio::task::block_in_place(|| node.memory_alarm(false));
+        wait_until(
+            "the checkup sees the broker up again",
+            Duration::from_secs(30),
+            || async { look().await.is_ok_and(|checkup| checkup.blocked.is_none()) },
+        )
+        .await;
+
+        tokio::task::block_in_place(|| node.stop_app());
+        assert!(look().await.is_err(), "a stopped broker is no checkup");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_checkup_sees_a_memory_alarm() {
+        sees_an_alarm(Rabbit::V3_10, "3.10").await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_checkup_sees_a_memory_alarm_on_rabbitmq_4_0() {
+        sees_an_alarm(Rabbit::V4_0, "4.0").await;
+    }
+}

@@ -109,7 +109,7 @@ impl IntentWriter {
     /// statement's transaction wrote nothing before its commit record, so PostgreSQL does not
     /// wait for that record's flush, and the lock is held only while the notification is
     /// queued.
-    /// Measured side by side, 8 writers: `benches/results.md`, "Waking relays after the commit".
+    /// Measured side by side, 8 writers: `benches/HISTORY.md`, "Waking relays after the commit".
     ///
     /// Called inside a transaction it is sent when that transaction commits, and the cost
     /// comes back. A host that dies between its commit and this call leaves the wake-up

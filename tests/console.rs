@@ -88,6 +88,24 @@ mod console {
         }
     }
 
+    /// A fresh database, a topology named after `label` (its config and broker settings), and an
+    /// operator's role on the database named after `role`.
+    async fn setup(
+        label: &str,
+        role: &str,
+    ) -> (
+        PgPool,
+        distribution::RelayConfig,
+        RabbitConfig,
+        OperatorRole,
+    ) {
+        let (pool, url) = fresh_database(label).await;
+        let config = relay_config(&url, &amqp_url(), &unique(label));
+        let rabbit = config.rabbit_config().unwrap();
+        let operator = OperatorRole::create(&pool, &url, role).await;
+        (pool, config, rabbit, operator)
+    }
+
     /// `distribution console` on `addr`, as the operator's role; waits until it serves.
     async fn console(
         database: &str,
@@ -228,13 +246,9 @@ mod console {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn a_browser_releases_a_parked_branch_and_replays_a_dead_letter() {
-        let (pool, url) = fresh_database("console").await;
-        let topology = unique("console");
-        let config = relay_config(&url, &amqp_url(), &topology);
-        let rabbit = config.rabbit_config().unwrap();
-        let operator = OperatorRole::create(&pool, &url, "browser").await;
+        let (pool, config, rabbit, operator) = setup("console", "browser").await;
         let refusing = Arc::new(AtomicBool::new(true));
-        let outcome = std::panic::AssertUnwindSafe(async {
+        let test = async {
             // A branch parked before any relay ran (as after the broker kept refusing it),
             // for an hour; and a branch whose first event the consumer dead-letters.
             let parked = write(&pool, "console-parked", &["p1", "p2", "p3"]).await;
@@ -294,7 +308,10 @@ mod console {
                 "{backlog}"
             );
             let groups = text_of(&browser, "#groups").await;
-            assert!(groups.contains(&format!("{topology}.dead")), "{groups}");
+            assert!(
+                groups.contains(rabbit.topology.dead_letter_queue().as_str()),
+                "{groups}"
+            );
             screenshot(&browser, "overview").await;
 
             // Parked branches: the reason and count, then Release.
@@ -378,17 +395,10 @@ mod console {
             let _ = stop.send(());
             consuming.await.unwrap().unwrap();
             relay.shutdown().await;
-        })
-        .catch_unwind()
-        .await;
-        drop_topology(&rabbit.topology).await;
-        drop(operator);
-        if let Err(panic) = outcome {
-            std::panic::resume_unwind(panic);
-        }
+        };
+        // The operator's role goes when `operator` drops, on a failure too.
+        then_clean_up(test, drop_topology(&rabbit.topology)).await;
     }
-
-    use futures_util::FutureExt;
 
     /// A POST of a form `body` with `headers`.
     async fn post(addr: &str, path: &str, headers: &[(&str, &str)], body: &str) -> (u16, String) {
@@ -408,12 +418,8 @@ mod console {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn hostile_and_malformed_requests_get_a_clear_refusal_and_change_nothing() {
-        let (pool, url) = fresh_database("consolehostile").await;
-        let topology = unique("consolehostile");
-        let config = relay_config(&url, &amqp_url(), &topology);
-        let rabbit = config.rabbit_config().unwrap();
-        let operator = OperatorRole::create(&pool, &url, "hostile").await;
-        let outcome = std::panic::AssertUnwindSafe(async {
+        let (pool, _, rabbit, operator) = setup("consolehostile", "hostile").await;
+        let test = async {
             // Not loopback and no token, or a short one: refused at the door, one line, exit 2.
             for (args, says) in [
                 (vec!["--listen", "0.0.0.0:0"], "not loopback"),
@@ -698,13 +704,8 @@ mod console {
                 page.contains("Purged 1 dead letter(s)") && page.contains("now holds 1"),
                 "{page}"
             );
-        })
-        .catch_unwind()
-        .await;
-        drop_topology(&rabbit.topology).await;
-        drop(operator);
-        if let Err(panic) = outcome {
-            std::panic::resume_unwind(panic);
-        }
+        };
+        // The operator's role goes when `operator` drops, on a failure too.
+        then_clean_up(test, drop_topology(&rabbit.topology)).await;
     }
 }

@@ -208,11 +208,19 @@ async fn main() {
     }
     let mut next = vec![1u64; writers];
     let sizes = std::env::var("BENCH_SIZES").unwrap_or_default();
+    let mut bench = Bench {
+        pool: &pool,
+        url: &url,
+        runs: &runs,
+        next: &mut next,
+        rounds,
+        seconds,
+    };
     if sizes != "only" {
-        statement_and_function(&pool, &url, writers, rounds, seconds, &mut next, &runs).await;
+        statement_and_function(&mut bench, writers).await;
     }
     if sizes != "off" {
-        outbox_and_plain(&pool, &url, writers, rounds, seconds, &mut next, &runs).await;
+        outbox_and_plain(&mut bench, writers).await;
     }
     pool.close().await;
     let mut admin = PgConnection::connect(&std::env::var("DATABASE_URL").unwrap())
@@ -234,59 +242,82 @@ async fn empty(pool: &PgPool) {
         .unwrap();
 }
 
-/// The first table: the former statement against `relay_append`, 256 B.
-async fn statement_and_function(
-    pool: &PgPool,
-    url: &str,
-    writers: usize,
+/// Where the writers are and what they run: the database, its URL, the runs, each writer's
+/// next Lsn, and the rounds.
+struct Bench<'a> {
+    pool: &'a PgPool,
+    url: &'a str,
+    runs: &'a [BranchKey],
+    next: &'a mut [u64],
     rounds: usize,
     seconds: u64,
-    next: &mut [u64],
-    runs: &[BranchKey],
-) {
+}
+
+impl Bench<'_> {
+    /// The median commits/s of `first` and of `second` over the rounds, alternating which goes
+    /// first; every round starts on empty tables (they grow by every commit), so neither way sees
+    /// a larger table or a warmer cache.
+    async fn pair(
+        &mut self,
+        [first, second]: [Way; 2],
+        notify: bool,
+        payload: &[u8],
+    ) -> (f64, f64) {
+        let (mut firsts, mut seconds) = (Vec::new(), Vec::new());
+        for index in 0..self.rounds {
+            let order = if index % 2 == 0 {
+                [first, second]
+            } else {
+                [second, first]
+            };
+            for way in order {
+                let rate = round(
+                    self.url,
+                    way,
+                    notify,
+                    self.seconds,
+                    self.next,
+                    self.runs,
+                    payload,
+                )
+                .await;
+                if way == first {
+                    firsts.push(rate);
+                } else {
+                    seconds.push(rate);
+                }
+                empty(self.pool).await;
+            }
+        }
+        (median(&mut firsts), median(&mut seconds))
+    }
+}
+
+fn notify_label(notify: bool) -> &'static str {
+    if notify { "on" } else { "off" }
+}
+
+/// The first table: the former statement against `relay_append`, 256 B.
+async fn statement_and_function(bench: &mut Bench<'_>, writers: usize) {
     let payload = vec![7u8; 256];
     println!(
         "| host commits/s, {writers} writers, 256 B | statement (before) | function (after) | after / before |"
     );
     println!("|---|---|---|---|");
     for notify in [false, true] {
-        let (mut before, mut after) = (Vec::new(), Vec::new());
-        for index in 0..rounds {
-            // Alternate which way goes first, and start every round on an empty outbox (it
-            // grows by every commit), so neither way sees a larger table or a warmer cache.
-            let order = if index % 2 == 0 {
-                [Way::Statement, Way::Function]
-            } else {
-                [Way::Function, Way::Statement]
-            };
-            for way in order {
-                let rate = round(url, way, notify, seconds, next, runs, &payload).await;
-                match way {
-                    Way::Statement => before.push(rate),
-                    _ => after.push(rate),
-                }
-                empty(pool).await;
-            }
-        }
-        let (before, after) = (median(&mut before), median(&mut after));
+        let (before, after) = bench
+            .pair([Way::Statement, Way::Function], notify, &payload)
+            .await;
         println!(
             "| NOTIFY {} | {before:.0} | {after:.0} | {:.2} |",
-            if notify { "on" } else { "off" },
+            notify_label(notify),
             after / before
         );
     }
 }
 
 /// The second table: `relay_append` against a plain insert of the same bytes, by size.
-async fn outbox_and_plain(
-    pool: &PgPool,
-    url: &str,
-    writers: usize,
-    rounds: usize,
-    seconds: u64,
-    next: &mut [u64],
-    runs: &[BranchKey],
-) {
+async fn outbox_and_plain(bench: &mut Bench<'_>, writers: usize) {
     println!();
     println!(
         "| host commits/s, {writers} writers, incompressible payload | plain insert into the host's table | `relay_append` | outbox / plain |"
@@ -295,26 +326,12 @@ async fn outbox_and_plain(
     for (bytes, label) in [(256, "256 B"), (64 << 10, "64 KiB"), (256 << 10, "256 KiB")] {
         let payload = store::fixtures::Incompressible::default().bytes(bytes);
         for notify in [false, true] {
-            let (mut plain, mut outbox) = (Vec::new(), Vec::new());
-            for index in 0..rounds {
-                let order = if index % 2 == 0 {
-                    [Way::Plain, Way::Function]
-                } else {
-                    [Way::Function, Way::Plain]
-                };
-                for way in order {
-                    let rate = round(url, way, notify, seconds, next, runs, &payload).await;
-                    match way {
-                        Way::Plain => plain.push(rate),
-                        _ => outbox.push(rate),
-                    }
-                    empty(pool).await;
-                }
-            }
-            let (plain, outbox) = (median(&mut plain), median(&mut outbox));
+            let (plain, outbox) = bench
+                .pair([Way::Plain, Way::Function], notify, &payload)
+                .await;
             println!(
                 "| {label}, NOTIFY {} | {plain:.0} | {outbox:.0} | {:.2} |",
-                if notify { "on" } else { "off" },
+                notify_label(notify),
                 outbox / plain
             );
         }

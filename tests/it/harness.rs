@@ -97,6 +97,19 @@ pub async fn http_send(
     Some((status, headers, String::from_utf8_lossy(&body).into_owned()))
 }
 
+/// Runs `test`, then `clean_up` whether the test passed or panicked, then the test's panic.
+pub async fn then_clean_up(
+    test: impl std::future::Future<Output = ()>,
+    clean_up: impl std::future::Future<Output = ()>,
+) {
+    use futures_util::FutureExt;
+    let outcome = std::panic::AssertUnwindSafe(test).catch_unwind().await;
+    clean_up.await;
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic);
+    }
+}
+
 /// The relays' and consumers' own account in a test's captured output (shown with a failure):
 /// `RUST_LOG` if set, else errors, without lapin's own (a connection a fault cuts is logged
 /// by lapin at ERROR each time, which buries the failure's message).

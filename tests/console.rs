@@ -10,13 +10,10 @@ mod harness;
 
 mod console {
     use std::process::{Child, Command, Stdio};
-    use std::sync::Arc;
-    use std::sync::atomic::AtomicBool;
     use std::time::Duration;
 
     use distribution::Relay;
     use distribution::broker::{DeadLetters, RabbitConfig};
-    use distribution::consumer::{Consumer, ConsumerConfig};
     use distribution::store::{self, BranchKey, IntentWriter, Lsn, Outbox};
     use fantoccini::{ClientBuilder, Locator};
     use hyper_util::client::legacy::connect::HttpConnector;
@@ -247,7 +244,6 @@ mod console {
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn a_browser_releases_a_parked_branch_and_replays_a_dead_letter() {
         let (pool, config, rabbit, operator) = setup("console", "browser").await;
-        let refusing = Arc::new(AtomicBool::new(true));
         let test = async {
             // A branch parked before any relay ran (as after the broker kept refusing it),
             // for an hour; and a branch whose first event the consumer dead-letters.
@@ -265,21 +261,10 @@ mod console {
             let poisoned = write(&pool, "console-dead", &["poison 1", "fine 2"]).await;
             declare_topology(&rabbit.topology).await;
             let relay = Relay::start(config.clone()).await.unwrap();
-            let consumer = Consumer::new(
-                ConsumerConfig::new(rabbit.clone()),
-                pool.clone(),
-                Picky {
-                    refusing: refusing.clone(),
-                },
-            );
-            let progress = consumer.progress();
-            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-            let consuming = tokio::spawn(consumer.run(async {
-                let _ = stopped.await;
-            }));
+            let consumer = PickyConsumer::start(&rabbit, &pool);
             let dead = DeadLetters::open(&rabbit).await.unwrap();
             wait_until("a dead letter", Duration::from_secs(30), || async {
-                dead.depth().await.unwrap() == 1 && progress.totals().rejected == 1
+                dead.depth().await.unwrap() == 1 && consumer.progress.totals().rejected == 1
             })
             .await;
             // Nothing of the parked branch ships before the release.
@@ -365,7 +350,7 @@ mod console {
                 .for_element(Locator::Css("#letters"))
                 .await
                 .unwrap();
-            refusing.store(false, std::sync::atomic::Ordering::SeqCst);
+            consumer.fixed();
             let asked = follow(
                 &browser,
                 Locator::Css("#letters button[value=replay]"),
@@ -392,8 +377,7 @@ mod console {
             )
             .await;
             browser.close().await.unwrap();
-            let _ = stop.send(());
-            consuming.await.unwrap().unwrap();
+            consumer.stop().await;
             relay.shutdown().await;
         };
         // The operator's role goes when `operator` drops, on a failure too.
@@ -492,8 +476,8 @@ mod console {
             let bearer = format!("Bearer {token}");
             let auth = [("authorization", bearer.as_str())];
 
-            // The token: none, wrong, then right (bearer; basic auth is tested by the browser's
-            // own header below).
+            // The token: none, a wrong one, then the right one as basic auth's password and as
+            // a bearer token.
             let (status, headers, page) =
                 http_send(&addr, "GET", "/", &[], Vec::new()).await.unwrap();
             assert_eq!(status, 401, "{page}");

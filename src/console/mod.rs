@@ -130,7 +130,7 @@ pub async fn run(settings: ConsoleSettings) -> Result<()> {
     .await?;
     let outbox = Outbox::new(pool);
     outbox
-        .backlog_worst_first(0, 1)
+        .oldest_wait()
         .await
         .context("cannot read the relay's status views (has `distribution migrate` run, and has the console's role `distribution roles --operator`?)")?;
     let mut csrf = [0u8; 32];
@@ -156,7 +156,7 @@ pub async fn run(settings: ConsoleSettings) -> Result<()> {
                 settings.listen
             )
         })?;
-    // Tests and scripts read the address from here (port 0 picks one).
+    // Where it listens (with port 0, the port the kernel picked).
     eprintln!(
         "console listening on http://{}/",
         listener.local_addr().unwrap_or(settings.listen)
@@ -191,8 +191,7 @@ async fn sample_lag(console: Arc<Console>) {
     let mut ticks = tokio::time::interval(every);
     loop {
         ticks.tick().await;
-        if let Ok((worst, _)) = console.outbox.backlog_worst_first(0, 1).await {
-            let oldest = worst.first().map(|b| b.oldest_age).unwrap_or_default();
+        if let Ok(oldest) = console.outbox.oldest_wait().await {
             console
                 .lag
                 .lock()

@@ -17,6 +17,9 @@ pub const TENANTS_PER_PAGE: u32 = 25;
 /// Dead letters listed per page.
 pub const LETTERS_LISTED: u64 = 100;
 
+/// Dead letters read to count those a replay or purge would take, before it asks.
+pub const LETTERS_COUNTED: u64 = 10_000;
+
 /// A body as shown: UTF-8 text, else hex; cut to `limit` bytes.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Shown {
@@ -378,31 +381,58 @@ pub fn dead_show(group: &str, letter: &DeadLetter) -> Markup {
     }
 }
 
+/// What a dead-letter action does: publish letters back, or remove them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeadAction {
+    Replay,
+    Purge,
+}
+
+impl DeadAction {
+    /// Its value in a form (`replay`, `purge`).
+    fn value(self) -> &'static str {
+        match self {
+            DeadAction::Replay => "replay",
+            DeadAction::Purge => "purge",
+        }
+    }
+
+    /// The question's verb (`Replay`, `Purge`).
+    pub fn verb(self) -> &'static str {
+        match self {
+            DeadAction::Replay => "Replay",
+            DeadAction::Purge => "Purge",
+        }
+    }
+}
+
 /// The confirmation of a replay or purge: what it takes, and how many of the listed match.
 pub fn confirm_dead(
     group: &str,
-    action: &str,
+    action: DeadAction,
     fields: &[(&str, String)],
     what: &str,
     matching: usize,
     listed: usize,
     csrf: &str,
 ) -> Markup {
+    let purge = action == DeadAction::Purge;
     html! {
         p {
-            (if action == "purge" { "Purge " } else { "Replay " }) (what) "? "
+            (action.verb()) " " (what) "? "
             (matching) " of the " (listed) " dead letter(s) read now match."
         }
         p .note {
-            @if action == "purge" { "Purged letters are removed for good." }
+            @if purge { "Purged letters are removed for good." }
             @else { "Each leaves the dead-letter queue once its partition confirmed it; the consumers fold it again." }
         }
         form method="post" action={ "/dead/" (group) "/act" } {
             (csrf_field(csrf))
             @for (name, value) in fields { input type="hidden" name=(name) value=(value); }
             input type="hidden" name="confirmed" value="yes";
-            button name="action" value=(action) class=[(action == "purge").then_some("danger")] {
-                (if action == "purge" { "Purge for good" } else { "Replay" })
+            button name="action" value=(action.value()) class=[purge.then_some("danger")] {
+                (if purge { "Purge for good" } else { "Replay" })
             }
             " " a href={ "/dead/" (group) } { "Cancel" }
         }

@@ -11,7 +11,7 @@ use maud::Markup;
 use serde::Deserialize;
 
 use super::guard::{Failure, Page};
-use super::page::{self, Section};
+use super::page::{self, DeadAction, Section};
 use super::{Console, Shared};
 
 impl Console {
@@ -236,13 +236,6 @@ pub(super) async fn dead_show(
     ))
 }
 
-#[derive(Deserialize, PartialEq)]
-#[serde(rename_all = "lowercase")]
-pub(super) enum DeadAction {
-    Replay,
-    Purge,
-}
-
 #[derive(Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub(super) enum Select {
@@ -323,30 +316,18 @@ pub(super) async fn dead_act(
     let (filter, fields, what) = selection(&form)?;
     let dead = DeadLetters::open(rabbit).await?;
     let queue = rabbit.topology.dead_letter_queue();
-    let action = if form.action == DeadAction::Purge {
-        "purge"
-    } else {
-        "replay"
-    };
     if form.confirmed.as_deref() != Some("yes") {
-        let letters = dead.list(10_000).await?;
+        let letters = dead.list(page::LETTERS_COUNTED).await?;
         let matching = letters
             .iter()
             .filter(|letter| filter.matches(letter))
             .count();
         return Ok(console.page(
-            &format!(
-                "{}?",
-                if action == "purge" {
-                    "Purge dead letters"
-                } else {
-                    "Replay dead letters"
-                }
-            ),
+            &format!("{} dead letters?", form.action.verb()),
             Section::Dead,
             page::confirm_dead(
                 &group,
-                action,
+                form.action,
                 &fields,
                 &what,
                 matching,

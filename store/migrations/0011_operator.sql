@@ -1,4 +1,4 @@
--- What an operator reads and does, without reading a payload: three status views and the
+-- What an operator reads and does, without reading a payload: four status views and the
 -- release function, for the operator's role of `distribution roles --operator` (which also
 -- gets `relay_discard_branch`). The views read the relay's tables with their owner's rights,
 -- so the operator is granted the views alone, never `relay_outbox` itself.
@@ -10,6 +10,23 @@ SELECT tenant_id,
   FROM relay_outbox
  GROUP BY tenant_id;
 COMMENT ON VIEW relay_backlog_status IS 'Per tenant with intents waiting: how many, and the age in seconds of the oldest (what `distribution status` and the console show).';
+
+-- The oldest waiting intent's age, of any tenant: a skip scan over the drain index and one probe
+-- per tenant with intents waiting (what the relay's lag gauges read), never a pass over every row,
+-- so a console can sample it every few seconds whatever the backlog. NULL when nothing waits.
+CREATE VIEW relay_oldest_wait AS
+WITH RECURSIVE t(tenant_id) AS (
+    (SELECT tenant_id FROM relay_outbox ORDER BY tenant_id LIMIT 1)
+    UNION ALL
+    SELECT (SELECT o.tenant_id FROM relay_outbox o
+             WHERE o.tenant_id > t.tenant_id ORDER BY o.tenant_id LIMIT 1)
+      FROM t WHERE t.tenant_id IS NOT NULL
+)
+SELECT max(extract(epoch FROM clock_timestamp() -
+           (SELECT o.created_at FROM relay_outbox o
+             WHERE o.tenant_id = t.tenant_id ORDER BY o.seq LIMIT 1)))::float8 AS oldest_age_secs
+  FROM t WHERE t.tenant_id IS NOT NULL;
+COMMENT ON VIEW relay_oldest_wait IS 'The age in seconds of the oldest intent waiting, of any tenant (NULL: none); cheap whatever the backlog.';
 
 CREATE VIEW relay_parked_status AS
 SELECT p.tenant_id, p.run_id, p.branch_id, p.reason, p.attempts,

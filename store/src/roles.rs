@@ -14,8 +14,8 @@
 //!
 //! - the **operator** role (the console's, or a person's with `distribution status`,
 //!   `release` and `discard`) may read the status views (`relay_backlog_status`,
-//!   `relay_parked_status`, `relay_relays_status`) and call `relay_release` and
-//!   `relay_discard_branch`: it sees counts, ages and reasons, never a payload, and changes
+//!   `relay_oldest_wait`, `relay_parked_status`, `relay_relays_status`) and call
+//!   `relay_release` and `relay_discard_branch`: it sees counts, ages and reasons, never a payload, and changes
 //!   nothing but parked branches.
 //!
 //! The write functions and `relay_fold` are `SECURITY DEFINER` (they act as the objects'
@@ -56,6 +56,7 @@ const RELAY_FUNCTIONS: &[&str] = &["relay_ack_and_drain", "relay_retire_runs"];
 const OPERATOR_FUNCTIONS: &[&str] = &["relay_release", "relay_discard_branch"];
 const OPERATOR_VIEWS: &[&str] = &[
     "relay_backlog_status",
+    "relay_oldest_wait",
     "relay_parked_status",
     "relay_relays_status",
 ];
@@ -220,7 +221,7 @@ mod tests {
             operator,
             [
                 "GRANT EXECUTE ON FUNCTION relay_release, relay_discard_branch TO relay_ops;",
-                "GRANT SELECT ON relay_backlog_status, relay_parked_status, relay_relays_status TO relay_ops;"
+                "GRANT SELECT ON relay_backlog_status, relay_oldest_wait, relay_parked_status, relay_relays_status TO relay_ops;"
             ]
         );
 

@@ -195,6 +195,7 @@ async fn an_upgrade_keeps_the_roles_grants() {
         // Counts, ages and reasons, never a payload.
         for (role, table, expected) in [
             (&operator, "relay_backlog_status", true),
+            (&operator, "relay_oldest_wait", true),
             (&operator, "relay_parked_status", true),
             (&operator, "relay_relays_status", true),
             (&operator, "relay_outbox", false),

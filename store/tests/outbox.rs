@@ -487,6 +487,7 @@ async fn drain_orders_each_branch_and_skips_acked_and_abandoned(pool: PgPool) {
 async fn backlog_reports_pending_and_age_per_tenant(pool: PgPool) {
     let writer = IntentWriter::default();
     let outbox = Outbox::new(pool.clone());
+    assert_eq!(outbox.oldest_wait().await.unwrap(), Duration::ZERO);
     for (tenant, n) in [("t1", 3u64), ("t2", 5), ("t3", 0)] {
         let branch = key(tenant, "r", "b");
         writer
@@ -541,6 +542,75 @@ async fn backlog_reports_pending_and_age_per_tenant(pool: PgPool) {
         bounded[0].oldest_age > Duration::ZERO && bounded[0].oldest_age < Duration::from_secs(60)
     );
     assert_eq!(bounded[2].oldest_age, Duration::ZERO);
+    // The console's reads: the longest waits first, paged, with the total; t1 was written first.
+    let names = |page: &[store::Backlog]| {
+        page.iter()
+            .map(|b| b.tenant.as_str().to_owned())
+            .collect::<Vec<_>>()
+    };
+    let (first, total) = outbox.backlog_worst_first(0, 1).await.unwrap();
+    assert_eq!((names(&first), total), (vec!["t1".to_owned()], 2));
+    let (second, total) = outbox.backlog_worst_first(1, 1).await.unwrap();
+    assert_eq!((names(&second), total), (vec!["t2".to_owned()], 2));
+    assert_eq!(second[0].pending, 5);
+    let (past, total) = outbox.backlog_worst_first(5, 1).await.unwrap();
+    assert_eq!(
+        (past.len(), total),
+        (0, 2),
+        "past the last page, the total still counts"
+    );
+    // The oldest wait of any tenant, without a pass over the rows: t1's, read later.
+    let oldest = outbox.oldest_wait().await.unwrap();
+    assert!(
+        oldest >= first[0].oldest_age && oldest < Duration::from_secs(60),
+        "{oldest:?}"
+    );
+}
+
+/// A release wakes the relays on the tenant's channel, and only when it released something.
+#[sqlx::test(migrator = "store::MIGRATOR")]
+async fn a_release_wakes_the_relays_only_when_it_released_a_branch(
+    options: sqlx::postgres::PgPoolOptions,
+    connect: sqlx::postgres::PgConnectOptions,
+) {
+    let pool = options.connect_with(connect.clone()).await.unwrap();
+    let url = store::scratch::database_url(connect.get_database().unwrap());
+    let outbox = Outbox::new(pool.clone());
+    let writer = IntentWriter::default().with_notify(false);
+    let parked = key("parked", "r", "b");
+    let mut conn = pool.acquire().await.unwrap();
+    writer.open_run(&mut conn, &parked).await.unwrap();
+    writer
+        .append(&mut conn, &parked, Lsn::new(1), b"x")
+        .await
+        .unwrap();
+    outbox
+        .park_branch(
+            &parked,
+            "nacked",
+            5,
+            Duration::from_secs(1),
+            Duration::from_secs(3600),
+        )
+        .await
+        .unwrap();
+    let mut wakeups = store::Wakeups::connect(&url).await.unwrap();
+    let idle = TenantId::new("idle").unwrap();
+    assert_eq!(outbox.release(&idle, None, None).await.unwrap(), 0);
+    assert_eq!(
+        outbox
+            .release(&parked.tenant, Some(&parked.run), None)
+            .await
+            .unwrap(),
+        1
+    );
+    assert!(outbox.parked_branches().await.unwrap().is_empty());
+    // Notifications arrive in commit order: the first must be the second release's.
+    let first = tokio::time::timeout(Duration::from_secs(10), wakeups.next())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(first, parked.tenant);
 }
 
 /// The relay's one-round-trip step retires exactly what it is given and returns what follows,

@@ -4,19 +4,17 @@
 //! tenant's dead letters sends them back through the fold's rules, and that tenant's projection
 //! becomes exactly its live history, the dead letters applied in the order they were
 //! dead-lettered; the other tenant's dead letter stays until it is purged.
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use distribution::Relay;
 use distribution::broker::{DeadFilter, DeadLetters};
-use distribution::consumer::{Consumer, ConsumerConfig};
 use futures_util::FutureExt;
 use store::{BranchId, BranchKey, FoldStore, IntentWriter, Lsn, OutboxEvent, RunId, TenantId};
 
 use crate::harness::{
-    Expected, Picky, amqp_url, assert_folded_exactly, declare_topology, declare_topology_at,
-    drop_topology, drop_topology_at, fresh_database, relay_config, unique, wait_until,
+    Expected, PickyConsumer, amqp_url, assert_folded_exactly, declare_topology,
+    declare_topology_at, drop_topology, drop_topology_at, fresh_database, relay_config, unique,
+    wait_until,
 };
 use crate::node::{PrivateNode, Rabbit};
 
@@ -85,23 +83,11 @@ async fn dead_letters_are_listed_replayed_in_order_through_the_fold_and_purged()
     let topology = unique("dead");
     let config = relay_config(&url, &amqp_url(), &topology);
     let rabbit = config.rabbit_config().unwrap();
-    let refusing = Arc::new(AtomicBool::new(true));
 
     let outcome = std::panic::AssertUnwindSafe(async {
         declare_topology(&rabbit.topology).await;
         let relay = Relay::start(config.clone()).await.unwrap();
-        let consumer = Consumer::new(
-            ConsumerConfig::new(rabbit.clone()),
-            pool.clone(),
-            Picky {
-                refusing: refusing.clone(),
-            },
-        );
-        let progress = consumer.progress();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let consuming = tokio::spawn(consumer.run(async {
-            let _ = stopped.await;
-        }));
+        let consumer = PickyConsumer::start(&rabbit, &pool);
 
         // Tenant a: two runs on one partition (so one consumer sees both, in queue order).
         let a = run_of("dead-a", "r");
@@ -117,7 +103,7 @@ async fn dead_letters_are_listed_replayed_in_order_through_the_fold_and_purged()
         write(&pool, &b, &[3]).await;
         let dead = DeadLetters::open(&rabbit).await.unwrap();
         wait_until("three dead letters", Duration::from_secs(30), || async {
-            dead.depth().await.unwrap() == 3 && progress.totals().rejected == 3
+            dead.depth().await.unwrap() == 3 && consumer.progress.totals().rejected == 3
         })
         .await;
         // The branches wait behind their dead letters (a@4, poisoned too, is held behind a@2,
@@ -178,7 +164,7 @@ async fn dead_letters_are_listed_replayed_in_order_through_the_fold_and_purged()
 
         // The handler is fixed; tenant a's dead letter goes back through the fold, which
         // applies it and releases what waited behind it (a@4 too, now accepted), in order.
-        refusing.store(false, Ordering::SeqCst);
+        consumer.fixed();
         let tenant_a = DeadFilter::Tenant(a.tenant.clone(), None);
         assert_eq!(dead.replay(&tenant_a).await.unwrap(), 2);
         let fold_ref = &fold;
@@ -203,8 +189,7 @@ async fn dead_letters_are_listed_replayed_in_order_through_the_fold_and_purged()
         );
         assert_eq!(dead.depth().await.unwrap(), 0);
 
-        let _ = stop.send(());
-        consuming.await.unwrap().unwrap();
+        consumer.stop().await;
         relay.shutdown().await;
     })
     .catch_unwind()

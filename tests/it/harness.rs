@@ -662,3 +662,49 @@ impl store::Projection for Picky {
             .map_err(Refused::Store)
     }
 }
+
+/// A consumer of `rabbit`'s default group folding into `pool` with [`Picky`], refusing poison
+/// until told otherwise; stopped by [`PickyConsumer::stop`].
+pub struct PickyConsumer {
+    /// Cleared, the handler takes poison too (the bug is fixed).
+    pub refusing: Arc<std::sync::atomic::AtomicBool>,
+    pub progress: distribution::consumer::ConsumerProgress,
+    stop: tokio::sync::oneshot::Sender<()>,
+    consuming: tokio::task::JoinHandle<Result<FoldStats, distribution::broker::Error>>,
+}
+
+impl PickyConsumer {
+    pub fn start(rabbit: &RabbitConfig, pool: &PgPool) -> Self {
+        let refusing = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let consumer = distribution::consumer::Consumer::new(
+            distribution::consumer::ConsumerConfig::new(rabbit.clone()),
+            pool.clone(),
+            Picky {
+                refusing: refusing.clone(),
+            },
+        );
+        let progress = consumer.progress();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let consuming = tokio::spawn(consumer.run(async {
+            let _ = stopped.await;
+        }));
+        Self {
+            refusing,
+            progress,
+            stop,
+            consuming,
+        }
+    }
+
+    /// Takes poison from now on.
+    pub fn fixed(&self) {
+        self.refusing
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Stops it; panics if it failed.
+    pub async fn stop(self) {
+        let _ = self.stop.send(());
+        self.consuming.await.unwrap().unwrap();
+    }
+}

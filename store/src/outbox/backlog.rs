@@ -111,6 +111,16 @@ impl Outbox {
         Ok((page, total))
     }
 
+    /// The age of the oldest intent waiting, of any tenant (zero when none waits): one index
+    /// probe per tenant with intents waiting (`relay_oldest_wait`, which an operator's role may
+    /// read), never a pass over every row.
+    pub async fn oldest_wait(&self) -> Result<Duration, Error> {
+        let age: Option<f64> = sqlx::query_scalar("SELECT oldest_age_secs FROM relay_oldest_wait")
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(Duration::from_secs_f64(age.unwrap_or(0.0).max(0.0)))
+    }
+
     /// The relays alive, by id: how long each has been a member and how many lease buckets
     /// it holds (`relay_relays_status`).
     pub async fn relays(&self) -> Result<Vec<RelayShare>, Error> {

@@ -1,9 +1,9 @@
-//! The live publisher of each shard and lane, written by the supervisor, read by drainers.
+//! The live publisher of each shard and lane. The supervisor keeps the one it changes; each
+//! drainer keeps a copy of its own, given at its start and updated by messages
+//! ([`crate::DrainerMessage::Publisher`]): no memory is shared between them.
 //!
 //! Slots `0..shards` are the bulk lane's publishers; with an express lane, slots
 //! `shards..2 * shards` are its publishers, shard for shard.
-use std::sync::{Arc, RwLock};
-
 use ractor::ActorRef;
 
 use store::BranchKey;
@@ -11,13 +11,14 @@ use store::BranchKey;
 use crate::shard::shard_of;
 use crate::{Lane, PublisherMessage, ShardId, Sharding};
 
-/// Slot -> live publisher (or none while it is being restarted). Cheap to clone.
+/// Slot -> live publisher (or none while it is being restarted): a plain value, each copy
+/// its own.
 #[derive(Clone, Debug)]
 pub struct PublisherDirectory {
     shards: u16,
     express: bool,
     sharding: Sharding,
-    slots: Arc<RwLock<Vec<Option<ActorRef<PublisherMessage>>>>>,
+    slots: Vec<Option<ActorRef<PublisherMessage>>>,
 }
 
 impl PublisherDirectory {
@@ -31,7 +32,7 @@ impl PublisherDirectory {
             shards,
             express,
             sharding,
-            slots: Arc::new(RwLock::new(vec![None; slots])),
+            slots: vec![None; slots],
         }
     }
 
@@ -52,7 +53,7 @@ impl PublisherDirectory {
 
     /// Number of publishers (shards times lanes).
     pub fn slots(&self) -> u16 {
-        self.read().len() as u16
+        self.slots.len() as u16
     }
 
     /// The slot of `shard` on `lane` (the bulk lane when there is no express lane).
@@ -65,25 +66,14 @@ impl PublisherDirectory {
 
     /// The live publisher of `shard`, if any.
     pub fn get(&self, shard: ShardId) -> Option<ActorRef<PublisherMessage>> {
-        self.read().get(usize::from(shard.0)).cloned().flatten()
+        self.slots.get(usize::from(shard.0)).cloned().flatten()
     }
 
     /// Sets (or clears) the publisher of `shard`.
-    pub fn set(&self, shard: ShardId, publisher: Option<ActorRef<PublisherMessage>>) {
-        // A poisoned lock only means a writer panicked mid-assignment of one slot; the vector is intact.
-        let mut slots = self
-            .slots
-            .write()
-            .unwrap_or_else(|poison| poison.into_inner());
-        if let Some(slot) = slots.get_mut(usize::from(shard.0)) {
+    pub fn set(&mut self, shard: ShardId, publisher: Option<ActorRef<PublisherMessage>>) {
+        if let Some(slot) = self.slots.get_mut(usize::from(shard.0)) {
             *slot = publisher;
         }
-    }
-
-    fn read(&self) -> std::sync::RwLockReadGuard<'_, Vec<Option<ActorRef<PublisherMessage>>>> {
-        self.slots
-            .read()
-            .unwrap_or_else(|poison| poison.into_inner())
     }
 }
 

@@ -456,6 +456,10 @@ impl Drainer {
                 outcomes,
             } => state.window.confirmed(batch, shard, outcomes),
             DrainerMessage::Unsent => {}
+            DrainerMessage::Publisher { slot, publisher } => {
+                state.args.publishers.set(slot, publisher);
+                return Ok(());
+            }
             DrainerMessage::Resume => {
                 if state.window.resume() {
                     return self.drain(&myself, state).await;

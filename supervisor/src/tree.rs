@@ -188,8 +188,8 @@ impl Handle for ActorRef<DrainerMessage> {
 }
 
 /// State of the supervisor: the [`Core`] that decides, and the handles that carry its
-/// decisions out (the publisher directory drainers read, the budgets they share, the tasks
-/// beside the tree).
+/// decisions out (the live publishers, of which each drainer is told, the budgets they share,
+/// the tasks beside the tree).
 pub struct SupervisorState {
     args: SupervisorArgs,
     core: Core<ActorRef<DrainerMessage>>,
@@ -223,6 +223,21 @@ impl std::fmt::Debug for SupervisorState {
 pub struct RelaySupervisor;
 
 impl RelaySupervisor {
+    /// Records `shard`'s live publisher (or none) and tells every drainer alive, each of which
+    /// keeps its own copy of the directory (drainers started later get it at their start).
+    fn announce(
+        state: &mut SupervisorState,
+        shard: ShardId,
+        publisher: Option<ActorRef<PublisherMessage>>,
+    ) {
+        for (_, drainer) in state.core.drainers() {
+            let slot = shard;
+            let publisher = publisher.clone();
+            let _ = drainer.cast(DrainerMessage::Publisher { slot, publisher });
+        }
+        state.directory.set(shard, publisher);
+    }
+
     /// Carries out what the core decided, feeding it the results, then arms its timer.
     async fn perform(&self, myself: &ActorRef<SupervisorMessage>, state: &mut SupervisorState) {
         while let Some(command) = state.core.poll() {
@@ -264,7 +279,7 @@ impl RelaySupervisor {
                     match Actor::spawn_linked(None, PublisherActor, args, myself.get_cell()).await {
                         Ok((publisher, _)) => {
                             state.core.publisher_started(shard, publisher.get_id());
-                            state.directory.set(shard, Some(publisher));
+                            Self::announce(state, shard, Some(publisher));
                         }
                         Err(err) => {
                             tracing::warn!(shard = shard.0, error = %err, "publisher failed to start");
@@ -272,7 +287,7 @@ impl RelaySupervisor {
                         }
                     }
                 }
-                Command::PublisherGone(shard) => state.directory.set(shard, None),
+                Command::PublisherGone(shard) => Self::announce(state, shard, None),
                 Command::CheckBroker => match &state.args.check {
                     Some(check) => {
                         let (check, myself) = (check(), myself.clone());

@@ -119,7 +119,8 @@ pub struct DrainerArgs {
     pub tenant: TenantId,
     /// The outbox.
     pub outbox: Outbox,
-    /// The live publisher of each shard.
+    /// The live publisher of each shard when it starts: the drainer's own copy, kept up to
+    /// date by [`DrainerMessage::Publisher`].
     pub publishers: PublisherDirectory,
     /// Events in flight across the whole relay, shared by every drainer: one permit per event.
     pub budget: Arc<Semaphore>,
@@ -183,6 +184,14 @@ pub enum DrainerMessage {
     Resume,
     /// Graceful shutdown: finish the batch in flight (or abandon it to a timeout), then stop.
     Finish,
+    /// The publisher of `slot` changed: send its events to `publisher` from now on (none: it is
+    /// being restarted; batches for it are not sent, and retried after backoff).
+    Publisher {
+        /// The slot (shard and lane, [`PublisherDirectory::slot`]).
+        slot: ShardId,
+        /// Its live publisher, if any.
+        publisher: Option<ractor::ActorRef<crate::PublisherMessage>>,
+    },
     /// Retire now if still idle since `activity` (tenants wait for a drainer slot).
     Retire {
         /// The activity count of the [`DrainerReport::Idle`] this answers.

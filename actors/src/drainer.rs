@@ -18,7 +18,6 @@ use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use store::{EventKey, OutboxEvent};
-use tokio::sync::{OwnedSemaphorePermit, TryAcquireError};
 use tracing::Instrument;
 
 use crate::window::{
@@ -27,16 +26,11 @@ use crate::window::{
 use crate::{PublisherMessage, Reply, ShardId};
 
 mod api;
+mod budget;
 pub use api::{
     DrainerArgs, DrainerConfig, DrainerMessage, DrainerReport, DrainerReporter, StopReason,
 };
-
-/// A batch's share of the relay-wide budgets, given back when the batch settles.
-#[derive(Debug)]
-struct Permits {
-    events: OwnedSemaphorePermit,
-    bytes: OwnedSemaphorePermit,
-}
+use budget::{Held, Permits};
 
 /// A store call under `limit`. A connection that goes silent mid-call (a network or a
 /// middlebox that lost it without a reset) would otherwise hold the drainer, and its tenant,
@@ -50,12 +44,6 @@ async fn answered<T>(
     tokio::time::timeout(limit, call)
         .await
         .unwrap_or(Err(store::Error::NoAnswer { after: limit }))
-}
-
-/// What a batch holds until it settles: its share of the budgets.
-#[derive(Debug)]
-struct Held {
-    _permits: Permits,
 }
 
 /// The drainer's one timer (a `Tick` sent later), cancelled when dropped. ractor's
@@ -113,41 +101,6 @@ impl std::fmt::Debug for DrainerState {
 pub struct Drainer;
 
 impl Drainer {
-    /// Budget for a full batch, in events and bytes. Waits only when nothing of this drainer
-    /// is in flight: a drainer blocked here cannot settle its own batches, which hold the
-    /// permits it would wait for.
-    async fn permits(state: &DrainerState) -> Result<Option<Permits>, ActorProcessingErr> {
-        let (events, bytes) = state.window.reservation(
-            state.args.config.batch_size.max(1),
-            state.args.config.batch_max_bytes.max(1),
-        );
-        let (event_budget, byte_budget) =
-            (state.args.budget.clone(), state.args.byte_budget.clone());
-        if state.window.is_empty() {
-            let events = event_budget.acquire_many_owned(events).await?;
-            let bytes = byte_budget.acquire_many_owned(bytes).await?;
-            return Ok(Some(Permits { events, bytes }));
-        }
-        let events = match event_budget.try_acquire_many_owned(events) {
-            Ok(permits) => permits,
-            Err(TryAcquireError::NoPermits) => return Ok(None),
-            Err(closed) => return Err(closed.into()),
-        };
-        match byte_budget.try_acquire_many_owned(bytes) {
-            Ok(bytes) => Ok(Some(Permits { events, bytes })),
-            Err(TryAcquireError::NoPermits) => Ok(None),
-            Err(closed) => Err(closed.into()),
-        }
-    }
-
-    /// A drain takes no more than its reservation.
-    fn limit(permits: &Permits) -> store::DrainLimit {
-        store::DrainLimit {
-            events: permits.events.num_permits() as u32,
-            bytes: permits.bytes.num_permits() as u64,
-        }
-    }
-
     async fn drain(
         &self,
         myself: &ActorRef<DrainerMessage>,

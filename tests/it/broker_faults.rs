@@ -308,6 +308,9 @@ mod outbox {
         let mut config = relay_on(&node, &url, &topology);
         // Every timeout of the relay short against the alarm held below.
         config.supervisor.drainer.batch_timeout = Duration::from_secs(2);
+        let longest = config
+            .amqp_confirm_timeout
+            .max(config.supervisor.drainer.batch_timeout);
         let rabbit = config.rabbit_config().unwrap();
         let recorder = Recorder::start(&rabbit).await;
         let relay = Relay::start(config).await.unwrap();
@@ -357,8 +360,10 @@ mod outbox {
             }
             live.push(rewound.live);
         }
-        // Held well past every timeout of the relay (confirms 1 s, batches 2 s).
-        tokio::time::sleep(Duration::from_secs(6)).await;
+        // Held past twice the longest of the relay's own timeouts (its confirm timeout and its
+        // drainers' batch timeout, as configured above), counted from when the relay was seen
+        // blocked: any of them that fired on a blocked connection would have had time to.
+        tokio::time::sleep(2 * longest).await;
         assert!(health.blocked(), "still blocked while the alarm holds");
         assert!(
             tokio::task::block_in_place(|| node.alarmed()),

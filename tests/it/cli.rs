@@ -513,10 +513,12 @@ fn readiness_names_an_unreachable_database() {
 fn readiness_says_the_broker_blocks_the_relay_through_an_alarm() {
     host_runtime().block_on(async {
         let node = PrivateNode::start("ready");
+        let timeout = Duration::from_secs(1);
+        let timeout_ms = timeout.as_millis().to_string();
         let settings = [
             ("RELAY_POLL_MS", "100"),
-            ("RELAY_AMQP_CONNECT_TIMEOUT_MS", "1000"),
-            ("RELAY_AMQP_CONFIRM_TIMEOUT_MS", "1000"),
+            ("RELAY_AMQP_CONNECT_TIMEOUT_MS", timeout_ms.as_str()),
+            ("RELAY_AMQP_CONFIRM_TIMEOUT_MS", timeout_ms.as_str()),
         ];
         let Shipping {
             mut child,
@@ -532,9 +534,9 @@ fn readiness_says_the_broker_blocks_the_relay_through_an_alarm() {
         }
         let (_, body) = answer_until(&addr, "/readyz", |status| status == 503).await;
         assert!(body.contains("broker blocks the relay"), "{body}");
-        // Every answer while the alarm holds and intents wait says so (longer than every
-        // AMQP timeout of the relay).
-        let until = Instant::now() + Duration::from_secs(3);
+        // Every answer while the alarm holds and intents wait says so, for three times the
+        // relay's AMQP timeouts set above (any of them firing on the blocked connection would).
+        let until = Instant::now() + 3 * timeout;
         while Instant::now() < until {
             let (status, body) = http_get(&addr, "/readyz").await.unwrap();
             assert_eq!(status, 503, "ready during the alarm: {body}");

@@ -4,10 +4,9 @@ use std::io::Write;
 use std::sync::{Arc, Mutex};
 
 use broker::{Outcome, Partition, Publisher, RabbitConfig, RabbitPublisher, Topology};
-use chrono::Utc;
 use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
 use lapin::{Connection, ConnectionProperties};
-use store::{BranchId, BranchKey, EventKey, EventKind, Lsn, OutboxEvent, RunId, TenantId};
+use store::OutboxEvent;
 
 /// Everything every subscriber of the process was given, as text.
 #[derive(Clone, Default)]
@@ -39,22 +38,9 @@ async fn a_returned_payload_never_reaches_a_log() {
     let mut config = RabbitConfig::new(url.clone(), topology.clone()).unwrap();
     config.redeclare_on_return = false;
     let mut publisher = RabbitPublisher::new(config);
-    let event = |lsn: u64, payload: &str| OutboxEvent {
-        key: EventKey {
-            branch: BranchKey::new(
-                TenantId::new("quiet").unwrap(),
-                RunId::new("r").unwrap(),
-                BranchId::new("b").unwrap(),
-            ),
-            lsn: Lsn::new(lsn),
-        },
-        prev_lsn: Lsn::new(lsn - 1),
-        base_lsn: Lsn::ZERO,
-        payload: payload.as_bytes().to_vec(),
-        created_at: Utc::now(),
-        kind: EventKind::Intent,
-        parent: None,
-        meta: Default::default(),
+    let branch = testkit::branch("quiet", "r", "b");
+    let event = |lsn: u64, payload: &str| -> OutboxEvent {
+        testkit::intent(&branch, lsn).payload(payload).build()
     };
     assert_eq!(
         publisher.publish(&[event(1, "warm-up")]).await.accepted(),

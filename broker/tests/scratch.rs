@@ -3,9 +3,7 @@ use broker::{Partition, Topology};
 use lapin::options::{ExchangeDeclareOptions, QueueDeclareOptions};
 use lapin::{Connection, ConnectionProperties};
 
-fn amqp_url() -> String {
-    std::env::var("AMQP_URL").expect("AMQP_URL (set in .cargo/config.toml)")
-}
+use testkit::amqp_url;
 
 /// Run only as the child of the test below: declares a scratch topology with a message in a
 /// queue, prints its name and fails.

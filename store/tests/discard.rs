@@ -96,19 +96,7 @@ async fn a_discarded_branch_ends_at_its_last_shipped_lsn_on_the_wire(pool: PgPoo
     }
     let mut consumer = FoldModel::new();
     let delivered: Vec<_> = (1..=3)
-        .map(|lsn| store::OutboxEvent {
-            key: EventKey {
-                branch: main.clone(),
-                lsn: Lsn::new(lsn),
-            },
-            prev_lsn: Lsn::new(lsn - 1),
-            base_lsn: Lsn::new(0),
-            payload: b"x".to_vec(),
-            created_at: chrono::Utc::now(),
-            kind: EventKind::Intent,
-            parent: None,
-            meta: Default::default(),
-        })
+        .map(|lsn| testkit::intent(&main, lsn).payload("x").build())
         .collect();
     for event in &delivered {
         consumer.deliver(event).unwrap();

@@ -5,14 +5,10 @@ mod common;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use chrono::Utc;
 use common::fresh_database;
 use proptest::prelude::*;
 use sqlx::PgPool;
-use store::{
-    BranchId, BranchKey, EventKey, EventKind, FoldOutcome, FoldStore, Lsn, OutboxEvent, RunId,
-    TenantId,
-};
+use store::{BranchId, BranchKey, FoldOutcome, FoldStore, Lsn, OutboxEvent, RunId, TenantId};
 
 /// One branch's chain: base and ascending Lsns with gaps.
 #[derive(Clone, Debug)]
@@ -59,19 +55,10 @@ fn events_of(tenant: &TenantId, chain: &Chain) -> Vec<OutboxEvent> {
         .iter()
         .map(|step| {
             let lsn = prev + step;
-            let event = OutboxEvent {
-                key: EventKey {
-                    branch: key.clone(),
-                    lsn: Lsn::new(lsn),
-                },
-                prev_lsn: Lsn::new(prev),
-                base_lsn: Lsn::new(chain.base),
-                payload: format!("{key}@{lsn}").into_bytes(),
-                created_at: Utc::now(),
-                kind: EventKind::Intent,
-                parent: None,
-                meta: Default::default(),
-            };
+            let event = testkit::intent(&key, lsn)
+                .prev(prev)
+                .base(chain.base)
+                .build();
             prev = lsn;
             event
         })

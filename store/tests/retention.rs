@@ -3,7 +3,6 @@
 //! `closed_at` / `ended_at` back (never by sleeping).
 use std::time::Duration;
 
-use chrono::Utc;
 use sqlx::PgPool;
 use store::{
     BranchId, BranchKey, Closed, Error, EventKey, EventKind, FoldOutcome, FoldStore, IntentWriter,
@@ -257,23 +256,10 @@ async fn retirement_removes_exactly_the_closed_and_shipped_runs(pool: PgPool) {
 }
 
 fn event(branch: &BranchKey, lsn: u64, kind: EventKind) -> OutboxEvent {
-    OutboxEvent {
-        key: EventKey {
-            branch: branch.clone(),
-            lsn: Lsn::new(lsn),
-        },
-        prev_lsn: Lsn::new(lsn - 1),
-        base_lsn: Lsn::new(0),
-        payload: if kind == EventKind::Intent {
-            format!("{lsn}").into_bytes()
-        } else {
-            Vec::new()
-        },
-        created_at: Utc::now(),
-        kind,
-        parent: None,
-        meta: Default::default(),
-    }
+    testkit::intent(branch, lsn)
+        .payload(format!("{lsn}"))
+        .kind(kind)
+        .build()
 }
 
 /// At the fold: inside the retention a redelivery of a completed run is a duplicate; after it

@@ -5,12 +5,11 @@ mod common;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use chrono::Utc;
 use proptest::prelude::*;
 use sqlx::{PgConnection, PgPool};
 use store::{
-    BranchId, BranchKey, EventKey, EventKind, EventTable, FoldModel, FoldOutcome, FoldStore, Lsn,
-    OutboxEvent, Projection, RewindNotice, RunId, TenantId,
+    BranchId, BranchKey, EventKind, EventTable, FoldModel, FoldOutcome, FoldStore, OutboxEvent,
+    Projection, RewindNotice, RunId, TenantId,
 };
 
 async fn fresh_database(label: &str) -> PgPool {
@@ -132,18 +131,10 @@ async fn effective(pool: &PgPool, tenant: &TenantId) -> Vec<(String, String, u64
 }
 
 fn intent(branch: &BranchKey, lsn: u64, prev: u64, base: u64, parent: Option<&str>) -> OutboxEvent {
-    OutboxEvent {
-        key: EventKey {
-            branch: branch.clone(),
-            lsn: Lsn::new(lsn),
-        },
-        prev_lsn: Lsn::new(prev),
-        base_lsn: Lsn::new(base),
-        payload: format!("{branch}@{lsn}").into_bytes(),
-        created_at: Utc::now(),
-        kind: EventKind::Intent,
-        parent: parent.map(|p| BranchId::new(p).unwrap()),
-        meta: Default::default(),
+    let event = testkit::intent(branch, lsn).prev(prev).base(base);
+    match parent {
+        Some(parent) => event.parent(parent).build(),
+        None => event.build(),
     }
 }
 

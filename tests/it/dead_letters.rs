@@ -9,7 +9,7 @@ use std::time::Duration;
 use distribution::Relay;
 use distribution::broker::{DeadFilter, DeadLetters};
 use futures_util::FutureExt;
-use store::{BranchId, BranchKey, FoldStore, IntentWriter, Lsn, OutboxEvent, RunId, TenantId};
+use store::{BranchId, BranchKey, FoldStore, IntentWriter, Lsn, RunId, TenantId};
 
 use crate::harness::{
     Expected, PickyConsumer, amqp_url, assert_folded_exactly, declare_topology,
@@ -214,19 +214,9 @@ async fn a_dead_letter_survives_every_read(url: &str) {
     let outcome = std::panic::AssertUnwindSafe(async {
         declare_topology_at(url, &rabbit.topology).await;
         let branch = run_of("deadreads", "r");
-        let letter = OutboxEvent {
-            key: store::EventKey {
-                branch: branch.clone(),
-                lsn: Lsn::new(1),
-            },
-            prev_lsn: Lsn::new(0),
-            base_lsn: Lsn::new(0),
-            payload: b"waits for a person".to_vec(),
-            created_at: chrono::Utc::now(),
-            kind: store::EventKind::Intent,
-            parent: None,
-            meta: store::Metadata::default(),
-        };
+        let letter = testkit::intent(&branch, 1)
+            .payload("waits for a person")
+            .build();
         let connection = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
             .await
             .unwrap();

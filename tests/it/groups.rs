@@ -419,23 +419,9 @@ async fn the_group_commands_create_and_delete_a_groups_queues() {
         );
 
         // A dead letter of the search group: what a relay published, as the consumer dead-lettered it.
-        let letter = OutboxEvent {
-            key: store::EventKey {
-                branch: BranchKey::new(
-                    store::TenantId::new("t").unwrap(),
-                    store::RunId::new("r").unwrap(),
-                    store::BranchId::new("main").unwrap(),
-                ),
-                lsn: Lsn::new(1),
-            },
-            prev_lsn: Lsn::new(0),
-            base_lsn: Lsn::new(0),
-            payload: b"dead".to_vec(),
-            created_at: chrono::Utc::now(),
-            kind: store::EventKind::Intent,
-            parent: None,
-            meta: Metadata::default(),
-        };
+        let letter = testkit::intent(&testkit::branch("t", "r", "main"), 1)
+            .payload("dead")
+            .build();
         let partition = topology.partition_of(&letter.key.branch.tenant, &letter.key.branch.run);
         channel
             .basic_publish(

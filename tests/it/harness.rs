@@ -13,8 +13,12 @@ use distribution::store::{
     self, BranchId, BranchKey, FoldStore, IntentWriter, Lsn, Outbox, RunId, TenantId,
 };
 use distribution::{RelayConfig, RelayHandle};
-use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
 use sqlx::PgPool;
+#[allow(unused_imports)] // each test binary that includes the harness uses some
+pub use testkit::{
+    amqp_url, declare_topology_at, delete_topology_at as drop_topology_at, empty_database,
+    free_addr, holds_within, unique, wait_until,
+};
 
 /// Name prefix of the host's executor threads: the broker client must never run on them.
 pub const HOST_THREADS: &str = "host-executor";
@@ -31,12 +35,6 @@ pub fn relay_command() -> std::process::Command {
     }
     command.stdin(std::process::Stdio::null());
     command
-}
-
-/// A loopback address with a port free right now, for a relay's `/metrics` listener.
-pub fn free_addr() -> String {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    format!("127.0.0.1:{}", listener.local_addr().unwrap().port())
 }
 
 /// `distribution run` on the database `url` and the broker `amqp`, with its own topology (the
@@ -122,16 +120,6 @@ pub fn capture_logs() {
         .try_init();
 }
 
-pub fn amqp_url() -> String {
-    std::env::var("AMQP_URL").expect("AMQP_URL (set in .cargo/config.toml)")
-}
-
-/// A name no other test of any run uses (`store::scratch::unique`); a topology so named is
-/// deleted at this process's exit if its test does not delete it (`broker::scratch`).
-pub fn unique(label: &str) -> String {
-    broker::scratch::unique(label)
-}
-
 /// The host: a multi-thread runtime whose workers are named `host-executor`, torn down within
 /// 10 s when dropped.
 pub fn host_runtime() -> HostRuntime {
@@ -180,12 +168,6 @@ pub async fn bare_database(label: &str) -> PgPool {
     empty_database(label).await.0
 }
 
-/// A fresh database with nothing in it; its pool and URL. Dropped when the test process exits
-/// (`store::scratch`), whether its tests passed or failed.
-pub async fn empty_database(label: &str) -> (PgPool, String) {
-    store::scratch::scratch_database(label).await
-}
-
 /// A fresh, migrated database with a host state table; returns its pool and URL.
 pub async fn fresh_database(label: &str) -> (PgPool, String) {
     let (pool, url) = empty_database(label).await;
@@ -219,36 +201,6 @@ pub fn direct_rabbit(config: &RelayConfig) -> RabbitConfig {
     let mut direct = config.clone();
     direct.amqp_url = amqp_url();
     direct.rabbit_config().unwrap()
-}
-
-pub async fn wait_until<F, Fut>(what: &str, limit: Duration, done: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    assert!(
-        holds_within(limit, done).await,
-        "timed out after {limit:?} waiting for {what}"
-    );
-}
-
-/// Whether `done` comes true within `limit` (checked every 10 ms): for a test whose answer is
-/// the wait's outcome, not a failure.
-pub async fn holds_within<F, Fut>(limit: Duration, mut done: F) -> bool
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + limit;
-    loop {
-        if done().await {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }
 
 /// What the fold must end with: per branch, the live events in Lsn order with their payloads.
@@ -554,44 +506,8 @@ pub async fn declare_topology(topology: &Topology) {
     declare_topology_at(&amqp_url(), topology).await;
 }
 
-/// Declares `topology` on the broker at `url`.
-pub async fn declare_topology_at(url: &str, topology: &Topology) {
-    let connection = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
-        .await
-        .unwrap();
-    topology
-        .declare(&connection.create_channel().await.unwrap())
-        .await
-        .unwrap();
-}
-
 pub async fn drop_topology(topology: &Topology) {
     drop_topology_at(&amqp_url(), topology).await;
-}
-
-/// Removes `topology`'s queues and exchange from the broker at `url`.
-pub async fn drop_topology_at(url: &str, topology: &Topology) {
-    let connection = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
-        .await
-        .unwrap();
-    let channel = connection.create_channel().await.unwrap();
-    for index in 0..topology.partitions() {
-        let _ = channel
-            .queue_delete(
-                topology.queue(Partition(index)),
-                QueueDeleteOptions::default(),
-            )
-            .await;
-    }
-    let _ = channel
-        .queue_delete(topology.dead_letter_queue(), QueueDeleteOptions::default())
-        .await;
-    let _ = channel
-        .exchange_delete(
-            topology.exchange().clone(),
-            ExchangeDeleteOptions::default(),
-        )
-        .await;
 }
 
 /// Lease buckets `relay` holds now (0 while its tree restarts).

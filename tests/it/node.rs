@@ -92,15 +92,6 @@ pub struct PrivateNode {
     pid: Option<u32>,
 }
 
-/// A port nothing listens on now (the kernel's pick; released before the node binds it).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// Stops private nodes of earlier test runs whose process is gone (killed before its nodes'
 /// drops ran), and removes their directories. Once per process and version; never touches
 /// other nodes.
@@ -166,7 +157,7 @@ impl PrivateNode {
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         sweep_stale_nodes(rabbit);
         let name = format!("relaynode_{}_{n}_{label}@localhost", std::process::id());
-        let (port, dist) = (free_port(), free_port());
+        let (port, dist) = (testkit::free_port(), testkit::free_port());
         // `/tmp` of the node's own root: the sweep above finds it there.
         let dir = std::env::temp_dir().join(format!("relay-node-{}-{n}", std::process::id()));
         let outside = rabbit.outside(&dir);

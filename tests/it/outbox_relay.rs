@@ -170,19 +170,10 @@ mod outbox {
             for (branch, events) in &ran.expected {
                 let mut prev = Lsn::ZERO;
                 for (lsn, payload) in events {
-                    let event = distribution::store::OutboxEvent {
-                        key: distribution::store::EventKey {
-                            branch: branch.clone(),
-                            lsn: *lsn,
-                        },
-                        prev_lsn: prev,
-                        base_lsn: Lsn::ZERO,
-                        payload: payload.clone(),
-                        created_at: chrono::Utc::now(),
-                        kind: distribution::store::EventKind::Intent,
-                        parent: None,
-                        meta: Default::default(),
-                    };
+                    let event = testkit::intent(branch, lsn.get())
+                        .prev(prev.get())
+                        .payload(payload.clone())
+                        .build();
                     reference.apply(&event).await.unwrap();
                     prev = *lsn;
                 }

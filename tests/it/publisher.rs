@@ -3,31 +3,15 @@
 use std::time::Duration;
 
 use distribution::broker::{Publisher, RabbitConfig, RabbitPublisher, Topology, report_future};
-use distribution::store::{
-    BranchId, BranchKey, EventKey, EventKind, Fence, Lsn, OutboxEvent, RunId, TenantId,
-};
+use distribution::store::{Fence, OutboxEvent};
 use distribution::testing::BrokerProxy;
 
 use crate::harness::*;
 
 fn event(lsn: u64) -> OutboxEvent {
-    OutboxEvent {
-        key: EventKey {
-            branch: BranchKey::new(
-                TenantId::new("t").unwrap(),
-                RunId::new("r").unwrap(),
-                BranchId::new("main").unwrap(),
-            ),
-            lsn: Lsn::new(lsn),
-        },
-        prev_lsn: Lsn::new(lsn - 1),
-        base_lsn: Lsn::ZERO,
-        payload: b"in flight".to_vec(),
-        created_at: chrono::Utc::now(),
-        kind: EventKind::Intent,
-        parent: None,
-        meta: Default::default(),
-    }
+    testkit::intent(&testkit::branch("t", "r", "main"), lsn)
+        .payload("in flight")
+        .build()
 }
 
 /// A publisher dropped (its actor died) with a batch written but unconfirmed answers that

@@ -1,7 +1,7 @@
 //! The relay's actors. They hold no SQL and no AMQP: the store and the publisher port do.
 //!
 //! - `shard`: [`ShardId`] and the stable `BranchKey` -> shard map.
-//! - `directory`: [`PublisherDirectory`], the live publisher of each shard, shared with drainers.
+//! - `directory`: [`PublisherDirectory`], the live publisher of each shard: the supervisor's copy and each drainer's, kept in step by message.
 //! - `publisher`: [`PublisherActor`], one per shard: publishes batches, replies with outcomes.
 //! - `drainer`: [`Drainer`], one per tenant: drain -> publish -> ack the confirmed prefix.
 //! - `window`: the drainer's in-flight window as a pure state machine (what to ack, retry, park).

@@ -14,11 +14,9 @@ pub fn amqp_url() -> String {
     std::env::var("AMQP_URL").expect("AMQP_URL (set in .cargo/config.toml)")
 }
 
-/// A name no other test of any run uses (`store::scratch::unique`); a topology so named is
-/// deleted at this process's exit if its test does not delete it (`broker::scratch`).
-pub fn unique(label: &str) -> String {
-    broker::scratch::unique(label)
-}
+/// A name no other test of any run uses; a topology so named is deleted at this process's exit
+/// if its test does not delete it.
+pub use broker::scratch::unique;
 
 /// A topology of `partitions` named by [`unique`] (`relay-test-<label>_...`).
 pub fn unique_topology(label: &str, partitions: u16) -> Topology {

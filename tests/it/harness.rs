@@ -170,8 +170,7 @@ pub async fn bare_database(label: &str) -> PgPool {
 
 /// A fresh, migrated database with a host state table; returns its pool and URL.
 pub async fn fresh_database(label: &str) -> (PgPool, String) {
-    let (pool, url) = empty_database(label).await;
-    store::migrate(&pool).await.unwrap();
+    let (pool, url) = testkit::migrated_database(label).await;
     sqlx::query("CREATE TABLE host_state (tenant text, run text, step bigint, note text)")
         .execute(&pool)
         .await

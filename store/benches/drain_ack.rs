@@ -10,7 +10,8 @@ use sqlx::{Connection, PgConnection, PgPool};
 use std::time::Duration;
 
 use store::{
-    EventKey, Fence, LEASE_BUCKETS, LeaseBook, LeaseStore, Outbox, RelayId, TenantId, bucket_of,
+    Bucket, EventKey, Fence, LEASE_BUCKETS, Lease, LeaseBook, LeaseStore, Outbox, RelayId,
+    TenantId, bucket_of,
 };
 
 const TENANTS: usize = 50;
@@ -49,16 +50,16 @@ async fn drain_with_delete(outbox: &Outbox, tenants: &[TenantId]) -> u64 {
 }
 
 /// The relay's steady state: retire the last batch and drain the next in one call.
-/// With `book`, each call presents the tenant's lease (the relay's fenced path).
+/// With `fences`, each call presents the tenant's lease (the relay's fenced path).
 async fn drain_with_ack_and_drain(
     outbox: &Outbox,
     tenants: &[TenantId],
-    book: Option<&LeaseBook>,
+    fences: Option<&std::collections::BTreeMap<Bucket, Lease>>,
 ) -> u64 {
     let mut moved = 0;
     for tenant in tenants {
-        let fence = match book {
-            Some(book) => book.fence(bucket_of(tenant)).expect("bucket held"),
+        let fence = match fences {
+            Some(fences) => fences[&bucket_of(tenant)].fence(),
             None => Fence::open(),
         };
         let mut shipped: Vec<EventKey> = Vec::new();
@@ -154,13 +155,22 @@ async fn main() {
     // One relay holding every lease bucket for the whole run.
     let me = RelayId::generate();
     let ttl = Duration::from_secs(3600);
-    let mut book = LeaseBook::new(me.clone(), ttl);
+    let mut book = LeaseBook::new(ttl);
     let sent = Instant::now();
     let claimed = LeaseStore::new(pool.clone())
         .claim(&me, ttl, LEASE_BUCKETS)
         .await
         .expect("claim");
-    book.claimed(&claimed, sent);
+    let fences: std::collections::BTreeMap<Bucket, Lease> = book
+        .claimed(&claimed, sent)
+        .into_iter()
+        .map(|(bucket, held)| {
+            (
+                bucket,
+                Lease::new(bucket, me.clone(), held.epoch, held.until),
+            )
+        })
+        .collect();
 
     println!(
         "drain+ack, {rows} rows per round, {TENANTS} tenants, batch {BATCH}, 256-byte payloads"
@@ -185,7 +195,7 @@ async fn main() {
             ("delete, ack_and_drain unfenced", None, 10),
             (
                 "delete, ack_and_drain fenced (relay's step)",
-                Some(&book),
+                Some(&fences),
                 20,
             ),
         ] {

@@ -15,7 +15,9 @@
 //!
 //! Sharing: each relay registers in `relay_member`; its share is `ceil(buckets / members)`. A
 //! relay above its share revokes its fences first and then releases the surplus; one below it
-//! claims free or expired buckets ([`LeasePlan`], pure and unit-tested).
+//! claims free or expired buckets ([`LeasePlan`], pure and unit-tested). Which leases a relay
+//! holds, and when their fences open, extend and close, is decided by one pure [`LeaseBook`]
+//! (the supervisor's core owns it); [`LeaseStore`] only runs the SQL.
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -126,7 +128,10 @@ impl Fence {
     }
 }
 
-/// The keeper's handle on a lease it holds: extends or revokes the fence everyone else reads.
+/// The writer's side of a fence: the supervisor's actor keeps one per lease its core's
+/// [`LeaseBook`] holds, and extends or revokes it as the book decides. Drainers and publishers
+/// read it through [`Fence`]s: a fence closes by time on its own, so no message has to reach a
+/// publisher for it to stop writing under a lease that was not renewed.
 #[derive(Debug)]
 pub struct Lease {
     inner: Arc<LeaseInner>,
@@ -240,40 +245,35 @@ impl Default for LeasePlan {
     }
 }
 
-/// The leases one relay holds, and how renewals, claims and sheds change them. Pure: instants
-/// are passed in, so the rules are unit-tested without a database or a clock.
+/// The leases one relay holds, and how renewals, claims, handovers and sheds change them. Pure:
+/// instants are passed in and the book holds plain values, so the rules are unit-tested without
+/// a database or a clock. The fences publishers and drainers read ([`Lease`], [`Fence`]) are
+/// written by whoever carries the book's decisions out, as the book says: a lease gained opens
+/// one ([`Held::until`]), a renewal extends every one still held, and a lease that leaves the
+/// book closes its fence before it is released.
 #[derive(Debug)]
 pub struct LeaseBook {
-    owner: RelayId,
     ttl: Duration,
-    held: BTreeMap<Bucket, Lease>,
+    held: BTreeMap<Bucket, Held>,
     /// Held buckets being handed over (a planned move), since when: still renewed, fences
     /// open, so what is in flight under them settles and is acked; no new drainer starts on
     /// them. Each is released once its drainers are done, or after the grace.
     leaving: BTreeMap<Bucket, Instant>,
 }
 
-/// How the leases held changed.
-#[derive(Debug, Default)]
-pub struct LeaseChanges {
-    /// Newly held: their fences.
-    pub gained: Vec<Fence>,
-    /// No longer held (already revoked).
-    pub lost: Vec<Bucket>,
-}
-
-impl LeaseChanges {
-    /// Whether anything changed.
-    pub fn is_empty(&self) -> bool {
-        self.gained.is_empty() && self.lost.is_empty()
-    }
+/// A lease the book holds: its epoch, and the instant its fence closes unless renewed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Held {
+    /// The bucket's epoch when this relay claimed it (presented to PostgreSQL).
+    pub epoch: i64,
+    /// The fence is open strictly before this.
+    pub until: Instant,
 }
 
 impl LeaseBook {
-    /// An empty book of relay `owner` with leases of `ttl`.
-    pub fn new(owner: RelayId, ttl: Duration) -> Self {
+    /// An empty book of leases of `ttl`.
+    pub fn new(ttl: Duration) -> Self {
         Self {
-            owner,
             ttl,
             held: BTreeMap::new(),
             leaving: BTreeMap::new(),
@@ -285,18 +285,25 @@ impl LeaseBook {
         self.held.len() - self.leaving.len()
     }
 
+    /// Whether `bucket` is held and not being handed over: drainers may start on it.
+    pub fn is_staying(&self, bucket: Bucket) -> bool {
+        self.held.contains_key(&bucket) && !self.leaving.contains_key(&bucket)
+    }
+
+    /// Whether `bucket` is being handed over: its drainers finish, none starts.
+    pub fn is_leaving(&self, bucket: Bucket) -> bool {
+        self.leaving.contains_key(&bucket)
+    }
+
     /// Buckets being handed over.
     pub fn leaving(&self) -> Vec<Bucket> {
         self.leaving.keys().copied().collect()
     }
 
-    /// Drops `bucket` from the book, revoking its fence; its epoch, to release it.
+    /// Drops `bucket` from the book (its fence must close now); its epoch, to release it.
     fn drop_lease(&mut self, bucket: Bucket) -> Option<(Bucket, i64)> {
         self.leaving.remove(&bucket);
-        self.held.remove(&bucket).map(|lease| {
-            lease.revoke();
-            (bucket, lease.epoch())
-        })
+        self.held.remove(&bucket).map(|held| (bucket, held.epoch))
     }
 
     /// A planned move of `n` buckets (the highest-numbered of those staying) starts at `now`:
@@ -317,8 +324,8 @@ impl LeaseBook {
         chosen
     }
 
-    /// Everything in flight under `bucket` (being handed over) settled: its fence closes and
-    /// it leaves the book. Returns it with its epoch, to release; `None` if it is not leaving
+    /// Everything in flight under `bucket` (being handed over) settled: it leaves the book
+    /// (close its fence). Returns it with its epoch, to release; `None` if it is not leaving
     /// (lost meanwhile, say).
     pub fn handed_over(&mut self, bucket: Bucket) -> Option<(Bucket, i64)> {
         if !self.leaving.contains_key(&bucket) {
@@ -327,8 +334,8 @@ impl LeaseBook {
         self.drop_lease(bucket)
     }
 
-    /// Buckets handed over for `grace` or longer by `now` without settling: their fences close
-    /// and they leave the book (what was in flight is sent again by the next owner: at most
+    /// Buckets handed over for `grace` or longer by `now` without settling: they leave the
+    /// book (close their fences; what was in flight is sent again by the next owner: at most
     /// what was in flight). Returned with their epochs, to release. None while the broker holds
     /// a connection of this relay blocked (`broker_blocked`): what was written on it may still
     /// land, so no other relay may send those events yet (the handover waits for the alarm).
@@ -352,11 +359,6 @@ impl LeaseBook {
             .collect()
     }
 
-    /// The relay's id.
-    pub fn owner(&self) -> &RelayId {
-        &self.owner
-    }
-
     /// Buckets held.
     pub fn len(&self) -> usize {
         self.held.len()
@@ -371,13 +373,13 @@ impl LeaseBook {
     pub fn held(&self) -> Vec<(Bucket, i64)> {
         self.held
             .iter()
-            .map(|(bucket, lease)| (*bucket, lease.epoch()))
+            .map(|(bucket, held)| (*bucket, held.epoch))
             .collect()
     }
 
-    /// The fence of `bucket`, if held.
-    pub fn fence(&self, bucket: Bucket) -> Option<Fence> {
-        self.held.get(&bucket).map(Lease::fence)
+    /// The lease on `bucket`, if held.
+    pub fn get(&self, bucket: Bucket) -> Option<Held> {
+        self.held.get(&bucket).copied()
     }
 
     /// The local deadline of a renewal sent at `sent`: 90% of the TTL, so clock-rate
@@ -386,18 +388,18 @@ impl LeaseBook {
         sent + self.ttl.mul_f64(0.9)
     }
 
-    /// A renewal sent at `sent` came back with `renewed` `(bucket, epoch)`: those are extended,
-    /// every other held lease is lost (expired or taken over) and revoked.
-    pub fn renewed(&mut self, renewed: &[(Bucket, i64)], sent: Instant) -> Vec<Bucket> {
+    /// A renewal sent at `sent` came back with `renewed` `(bucket, epoch)`: those still held
+    /// are extended to the returned instant (never backward), every other held lease is lost
+    /// (expired or taken over: close its fence) and returned.
+    pub fn renewed(&mut self, renewed: &[(Bucket, i64)], sent: Instant) -> (Instant, Vec<Bucket>) {
         let until = self.deadline(sent);
         let current: BTreeMap<Bucket, i64> = renewed.iter().copied().collect();
         let mut lost = Vec::new();
-        self.held.retain(|bucket, lease| {
-            if current.get(bucket) == Some(&lease.epoch()) {
-                lease.extend(until);
+        self.held.retain(|bucket, held| {
+            if current.get(bucket) == Some(&held.epoch) {
+                held.until = held.until.max(until);
                 true
             } else {
-                lease.revoke();
                 lost.push(*bucket);
                 false
             }
@@ -405,20 +407,20 @@ impl LeaseBook {
         for bucket in &lost {
             self.leaving.remove(bucket);
         }
-        lost
+        (until, lost)
     }
 
-    /// Claims sent at `sent` came back with `claimed` `(bucket, epoch)`.
-    pub fn claimed(&mut self, claimed: &[(Bucket, i64)], sent: Instant) -> Vec<Fence> {
+    /// Claims sent at `sent` came back with `claimed` `(bucket, epoch)`: each is held now, its
+    /// fence open until the returned lease's `until` (one held at an older epoch is replaced:
+    /// close that fence first).
+    pub fn claimed(&mut self, claimed: &[(Bucket, i64)], sent: Instant) -> Vec<(Bucket, Held)> {
         let until = self.deadline(sent);
         let mut gained = Vec::new();
         for &(bucket, epoch) in claimed {
-            if let Some(old) = self.held.remove(&bucket) {
-                old.revoke();
-            }
-            let lease = Lease::new(bucket, self.owner.clone(), epoch, until);
-            gained.push(lease.fence());
-            self.held.insert(bucket, lease);
+            self.leaving.remove(&bucket);
+            let held = Held { epoch, until };
+            self.held.insert(bucket, held);
+            gained.push((bucket, held));
         }
         gained
     }
@@ -427,42 +429,26 @@ impl LeaseBook {
     /// unreachable): dropped from the book and returned with their epochs (release them, so
     /// they are claimable at once; they are never renewed again either way).
     pub fn expire(&mut self, now: Instant) -> Vec<(Bucket, i64)> {
-        let mut lost = Vec::new();
-        self.held.retain(|bucket, lease| {
-            if lease.fence().is_open_at(now) {
-                true
-            } else {
-                lease.revoke();
-                lost.push((*bucket, lease.epoch()));
-                false
-            }
-        });
-        for (bucket, _) in &lost {
-            self.leaving.remove(bucket);
-        }
-        lost
-    }
-
-    /// Picks `n` buckets to give up (the highest-numbered), revokes their fences and removes
-    /// them from the book. Release them in PostgreSQL only after this.
-    pub fn shed(&mut self, n: u16) -> Vec<(Bucket, i64)> {
-        let chosen: Vec<Bucket> = self
+        let lapsed: Vec<Bucket> = self
             .held
-            .keys()
-            .rev()
-            .take(usize::from(n))
-            .copied()
+            .iter()
+            .filter(|(_, held)| now >= held.until)
+            .map(|(bucket, _)| *bucket)
             .collect();
-        chosen
+        lapsed
             .into_iter()
             .filter_map(|bucket| self.drop_lease(bucket))
             .collect()
     }
 
-    /// Revokes everything (shutdown); returns what was held, to release.
+    /// Everything leaves the book (shutdown: close every fence); returns what was held, to
+    /// release.
     pub fn revoke_all(&mut self) -> Vec<(Bucket, i64)> {
-        let all = self.held.len() as u16;
-        self.shed(all)
+        self.leaving.clear();
+        std::mem::take(&mut self.held)
+            .into_iter()
+            .map(|(bucket, held)| (bucket, held.epoch))
+            .collect()
     }
 }
 
@@ -471,7 +457,7 @@ mod tests {
     use super::*;
 
     fn book(ttl_ms: u64) -> LeaseBook {
-        LeaseBook::new(RelayId::generate(), Duration::from_millis(ttl_ms))
+        LeaseBook::new(Duration::from_millis(ttl_ms))
     }
 
     #[test]
@@ -495,33 +481,38 @@ mod tests {
     }
 
     #[test]
-    fn a_renewal_extends_what_came_back_and_revokes_the_rest() {
+    fn a_renewal_extends_what_came_back_and_loses_the_rest() {
         let mut book = book(10_000);
         let t0 = Instant::now();
-        let fences = book.claimed(&[(Bucket(1), 7), (Bucket(2), 3)], t0);
-        assert_eq!(fences.len(), 2);
-        assert!(fences.iter().all(|f| f.is_open_at(t0)));
-        // Bucket 2 was taken over (epoch moved on): lost, its fence closes at once.
-        let lost = book.renewed(&[(Bucket(1), 7), (Bucket(2), 4)], t0);
+        let gained = book.claimed(&[(Bucket(1), 7), (Bucket(2), 3)], t0);
+        assert_eq!(gained.len(), 2);
+        assert!(gained.iter().all(|(_, held)| held.until > t0));
+        // Bucket 2 was taken over (epoch moved on): lost.
+        let later = t0 + Duration::from_secs(5);
+        let (until, lost) = book.renewed(&[(Bucket(1), 7), (Bucket(2), 4)], later);
         assert_eq!(lost, vec![Bucket(2)]);
-        assert!(fences[0].is_open_at(t0 + Duration::from_secs(5)));
-        assert!(!fences[1].is_open_at(t0));
+        assert_eq!(book.get(Bucket(1)).map(|held| held.until), Some(until));
+        assert_eq!(until, later + Duration::from_secs(9));
+        assert_eq!(book.get(Bucket(2)), None);
         assert_eq!(book.len(), 1);
+        // A late answer to an older renewal never moves a fence backward.
+        let (_, lost) = book.renewed(&[(Bucket(1), 7)], t0);
+        assert!(lost.is_empty());
+        assert_eq!(book.get(Bucket(1)).map(|held| held.until), Some(until));
     }
 
     #[test]
     fn a_fence_closes_before_the_row_can_expire() {
         let mut book = book(10_000);
         let sent = Instant::now();
-        let fences = book.claimed(&[(Bucket(0), 1)], sent);
+        let gained = book.claimed(&[(Bucket(0), 1)], sent);
         // PostgreSQL expires the row at (arrival >= sent) + 10 s; the fence closes at sent + 9 s.
-        assert!(fences[0].is_open_at(sent + Duration::from_millis(8_900)));
-        assert!(!fences[0].is_open_at(sent + Duration::from_millis(9_001)));
+        assert_eq!(gained[0].1.until, sent + Duration::from_millis(9_000));
         // Without renewals the book drops it and reports it lost.
         assert!(book.expire(sent + Duration::from_secs(5)).is_empty());
         assert_eq!(book.held(), vec![(Bucket(0), 1)]);
         assert_eq!(
-            book.expire(sent + Duration::from_secs(10)),
+            book.expire(sent + Duration::from_secs(9)),
             vec![(Bucket(0), 1)]
         );
         assert!(book.is_empty());
@@ -532,31 +523,28 @@ mod tests {
     }
 
     #[test]
-    fn a_revoked_fence_is_never_reopened() {
+    fn a_lease_that_left_the_book_never_comes_back_by_a_renewal() {
         let mut book = book(10_000);
         let t0 = Instant::now();
-        let fence = book.claimed(&[(Bucket(5), 1), (Bucket(9), 1)], t0);
-        let shed = book.shed(1);
-        assert_eq!(shed, vec![(Bucket(9), 1)]);
-        assert!(!fence[1].is_open_at(t0));
-        // A late renewal that still lists the shed bucket does not bring it back.
-        let lost = book.renewed(&[(Bucket(5), 1), (Bucket(9), 1)], t0);
+        book.claimed(&[(Bucket(5), 1), (Bucket(9), 1)], t0);
+        book.hand_over(1, t0);
+        assert_eq!(book.handed_over(Bucket(9)), Some((Bucket(9), 1)));
+        // A late renewal that still lists the released bucket does not bring it back.
+        let (_, lost) = book.renewed(&[(Bucket(5), 1), (Bucket(9), 1)], t0);
         assert!(lost.is_empty());
-        assert!(!fence[1].is_open_at(t0));
-        assert!(book.fence(Bucket(9)).is_none());
-        assert!(fence[0].is_open_at(t0));
-        let all = book.revoke_all();
-        assert_eq!(all, vec![(Bucket(5), 1)]);
-        assert!(!fence[0].is_open_at(t0));
+        assert_eq!(book.get(Bucket(9)), None);
+        assert!(book.get(Bucket(5)).is_some());
+        assert_eq!(book.revoke_all(), vec![(Bucket(5), 1)]);
+        assert!(book.is_empty() && book.leaving().is_empty());
     }
 
-    /// A planned move keeps the bucket's fence open and renewed (what is in flight under it is
-    /// acked), no longer counts toward the share, and closes the fence only once handed over.
+    /// A planned move keeps the bucket held and renewed (what is in flight under it is acked),
+    /// no longer counts toward the share, and leaves the book only once handed over.
     #[test]
-    fn a_bucket_handed_over_stays_fenced_open_until_its_batches_settle() {
+    fn a_bucket_handed_over_stays_held_until_its_batches_settle() {
         let mut book = book(10_000);
         let t0 = Instant::now();
-        let fences = book.claimed(&[(Bucket(1), 1), (Bucket(2), 1), (Bucket(3), 1)], t0);
+        book.claimed(&[(Bucket(1), 1), (Bucket(2), 1), (Bucket(3), 1)], t0);
         assert_eq!(book.hand_over(1, t0), vec![Bucket(3)]);
         assert_eq!(
             book.hand_over(1, t0),
@@ -564,25 +552,27 @@ mod tests {
             "never the same bucket twice"
         );
         assert_eq!((book.len(), book.staying()), (3, 1));
+        assert!(book.is_leaving(Bucket(3)) && !book.is_staying(Bucket(3)));
+        assert!(book.is_staying(Bucket(1)) && !book.is_leaving(Bucket(1)));
         // Still renewed while leaving.
         let later = t0 + Duration::from_secs(5);
-        assert!(book.renewed(&book.held(), later).is_empty());
-        assert!(fences[2].is_open_at(later + Duration::from_secs(8)));
-        // Settled: the fence closes now, and the bucket is released.
+        let (until, lost) = book.renewed(&book.held(), later);
+        assert!(lost.is_empty());
+        assert_eq!(book.get(Bucket(3)).map(|held| held.until), Some(until));
+        // Settled: it leaves the book, to be released.
         assert_eq!(book.handed_over(Bucket(3)), Some((Bucket(3), 1)));
-        assert!(!fences[2].is_open_at(later));
         assert_eq!(book.handed_over(Bucket(3)), None, "once");
         assert_eq!(book.handed_over(Bucket(1)), None, "not leaving");
         assert_eq!(book.leaving(), vec![Bucket(2)]);
     }
 
-    /// A handover that does not settle within the grace is forced: the fence closes (and what
-    /// was in flight is the next owner's to send again).
+    /// A handover that does not settle within the grace is forced (and what was in flight is
+    /// the next owner's to send again); never while the broker blocks a connection.
     #[test]
     fn a_handover_that_does_not_settle_is_forced_after_the_grace() {
         let mut book = book(10_000);
         let t0 = Instant::now();
-        let fences = book.claimed(&[(Bucket(1), 4)], t0);
+        book.claimed(&[(Bucket(1), 4)], t0);
         book.hand_over(1, t0);
         let grace = Duration::from_secs(3);
         assert!(
@@ -595,18 +585,45 @@ mod tests {
                 .is_empty()
         );
         assert_eq!(book.leaving(), vec![Bucket(1)], "still handing over");
-        assert!(fences[0].is_open_at(t0), "its fence stays open");
         assert_eq!(
             book.overdue(t0 + Duration::from_secs(3), grace, false),
             vec![(Bucket(1), 4)]
         );
-        assert!(!fences[0].is_open_at(t0));
         assert!(book.is_empty() && book.leaving().is_empty());
         // A bucket lost while leaving leaves both sets.
         book.claimed(&[(Bucket(7), 1)], t0);
         book.hand_over(1, t0);
-        assert_eq!(book.renewed(&[], t0), vec![Bucket(7)]);
+        assert_eq!(book.renewed(&[], t0).1, vec![Bucket(7)]);
         assert!(book.leaving().is_empty());
+    }
+
+    /// The fence cell a carried-out decision writes: extended forward only, closed for good.
+    #[test]
+    fn a_closed_fence_is_never_reopened_and_never_moves_backward() {
+        let t0 = Instant::now();
+        let lease = Lease::new(
+            Bucket(3),
+            RelayId::generate(),
+            2,
+            t0 + Duration::from_secs(9),
+        );
+        let fence = lease.fence();
+        assert!(fence.is_open_at(t0 + Duration::from_millis(8_900)));
+        lease.extend(t0 + Duration::from_secs(1));
+        assert!(
+            fence.is_open_at(t0 + Duration::from_millis(8_900)),
+            "never backward"
+        );
+        lease.extend(t0 + Duration::from_secs(20));
+        assert!(fence.is_open_at(t0 + Duration::from_secs(19)));
+        lease.revoke();
+        assert!(!fence.is_open_at(t0));
+        lease.extend(t0 + Duration::from_secs(30));
+        assert!(!fence.is_open_at(t0), "never reopened");
+        assert_eq!(
+            fence.lease().map(|(bucket, _, epoch)| (bucket, epoch)),
+            Some((Bucket(3), 2))
+        );
     }
 
     #[test]

@@ -5,8 +5,8 @@ use std::time::{Duration, Instant};
 
 use sqlx::{Connection, PgConnection, PgPool};
 use store::{
-    BranchId, BranchKey, Error, EventKey, Fence, IntentWriter, LEASE_BUCKETS, LeaseBook, LeasePlan,
-    LeaseStep, LeaseStore, Lsn, Outbox, RelayId, RunId, TenantId, bucket_of,
+    BranchId, BranchKey, Error, EventKey, Fence, IntentWriter, LEASE_BUCKETS, Lease, LeaseBook,
+    LeasePlan, LeaseStep, LeaseStore, Lsn, Outbox, RelayId, RunId, TenantId, bucket_of,
 };
 
 fn key(tenant: &str, run: &str, branch: &str) -> BranchKey {
@@ -182,13 +182,15 @@ async fn a_takeover_fences_the_former_owner_in_postgres(pool: PgPool) {
     let leases = LeaseStore::new(pool.clone());
     let ttl = Duration::from_secs(60);
     let (first, second) = (RelayId::generate(), RelayId::generate());
-    let mut first_book = LeaseBook::new(first.clone(), ttl);
+    let mut first_book = LeaseBook::new(ttl);
     let sent = Instant::now();
     let claimed = leases.claim(&first, ttl, LEASE_BUCKETS).await.unwrap();
     assert_eq!(claimed.len(), usize::from(LEASE_BUCKETS));
     first_book.claimed(&claimed, sent);
     let bucket = bucket_of(&branch.tenant);
-    let stale = first_book.fence(bucket).unwrap();
+    // The fence the first relay's drainers hold, as its book decided.
+    let held = first_book.get(bucket).unwrap();
+    let stale = Lease::new(bucket, first.clone(), held.epoch, held.until).fence();
 
     // Nothing is free while the first relay's leases are current.
     assert!(leases.claim(&second, ttl, 1).await.unwrap().is_empty());
@@ -223,15 +225,15 @@ async fn a_takeover_fences_the_former_owner_in_postgres(pool: PgPool) {
         3
     );
 
-    // The first relay's renewal shows the loss and closes its fence.
+    // The first relay's renewal shows the loss: the bucket leaves its book.
     let renewed = leases.renew(&first, ttl, &first_book.held()).await.unwrap();
-    assert_eq!(first_book.renewed(&renewed, Instant::now()), vec![bucket]);
-    assert!(!stale.is_open());
+    assert_eq!(first_book.renewed(&renewed, Instant::now()).1, vec![bucket]);
+    assert_eq!(first_book.get(bucket), None);
 
     // The new owner acks and drains normally.
-    let mut second_book = LeaseBook::new(second.clone(), ttl);
-    second_book.claimed(&taken, Instant::now());
-    let fence = second_book.fence(bucket).unwrap();
+    let mut second_book = LeaseBook::new(ttl);
+    let (_, held) = second_book.claimed(&taken, Instant::now())[0];
+    let fence = Lease::new(bucket, second.clone(), held.epoch, held.until).fence();
     let next = outbox
         .ack_and_drain(&fence, &[at(&branch, 1)], &branch.tenant, 10, &[])
         .await
@@ -297,10 +299,7 @@ async fn relays_share_buckets_evenly(pool: PgPool) {
     let plan = LeasePlan::new();
     let ttl = Duration::from_secs(60);
     let relays: Vec<RelayId> = (0..3).map(|_| RelayId::generate()).collect();
-    let mut books: Vec<LeaseBook> = relays
-        .iter()
-        .map(|id| LeaseBook::new(id.clone(), ttl))
-        .collect();
+    let mut books: Vec<LeaseBook> = relays.iter().map(|_| LeaseBook::new(ttl)).collect();
     for joined in 1..=3 {
         // The new relay registers (its keeper's first heartbeat).
         leases.heartbeat(&relays[joined - 1], ttl).await.unwrap();
@@ -311,14 +310,18 @@ async fn relays_share_buckets_evenly(pool: PgPool) {
                 assert_eq!(members as usize, joined);
                 let sent = Instant::now();
                 let held = leases.renew(relay, ttl, &book.held()).await.unwrap();
-                assert!(book.renewed(&held, sent).is_empty());
+                assert!(book.renewed(&held, sent).1.is_empty());
                 match plan.step(book.len(), members) {
                     LeaseStep::Claim(n) => {
                         let claimed = leases.claim(relay, ttl, n).await.unwrap();
                         book.claimed(&claimed, sent);
                     }
                     LeaseStep::Shed(n) => {
-                        let shed = book.shed(n);
+                        let leaving = book.hand_over(n, sent);
+                        let shed: Vec<_> = leaving
+                            .into_iter()
+                            .filter_map(|bucket| book.handed_over(bucket))
+                            .collect();
                         leases.release(relay, &shed).await.unwrap();
                     }
                     LeaseStep::Hold => {}

@@ -8,15 +8,17 @@
 //! property tested with fake handles and made-up instants (`tests` below).
 //!
 //! One table holds every tenant this relay knows a drainer for ([`TenantSlot`]), one every
-//! publisher shard, one every bucket held or being handed over; a tenant's backoff, wake-up
-//! flag and child id move with its slot, so no removal has to touch parallel maps in step.
+//! publisher shard, and one book every lease held or being handed over (`leases`: the only
+//! owner of bucket ownership in the relay; the actor runs its SQL and writes its fences); a
+//! tenant's backoff, wake-up flag and child id move with its slot, so no removal has to touch
+//! parallel maps in step.
 use std::collections::{HashMap, VecDeque};
 use std::hash::Hash;
 use std::time::{Duration, Instant};
 
 use actors::ShardId;
 use broker::{Backoff, RetryPolicy};
-use store::{Bucket, Fence, TenantId, bucket_of};
+use store::{Bucket, Held, TenantId, bucket_of};
 
 use crate::waiting::Waiting;
 
@@ -25,6 +27,8 @@ mod leases;
 mod publishers;
 mod shutdown;
 mod timers;
+pub(crate) use leases::LeaseCall;
+use leases::{LeaseStage, Leases};
 use timers::Timers;
 
 /// What the core needs of a running child: an id to recognise its end by.
@@ -38,9 +42,9 @@ pub(crate) trait Handle: Clone + std::fmt::Debug {
 /// What the actor does for the core, in the order returned.
 #[derive(Debug)]
 pub(crate) enum Command<H> {
-    /// Start a drainer for `tenant` under `fence`; then report [`Core::drainer_started`] or
-    /// [`Core::drainer_failed_to_start`].
-    SpawnDrainer { tenant: TenantId, fence: Fence },
+    /// Start a drainer for `tenant` under its bucket's fence; then report
+    /// [`Core::drainer_started`] or [`Core::drainer_failed_to_start`].
+    SpawnDrainer { tenant: TenantId },
     /// Start the shard's publisher; then report [`Core::publisher_started`] or
     /// [`Core::publisher_failed_to_start`].
     SpawnPublisher(ShardId),
@@ -60,8 +64,19 @@ pub(crate) enum Command<H> {
     Finish(H),
     /// Stop a drainer now (its lease is gone, or the grace ran out).
     Kill(H),
-    /// A bucket being handed over has no drainer left: the keeper may release it.
-    Settled(Bucket),
+    /// Run a call against the lease tables (in order; answers come back as events).
+    Lease(LeaseCall),
+    /// A lease was gained: open its bucket's fence until `held.until` (closing any older one).
+    OpenFence { bucket: Bucket, held: Held },
+    /// A renewal came back: these buckets' fences stay open until `until` (never earlier).
+    ExtendFences {
+        buckets: Vec<Bucket>,
+        until: Instant,
+    },
+    /// The bucket left the book: close its fence now, for good (before any release of it).
+    CloseFence(Bucket),
+    /// Buckets were gained: poll the tenants with pending intents now.
+    PollNow,
     /// Every drainer is done after [`Core::finish`]: answer and stop.
     Finished,
 }
@@ -80,6 +95,8 @@ pub(crate) struct CoreConfig {
     /// While publishers wait out restart delays longer than this, the broker is checked this
     /// often ([`Command::CheckBroker`]); `None`: never (no check was given).
     pub(crate) broker_check: Option<Duration>,
+    /// Lease TTL and heartbeat.
+    pub(crate) lease: crate::LeaseConfig,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -88,6 +105,7 @@ enum Timer {
     RespawnPublisher(ShardId),
     CheckBroker,
     FinishDeadline,
+    LeaseBeat,
 }
 
 /// Whether a running drainer has a `Drain` it has not taken yet: wake-ups coalesce to one
@@ -139,14 +157,6 @@ struct PublisherSlot<Id> {
     backoff: Backoff,
 }
 
-#[derive(Debug)]
-enum BucketState {
-    /// Held: drainers start under this fence.
-    Held(Fence),
-    /// Being handed over: drainers finish, none starts.
-    Leaving,
-}
-
 #[derive(Clone, Debug)]
 enum Child {
     Drainer(TenantId),
@@ -169,7 +179,7 @@ pub(crate) struct Core<H: Handle> {
     alive: usize,
     children: HashMap<H::Id, Child>,
     publishers: Vec<PublisherSlot<H::Id>>,
-    buckets: HashMap<Bucket, BucketState>,
+    leases: Leases,
     waiting: Waiting,
     timers: Timers<Timer>,
     phase: Phase,
@@ -212,7 +222,7 @@ impl<H: Handle> Core<H> {
             alive: 0,
             children: HashMap::new(),
             publishers,
-            buckets: HashMap::new(),
+            leases: Leases::new(config.lease),
             waiting: Waiting::default(),
             timers: Timers::default(),
             phase: Phase::Running,
@@ -245,7 +255,7 @@ impl<H: Handle> Core<H> {
                         self.tenants.get(&tenant),
                         Some(TenantSlot::Restarting { .. })
                     ) {
-                        self.spawn(tenant);
+                        self.spawn(tenant, now);
                     }
                 }
                 Timer::RespawnPublisher(shard) => {
@@ -268,6 +278,11 @@ impl<H: Handle> Core<H> {
                     }
                 }
                 Timer::FinishDeadline => self.finish_deadline(),
+                Timer::LeaseBeat => {
+                    if self.leases.stage == LeaseStage::Waiting {
+                        self.beat(leases::Beat::Later, now);
+                    }
+                }
             }
         }
     }
@@ -276,29 +291,26 @@ impl<H: Handle> Core<H> {
 
     /// Every tenant with pending intents, from the poller: waiting tenants it no longer lists
     /// leave the queue; those in buckets held are drained.
-    pub(crate) fn pending(&mut self, tenants: Vec<TenantId>) {
+    pub(crate) fn pending(&mut self, tenants: Vec<TenantId>, now: Instant) {
         if self.phase != Phase::Running {
             return;
         }
         self.waiting.keep_only(&tenants);
-        self.wake(tenants);
+        self.wake(tenants, now);
     }
 
     /// A tenant's intents just committed.
-    pub(crate) fn notified(&mut self, tenant: TenantId) {
+    pub(crate) fn notified(&mut self, tenant: TenantId, now: Instant) {
         if self.phase == Phase::Running {
-            self.wake(vec![tenant]);
+            self.wake(vec![tenant], now);
         }
     }
 
     /// Drains `tenants` (in buckets held): wakes their drainers, starts missing ones.
-    fn wake(&mut self, tenants: Vec<TenantId>) {
-        self.admit_waiting();
+    fn wake(&mut self, tenants: Vec<TenantId>, now: Instant) {
+        self.admit_waiting(now);
         for tenant in tenants {
-            if !matches!(
-                self.buckets.get(&bucket_of(&tenant)),
-                Some(BucketState::Held(_))
-            ) {
+            if !self.staying(bucket_of(&tenant)) {
                 continue;
             }
             match self.tenants.get_mut(&tenant) {
@@ -315,7 +327,7 @@ impl<H: Handle> Core<H> {
                 // A drainer about to start drains at once; a restarting one when its backoff
                 // is over (its timer), not at the host's commit rate.
                 Some(TenantSlot::Starting { .. } | TenantSlot::Restarting { .. }) => {}
-                None => self.spawn(tenant),
+                None => self.spawn(tenant, now),
             }
         }
     }

@@ -1,21 +1,23 @@
-//! The lease keeper: a task beside the supervisor that owns this relay's leases.
+//! The lease keeper: the task beside the supervisor that runs its core's lease calls against
+//! PostgreSQL, and the poller that finds tenants with pending intents.
 //!
-//! Every heartbeat it renews its membership and its leases and claims or sheds buckets to reach
-//! its share ([`store::LeasePlan`]); beside it, a poller finds the tenants with pending intents
-//! (the supervisor drains those in buckets it holds). It tells the supervisor what changed by message; no database call ever runs on
-//! the supervisor's mailbox, and each one here is under a timeout. A failed call is logged
-//! (rate-limited) and tried again on the next heartbeat; leases that could not be renewed in
-//! time close their fences on their own ([`store::LeaseBook::expire`]).
-use std::time::{Duration, Instant};
+//! The keeper decides nothing: the core's [`store::LeaseBook`] (in `core/leases.rs`) owns which
+//! buckets this relay holds and when to renew, claim, hand over and release; the keeper runs each
+//! [`LeaseCall`] it is given, in order, under a timeout, and casts the answer back. No database
+//! call ever runs on the supervisor's mailbox. A failed call is logged (rate-limited) and
+//! answered as failed; the core tries again at the next heartbeat, and leases that could not be
+//! renewed in time close their fences on their own.
+use std::time::Duration;
 
 use ractor::ActorRef;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use store::{Bucket, LeaseBook, LeaseChanges, LeasePlan, LeaseStep, LeaseStore, Outbox, RelayId};
+use store::{LeaseStore, Outbox, RelayId};
 
-use tokio::sync::{Notify, watch};
+use tokio::sync::{Notify, mpsc};
 
 use crate::SupervisorMessage;
+use crate::core::LeaseCall;
 
 /// Lease timings.
 #[derive(Clone, Copy, Debug)]
@@ -81,24 +83,96 @@ async fn within<T>(
 #[derive(Clone, Debug)]
 pub(crate) struct Keeper {
     pub(crate) leases: LeaseStore,
-    pub(crate) outbox: Outbox,
     pub(crate) me: RelayId,
     pub(crate) config: LeaseConfig,
-    pub(crate) poll_interval: Duration,
-    /// Set while the supervisor has not handled the last batch of pending tenants.
-    pub(crate) poll_busy: Arc<AtomicBool>,
-    /// Longest a planned handover waits for a bucket's batches to settle before it is forced.
-    pub(crate) handover_grace: Duration,
-    /// The publishers' view of the broker: while it holds a connection blocked, what was
-    /// written on it may still be routed, so no handover is forced (the next owner's publishes
-    /// could land before it).
-    pub(crate) broker: broker::BrokerHealth,
+}
+
+/// What the keeper is told.
+#[derive(Debug)]
+pub(crate) enum KeeperCall {
+    /// One of the core's lease calls.
+    Lease(LeaseCall),
+    /// Shutdown: release these (their fences are closed), leave the membership, end.
+    Leave(Vec<(store::Bucket, i64)>),
+}
+
+impl Keeper {
+    /// Runs `calls` in order until told to leave, or until the supervisor is gone (then it
+    /// leaves too, as far as the database answers: the fences close on their own).
+    pub(crate) async fn run(
+        self,
+        supervisor: ActorRef<SupervisorMessage>,
+        mut calls: mpsc::UnboundedReceiver<KeeperCall>,
+    ) {
+        let limit = self.config.heartbeat.max(Duration::from_millis(100));
+        let mut failures = KeeperFailures::default();
+        while let Some(call) = calls.recv().await {
+            let answer = match call {
+                KeeperCall::Lease(LeaseCall::Beat { held }) => {
+                    let members =
+                        match within(limit, self.leases.heartbeat(&self.me, self.config.ttl)).await
+                        {
+                            Ok(live) => {
+                                failures.membership.ok("relay membership");
+                                Some(live)
+                            }
+                            Err(err) => {
+                                failures.membership.failed("relay membership", &err);
+                                None
+                            }
+                        };
+                    let renew = self.leases.renew(&self.me, self.config.ttl, &held);
+                    let renewed = match within(limit, renew).await {
+                        Ok(renewed) => {
+                            failures.renewal.ok("lease renewal");
+                            Some(renewed)
+                        }
+                        Err(err) => {
+                            failures.renewal.failed("lease renewal", &err);
+                            None
+                        }
+                    };
+                    SupervisorMessage::LeaseBeaten { members, renewed }
+                }
+                KeeperCall::Lease(LeaseCall::Claim(n)) => {
+                    let claim = self.leases.claim(&self.me, self.config.ttl, n);
+                    let claimed = match within(limit, claim).await {
+                        Ok(claimed) => {
+                            failures.claims.ok("lease claim");
+                            Some(claimed)
+                        }
+                        Err(err) => {
+                            failures.claims.failed("lease claim", &err);
+                            None
+                        }
+                    };
+                    SupervisorMessage::LeaseClaimed(claimed)
+                }
+                KeeperCall::Lease(LeaseCall::Release(leases)) => {
+                    if let Err(err) = within(limit, self.leases.release(&self.me, &leases)).await {
+                        // They expire by themselves within the TTL.
+                        tracing::warn!(error = %err, "could not release buckets; they expire instead");
+                    }
+                    continue;
+                }
+                KeeperCall::Leave(leases) => {
+                    let _ = within(limit, self.leases.release(&self.me, &leases)).await;
+                    let _ = within(limit, self.leases.leave(&self.me)).await;
+                    return;
+                }
+            };
+            if supervisor.cast(answer).is_err() {
+                break;
+            }
+        }
+        let _ = within(limit, self.leases.leave(&self.me)).await;
+    }
 }
 
 /// Polls the tenants with pending intents every `interval` (or at once when `early` fires)
 /// and hands them to the supervisor, which drains those in buckets it holds. Ends with the
 /// supervisor.
-async fn poll_pending(
+pub(crate) async fn poll_pending(
     outbox: Outbox,
     supervisor: ActorRef<SupervisorMessage>,
     interval: Duration,
@@ -134,238 +208,4 @@ async fn poll_pending(
             return;
         }
     }
-}
-
-impl Keeper {
-    /// Runs until `stop` turns true (then revokes, releases and leaves) or the supervisor is
-    /// gone (then the same, as far as the database answers).
-    ///
-    /// A bucket handed over (a planned move: shedding toward an even share) stays held and
-    /// renewed while the supervisor finishes its drainers; `settled` brings each one whose
-    /// drainers are done, and it is released at once, so the next owner starts from what was
-    /// acked and nothing is sent twice.
-    pub(crate) async fn run(
-        self,
-        supervisor: ActorRef<SupervisorMessage>,
-        mut stop: watch::Receiver<bool>,
-        mut settled: tokio::sync::mpsc::UnboundedReceiver<Bucket>,
-    ) {
-        let mut book = LeaseBook::new(self.me.clone(), self.config.ttl);
-        let plan = LeasePlan::new();
-        let limit = self.config.heartbeat.max(Duration::from_millis(100));
-        let mut members = 1;
-        let mut failures = KeeperFailures::default();
-        // The poll runs beside the heartbeats, so a slow poll never delays a renewal.
-        let early = Arc::new(Notify::new());
-        let poller = tokio::spawn(poll_pending(
-            self.outbox.clone(),
-            supervisor.clone(),
-            self.poll_interval,
-            early.clone(),
-            self.poll_busy.clone(),
-        ));
-        let mut ticker = tokio::time::interval(self.config.heartbeat);
-        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut beat = Beat::First;
-        loop {
-            tokio::select! {
-                _ = ticker.tick() => {}
-                _ = stop.changed() => break,
-                Some(bucket) = settled.recv() => {
-                    self.handed_over(&supervisor, &mut book, bucket, limit).await;
-                    continue;
-                }
-            }
-            if *stop.borrow() {
-                break;
-            }
-            let this = std::mem::replace(&mut beat, Beat::Later);
-            let beaten = self.heartbeat(
-                &supervisor,
-                &mut book,
-                &plan,
-                &mut members,
-                &mut failures,
-                limit,
-                this,
-            );
-            match beaten.await {
-                Beaten::SupervisorGone => break,
-                Beaten::Gained => early.notify_one(),
-                Beaten::Held => {}
-            }
-            if this == Beat::First {
-                // The first beat left room for a relay starting beside this one; the second
-                // comes a quarter heartbeat later, so a lone relay holds its whole share then
-                // rather than a heartbeat later (relays started within that quarter have
-                // registered by then; a later one joins by a planned handover).
-                ticker.reset_after(self.config.heartbeat / 4);
-            }
-        }
-        poller.abort();
-        let released = book.revoke_all();
-        let lost: Vec<Bucket> = released.iter().map(|(bucket, _)| *bucket).collect();
-        let _ = supervisor.cast(SupervisorMessage::Leases(LeaseChanges {
-            gained: Vec::new(),
-            lost,
-        }));
-        let _ = within(limit, self.leases.release(&self.me, &released)).await;
-        let _ = within(limit, self.leases.leave(&self.me)).await;
-        metrics::gauge!("relay_lease_buckets_held").set(0.0);
-    }
-
-    /// A bucket being handed over has no drainer left: its fence closes and it is released
-    /// now, not at the next heartbeat.
-    async fn handed_over(
-        &self,
-        supervisor: &ActorRef<SupervisorMessage>,
-        book: &mut LeaseBook,
-        bucket: Bucket,
-        limit: Duration,
-    ) {
-        let Some(lease) = book.handed_over(bucket) else {
-            return;
-        };
-        let _ = supervisor.cast(SupervisorMessage::Leases(LeaseChanges {
-            gained: Vec::new(),
-            lost: vec![bucket],
-        }));
-        metrics::gauge!("relay_lease_buckets_held").set(book.len() as f64);
-        if let Err(err) = within(limit, self.leases.release(&self.me, &[lease])).await {
-            tracing::warn!(error = %err, "could not release a bucket handed over; it expires instead");
-        }
-    }
-
-    /// Renews membership and leases and moves toward this relay's share (`beat`: the relay's
-    /// first heartbeat leaves room for a relay starting beside it).
-    #[allow(clippy::too_many_arguments)]
-    async fn heartbeat(
-        &self,
-        supervisor: &ActorRef<SupervisorMessage>,
-        book: &mut LeaseBook,
-        plan: &LeasePlan,
-        members: &mut u32,
-        failures: &mut KeeperFailures,
-        limit: Duration,
-        beat: Beat,
-    ) -> Beaten {
-        {
-            let mut changes = LeaseChanges::default();
-            match within(limit, self.leases.heartbeat(&self.me, self.config.ttl)).await {
-                Ok(live) => {
-                    *members = live;
-                    failures.membership.ok("relay membership");
-                }
-                Err(err) => failures.membership.failed("relay membership", &err),
-            }
-            let sent = Instant::now();
-            let holding = book.held();
-            match within(
-                limit,
-                self.leases.renew(&self.me, self.config.ttl, &holding),
-            )
-            .await
-            {
-                Ok(held) => {
-                    changes.lost.extend(book.renewed(&held, sent));
-                    failures.renewal.ok("lease renewal");
-                }
-                Err(err) => failures.renewal.failed("lease renewal", &err),
-            }
-            let lapsed = book.expire(Instant::now());
-            changes
-                .lost
-                .extend(lapsed.iter().map(|(bucket, _)| *bucket));
-            if !changes.lost.is_empty() {
-                tracing::warn!(
-                    buckets = changes.lost.len(),
-                    "leases lost (expired or taken over)"
-                );
-                metrics::counter!("relay_leases_lost_total").increment(changes.lost.len() as u64);
-            }
-            let mut release = Vec::new();
-            // Handovers that did not settle in time are forced: the fence decides, as after a
-            // crash (duplicates bounded by what was in flight).
-            let forced = book.overdue(Instant::now(), self.handover_grace, self.broker.blocked());
-            if !forced.is_empty() {
-                tracing::warn!(
-                    buckets = forced.len(),
-                    grace_ms = self.handover_grace.as_millis() as u64,
-                    "buckets handed over without their batches settling in time"
-                );
-                changes
-                    .lost
-                    .extend(forced.iter().map(|(bucket, _)| *bucket));
-                release.extend(forced);
-            }
-            let step = match beat {
-                Beat::First => plan.first_step(book.staying(), *members),
-                Beat::Later => plan.step(book.staying(), *members),
-            };
-            match step {
-                LeaseStep::Claim(n) => {
-                    let sent = Instant::now();
-                    match within(limit, self.leases.claim(&self.me, self.config.ttl, n)).await {
-                        Ok(claimed) => {
-                            changes.gained.extend(book.claimed(&claimed, sent));
-                            failures.claims.ok("lease claim");
-                        }
-                        Err(err) => failures.claims.failed("lease claim", &err),
-                    }
-                }
-                LeaseStep::Shed(n) => {
-                    // A planned move: the buckets stay held (fences open) while their drainers
-                    // finish what they have in flight; each is released once settled.
-                    let leaving = book.hand_over(n, Instant::now());
-                    tracing::info!(
-                        buckets = leaving.len(),
-                        members = *members,
-                        "handing buckets over once their batches settle"
-                    );
-                    if supervisor
-                        .cast(SupervisorMessage::HandOver(leaving))
-                        .is_err()
-                    {
-                        return Beaten::SupervisorGone;
-                    }
-                }
-                LeaseStep::Hold => {}
-            }
-            metrics::gauge!("relay_lease_buckets_held").set(book.len() as f64);
-            metrics::gauge!("relay_members").set(f64::from(*members));
-            let gained = !changes.gained.is_empty();
-            if !changes.is_empty() && supervisor.cast(SupervisorMessage::Leases(changes)).is_err() {
-                return Beaten::SupervisorGone;
-            }
-            // Lapsed leases are released too: claimable at once instead of after the TTL.
-            release.extend(lapsed);
-            if !release.is_empty()
-                && let Err(err) = within(limit, self.leases.release(&self.me, &release)).await
-            {
-                // They expire by themselves within the TTL.
-                tracing::warn!(error = %err, "could not release buckets; they expire instead");
-            }
-            if gained { Beaten::Gained } else { Beaten::Held }
-        }
-    }
-}
-
-/// Which heartbeat of this relay's life.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Beat {
-    /// The first: it leaves room for a relay starting beside this one (`LeasePlan::first_step`).
-    First,
-    /// Any later one.
-    Later,
-}
-
-/// What a heartbeat did.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Beaten {
-    /// Buckets were gained: their tenants are polled at once.
-    Gained,
-    /// Nothing gained.
-    Held,
-    /// The supervisor is gone: the keeper ends.
-    SupervisorGone,
 }

@@ -1,8 +1,9 @@
 //! The relay's supervisor: spawns one publisher per shard and one drainer per leased tenant,
 //! restarts what fails with backoff, notices new work (NOTIFY + polling), reports lag.
 //!
-//! - `keeper`: the lease keeper task (heartbeats, shares, the pending-tenant poll) and its
-//!   [`LeaseConfig`].
+//! - `core`: the decisions (drainers, publishers, leases and their heartbeat, timers), pure.
+//! - `keeper`: the task that runs the core's lease calls against PostgreSQL, the pending-tenant
+//!   poll, and [`LeaseConfig`].
 //! - `tree`: [`RelaySupervisor`], its [`SupervisorArgs`], [`SupervisorConfig`], [`SupervisorMessage`].
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 

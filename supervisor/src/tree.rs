@@ -18,11 +18,12 @@ use broker::{Backoff, RetryPolicy};
 use ractor::{
     Actor, ActorCell, ActorId, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent,
 };
-use store::{Bucket, RelayId, Wakeups};
-use tokio::sync::watch;
+use std::collections::HashMap;
+use store::{Bucket, Lease, RelayId, Wakeups, bucket_of};
+use tokio::sync::{Notify, mpsc};
 
 use crate::core::{Command, Core, CoreConfig, Handle};
-use crate::keeper::Keeper;
+use crate::keeper::{Keeper, KeeperCall, poll_pending};
 
 mod api;
 mod gauges;
@@ -42,8 +43,8 @@ impl Handle for ActorRef<DrainerMessage> {
 }
 
 /// State of the supervisor: the [`Core`] that decides, and the handles that carry its
-/// decisions out (the live publishers, of which each drainer is told, the budgets they share,
-/// the tasks beside the tree).
+/// decisions out (the live publishers, of which each drainer is told, the fence of each lease
+/// the core holds, the budgets drainers share, the tasks beside the tree).
 pub struct SupervisorState {
     args: SupervisorArgs,
     core: Core<ActorRef<DrainerMessage>>,
@@ -55,13 +56,20 @@ pub struct SupervisorState {
     byte_budget: Arc<tokio::sync::Semaphore>,
     /// The poller's last batch of pending tenants is not handled yet (the poller waits).
     poll_busy: Arc<AtomicBool>,
-    /// Tells the keeper a bucket being handed over has no drainer left.
-    settled: Option<tokio::sync::mpsc::UnboundedSender<Bucket>>,
+    /// The fence cell of each lease the core's book holds: written as the core commands,
+    /// read by drainers and publishers.
+    fences: HashMap<Bucket, Lease>,
+    /// Asks the poller for the pending tenants now.
+    poll_now: Arc<Notify>,
+    poller: Option<tokio::task::JoinHandle<()>>,
     relay_id: RelayId,
     gauges: Arc<Gauges>,
     finishing: Option<RpcReplyPort<()>>,
     wakeups: Option<tokio::task::JoinHandle<()>>,
-    keeper: Option<(watch::Sender<bool>, tokio::task::JoinHandle<()>)>,
+    keeper: Option<(
+        mpsc::UnboundedSender<KeeperCall>,
+        tokio::task::JoinHandle<()>,
+    )>,
 }
 
 impl std::fmt::Debug for SupervisorState {
@@ -96,7 +104,14 @@ impl RelaySupervisor {
     async fn perform(&self, myself: &ActorRef<SupervisorMessage>, state: &mut SupervisorState) {
         while let Some(command) = state.core.poll() {
             match command {
-                Command::SpawnDrainer { tenant, fence } => {
+                Command::SpawnDrainer { tenant } => {
+                    let Some(fence) = state.fences.get(&bucket_of(&tenant)).map(Lease::fence)
+                    else {
+                        // The core spawns only in buckets whose fence it opened.
+                        tracing::error!(tenant = %tenant, "no fence for a drainer's bucket");
+                        state.core.drainer_failed_to_start(tenant, Instant::now());
+                        continue;
+                    };
                     let supervisor = myself.clone();
                     let args = DrainerArgs {
                         tenant: tenant.clone(),
@@ -165,11 +180,30 @@ impl RelaySupervisor {
                     let _ = drainer.cast(DrainerMessage::Finish);
                 }
                 Command::Kill(drainer) => drainer.kill(),
-                Command::Settled(bucket) => {
-                    if let Some(settled) = &state.settled {
-                        let _ = settled.send(bucket);
+                Command::Lease(call) => {
+                    if let Some((keeper, _)) = &state.keeper {
+                        let _ = keeper.send(KeeperCall::Lease(call));
                     }
                 }
+                Command::OpenFence { bucket, held } => {
+                    let lease = Lease::new(bucket, state.relay_id.clone(), held.epoch, held.until);
+                    if let Some(old) = state.fences.insert(bucket, lease) {
+                        old.revoke();
+                    }
+                }
+                Command::ExtendFences { buckets, until } => {
+                    for bucket in buckets {
+                        if let Some(lease) = state.fences.get(&bucket) {
+                            lease.extend(until);
+                        }
+                    }
+                }
+                Command::CloseFence(bucket) => {
+                    if let Some(lease) = state.fences.remove(&bucket) {
+                        lease.revoke();
+                    }
+                }
+                Command::PollNow => state.poll_now.notify_one(),
                 Command::Finished => {
                     if let Some(reply) = state.finishing.take() {
                         let _ = reply.send(());
@@ -239,6 +273,7 @@ impl Actor for RelaySupervisor {
             restart: args.config.restart,
             finish_grace: args.config.finish_grace,
             broker_check: args.check.as_ref().map(|_| BROKER_CHECK_EVERY),
+            lease: args.config.lease,
         });
         Ok(SupervisorState {
             core,
@@ -256,7 +291,9 @@ impl Actor for RelaySupervisor {
                     .max(args.config.drainer.batch_max_bytes as usize),
             )),
             poll_busy: Arc::new(AtomicBool::new(false)),
-            settled: None,
+            fences: HashMap::new(),
+            poll_now: Arc::new(Notify::new()),
+            poller: None,
             relay_id: RelayId::generate(),
             gauges: Arc::default(),
             finishing: None,
@@ -279,21 +316,21 @@ impl Actor for RelaySupervisor {
         )));
         let keeper = Keeper {
             leases: state.args.leases.clone(),
-            outbox: state.args.outbox.clone(),
             me: state.relay_id.clone(),
             config: state.args.config.lease,
-            poll_interval: state.args.config.poll_interval,
-            poll_busy: state.poll_busy.clone(),
-            handover_grace: state.args.config.finish_grace,
-            broker: state.args.broker.clone(),
         };
-        let (stop, stopped) = watch::channel(false);
-        let (settled, settled_rx) = tokio::sync::mpsc::unbounded_channel();
-        state.settled = Some(settled);
-        state.keeper = Some((
-            stop,
-            tokio::spawn(keeper.run(myself.clone(), stopped, settled_rx)),
-        ));
+        let (calls, called) = mpsc::unbounded_channel();
+        state.keeper = Some((calls, tokio::spawn(keeper.run(myself.clone(), called))));
+        // The poll runs beside the lease calls, so a slow poll never delays a renewal.
+        state.poller = Some(tokio::spawn(poll_pending(
+            state.args.outbox.clone(),
+            myself.clone(),
+            state.args.config.poll_interval,
+            state.poll_now.clone(),
+            state.poll_busy.clone(),
+        )));
+        state.core.start_leases(Instant::now());
+        self.perform(&myself, state).await;
         myself.cast(SupervisorMessage::MetricsTick)?;
         Ok(())
     }
@@ -306,9 +343,18 @@ impl Actor for RelaySupervisor {
         if let Some(wakeups) = state.wakeups.take() {
             wakeups.abort();
         }
-        // Hand the buckets over at once (bounded: they expire by themselves otherwise).
-        if let Some((stop, keeper)) = state.keeper.take() {
-            let _ = stop.send(true);
+        if let Some(poller) = state.poller.take() {
+            poller.abort();
+        }
+        // Hand the buckets over at once (bounded: they expire by themselves otherwise): every
+        // fence closes first, then the keeper releases and leaves.
+        let leases = state.core.leave_all();
+        for (_, lease) in state.fences.drain() {
+            lease.revoke();
+        }
+        if let Some((calls, keeper)) = state.keeper.take() {
+            let _ = calls.send(KeeperCall::Leave(leases));
+            drop(calls);
             let _ = tokio::time::timeout(Duration::from_secs(3), keeper).await;
         }
         Ok(())
@@ -322,13 +368,16 @@ impl Actor for RelaySupervisor {
     ) -> Result<(), ActorProcessingErr> {
         let now = Instant::now();
         match message {
-            SupervisorMessage::Leases(changes) => state.core.leases_changed(changes),
-            SupervisorMessage::HandOver(buckets) => state.core.hand_over(buckets),
+            SupervisorMessage::LeaseBeaten { members, renewed } => {
+                let blocked = state.args.broker.blocked();
+                state.core.lease_beaten(members, renewed, blocked, now);
+            }
+            SupervisorMessage::LeaseClaimed(claimed) => state.core.lease_claimed(claimed, now),
             SupervisorMessage::Pending(tenants) => {
-                state.core.pending(tenants);
+                state.core.pending(tenants, now);
                 state.poll_busy.store(false, Ordering::Release);
             }
-            SupervisorMessage::Notified(tenant) => state.core.notified(tenant),
+            SupervisorMessage::Notified(tenant) => state.core.notified(tenant, now),
             SupervisorMessage::PublisherHealthy(shard) => state.core.publisher_healthy(shard),
             SupervisorMessage::Drainer(drainer, DrainerReport::WakeTaken) => {
                 state.core.drainer_took_wake(drainer)

@@ -6,25 +6,22 @@ use store::TenantId;
 use super::*;
 
 impl<H: Handle> Core<H> {
-    /// Starts a drainer for `tenant` if its bucket is held, it has none and a slot is free;
-    /// queues it when none is.
-    pub(super) fn spawn(&mut self, tenant: TenantId) {
+    /// Starts a drainer for `tenant` if its bucket is held with its fence open at `now`, it
+    /// has none and a slot is free; queues it when none is.
+    pub(super) fn spawn(&mut self, tenant: TenantId, now: Instant) {
         if self.phase != Phase::Running {
             return;
         }
-        let fence = match self.buckets.get(&bucket_of(&tenant)) {
-            Some(BucketState::Held(fence)) if fence.is_open() => fence.clone(),
-            _ => {
-                // Not ours (any more): nothing to restart.
-                if matches!(
-                    self.tenants.get(&tenant),
-                    Some(TenantSlot::Restarting { .. })
-                ) {
-                    self.remove_slot(&tenant);
-                }
-                return;
+        if !self.staying_open(bucket_of(&tenant), now) {
+            // Not ours (any more): nothing to restart.
+            if matches!(
+                self.tenants.get(&tenant),
+                Some(TenantSlot::Restarting { .. })
+            ) {
+                self.remove_slot(&tenant);
             }
-        };
+            return;
+        }
         let backoff = match self.tenants.get(&tenant) {
             Some(slot) if slot.alive() => return,
             _ if self.alive >= self.config.max_drainers.max(1) => {
@@ -40,16 +37,15 @@ impl<H: Handle> Core<H> {
         self.alive += 1;
         self.tenants
             .insert(tenant.clone(), TenantSlot::Starting { backoff });
-        self.commands
-            .push_back(Command::SpawnDrainer { tenant, fence });
+        self.commands.push_back(Command::SpawnDrainer { tenant });
     }
 
     /// Gives free drainer slots to waiting tenants, in order.
-    pub(super) fn admit_waiting(&mut self) {
+    pub(super) fn admit_waiting(&mut self, now: Instant) {
         while self.alive < self.config.max_drainers.max(1)
             && let Some(tenant) = self.waiting.pop()
         {
-            self.spawn(tenant);
+            self.spawn(tenant, now);
         }
     }
 
@@ -69,12 +65,11 @@ impl<H: Handle> Core<H> {
             .insert(drainer.id(), Child::Drainer(tenant.clone()));
         // Its bucket may have moved on while it started (the core is told in order, but be
         // safe): finish it where it is leaving, stop it where it is lost.
-        match (self.phase, self.buckets.get(&bucket_of(&tenant))) {
-            (Phase::Running, Some(BucketState::Held(_))) => {}
-            (Phase::Finishing, _) | (_, Some(BucketState::Leaving)) => {
-                self.commands.push_back(Command::Finish(drainer.clone()));
-            }
-            _ => self.commands.push_back(Command::Kill(drainer.clone())),
+        let bucket = bucket_of(&tenant);
+        if self.phase == Phase::Finishing || self.leaving(bucket) {
+            self.commands.push_back(Command::Finish(drainer.clone()));
+        } else if self.phase != Phase::Running || !self.staying(bucket) {
+            self.commands.push_back(Command::Kill(drainer.clone()));
         }
         self.tenants.insert(
             tenant,
@@ -130,6 +125,7 @@ impl<H: Handle> Core<H> {
             Some(TenantSlot::Starting { backoff, .. }) => backoff,
             _ => None,
         };
+        self.settle_if_idle(bucket_of(&tenant));
         self.restart_later(tenant, backoff, now);
         self.finish_if_done();
     }
@@ -185,22 +181,14 @@ impl<H: Handle> Core<H> {
             return;
         }
         let bucket = bucket_of(&tenant);
-        let state = self.buckets.get(&bucket);
-        if matches!(state, Some(BucketState::Leaving))
-            && !self
-                .tenants
-                .iter()
-                .any(|(other, slot)| slot.alive() && bucket_of(other) == bucket)
-        {
-            // The last drainer of a bucket being handed over is done (finished, or failed:
-            // then the next owner sends its batch again).
-            self.commands.push_back(Command::Settled(bucket));
-        }
-        let held = matches!(state, Some(BucketState::Held(_)));
+        // The last drainer of a bucket being handed over may be done (finished, or failed:
+        // then the next owner sends its batch again).
+        self.settle_if_idle(bucket);
+        let held = self.staying(bucket);
         if stop.is_some() || !held {
             // Retired (idle), fenced or finished: nothing to restart, nothing to keep.
             tracing::debug!(tenant = %tenant, reason = %why, "drainer stopped");
-            self.admit_waiting();
+            self.admit_waiting(now);
             return;
         }
         metrics::counter!("relay_drainer_restarts_total").increment(1);
@@ -211,7 +199,7 @@ impl<H: Handle> Core<H> {
         } else {
             tracing::debug!(tenant = %tenant, failures, retry_in_ms, reason = %why, "drainer down; restarting");
         }
-        self.admit_waiting();
+        self.admit_waiting(now);
     }
 
     // ----- Views -----

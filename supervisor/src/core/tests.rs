@@ -3,7 +3,6 @@
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 use proptest::prelude::*;
-use store::{Lease, LeaseChanges, RelayId};
 
 use super::*;
 
@@ -41,23 +40,157 @@ fn config(max_drainers: usize) -> CoreConfig {
         },
         finish_grace: Duration::from_secs(10),
         broker_check: Some(Duration::from_millis(500)),
+        // Beats far apart: a test that wants one asks for it ([`Leasing::beat`]).
+        lease: crate::LeaseConfig {
+            ttl: Duration::from_secs(3 * 3_600),
+            heartbeat: Duration::from_secs(3_600),
+        },
     }
 }
 
-/// A lease on each bucket, valid for an hour (kept so the fences stay open).
-fn leases(buckets: impl IntoIterator<Item = Bucket>) -> Vec<Lease> {
-    let until = Instant::now() + Duration::from_secs(3_600);
-    buckets
-        .into_iter()
-        .map(|bucket| Lease::new(bucket, RelayId::generate(), 1, until))
-        .collect()
+/// The earliest timer other than the heartbeat's.
+fn due(core: &Core<Fake>) -> Option<Instant> {
+    core.timers
+        .iter()
+        .filter(|(timer, _)| **timer != Timer::LeaseBeat)
+        .map(|(_, at)| at)
+        .min()
 }
 
-fn gained(leases: &[Lease]) -> LeaseChanges {
-    LeaseChanges {
-        gained: leases.iter().map(Lease::fence).collect(),
-        lost: Vec::new(),
+/// The lease tables as the core's calls find them, and the fence cells as the actor writes
+/// them; answers each call at once. Only `offered` buckets can be claimed; one released goes
+/// to another relay.
+#[derive(Debug, Default)]
+struct Leasing {
+    /// Rows held by this relay, with their epochs.
+    mine: BTreeMap<Bucket, i64>,
+    /// Free rows (claimable), with their last epochs.
+    free: BTreeMap<Bucket, i64>,
+    members: u32,
+    /// PostgreSQL does not answer.
+    down: bool,
+    /// Fence cells: epoch and until, per bucket (a closed one is removed).
+    fences: BTreeMap<Bucket, (i64, Instant)>,
+    released: Vec<Bucket>,
+}
+
+impl Leasing {
+    fn offering(buckets: impl IntoIterator<Item = Bucket>) -> Self {
+        Self {
+            free: buckets.into_iter().map(|bucket| (bucket, 0)).collect(),
+            members: 1,
+            ..Self::default()
+        }
     }
+
+    /// Another relay takes `bucket` over (its epoch moves on).
+    fn steal(&mut self, bucket: Bucket) {
+        self.mine.remove(&bucket);
+        self.free.remove(&bucket);
+    }
+
+    /// `bucket` becomes claimable.
+    fn offer(&mut self, bucket: Bucket) {
+        if !self.mine.contains_key(&bucket) {
+            self.free.entry(bucket).or_insert(0);
+        }
+    }
+
+    /// A beat now, whatever the heartbeat's timer says (the core must be between beats).
+    fn beat(&mut self, core: &mut Core<Fake>, now: Instant) {
+        assert_eq!(core.leases.stage, leases::LeaseStage::Waiting);
+        core.timers.stop(&Timer::LeaseBeat);
+        core.beat(leases::Beat::Later, now);
+    }
+
+    /// Carries out `command` if it is the leases' (answering calls at once), checking that a
+    /// fence is closed before its bucket is released; returns any other command.
+    fn carry(
+        &mut self,
+        core: &mut Core<Fake>,
+        command: Command<Fake>,
+        now: Instant,
+    ) -> Option<Command<Fake>> {
+        match command {
+            Command::Lease(LeaseCall::Beat { held }) => {
+                let (members, renewed) = if self.down {
+                    (None, None)
+                } else {
+                    let renewed = held
+                        .into_iter()
+                        .filter(|(bucket, epoch)| self.mine.get(bucket) == Some(epoch))
+                        .collect();
+                    (Some(self.members), Some(renewed))
+                };
+                core.lease_beaten(members, renewed, false, now);
+            }
+            Command::Lease(LeaseCall::Claim(n)) => {
+                let claimed = (!self.down).then(|| {
+                    let chosen: Vec<Bucket> =
+                        self.free.keys().take(usize::from(n)).copied().collect();
+                    chosen
+                        .into_iter()
+                        .map(|bucket| {
+                            let epoch = self.free.remove(&bucket).unwrap_or(0) + 1;
+                            self.mine.insert(bucket, epoch);
+                            (bucket, epoch)
+                        })
+                        .collect()
+                });
+                core.lease_claimed(claimed, now);
+            }
+            Command::Lease(LeaseCall::Release(leases)) => {
+                for (bucket, epoch) in leases {
+                    assert!(
+                        !self.fences.contains_key(&bucket),
+                        "{bucket:?} released before its fence closed"
+                    );
+                    if !self.down && self.mine.get(&bucket) == Some(&epoch) {
+                        self.mine.remove(&bucket);
+                    }
+                    self.released.push(bucket);
+                }
+            }
+            Command::OpenFence { bucket, held } => {
+                self.fences.insert(bucket, (held.epoch, held.until));
+            }
+            Command::ExtendFences { buckets, until } => {
+                for bucket in buckets {
+                    if let Some((_, at)) = self.fences.get_mut(&bucket) {
+                        *at = (*at).max(until);
+                    }
+                }
+            }
+            Command::CloseFence(bucket) => {
+                self.fences.remove(&bucket);
+            }
+            Command::PollNow => {}
+            other => return Some(other),
+        }
+        None
+    }
+
+    /// Whether `bucket`'s fence is open at `now`.
+    fn open(&self, bucket: Bucket, now: Instant) -> bool {
+        self.fences
+            .get(&bucket)
+            .is_some_and(|(_, until)| now < *until)
+    }
+}
+
+/// A bare core holding `buckets` (its lease calls answered; every other command dropped).
+fn core_holding(
+    max_drainers: usize,
+    buckets: impl IntoIterator<Item = Bucket>,
+) -> (Core<Fake>, Leasing) {
+    let now = Instant::now();
+    let mut core = Core::new(config(max_drainers));
+    let mut leasing = Leasing::offering(buckets);
+    core.start_leases(now);
+    while let Some(command) = core.poll() {
+        leasing.carry(&mut core, command, now);
+    }
+    (core, leasing)
 }
 
 /// Performs what the core commands like the actor would, every spawn succeeding, and returns
@@ -69,6 +202,7 @@ struct Tree {
     drainers: BTreeMap<u64, TenantId>,
     publishers: BTreeMap<u16, u64>,
     done: Vec<Command<Fake>>,
+    leasing: Leasing,
 }
 
 impl Tree {
@@ -79,26 +213,39 @@ impl Tree {
             drainers: BTreeMap::new(),
             publishers: BTreeMap::new(),
             done: Vec::new(),
+            leasing: Leasing::default(),
         };
         tree.perform(Instant::now());
         tree
     }
 
-    /// A tree holding a lease on each of `buckets` (keep the leases: they hold the fences open).
-    fn holding(
-        max_drainers: usize,
-        buckets: impl IntoIterator<Item = Bucket>,
-    ) -> (Self, Vec<Lease>) {
-        let held = leases(buckets);
+    /// A tree holding a lease on each of `buckets` (claimed by its first heartbeat).
+    fn holding(max_drainers: usize, buckets: impl IntoIterator<Item = Bucket>) -> Self {
+        let now = Instant::now();
         let mut tree = Self::new(max_drainers);
-        tree.core.leases_changed(gained(&held));
-        (tree, held)
+        tree.leasing = Leasing::offering(buckets);
+        tree.core.start_leases(now);
+        tree.perform(now);
+        tree
+    }
+
+    /// A heartbeat now.
+    fn beat(&mut self, now: Instant) {
+        self.leasing.beat(&mut self.core, now);
+        self.perform(now);
     }
 
     fn perform(&mut self, now: Instant) {
         while let Some(command) = self.core.poll() {
+            let Some(command) = self.leasing.carry(&mut self.core, command, now) else {
+                continue;
+            };
             match command {
-                Command::SpawnDrainer { tenant, .. } => {
+                Command::SpawnDrainer { tenant } => {
+                    assert!(
+                        self.leasing.open(bucket_of(&tenant), now),
+                        "a drainer starts under an open fence"
+                    );
                     self.next_id += 1;
                     self.drainers.insert(self.next_id, tenant.clone());
                     self.core.drainer_started(tenant, Fake(self.next_id), now);
@@ -151,21 +298,21 @@ fn every_publisher_starts_and_a_dead_one_restarts_after_its_backoff() {
         tree.take()[..],
         [Command::PublisherGone(ShardId(1))]
     ));
-    let due = tree.core.poll_timeout().expect("a respawn is due");
-    assert!(due >= now + Duration::from_millis(100) && due <= now + Duration::from_secs(10));
-    tree.core.handle_timeout(due - Duration::from_millis(1));
-    tree.perform(due);
+    let at = due(&tree.core).expect("a respawn is due");
+    assert!(at >= now + Duration::from_millis(100) && at <= now + Duration::from_secs(10));
+    tree.core.handle_timeout(at - Duration::from_millis(1));
+    tree.perform(at);
     assert_eq!(tree.publishers[&1], first, "not before its backoff");
-    tree.core.handle_timeout(due);
-    tree.perform(due);
+    tree.core.handle_timeout(at);
+    tree.perform(at);
     assert_ne!(tree.publishers[&1], first);
     assert_eq!(tree.core.publisher_failures(ShardId(1)), 1);
     tree.core.publisher_healthy(ShardId(1));
     assert_eq!(tree.core.publisher_failures(ShardId(1)), 0);
     // The end of a child the core no longer knows (or never knew) changes nothing.
-    tree.core.child_ended(first, "late", None, due);
-    tree.core.child_ended(999, "unknown", None, due);
-    tree.perform(due);
+    tree.core.child_ended(first, "late", None, at);
+    tree.core.child_ended(999, "unknown", None, at);
+    tree.perform(at);
     assert!(tree.take().is_empty());
 }
 
@@ -176,9 +323,9 @@ fn every_publisher_starts_and_a_dead_one_restarts_after_its_backoff() {
 fn a_recovered_publisher_restarts_the_others_now_and_resumes_every_drainer() {
     let mut now = Instant::now();
     let tenants = tenants_in_distinct_buckets(2);
-    let (mut tree, _leases) = Tree::holding(10, tenants.iter().map(bucket_of));
+    let mut tree = Tree::holding(10, tenants.iter().map(bucket_of));
     for tenant in &tenants {
-        tree.core.notified(tenant.clone());
+        tree.core.notified(tenant.clone(), now);
     }
     tree.perform(now);
     assert_eq!(tree.drainers.len(), 2);
@@ -192,7 +339,7 @@ fn a_recovered_publisher_restarts_the_others_now_and_resumes_every_drainer() {
         tree.perform(now);
         // Both restart, each after its own delay.
         while ended.contains(&tree.publishers[&0]) || ended.contains(&tree.publishers[&1]) {
-            now = tree.core.poll_timeout().expect("respawns are due");
+            now = due(&tree.core).expect("respawns are due");
             tree.core.handle_timeout(now);
             tree.perform(now);
         }
@@ -204,18 +351,18 @@ fn a_recovered_publisher_restarts_the_others_now_and_resumes_every_drainer() {
         .child_ended(id, "the broker session faulted", None, now);
     tree.perform(now);
     tree.take();
-    let due = tree.core.poll_timeout().expect("shard 1's respawn is due");
+    let at = due(&tree.core).expect("shard 1's respawn is due");
     assert!(
-        due >= now + Duration::from_millis(1_000),
+        at >= now + Duration::from_millis(1_000),
         "grown: {:?}",
-        due - now
+        at - now
     );
     // Shard 0 has a publish confirmed: the broker is back.
     tree.core.publisher_healthy(ShardId(0));
     tree.perform(now);
     assert_ne!(tree.publishers[&1], id, "shard 1 restarted at once");
     assert_eq!(tree.core.publisher_failures(ShardId(1)), 0);
-    assert_eq!(tree.core.poll_timeout(), None, "its timer is gone");
+    assert_eq!(due(&tree.core), None, "its timer is gone");
     let mut resumed: Vec<u64> = tree
         .take()
         .into_iter()
@@ -260,7 +407,7 @@ fn the_broker_is_checked_while_publishers_wait_and_its_answer_restarts_them() {
             .any(|c| matches!(c, Command::CheckBroker))
     );
     while ended.contains(&tree.publishers[&0]) || ended.contains(&tree.publishers[&1]) {
-        now = tree.core.poll_timeout().unwrap();
+        now = due(&tree.core).unwrap();
         tree.core.handle_timeout(now);
         tree.perform(now);
     }
@@ -276,7 +423,7 @@ fn the_broker_is_checked_while_publishers_wait_and_its_answer_restarts_them() {
         tree.take();
         let mut checks = 0;
         while ended.contains(&tree.publishers[&0]) || ended.contains(&tree.publishers[&1]) {
-            now = tree.core.poll_timeout().unwrap();
+            now = due(&tree.core).unwrap();
             tree.core.handle_timeout(now);
             tree.perform(now);
             if tree
@@ -294,7 +441,7 @@ fn the_broker_is_checked_while_publishers_wait_and_its_answer_restarts_them() {
     }
     let ended = fail_both(&mut tree, now);
     tree.take();
-    let respawn = tree.core.poll_timeout().unwrap();
+    let respawn = due(&tree.core).unwrap();
     let check = now + Duration::from_millis(500);
     assert_eq!(respawn, check, "the check comes first");
     let waited_until = tree.core.timers.iter().map(|(_, at)| at).max().unwrap();
@@ -306,7 +453,7 @@ fn the_broker_is_checked_while_publishers_wait_and_its_answer_restarts_them() {
     tree.core.broker_checked(true, check);
     tree.perform(check);
     assert!(!ended.contains(&tree.publishers[&0]) && !ended.contains(&tree.publishers[&1]));
-    assert_eq!(tree.core.poll_timeout(), None);
+    assert_eq!(due(&tree.core), None);
     // It fails their publishes: no check now, only their own backoff.
     let ended = fail_both(&mut tree, check);
     tree.take();
@@ -318,7 +465,7 @@ fn the_broker_is_checked_while_publishers_wait_and_its_answer_restarts_them() {
         "no check while spent"
     );
     while ended.contains(&tree.publishers[&0]) || ended.contains(&tree.publishers[&1]) {
-        now = tree.core.poll_timeout().unwrap();
+        now = due(&tree.core).unwrap();
         tree.core.handle_timeout(now);
         tree.perform(now);
     }
@@ -339,20 +486,20 @@ fn a_publisher_that_cannot_start_is_tried_again_and_none_restarts_while_finishin
     }
     core.publisher_failed_to_start(ShardId(0), now);
     core.publisher_started(ShardId(1), 7);
-    let due = core.poll_timeout().expect("a retry is due");
-    core.handle_timeout(due);
+    let at = due(&core).expect("a retry is due");
+    core.handle_timeout(at);
     assert!(matches!(
         core.poll(),
         Some(Command::SpawnPublisher(ShardId(0)))
     ));
-    core.finish(due);
+    core.finish(at);
     assert!(matches!(core.poll(), Some(Command::Finished)));
-    core.child_ended(7, "stopped", None, due);
+    core.child_ended(7, "stopped", None, at);
     assert!(matches!(
         core.poll(),
         Some(Command::PublisherGone(ShardId(1)))
     ));
-    assert_eq!(core.poll_timeout(), None, "nothing restarts once finished");
+    assert_eq!(due(&core), None, "nothing restarts once finished");
     assert_eq!(started, vec![ShardId(0), ShardId(1)]);
 }
 
@@ -360,8 +507,8 @@ fn a_publisher_that_cannot_start_is_tried_again_and_none_restarts_while_finishin
 fn tenants_beyond_the_cap_wait_in_order_and_get_the_slots_that_free_up() {
     let now = Instant::now();
     let tenants = tenants_in_distinct_buckets(4);
-    let (mut tree, _held) = Tree::holding(2, tenants.iter().map(bucket_of));
-    tree.core.pending(tenants.clone());
+    let mut tree = Tree::holding(2, tenants.iter().map(bucket_of));
+    tree.core.pending(tenants.clone(), now);
     tree.perform(now);
     assert_eq!(tree.drainers.len(), 2);
     assert_eq!(tree.core.drainers_alive(), 2);
@@ -373,7 +520,7 @@ fn tenants_beyond_the_cap_wait_in_order_and_get_the_slots_that_free_up() {
     assert!(tree.drainer_of(&tenants[3]).is_none());
     // A poll that no longer lists a waiting tenant drops it from the queue.
     tree.core
-        .pending(vec![tenants[0].clone(), tenants[2].clone()]);
+        .pending(vec![tenants[0].clone(), tenants[2].clone()], now);
     tree.perform(now);
     assert!(!tree.core.crowded());
     tree.end(&tenants[0], true, now);
@@ -385,16 +532,16 @@ fn tenants_beyond_the_cap_wait_in_order_and_get_the_slots_that_free_up() {
 fn wake_ups_coalesce_until_the_drainer_takes_one() {
     let now = Instant::now();
     let tenants = tenants_in_distinct_buckets(2);
-    let (mut tree, _held) = Tree::holding(10, [bucket_of(&tenants[0])]);
-    tree.core.notified(tenants[0].clone());
+    let mut tree = Tree::holding(10, [bucket_of(&tenants[0])]);
+    tree.core.notified(tenants[0].clone(), now);
     tree.perform(now);
     assert_eq!(tree.drainers.len(), 1);
     for _ in 0..3 {
-        tree.core.notified(tenants[0].clone());
-        tree.core.pending(vec![tenants[0].clone()]);
+        tree.core.notified(tenants[0].clone(), now);
+        tree.core.pending(vec![tenants[0].clone()], now);
     }
     // A tenant in a bucket not held is not drained here.
-    tree.core.notified(tenants[1].clone());
+    tree.core.notified(tenants[1].clone(), now);
     tree.perform(now);
     let done = tree.take();
     assert!(matches!(done[..], [Command::Drain(_)]), "{done:?}");
@@ -408,7 +555,7 @@ fn wake_ups_coalesce_until_the_drainer_takes_one() {
     tree.perform(now);
     assert!(tree.take().is_empty());
     // Nothing queued: the next wake-up is sent at once.
-    tree.core.notified(tenants[0].clone());
+    tree.core.notified(tenants[0].clone(), now);
     tree.perform(now);
     assert!(matches!(tree.take()[..], [Command::Drain(_)]));
     // A report of a drainer that is gone changes nothing.
@@ -423,8 +570,8 @@ fn wake_ups_coalesce_until_the_drainer_takes_one() {
 fn an_idle_drainer_is_told_to_retire_only_while_tenants_wait() {
     let now = Instant::now();
     let tenants = tenants_in_distinct_buckets(3);
-    let (mut tree, _held) = Tree::holding(2, tenants.iter().map(bucket_of));
-    tree.core.pending(tenants[..2].to_vec());
+    let mut tree = Tree::holding(2, tenants.iter().map(bucket_of));
+    tree.core.pending(tenants[..2].to_vec(), now);
     tree.perform(now);
     tree.take();
     let first = tree.drainer_of(&tenants[0]).unwrap();
@@ -434,7 +581,7 @@ fn an_idle_drainer_is_told_to_retire_only_while_tenants_wait() {
         tree.take().is_empty(),
         "no one waits: it retires on its own timer"
     );
-    tree.core.pending(tenants.clone());
+    tree.core.pending(tenants.clone(), now);
     tree.perform(now);
     tree.take();
     assert!(tree.core.crowded());
@@ -450,30 +597,26 @@ fn an_idle_drainer_is_told_to_retire_only_while_tenants_wait() {
 fn a_failed_drainer_restarts_after_its_backoff_and_an_orderly_one_does_not() {
     let now = Instant::now();
     let tenants = tenants_in_distinct_buckets(2);
-    let (mut tree, _held) = Tree::holding(10, tenants.iter().map(bucket_of));
-    tree.core.pending(tenants.clone());
+    let mut tree = Tree::holding(10, tenants.iter().map(bucket_of));
+    tree.core.pending(tenants.clone(), now);
     tree.perform(now);
     tree.end(&tenants[0], true, now);
-    assert_eq!(
-        tree.core.poll_timeout(),
-        None,
-        "retired: nothing to restart"
-    );
+    assert_eq!(due(&tree.core), None, "retired: nothing to restart");
     assert_eq!(tree.core.slots(), 1, "retired: nothing kept");
     tree.end(&tenants[1], false, now);
     assert_eq!(tree.core.drainers_alive(), 0);
-    let first = tree.core.poll_timeout().expect("a restart is due");
+    let first = due(&tree.core).expect("a restart is due");
     assert!(first >= now + Duration::from_millis(100));
     tree.core.handle_timeout(first);
     tree.perform(first);
     assert!(tree.drainer_of(&tenants[1]).is_some());
     // Failing again at once: the delay grows (jitter at most doubles a delay).
     tree.end(&tenants[1], false, first);
-    let second = tree.core.poll_timeout().expect("a restart is due");
+    let second = due(&tree.core).expect("a restart is due");
     assert!(second.duration_since(first) >= Duration::from_millis(200));
     // A wake-up waits for the backoff: the host's commits do not restart it early.
-    tree.core.notified(tenants[1].clone());
-    tree.core.pending(tenants.clone());
+    tree.core.notified(tenants[1].clone(), now);
+    tree.core.pending(tenants.clone(), now);
     tree.perform(first);
     assert!(tree.drainer_of(&tenants[1]).is_none());
     // Its timer does.
@@ -492,13 +635,13 @@ fn a_failing_drainer_woken_a_thousand_times_a_second_restarts_only_on_its_backof
     let start = Instant::now();
     let tenants = tenants_in_distinct_buckets(1);
     let tenant = &tenants[0];
-    let (mut tree, _held) = Tree::holding(10, [bucket_of(tenant)]);
+    let mut tree = Tree::holding(10, [bucket_of(tenant)]);
     let mut restarts: Vec<Instant> = Vec::new();
     let mut failed_at = None;
     for ms in 0..30_000u64 {
         let now = start + Duration::from_millis(ms);
         tree.core.handle_timeout(now);
-        tree.core.notified(tenant.clone());
+        tree.core.notified(tenant.clone(), now);
         tree.perform(now);
         if tree.drainer_of(tenant).is_some() {
             if failed_at.is_some() {
@@ -537,18 +680,16 @@ fn a_failing_drainer_woken_a_thousand_times_a_second_restarts_only_on_its_backof
 fn a_drainer_that_cannot_start_is_tried_again() {
     let now = Instant::now();
     let tenants = tenants_in_distinct_buckets(1);
-    let held = leases([bucket_of(&tenants[0])]);
-    let mut core: Core<Fake> = Core::new(config(1));
-    core.leases_changed(gained(&held));
-    core.notified(tenants[0].clone());
+    let (mut core, _) = core_holding(1, [bucket_of(&tenants[0])]);
+    core.notified(tenants[0].clone(), now);
     while let Some(command) = core.poll() {
         if let Command::SpawnDrainer { tenant, .. } = command {
             core.drainer_failed_to_start(tenant, now);
         }
     }
     assert_eq!(core.drainers_alive(), 0);
-    let due = core.poll_timeout().expect("a retry is due");
-    core.handle_timeout(due);
+    let at = due(&core).expect("a retry is due");
+    core.handle_timeout(at);
     assert!(matches!(core.poll(), Some(Command::SpawnDrainer { .. })));
 }
 
@@ -556,48 +697,68 @@ fn a_drainer_that_cannot_start_is_tried_again() {
 fn a_lost_lease_stops_its_drainers_and_forgets_them() {
     let now = Instant::now();
     let tenants = tenants_in_distinct_buckets(3);
-    let (mut tree, _held) = Tree::holding(10, tenants.iter().map(bucket_of));
-    tree.core.pending(tenants.clone());
+    let mut tree = Tree::holding(10, tenants.iter().map(bucket_of));
+    tree.core.pending(tenants.clone(), now);
     tree.perform(now);
     let killed = tree.drainer_of(&tenants[0]).expect("running");
     tree.end(&tenants[2], false, now);
     assert_eq!(tree.core.slots(), 3, "one restarting");
-    tree.core.leases_changed(LeaseChanges {
-        gained: Vec::new(),
-        lost: vec![bucket_of(&tenants[0]), bucket_of(&tenants[2])],
-    });
-    tree.perform(now);
+    // Another relay took two buckets over: the next renewal does not return them.
+    tree.leasing.steal(bucket_of(&tenants[0]));
+    tree.leasing.steal(bucket_of(&tenants[2]));
+    tree.beat(now);
     assert!(matches!(tree.take()[..], [Command::Kill(Fake(id))] if id == killed));
+    assert!(
+        !tree.leasing.open(bucket_of(&tenants[0]), now),
+        "its fence closed"
+    );
+    assert!(tree.leasing.released.is_empty(), "not ours to release");
     assert_eq!(tree.core.slots(), 1, "nothing kept for lost buckets");
     // The killed drainer's end arrives later and restarts nothing; neither does the timer.
     tree.core.child_ended(killed, "killed", None, now);
     tree.core.handle_timeout(now + Duration::from_secs(60));
-    tree.core.notified(tenants[0].clone());
+    tree.core.notified(tenants[0].clone(), now);
     tree.perform(now);
     assert!(tree.take().is_empty());
     assert_eq!(tree.drainers.len(), 1);
     assert_eq!(tree.core.buckets_held(), 1);
 }
 
+/// `count` tenants in distinct buckets, ordered by bucket (a handover gives up the
+/// highest-numbered buckets first).
+fn tenants_by_bucket(count: usize) -> Vec<TenantId> {
+    let mut tenants = tenants_in_distinct_buckets(count);
+    tenants.sort_by_key(bucket_of);
+    tenants
+}
+
 #[test]
 fn a_handover_finishes_the_buckets_drainers_and_settles_each_bucket_once_empty() {
     let now = Instant::now();
-    let tenants = tenants_in_distinct_buckets(3);
-    let (mut tree, _held) = Tree::holding(10, tenants.iter().map(bucket_of));
-    tree.core.pending(tenants[..2].to_vec());
+    let tenants = tenants_by_bucket(3);
+    let mut tree = Tree::holding(10, tenants.iter().map(bucket_of));
+    assert_eq!(tree.core.buckets_held(), 3);
+    tree.core.pending(tenants[..2].to_vec(), now);
     tree.perform(now);
-    // tenants[0] drains, tenants[2]'s bucket has no drainer.
-    let leaving = vec![bucket_of(&tenants[0]), bucket_of(&tenants[2])];
-    tree.core.hand_over(leaving);
-    tree.perform(now);
+    // Many relays now: this one's share is 1, so it hands the two highest buckets over;
+    // tenants[1] drains, tenants[2]'s bucket has no drainer.
+    tree.leasing.members = 128;
+    tree.beat(now);
     let done = tree.take();
+    assert!(matches!(done[..], [Command::Finish(_)]), "{done:?}");
+    assert_eq!(
+        tree.leasing.released,
+        vec![bucket_of(&tenants[2])],
+        "empty: released at once"
+    );
     assert!(
-        matches!(done[..], [Command::Finish(_), Command::Settled(bucket)] if bucket == bucket_of(&tenants[2])),
-        "{done:?}"
+        tree.leasing.open(bucket_of(&tenants[1]), now),
+        "open while its batches settle"
     );
     // No drainer starts in a leaving bucket, whatever wakes it.
-    tree.core.pending(tenants.clone());
-    tree.core.notified(tenants[2].clone());
+    tree.core.pending(tenants.clone(), now);
+    tree.core.notified(tenants[2].clone(), now);
+    tree.core.notified(tenants[1].clone(), now);
     tree.perform(now);
     assert!(
         !tree
@@ -606,34 +767,70 @@ fn a_handover_finishes_the_buckets_drainers_and_settles_each_bucket_once_empty()
             .any(|c| matches!(c, Command::SpawnDrainer { .. }))
     );
     assert_eq!(tree.core.buckets_held(), 1);
-    // Its drainer finishes: the bucket is settled.
-    tree.end(&tenants[0], true, now);
-    assert!(
-        matches!(tree.take()[..], [Command::Settled(bucket)] if bucket == bucket_of(&tenants[0]))
+    // Its drainer finishes: the bucket is released, after its fence closed.
+    tree.end(&tenants[1], true, now);
+    assert!(tree.take().is_empty());
+    assert_eq!(
+        tree.leasing.released,
+        vec![bucket_of(&tenants[2]), bucket_of(&tenants[1])]
     );
+    assert!(!tree.leasing.open(bucket_of(&tenants[1]), now));
+    assert_eq!(tree.core.leases.book.len(), 1);
 }
 
 #[test]
 fn a_failed_drainer_of_a_leaving_bucket_settles_it_and_does_not_restart() {
     let now = Instant::now();
-    let tenants = tenants_in_distinct_buckets(1);
-    let (mut tree, _held) = Tree::holding(10, [bucket_of(&tenants[0])]);
-    tree.core.notified(tenants[0].clone());
+    let tenants = tenants_by_bucket(2);
+    let mut tree = Tree::holding(10, tenants.iter().map(bucket_of));
+    tree.core.notified(tenants[1].clone(), now);
     tree.perform(now);
-    tree.core.hand_over(vec![bucket_of(&tenants[0])]);
+    tree.leasing.members = 128;
+    tree.beat(now);
+    assert!(matches!(tree.take()[..], [Command::Finish(_)]));
+    tree.end(&tenants[1], false, now);
+    assert_eq!(tree.leasing.released, vec![bucket_of(&tenants[1])]);
+    assert_eq!(due(&tree.core), None, "no restart");
+}
+
+/// A handover whose drainers do not finish within the grace is forced at a later beat (their
+/// drainers are stopped, then the bucket released), but never while the broker blocks a
+/// connection of this relay.
+#[test]
+fn a_handover_that_does_not_settle_is_forced_at_a_beat_after_the_grace_unless_blocked() {
+    let now = Instant::now();
+    let tenants = tenants_by_bucket(2);
+    let mut tree = Tree::holding(10, tenants.iter().map(bucket_of));
+    tree.core.notified(tenants[1].clone(), now);
     tree.perform(now);
-    tree.take();
-    tree.end(&tenants[0], false, now);
-    assert!(matches!(tree.take()[..], [Command::Settled(_)]));
-    assert_eq!(tree.core.poll_timeout(), None);
+    tree.leasing.members = 128;
+    tree.beat(now);
+    assert!(matches!(tree.take()[..], [Command::Finish(_)]));
+    // Past the grace (10 s), with the broker blocking a connection: nothing is forced.
+    let later = now + Duration::from_secs(11);
+    tree.core.timers.stop(&Timer::LeaseBeat);
+    tree.core.beat(leases::Beat::Later, later);
+    let Some(Command::Lease(LeaseCall::Beat { held })) = tree.core.poll() else {
+        panic!("a beat is commanded");
+    };
+    tree.core.lease_beaten(Some(128), Some(held), true, later);
+    tree.perform(later);
+    assert!(tree.take().is_empty());
+    assert!(tree.leasing.released.is_empty());
+    assert!(tree.core.leases.book.is_leaving(bucket_of(&tenants[1])));
+    // The alarm cleared: the next beat forces it.
+    tree.beat(later);
+    assert!(matches!(tree.take()[..], [Command::Kill(_)]));
+    assert_eq!(tree.leasing.released, vec![bucket_of(&tenants[1])]);
+    assert!(tree.drainers.is_empty());
 }
 
 #[test]
 fn finishing_waits_for_every_drainer_then_the_deadline_kills_the_rest() {
     let now = Instant::now();
     let tenants = tenants_in_distinct_buckets(3);
-    let (mut tree, _held) = Tree::holding(10, tenants.iter().map(bucket_of));
-    tree.core.pending(tenants.clone());
+    let mut tree = Tree::holding(10, tenants.iter().map(bucket_of));
+    tree.core.pending(tenants.clone(), now);
     tree.perform(now);
     tree.core.finish(now);
     tree.perform(now);
@@ -645,12 +842,18 @@ fn finishing_waits_for_every_drainer_then_the_deadline_kills_the_rest() {
         3
     );
     // Nothing new starts, a failure restarts nothing.
-    tree.core.notified(tenant("newcomer"));
+    tree.core.notified(tenant("newcomer"), now);
     tree.end(&tenants[0], false, now);
     assert!(tree.take().is_empty());
     tree.end(&tenants[1], true, now);
     assert!(tree.take().is_empty());
-    let deadline = tree.core.poll_timeout().expect("the grace is armed");
+    let deadline = tree
+        .core
+        .timers
+        .iter()
+        .find(|(timer, _)| **timer == Timer::FinishDeadline)
+        .map(|(_, at)| at)
+        .expect("the grace is armed");
     assert_eq!(deadline, now + Duration::from_secs(10));
     tree.core.handle_timeout(deadline);
     tree.perform(deadline);
@@ -671,15 +874,13 @@ fn a_finish_waiting_on_drainers_of_a_lost_lease_is_done_when_they_are_stopped() 
     // Found by the property below: the finish waited out its whole grace.
     let now = Instant::now();
     let tenants = tenants_in_distinct_buckets(1);
-    let (mut tree, _held) = Tree::holding(10, [bucket_of(&tenants[0])]);
-    tree.core.notified(tenants[0].clone());
+    let mut tree = Tree::holding(10, [bucket_of(&tenants[0])]);
+    tree.core.notified(tenants[0].clone(), now);
     tree.perform(now);
     tree.core.finish(now);
-    tree.core.leases_changed(LeaseChanges {
-        gained: Vec::new(),
-        lost: vec![bucket_of(&tenants[0])],
-    });
     tree.perform(now);
+    tree.leasing.steal(bucket_of(&tenants[0]));
+    tree.beat(now);
     let done = tree.take();
     assert!(
         matches!(
@@ -701,26 +902,25 @@ fn finishing_with_no_drainer_is_done_at_once() {
 #[test]
 fn a_drainer_that_starts_after_its_bucket_left_is_not_left_running() {
     let now = Instant::now();
-    let tenants = tenants_in_distinct_buckets(2);
-    let held = leases(tenants.iter().map(bucket_of));
-    let mut core: Core<Fake> = Core::new(config(10));
-    while core.poll().is_some() {}
-    core.leases_changed(gained(&held));
-    core.pending(tenants.clone());
+    let tenants = tenants_by_bucket(3);
+    let (mut core, mut leasing) = core_holding(10, tenants.iter().map(bucket_of));
+    core.pending(tenants[1..].to_vec(), now);
     let spawns: Vec<TenantId> = std::iter::from_fn(|| core.poll())
         .filter_map(|command| match command {
-            Command::SpawnDrainer { tenant, .. } => Some(tenant),
+            Command::SpawnDrainer { tenant } => Some(tenant),
             _ => None,
         })
         .collect();
     assert_eq!(spawns.len(), 2);
-    core.hand_over(vec![bucket_of(&tenants[0])]);
-    core.leases_changed(LeaseChanges {
-        gained: Vec::new(),
-        lost: vec![bucket_of(&tenants[1])],
-    });
-    while core.poll().is_some() {}
-    core.drainer_started(tenants[0].clone(), Fake(1), now);
+    // While they start: tenants[1]'s bucket is lost, tenants[2]'s handed over (share 1).
+    leasing.steal(bucket_of(&tenants[1]));
+    leasing.members = 128;
+    leasing.beat(&mut core, now);
+    while let Some(command) = core.poll() {
+        leasing.carry(&mut core, command, now);
+    }
+    assert!(core.leases.book.is_leaving(bucket_of(&tenants[2])));
+    core.drainer_started(tenants[2].clone(), Fake(1), now);
     assert!(matches!(core.poll(), Some(Command::Finish(Fake(1)))));
     core.drainer_started(tenants[1].clone(), Fake(2), now);
     assert!(matches!(core.poll(), Some(Command::Kill(Fake(2)))));
@@ -733,9 +933,16 @@ fn a_drainer_that_starts_after_its_bucket_left_is_not_left_running() {
 
 #[derive(Clone, Debug)]
 enum Event {
+    /// The tenant's bucket becomes claimable.
     Gain(usize),
+    /// Another relay takes the tenant's bucket over.
     Lose(usize),
-    HandOver(usize),
+    /// This many relays are live (shares of 128, 5, 3 and 1 buckets: hand overs).
+    Members(u32),
+    /// PostgreSQL stops or starts answering the lease calls.
+    Database(bool),
+    /// A heartbeat now (if none is out).
+    Beat,
     Pending(Vec<usize>),
     Notified(usize),
     /// The nth running drainer stops: orderly or failed.
@@ -758,7 +965,9 @@ fn event(tenants: usize) -> impl Strategy<Value = Event> {
     prop_oneof![
         2 => (0..tenants).prop_map(Event::Gain),
         1 => (0..tenants).prop_map(Event::Lose),
-        1 => (0..tenants).prop_map(Event::HandOver),
+        1 => prop::sample::select(vec![1u32, 26, 43, 128]).prop_map(Event::Members),
+        1 => any::<bool>().prop_map(Event::Database),
+        2 => Just(Event::Beat),
         3 => proptest::collection::vec(0..tenants, 0..tenants).prop_map(Event::Pending),
         3 => (0..tenants).prop_map(Event::Notified),
         3 => (0..8usize, any::<bool>()).prop_map(|(n, orderly)| Event::DrainerEnds(n, orderly)),
@@ -782,10 +991,7 @@ struct Checked {
     fail_next_spawn: bool,
     drainers: BTreeMap<u64, TenantId>,
     publishers: BTreeMap<u16, u64>,
-    /// Lease per tenant index (each tenant has a bucket of its own).
-    held: BTreeMap<usize, Lease>,
-    leaving: BTreeSet<Bucket>,
-    settled: Vec<Bucket>,
+    leasing: Leasing,
     finished: usize,
     finish_asked: bool,
     /// A broker check is running.
@@ -795,9 +1001,26 @@ struct Checked {
 impl Checked {
     fn perform(&mut self) {
         while let Some(command) = self.core.poll() {
+            if let Command::Lease(LeaseCall::Release(leases)) = &command {
+                for (bucket, _) in leases {
+                    assert!(
+                        !self
+                            .drainers
+                            .values()
+                            .any(|tenant| bucket_of(tenant) == *bucket),
+                        "released {bucket:?} with a drainer running on it"
+                    );
+                }
+            }
+            let Some(command) = self.leasing.carry(&mut self.core, command, self.now) else {
+                continue;
+            };
             match command {
-                Command::SpawnDrainer { tenant, fence, .. } => {
-                    assert!(fence.is_open(), "a drainer starts under an open fence");
+                Command::SpawnDrainer { tenant } => {
+                    assert!(
+                        self.leasing.open(bucket_of(&tenant), self.now),
+                        "a drainer starts under an open fence"
+                    );
                     assert!(!self.finish_asked, "nothing starts once finishing");
                     assert!(
                         !self.drainers.values().any(|running| *running == tenant),
@@ -841,25 +1064,12 @@ impl Checked {
                 | Command::Finish(Fake(id)) => {
                     assert!(self.drainers.contains_key(&id), "told a dead drainer");
                 }
-                Command::Settled(bucket) => {
-                    assert!(
-                        self.leaving.contains(&bucket),
-                        "settled a bucket not leaving"
-                    );
-                    assert!(
-                        !self
-                            .drainers
-                            .values()
-                            .any(|tenant| bucket_of(tenant) == bucket),
-                        "settled {bucket:?} with a drainer running on it"
-                    );
-                    self.settled.push(bucket);
-                }
                 Command::Finished => {
                     assert!(self.finish_asked);
                     assert!(self.drainers.is_empty(), "finished with drainers running");
                     self.finished += 1;
                 }
+                other => panic!("not the tree's: {other:?}"),
             }
         }
         self.check();
@@ -874,10 +1084,19 @@ impl Checked {
         assert_eq!(running, self.drainers, "the core's drainers are the tree's");
         assert_eq!(self.core.drainers_alive(), self.drainers.len());
         assert!(self.drainers.len() <= self.max, "over the cap");
+        let held: BTreeSet<Bucket> = self
+            .core
+            .leases
+            .book
+            .held()
+            .into_iter()
+            .map(|(bucket, _)| bucket)
+            .collect();
+        let fenced: BTreeSet<Bucket> = self.leasing.fences.keys().copied().collect();
+        assert_eq!(held, fenced, "a fence per lease the book holds, no other");
         for tenant in self.drainers.values() {
-            let bucket = bucket_of(tenant);
             assert!(
-                self.held.values().any(|lease| lease.bucket() == bucket),
+                held.contains(&bucket_of(tenant)),
                 "{tenant} drains in a bucket not held"
             );
         }
@@ -888,10 +1107,13 @@ impl Checked {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(2_000))]
 
-    /// Under any sequence of leases, wake-ups, failures and handovers: the core's drainers are
-    /// exactly the tree's, at most one per tenant, never over the cap, never in a bucket not
-    /// held; a bucket is settled only with no drainer on it, and every bucket handed over is
-    /// settled once its drainers end; a finish ends once, with nothing running.
+    /// Under any sequence of leases gained, lost and handed over (by the share), database
+    /// outages, wake-ups and failures: the core's drainers are exactly the tree's, at most one
+    /// per tenant, never over the cap, never in a bucket not held or under a closed fence;
+    /// every lease the book holds has a fence and no other does; a fence closes before its
+    /// bucket is released, and a bucket is released with no drainer on it; every bucket
+    /// handed over is released once its drainers end; a finish ends once, with nothing
+    /// running.
     #[test]
     fn the_tree_follows_the_core_under_any_sequence(
         max in 1..4usize,
@@ -899,17 +1121,23 @@ proptest! {
     ) {
         let tenants = tenants_in_distinct_buckets(5);
         let start = Instant::now();
+        let mut core = Core::new(CoreConfig {
+            lease: crate::LeaseConfig {
+                ttl: Duration::from_secs(3),
+                heartbeat: Duration::from_secs(1),
+            },
+            ..config(max)
+        });
+        core.start_leases(start);
         let mut tree = Checked {
-            core: Core::new(config(max)),
+            core,
             max,
             now: start,
             next_id: 0,
             fail_next_spawn: false,
             drainers: BTreeMap::new(),
             publishers: BTreeMap::new(),
-            held: BTreeMap::new(),
-            leaving: BTreeSet::new(),
-            settled: Vec::new(),
+            leasing: Leasing::offering([]),
             finished: 0,
             finish_asked: false,
             checking: false,
@@ -917,32 +1145,19 @@ proptest! {
         tree.perform();
         for event in events {
             match event {
-                Event::Gain(n) => {
-                    let bucket = bucket_of(&tenants[n]);
-                    let lease = Lease::new(bucket, RelayId::generate(), 1, start + Duration::from_secs(3_600));
-                    tree.core.leases_changed(LeaseChanges { gained: vec![lease.fence()], lost: Vec::new() });
-                    tree.held.insert(n, lease);
-                    tree.leaving.remove(&bucket);
-                }
-                Event::Lose(n) => {
-                    let bucket = bucket_of(&tenants[n]);
-                    if let Some(lease) = tree.held.remove(&n) {
-                        lease.revoke();
-                    }
-                    tree.leaving.remove(&bucket);
-                    tree.core.leases_changed(LeaseChanges { gained: Vec::new(), lost: vec![bucket] });
-                }
-                Event::HandOver(n) => {
-                    // The keeper hands over only what it holds; the lease stays valid until settled.
-                    if tree.held.contains_key(&n) && !tree.leaving.contains(&bucket_of(&tenants[n])) {
-                        tree.leaving.insert(bucket_of(&tenants[n]));
-                        tree.core.hand_over(vec![bucket_of(&tenants[n])]);
+                Event::Gain(n) => tree.leasing.offer(bucket_of(&tenants[n])),
+                Event::Lose(n) => tree.leasing.steal(bucket_of(&tenants[n])),
+                Event::Members(members) => tree.leasing.members = members,
+                Event::Database(up) => tree.leasing.down = !up,
+                Event::Beat => {
+                    if tree.core.leases.stage == leases::LeaseStage::Waiting {
+                        tree.leasing.beat(&mut tree.core, tree.now);
                     }
                 }
                 Event::Pending(list) => {
-                    tree.core.pending(list.into_iter().map(|n| tenants[n].clone()).collect());
+                    tree.core.pending(list.into_iter().map(|n| tenants[n].clone()).collect(), tree.now);
                 }
-                Event::Notified(n) => tree.core.notified(tenants[n].clone()),
+                Event::Notified(n) => tree.core.notified(tenants[n].clone(), tree.now),
                 Event::DrainerEnds(n, orderly) => {
                     if let Some((&id, _)) = tree.drainers.iter().nth(n % tree.drainers.len().max(1)) {
                         tree.drainers.remove(&id);
@@ -990,24 +1205,15 @@ proptest! {
                 }
             }
             tree.perform();
-            // A bucket left (lost) is held by someone else now: the keeper forgets it.
-            let held_buckets: BTreeSet<Bucket> = tree.held.values().map(Lease::bucket).collect();
-            tree.leaving.retain(|bucket| held_buckets.contains(bucket));
         }
-        // Every drainer ends by itself: each bucket still being handed over is settled.
-        let leaving = tree.leaving.clone();
-        let settled_before = tree.settled.len();
+        // Every drainer ends by itself: each bucket still being handed over is released.
         let ids: Vec<u64> = tree.drainers.keys().copied().collect();
         for id in ids {
             tree.drainers.remove(&id);
             tree.core.child_ended(id, "finished", Some(actors::StopReason::Finished), tree.now);
             tree.perform();
         }
-        // (A finish stops the keeper too: what it was handing over is released with the rest.)
-        for bucket in leaving.iter().filter(|_| !tree.finish_asked) {
-            prop_assert!(tree.settled.contains(bucket), "{bucket:?} never settled");
-        }
-        prop_assert!(tree.settled.len() >= settled_before);
+        prop_assert!(tree.core.leases.book.leaving().is_empty(), "a handover never settled");
         if tree.finish_asked {
             prop_assert_eq!(tree.finished, 1, "a finish ends once everything stopped");
         }

@@ -9,7 +9,7 @@ use actors::{
 };
 use broker::RetryPolicy;
 use ractor::{ActorId, ActorRef, RpcReplyPort};
-use store::{Bucket, LeaseChanges, LeaseStore, Outbox, RelayId, TenantId};
+use store::{Bucket, LeaseStore, Outbox, RelayId, TenantId};
 
 use crate::keeper::LeaseConfig;
 
@@ -135,12 +135,17 @@ pub struct TreeSnapshot {
 /// Messages to the supervisor.
 #[derive(Debug)]
 pub enum SupervisorMessage {
-    /// The lease keeper gained or lost buckets.
-    Leases(LeaseChanges),
-    /// The lease keeper hands these buckets over (a planned move): no drainer starts on them,
-    /// their drainers finish what they have in flight, and each bucket is reported settled
-    /// to the keeper once none is left (their fences stay open until then).
-    HandOver(Vec<Bucket>),
+    /// The keeper's answer to a heartbeat: the live relays and the leases renewed, with
+    /// their epochs (`None`: that call failed).
+    LeaseBeaten {
+        /// Relays alive, this one included.
+        members: Option<u32>,
+        /// Leases still this relay's.
+        renewed: Option<Vec<(Bucket, i64)>>,
+    },
+    /// The keeper's answer to a claim: the buckets claimed, with their epochs (`None`: the
+    /// call failed).
+    LeaseClaimed(Option<Vec<(Bucket, i64)>>),
     /// Every tenant with pending intents, from the poller (sent empty too: waiting tenants
     /// it no longer lists leave the queue); those in buckets held are drained.
     Pending(Vec<TenantId>),

@@ -39,33 +39,41 @@ impl Default for LeaseConfig {
     }
 }
 
-/// Logs a repeated failure at WARN the 1st, 2nd, 4th, 8th... time, else at DEBUG.
-#[derive(Debug, Default)]
-struct Failures(u64);
-
-impl Failures {
-    fn failed(&mut self, what: &str, err: &dyn std::fmt::Display) {
-        self.0 += 1;
-        if self.0.is_power_of_two() {
-            tracing::warn!(failures = self.0, error = %err, "{what} failed; will retry");
-        } else {
-            tracing::debug!(failures = self.0, error = %err, "{what} failed; will retry");
-        }
-    }
-
-    fn ok(&mut self, what: &str) {
-        if self.0 > 0 {
-            tracing::info!(failures = self.0, "{what} recovered");
-        }
-        self.0 = 0;
-    }
+/// One kind of call's failures in a row: logged at WARN the 1st, 2nd, 4th, 8th... time, else
+/// at DEBUG, and its recovery once.
+#[derive(Debug)]
+struct Failures {
+    what: &'static str,
+    count: u64,
 }
 
-#[derive(Debug, Default)]
-struct KeeperFailures {
-    membership: Failures,
-    renewal: Failures,
-    claims: Failures,
+impl Failures {
+    fn new(what: &'static str) -> Self {
+        Self { what, count: 0 }
+    }
+
+    /// The call's value, or `None` after logging its failure.
+    fn seen<T>(&mut self, result: Result<T, String>) -> Option<T> {
+        let what = self.what;
+        match result {
+            Ok(value) => {
+                if self.count > 0 {
+                    tracing::info!(failures = self.count, "{what} recovered");
+                }
+                self.count = 0;
+                Some(value)
+            }
+            Err(err) => {
+                self.count += 1;
+                if self.count.is_power_of_two() {
+                    tracing::warn!(failures = self.count, error = %err, "{what} failed; will retry");
+                } else {
+                    tracing::debug!(failures = self.count, error = %err, "{what} failed; will retry");
+                }
+                None
+            }
+        }
+    }
 }
 
 async fn within<T>(
@@ -105,48 +113,21 @@ impl Keeper {
         mut calls: mpsc::UnboundedReceiver<KeeperCall>,
     ) {
         let limit = self.config.heartbeat.max(Duration::from_millis(100));
-        let mut failures = KeeperFailures::default();
+        let mut membership = Failures::new("relay membership");
+        let mut renewal = Failures::new("lease renewal");
+        let mut claims = Failures::new("lease claim");
         while let Some(call) = calls.recv().await {
             let answer = match call {
                 KeeperCall::Lease(LeaseCall::Beat { held }) => {
-                    let members =
-                        match within(limit, self.leases.heartbeat(&self.me, self.config.ttl)).await
-                        {
-                            Ok(live) => {
-                                failures.membership.ok("relay membership");
-                                Some(live)
-                            }
-                            Err(err) => {
-                                failures.membership.failed("relay membership", &err);
-                                None
-                            }
-                        };
+                    let beat = self.leases.heartbeat(&self.me, self.config.ttl);
+                    let members = membership.seen(within(limit, beat).await);
                     let renew = self.leases.renew(&self.me, self.config.ttl, &held);
-                    let renewed = match within(limit, renew).await {
-                        Ok(renewed) => {
-                            failures.renewal.ok("lease renewal");
-                            Some(renewed)
-                        }
-                        Err(err) => {
-                            failures.renewal.failed("lease renewal", &err);
-                            None
-                        }
-                    };
+                    let renewed = renewal.seen(within(limit, renew).await);
                     SupervisorMessage::LeaseBeaten { members, renewed }
                 }
                 KeeperCall::Lease(LeaseCall::Claim(n)) => {
                     let claim = self.leases.claim(&self.me, self.config.ttl, n);
-                    let claimed = match within(limit, claim).await {
-                        Ok(claimed) => {
-                            failures.claims.ok("lease claim");
-                            Some(claimed)
-                        }
-                        Err(err) => {
-                            failures.claims.failed("lease claim", &err);
-                            None
-                        }
-                    };
-                    SupervisorMessage::LeaseClaimed(claimed)
+                    SupervisorMessage::LeaseClaimed(claims.seen(within(limit, claim).await))
                 }
                 KeeperCall::Lease(LeaseCall::Release(leases)) => {
                     if let Err(err) = within(limit, self.leases.release(&self.me, &leases)).await {
@@ -180,24 +161,20 @@ pub(crate) async fn poll_pending(
     busy: Arc<AtomicBool>,
 ) {
     let limit = interval.max(Duration::from_secs(5));
-    let mut failures = Failures::default();
+    let mut failures = Failures::new("pending-tenant poll");
     loop {
         // Backpressure: no new batch before the supervisor handled the last one, so a slow
         // supervisor never finds a queue of stale polls in its mailbox.
-        if !busy.load(Ordering::Acquire) {
-            match within(limit, outbox.tenants_with_pending()).await {
-                Ok(tenants) => {
-                    failures.ok("pending-tenant poll");
-                    // Sent even when empty: the supervisor prunes its waiting queue with it.
-                    busy.store(true, Ordering::Release);
-                    if supervisor
-                        .cast(SupervisorMessage::Pending(tenants))
-                        .is_err()
-                    {
-                        return;
-                    }
-                }
-                Err(err) => failures.failed("pending-tenant poll", &err),
+        if !busy.load(Ordering::Acquire)
+            && let Some(tenants) = failures.seen(within(limit, outbox.tenants_with_pending()).await)
+        {
+            // Sent even when empty: the supervisor prunes its waiting queue with it.
+            busy.store(true, Ordering::Release);
+            if supervisor
+                .cast(SupervisorMessage::Pending(tenants))
+                .is_err()
+            {
+                return;
             }
         }
         tokio::select! {

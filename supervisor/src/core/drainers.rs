@@ -176,14 +176,14 @@ impl<H: Handle> Core<H> {
         // A drainer that lived longer than the longest delay failed afresh: start its backoff
         // over instead of carrying an old outage's delays forward.
         let backoff = backoff.filter(|_| now.duration_since(spawned) <= self.config.restart.max);
+        // The last drainer of a bucket being handed over may be done (finished, or failed:
+        // then the next owner sends its batch again); released now, while finishing too.
+        let bucket = bucket_of(&tenant);
+        self.settle_if_idle(bucket);
         if self.phase != Phase::Running {
             self.finish_if_done();
             return;
         }
-        let bucket = bucket_of(&tenant);
-        // The last drainer of a bucket being handed over may be done (finished, or failed:
-        // then the next owner sends its batch again).
-        self.settle_if_idle(bucket);
         let held = self.staying(bucket);
         if stop.is_some() || !held {
             // Retired (idle), fenced or finished: nothing to restart, nothing to keep.

@@ -1,7 +1,7 @@
 //! The core's graceful shutdown.
 use std::time::Instant;
 
-use store::TenantId;
+use store::{TenantId, bucket_of};
 
 use super::*;
 
@@ -33,6 +33,8 @@ impl<H: Handle> Core<H> {
                 self.children.remove(&drainer.id());
                 self.commands.push_back(Command::Kill(drainer));
             }
+            // A bucket being handed over is released now (its fence closed first).
+            self.settle_if_idle(bucket_of(&tenant));
         }
         self.finish_if_done();
     }

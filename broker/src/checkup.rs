@@ -22,8 +22,8 @@ pub struct Checkup {
 /// confirmed) without reaching anyone.
 const PROBE_ROUTING_KEY: &str = "amq.relay.checkup";
 
-/// Connects to `config`'s broker, reads its version and publishes one empty message that no
-/// queue receives, with a confirm: a broker under a resource alarm answers with
+/// Connects to `config`'s broker, reads its version and publishes two empty messages that no
+/// queue receives, each with a confirm: a broker under a resource alarm answers with
 /// `connection.blocked` instead. Waits at most `config.connect_timeout` for each step and
 /// `wait` for the verdict.
 pub async fn checkup(config: &RabbitConfig, wait: Duration) -> Result<Checkup, Error> {
@@ -38,17 +38,24 @@ pub async fn checkup(config: &RabbitConfig, wait: Duration) -> Result<Checkup, E
         channel.confirm_select(ConfirmSelectOptions::default()),
     )
     .await?;
+    // Two probes, one after the other's confirm: a broker under an alarm may still take and
+    // confirm the publish that blocks the connection (RabbitMQ 4.0.5 did, now and then) and
+    // sends `connection.blocked` after it; it reads nothing more from a blocked connection, so
+    // the second probe is never confirmed there and the block is what comes.
     let confirmed = async {
-        let confirm = channel
-            .basic_publish(
-                "".into(),
-                PROBE_ROUTING_KEY.into(),
-                BasicPublishOptions::default(),
-                &[],
-                lapin::BasicProperties::default(),
-            )
-            .await?;
-        confirm.await
+        for _ in 0..2 {
+            let confirm = channel
+                .basic_publish(
+                    "".into(),
+                    PROBE_ROUTING_KEY.into(),
+                    BasicPublishOptions::default(),
+                    &[],
+                    lapin::BasicProperties::default(),
+                )
+                .await?;
+            confirm.await?;
+        }
+        Ok::<_, lapin::Error>(())
     };
     let blocked = async {
         while let Some(event) = events.next().await {

@@ -157,16 +157,6 @@ impl Lease {
         }
     }
 
-    /// The bucket.
-    pub fn bucket(&self) -> Bucket {
-        self.inner.bucket
-    }
-
-    /// The epoch.
-    pub fn epoch(&self) -> i64 {
-        self.inner.epoch
-    }
-
     /// Moves the validity forward to `until` (never backward, never after a revoke).
     pub fn extend(&self, until: Instant) {
         let until = to_ms(until).max(1);
@@ -375,6 +365,11 @@ impl LeaseBook {
             .iter()
             .map(|(bucket, held)| (*bucket, held.epoch))
             .collect()
+    }
+
+    /// The buckets held, ascending.
+    pub fn buckets(&self) -> impl Iterator<Item = Bucket> + '_ {
+        self.held.keys().copied()
     }
 
     /// The lease on `bucket`, if held.

@@ -42,7 +42,7 @@ pub(super) enum Beat {
 /// Where the heartbeat is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum LeaseStage {
-    /// Not started yet ([`Core::start_leases`]).
+    /// Not started yet ([`Core::start_leases`]), or left ([`Core::leave_all`]).
     Idle,
     /// Between beats: [`Timer::LeaseBeat`] is set.
     Waiting,
@@ -113,11 +113,8 @@ impl<H: Handle> Core<H> {
         let mut lost = Vec::new();
         if let Some(renewed) = renewed {
             let (until, taken) = self.leases.book.renewed(&renewed, sent);
-            let buckets: Vec<Bucket> = renewed
-                .iter()
-                .map(|(bucket, _)| *bucket)
-                .filter(|bucket| self.leases.book.get(*bucket).is_some())
-                .collect();
+            // What the book still holds is exactly what was renewed.
+            let buckets: Vec<Bucket> = self.leases.book.buckets().collect();
             if !buckets.is_empty() {
                 self.commands
                     .push_back(Command::ExtendFences { buckets, until });

@@ -778,9 +778,9 @@ fn a_handover_finishes_the_buckets_drainers_and_settles_each_bucket_once_empty()
     assert_eq!(tree.core.leases.book.len(), 1);
 }
 
-#[test]
-fn a_failed_drainer_of_a_leaving_bucket_settles_it_and_does_not_restart() {
-    let now = Instant::now();
+/// A tree holding two buckets, each with a tenant, that hands the higher one over (its share
+/// is 1 among 128 relays) while that tenant's drainer runs: the drainer is told to finish.
+fn handing_over_a_busy_bucket(now: Instant) -> (Tree, Vec<TenantId>) {
     let tenants = tenants_by_bucket(2);
     let mut tree = Tree::holding(10, tenants.iter().map(bucket_of));
     tree.core.notified(tenants[1].clone(), now);
@@ -788,6 +788,13 @@ fn a_failed_drainer_of_a_leaving_bucket_settles_it_and_does_not_restart() {
     tree.leasing.members = 128;
     tree.beat(now);
     assert!(matches!(tree.take()[..], [Command::Finish(_)]));
+    (tree, tenants)
+}
+
+#[test]
+fn a_failed_drainer_of_a_leaving_bucket_settles_it_and_does_not_restart() {
+    let now = Instant::now();
+    let (mut tree, tenants) = handing_over_a_busy_bucket(now);
     tree.end(&tenants[1], false, now);
     assert_eq!(tree.leasing.released, vec![bucket_of(&tenants[1])]);
     assert_eq!(due(&tree.core), None, "no restart");
@@ -799,13 +806,7 @@ fn a_failed_drainer_of_a_leaving_bucket_settles_it_and_does_not_restart() {
 #[test]
 fn a_handover_that_does_not_settle_is_forced_at_a_beat_after_the_grace_unless_blocked() {
     let now = Instant::now();
-    let tenants = tenants_by_bucket(2);
-    let mut tree = Tree::holding(10, tenants.iter().map(bucket_of));
-    tree.core.notified(tenants[1].clone(), now);
-    tree.perform(now);
-    tree.leasing.members = 128;
-    tree.beat(now);
-    assert!(matches!(tree.take()[..], [Command::Finish(_)]));
+    let (mut tree, tenants) = handing_over_a_busy_bucket(now);
     // Past the grace (10 s), with the broker blocking a connection: nothing is forced.
     let later = now + Duration::from_secs(11);
     tree.core.timers.stop(&Timer::LeaseBeat);
@@ -1084,14 +1085,7 @@ impl Checked {
         assert_eq!(running, self.drainers, "the core's drainers are the tree's");
         assert_eq!(self.core.drainers_alive(), self.drainers.len());
         assert!(self.drainers.len() <= self.max, "over the cap");
-        let held: BTreeSet<Bucket> = self
-            .core
-            .leases
-            .book
-            .held()
-            .into_iter()
-            .map(|(bucket, _)| bucket)
-            .collect();
+        let held: BTreeSet<Bucket> = self.core.leases.book.buckets().collect();
         let fenced: BTreeSet<Bucket> = self.leasing.fences.keys().copied().collect();
         assert_eq!(held, fenced, "a fence per lease the book holds, no other");
         for tenant in self.drainers.values() {

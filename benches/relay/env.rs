@@ -62,6 +62,18 @@ impl Env {
         Ok(())
     }
 
+    /// Drops the database at `url` (one of [`Env::database`]'s) now rather than at cleanup, so
+    /// that nothing it owes (autovacuum of what a run deleted) lands in a later timed run.
+    pub(crate) async fn drop_database(&mut self, url: &str) -> Result<()> {
+        let name = url.rsplit('/').next().unwrap_or(url).to_owned();
+        let drop = format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)");
+        sqlx::raw_sql(sqlx::AssertSqlSafe(drop))
+            .execute(&mut self.admin)
+            .await?;
+        self.databases.retain(|kept| *kept != name);
+        Ok(())
+    }
+
     pub(crate) async fn cleanup(&mut self) {
         for name in std::mem::take(&mut self.databases) {
             let drop = format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)");

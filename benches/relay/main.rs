@@ -16,8 +16,9 @@
 //!     (`BENCH_ONLY=streamshards` runs it alone).
 //!
 //! This file holds the modes, the order of the sections and the report; each section lives
-//! in a module of its own (`ceiling`, `sizes`, `latency` and `host`, `drain`, `footprint`,
-//! `queues`), beside the harness (`env`) and what is read from /proc (`measure`).
+//! in a module of its own (`ceiling`, `sizes` and its hand-written `bound`, `latency` and
+//! `host`, `drain`, `footprint`, `queues`), beside the harness (`env`) and what is read from
+//! /proc (`measure`).
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
@@ -36,6 +37,7 @@ use distribution::{Relay, RelayConfig};
 use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
 use sqlx::{Connection, PgConnection, PgPool};
 
+mod bound;
 mod ceiling;
 mod drain;
 mod env;

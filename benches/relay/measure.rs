@@ -23,6 +23,33 @@ pub(crate) fn cpu_ticks_named(name: &str) -> u64 {
         .sum()
 }
 
+/// Waits until RabbitMQ and PostgreSQL together use under a tenth of a core for half a second
+/// (at most 30 s), so that a timed run does not pay for the background work the run before it
+/// left (RabbitMQ collecting a deleted queue's message files, PostgreSQL writing pages back):
+/// what `CHECKPOINT` does for PostgreSQL alone. Returns how long it waited.
+pub(crate) async fn servers_quiet() -> Duration {
+    let started = Instant::now();
+    let busy = || cpu_ticks_named("beam") + cpu_ticks_named("postgres");
+    let mut last = busy();
+    while started.elapsed() < Duration::from_secs(30) {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let now = busy();
+        if now.saturating_sub(last) <= 5 {
+            break;
+        }
+        last = now;
+    }
+    started.elapsed()
+}
+
+/// What PostgreSQL's CPU spends on `VACUUM relay_outbox` on `pool` (its table and TOAST), in
+/// ticks: the work a run's deletes left for autovacuum, paid now and measured.
+pub(crate) async fn vacuum_ticks(pool: &PgPool) -> Result<u64> {
+    let before = cpu_ticks_named("postgres");
+    sqlx::raw_sql("VACUUM relay_outbox").execute(pool).await?;
+    Ok(cpu_ticks_named("postgres") - before)
+}
+
 pub(crate) fn min_median_max(mut values: Vec<f64>) -> (f64, f64, f64) {
     values.sort_by(f64::total_cmp);
     (

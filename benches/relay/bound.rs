@@ -15,7 +15,7 @@ type Rows = Vec<(i64, String, String, i64, Vec<u8>)>;
 /// connections that each take every `connections`-th batch, publish it without waiting for
 /// confirms and settle the batch before last (its confirms awaited, its rows deleted when
 /// `delete`, committed without waiting for the WAL flush as the relay's acks are;
-/// `BENCH_BOUND_DEPTH` keeps more batches unsettled). Returns events/s.
+/// `BENCH_BOUND_DEPTH` keeps more batches unsettled). Returns events/s and the rows read.
 pub(crate) async fn read_and_publish(
     url: &str,
     amqp: &str,
@@ -23,7 +23,7 @@ pub(crate) async fn read_and_publish(
     payload_bytes: u32,
     connections: usize,
     delete: bool,
-) -> Result<f64> {
+) -> Result<(f64, usize)> {
     let options: sqlx::postgres::PgConnectOptions = format!("{url}?sslmode=disable").parse()?;
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(connections as u32 + 1)
@@ -78,7 +78,7 @@ pub(crate) async fn read_and_publish(
     let rate = acked as f64 / started.elapsed().as_secs_f64();
     anyhow::ensure!(acked == read, "bound: {acked} of {read} acked");
     pool.close().await;
-    Ok(rate)
+    Ok((rate, read))
 }
 
 /// One publishing connection of [`read_and_publish`]; returns how many publishes were acked.
@@ -118,24 +118,20 @@ async fn publish_batches(
                 .clone()
                 .with_delivery_mode(2)
                 .with_message_id(ShortString::from(format!("{tenant}/{run}/main/{lsn}")));
-            let mut publish = Box::pin(channel.basic_publish(
-                topology.exchange().clone(),
-                topology.routing_key(partition),
-                options,
-                payload,
-                properties,
-            ));
-            // Polled once so lapin queues its frames now, as the ceiling and the relay do.
-            let first =
-                std::future::poll_fn(|cx| std::task::Poll::Ready(publish.as_mut().poll(cx))).await;
-            writes.push((first, publish));
+            writes.push(
+                queue(channel.basic_publish(
+                    topology.exchange().clone(),
+                    topology.routing_key(partition),
+                    options,
+                    payload,
+                    properties,
+                ))
+                .await,
+            );
         }
         let mut confirms = Vec::with_capacity(writes.len());
-        for (first, publish) in writes {
-            confirms.push(match first {
-                std::task::Poll::Ready(confirm) => confirm?,
-                std::task::Poll::Pending => publish.await?,
-            });
+        for write in writes {
+            confirms.push(written(write).await?);
         }
         let keys: Vec<(String, String, i64)> = rows
             .into_iter()

@@ -115,25 +115,19 @@ pub(crate) async fn raw_pipelined_with(
                         .clone()
                         .with_delivery_mode(2)
                         .with_message_id(ShortString::from(format!("raw-{index}-{n}")));
-                    let mut publish = Box::pin(channel.basic_publish(
-                        topology.exchange().clone(),
-                        topology.routing_key(partition),
-                        options,
-                        &payload,
-                        properties,
-                    ));
-                    let first = std::future::poll_fn(|cx| {
-                        std::task::Poll::Ready(publish.as_mut().poll(cx))
-                    })
-                    .await;
-                    writes.push((first, publish));
+                    writes.push(
+                        queue(channel.basic_publish(
+                            topology.exchange().clone(),
+                            topology.routing_key(partition),
+                            options,
+                            &payload,
+                            properties,
+                        ))
+                        .await,
+                    );
                 }
-                for (first, publish) in writes {
-                    let confirm = match first {
-                        std::task::Poll::Ready(confirm) => confirm?,
-                        std::task::Poll::Pending => publish.await?,
-                    };
-                    outstanding.push_back(confirm);
+                for write in writes {
+                    outstanding.push_back(written(write).await?);
                     if outstanding.len() >= 2_000
                         && let Some(oldest) = outstanding.pop_front()
                     {
@@ -156,6 +150,29 @@ pub(crate) async fn raw_pipelined_with(
         "raw ceiling: {acked} acked"
     );
     Ok(acked as f64 / started.elapsed().as_secs_f64())
+}
+
+/// A write queued on its channel, and what is left of it: polled once, lapin takes its delivery
+/// tag and queues its frames (the relay's publisher does the same), so a batch's writes are all
+/// queued before any is awaited.
+pub(crate) type Queued<F> = (
+    std::task::Poll<<F as Future>::Output>,
+    std::pin::Pin<Box<F>>,
+);
+
+/// Polls `write` once (see [`Queued`]).
+pub(crate) async fn queue<F: Future>(write: F) -> Queued<F> {
+    let mut write = Box::pin(write);
+    let first = std::future::poll_fn(|cx| std::task::Poll::Ready(write.as_mut().poll(cx))).await;
+    (first, write)
+}
+
+/// The result of a [`queue`]d write (lapin's: the confirm to await, once the frames are written).
+pub(crate) async fn written<F: Future>((first, write): Queued<F>) -> F::Output {
+    match first {
+        std::task::Poll::Ready(output) => output,
+        std::task::Poll::Pending => write.await,
+    }
 }
 
 /// 2. The seed's loop: drain 100, publish each and await its confirm, ack.

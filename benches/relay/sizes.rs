@@ -155,9 +155,14 @@ async fn bound_run(
         ])
     };
     let before = ticks()?;
-    let rate = bound::read_and_publish(&url, &env.amqp, &rabbit.topology, payload_bytes, 4, delete)
-        .await?;
+    let (rate, read) =
+        bound::read_and_publish(&url, &env.amqp, &rabbit.topology, payload_bytes, 4, delete)
+            .await?;
     let after = ticks()?;
+    anyhow::ensure!(
+        read as u64 == written,
+        "bound: read {read} of {written} rows"
+    );
     anyhow::ensure!(
         !delete
             || Outbox::new(pool.clone())

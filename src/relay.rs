@@ -6,6 +6,7 @@
 //! does not stall the relay and the broker client never runs on the execution path. Actor panics
 //! are caught by ractor; if the supervisor itself ends, this thread restarts the tree with backoff.
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use actors::{PublisherFactory, ShardId};
@@ -64,7 +65,7 @@ impl Relay {
     ///     "postgres://postgres@127.0.0.1:5432/test",
     ///     "amqp://guest:guest@127.0.0.1:5672/%2f",
     /// );
-    /// let relay = Relay::start(config).await?; // its own threads, named "outbox-relay"
+    /// let relay = Relay::start(config).await?; // its own threads, named "outbox-relay-<n>"
     /// // ... the host commits intents with `store::IntentWriter` ...
     /// relay.shutdown().await; // finishes the batches in flight
     /// # Ok(()) }
@@ -120,16 +121,20 @@ impl Relay {
         let (stop_tx, stop_rx) = oneshot::channel();
         let (done_tx, done_rx) = oneshot::channel();
         let (tree_tx, tree_rx) = watch::channel(None);
+        // Each relay of this process is numbered in its threads' names ("outbox-relay-2"), so
+        // log lines of several relays in one process (tests, a host running two) tell apart.
+        static STARTED: AtomicU32 = AtomicU32::new(0);
+        let number = STARTED.fetch_add(1, Ordering::Relaxed) + 1;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(config.worker_threads)
-            .thread_name("outbox-relay")
+            .thread_name(format!("outbox-relay-{number}"))
             // lapin logs frames (payloads) at TRACE on the threads that publish; keep them
             // from the host's subscriber on the relay's threads too.
             .on_thread_start(broker::quiet_lapin_payload_logs_on_this_thread)
             .enable_all()
             .build()?;
         std::thread::Builder::new()
-            .name("outbox-relay-main".into())
+            .name(format!("outbox-relay-{number}-main"))
             .spawn(move || {
                 let mode = runtime.block_on(run_tree(
                     config, factory, broker, check, ready_tx, stop_rx, tree_tx,

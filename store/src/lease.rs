@@ -107,7 +107,9 @@ impl Fence {
         Self { lease: None }
     }
 
-    /// Whether work under this fence may still be published and acked now.
+    /// Whether work under this fence may still be published and drained now. (What the broker
+    /// confirmed is acked under a closed fence too, if PostgreSQL finds the lease current:
+    /// [`crate::Outbox::ack_and_drain`].)
     pub fn is_open(&self) -> bool {
         self.is_open_at(Instant::now())
     }
@@ -167,7 +169,8 @@ impl Lease {
         );
     }
 
-    /// Closes the fence for good: nothing more is published or acked under it.
+    /// Closes the fence for good: nothing more is published or drained under it (an ack of
+    /// what was confirmed still goes to PostgreSQL, which checks the lease itself).
     pub fn revoke(&self) {
         self.inner.valid_until_ms.store(0, Ordering::Release);
     }

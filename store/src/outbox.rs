@@ -257,7 +257,12 @@ impl Outbox {
     ///   transaction deleted and committed while the ack waited for it (another relay's ack, a
     ///   rewind);
     /// - with a lease `fence`, nothing is acked or drained unless the lease is still current in
-    ///   PostgreSQL ([`Error::Fenced`] otherwise), and a takeover of the bucket waits for the call.
+    ///   PostgreSQL ([`Error::Fenced`] otherwise), and a takeover of the bucket waits for the call;
+    /// - under a fence closed in this process (by time, ahead of the row's expiry, or revoked)
+    ///   nothing is drained, but `shipped` is still acked if PostgreSQL finds the lease current,
+    ///   then [`Error::Fenced`] is returned: the broker confirmed those events, and while the row
+    ///   is this relay's no other relay can have drained them, so sending them again would be a
+    ///   duplicate the lease did not call for.
     pub async fn ack_and_drain(
         &self,
         fence: &Fence,
@@ -266,11 +271,17 @@ impl Outbox {
         limit: impl Into<DrainLimit>,
         in_flight: &[EventKey],
     ) -> Result<Vec<OutboxEvent>, Error> {
-        let limit = limit.into();
-        if !fence.is_open() {
-            return Err(fenced(fence));
-        }
+        let mut limit = limit.into();
+        let mut in_flight = in_flight;
+        let open = fence.is_open();
         let keys = KeyArrays::new(shipped.iter().filter(|key| key.branch.tenant == *tenant))?;
+        if !open {
+            if keys.lsns.is_empty() {
+                return Err(fenced(fence));
+            }
+            limit = DrainLimit::from(0u32);
+            in_flight = &[];
+        }
         let flying = KeyArrays::new(in_flight.iter())?;
         let (bucket, owner, epoch) = match fence.lease() {
             Some((bucket, owner, epoch)) => {
@@ -298,6 +309,9 @@ impl Outbox {
         .fetch_all(&self.pool)
         .await
         .map_err(|err| fenced_or(err, fence))?;
+        if !open {
+            return Err(fenced(fence));
+        }
         events_of(tenant, rows)
     }
 

@@ -241,6 +241,63 @@ async fn a_takeover_fences_the_former_owner_in_postgres(pool: PgPool) {
     assert_eq!(next.len(), 2);
 }
 
+/// A fence that closed in the relay (by time: at 90% of the TTL, counted from the renewal's
+/// send; or revoked) while the row is still the relay's: what the broker confirmed is still
+/// acked, because PostgreSQL finds the lease current, and nothing more is drained. Once
+/// another relay took the bucket over, the same ack is refused and nothing changes.
+#[sqlx::test(migrator = "store::MIGRATOR")]
+async fn a_fence_closed_in_the_relay_acks_what_postgres_still_fences_and_drains_nothing(
+    pool: PgPool,
+) {
+    let branch = key("t", "r", "main");
+    appended(&pool, &branch, 1..=4).await;
+    let outbox = Outbox::new(pool.clone());
+    let leases = LeaseStore::new(pool.clone());
+    let ttl = Duration::from_secs(60);
+    let (first, second) = (RelayId::generate(), RelayId::generate());
+    let bucket = bucket_of(&branch.tenant);
+    let claimed = leases.claim(&first, ttl, LEASE_BUCKETS).await.unwrap();
+    let epoch = claimed.iter().find(|(b, _)| *b == bucket).unwrap().1;
+    // Closed in the process (as by time; a fence's clock has millisecond steps, so the test
+    // closes it outright).
+    let lease = Lease::new(bucket, first.clone(), epoch, Instant::now() + ttl);
+    let lapsed = lease.fence();
+    lease.revoke();
+    assert!(!lapsed.is_open());
+
+    let acked = outbox
+        .ack_and_drain(&lapsed, &[at(&branch, 1)], &branch.tenant, 10, &[])
+        .await;
+    assert!(matches!(acked, Err(Error::Fenced { .. })), "{acked:?}");
+    let left: Vec<i64> = sqlx::query_scalar("SELECT lsn FROM relay_outbox ORDER BY lsn")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(left, vec![2, 3, 4], "the confirmed event is retired");
+    let nothing = outbox
+        .ack_and_drain(&lapsed, &[], &branch.tenant, 10, &[])
+        .await;
+    assert!(matches!(nothing, Err(Error::Fenced { .. })), "{nothing:?}");
+
+    // Taken over: the same relay's ack is refused by PostgreSQL.
+    sqlx::query(
+        "UPDATE relay_lease SET expires_at = now() - interval '1 second' WHERE bucket = $1",
+    )
+    .bind(i32::from(bucket.0))
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert_eq!(leases.claim(&second, ttl, 1).await.unwrap().len(), 1);
+    let refused = outbox
+        .ack_fenced(&lapsed, &branch.tenant, &[at(&branch, 2)])
+        .await;
+    assert!(matches!(refused, Err(Error::Fenced { .. })), "{refused:?}");
+    assert_eq!(
+        outbox.drain_outbox(&branch.tenant, 10).await.unwrap().len(),
+        3
+    );
+}
+
 /// An ack in progress holds its bucket: a takeover claimed meanwhile skips the bucket instead
 /// of overlapping with it, and gets it once the ack is done.
 #[sqlx::test(migrator = "store::MIGRATOR")]

@@ -3,11 +3,19 @@
 //!
 //! The keeper decides nothing: the core's [`store::LeaseBook`] (in `core/leases.rs`) owns which
 //! buckets this relay holds and when to renew, claim, hand over and release; the keeper runs each
-//! [`LeaseCall`] it is given, in order, under a timeout, and casts the answer back. No database
-//! call ever runs on the supervisor's mailbox. A failed call is logged (rate-limited) and
-//! answered as failed; the core tries again at the next heartbeat, and leases that could not be
-//! renewed in time close their fences on their own.
-use std::time::Duration;
+//! [`LeaseCall`] it is given under a timeout, and casts the answer back, with the instant the
+//! renewal or claim was sent (the fences' deadlines count from it). No database call ever runs
+//! on the supervisor's mailbox. A failed call is logged (rate-limited) and answered as failed;
+//! the core tries again at the next heartbeat, and leases that could not be renewed in time
+//! close their fences on their own.
+//!
+//! Calls run in the order given, but for two things ([`next`]): a heartbeat never waits behind
+//! releases (a handover settles dozens of buckets at once, each release a synchronous commit:
+//! queued ahead of the renewal they once kept it from PostgreSQL for longer than the fences'
+//! margin, and a planned handover sent events twice), and releases waiting together run as one
+//! call.
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
 
 use ractor::ActorRef;
 use std::sync::Arc;
@@ -16,8 +24,8 @@ use store::{LeaseStore, Outbox, RelayId};
 
 use tokio::sync::{Notify, mpsc};
 
-use crate::SupervisorMessage;
 use crate::core::LeaseCall;
+use crate::{LeasesAt, SupervisorMessage};
 
 /// Lease timings.
 #[derive(Clone, Copy, Debug)]
@@ -96,7 +104,7 @@ pub(crate) struct Keeper {
 }
 
 /// What the keeper is told.
-#[derive(Debug)]
+#[derive(Debug, PartialEq, Eq)]
 pub(crate) enum KeeperCall {
     /// One of the core's lease calls.
     Lease(LeaseCall),
@@ -116,18 +124,38 @@ impl Keeper {
         let mut membership = Failures::new("relay membership");
         let mut renewal = Failures::new("lease renewal");
         let mut claims = Failures::new("lease claim");
-        while let Some(call) = calls.recv().await {
+        let mut queue = VecDeque::new();
+        loop {
+            if queue.is_empty() {
+                match calls.recv().await {
+                    Some(call) => queue.push_back(call),
+                    None => break,
+                }
+            }
+            while let Ok(call) = calls.try_recv() {
+                queue.push_back(call);
+            }
+            let Some(call) = next(&mut queue) else {
+                continue;
+            };
             let answer = match call {
                 KeeperCall::Lease(LeaseCall::Beat { held }) => {
                     let beat = self.leases.heartbeat(&self.me, self.config.ttl);
                     let members = membership.seen(within(limit, beat).await);
+                    let sent = Instant::now();
                     let renew = self.leases.renew(&self.me, self.config.ttl, &held);
-                    let renewed = renewal.seen(within(limit, renew).await);
+                    let renewed = renewal
+                        .seen(within(limit, renew).await)
+                        .map(|leases| LeasesAt { leases, sent });
                     SupervisorMessage::LeaseBeaten { members, renewed }
                 }
                 KeeperCall::Lease(LeaseCall::Claim(n)) => {
+                    let sent = Instant::now();
                     let claim = self.leases.claim(&self.me, self.config.ttl, n);
-                    SupervisorMessage::LeaseClaimed(claims.seen(within(limit, claim).await))
+                    let claimed = claims
+                        .seen(within(limit, claim).await)
+                        .map(|leases| LeasesAt { leases, sent });
+                    SupervisorMessage::LeaseClaimed(claimed)
                 }
                 KeeperCall::Lease(LeaseCall::Release(leases)) => {
                     if let Err(err) = within(limit, self.leases.release(&self.me, &leases)).await {
@@ -148,6 +176,37 @@ impl Keeper {
         }
         let _ = within(limit, self.leases.leave(&self.me)).await;
     }
+}
+
+/// The call to run next from those waiting: a heartbeat first (its renewal keeps the fences
+/// open; nothing else is as urgent), then the oldest call, every release waiting merged into
+/// the first (no call is reordered past a [`KeeperCall::Leave`], which comes last).
+fn next(queue: &mut VecDeque<KeeperCall>) -> Option<KeeperCall> {
+    let leave = queue
+        .iter()
+        .position(|call| matches!(call, KeeperCall::Leave(_)))
+        .unwrap_or(queue.len());
+    if let Some(beat) = queue
+        .iter()
+        .take(leave)
+        .position(|call| matches!(call, KeeperCall::Lease(LeaseCall::Beat { .. })))
+    {
+        return queue.remove(beat);
+    }
+    let mut call = queue.pop_front()?;
+    if let KeeperCall::Lease(LeaseCall::Release(leases)) = &mut call {
+        let mut others = Vec::new();
+        for waiting in queue.drain(..leave.saturating_sub(1)) {
+            match waiting {
+                KeeperCall::Lease(LeaseCall::Release(more)) => leases.extend(more),
+                other => others.push(other),
+            }
+        }
+        for other in others.into_iter().rev() {
+            queue.push_front(other);
+        }
+    }
+    Some(call)
 }
 
 /// Polls the tenants with pending intents every `interval` (or at once when `early` fires)
@@ -184,5 +243,66 @@ pub(crate) async fn poll_pending(
         if supervisor.get_status() > ractor::ActorStatus::Running {
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use store::Bucket;
+
+    fn release(buckets: &[u16]) -> KeeperCall {
+        KeeperCall::Lease(LeaseCall::Release(
+            buckets.iter().map(|&bucket| (Bucket(bucket), 1)).collect(),
+        ))
+    }
+
+    fn beat() -> KeeperCall {
+        KeeperCall::Lease(LeaseCall::Beat { held: Vec::new() })
+    }
+
+    fn order(calls: Vec<KeeperCall>) -> Vec<KeeperCall> {
+        let mut queue: VecDeque<KeeperCall> = calls.into();
+        std::iter::from_fn(|| next(&mut queue)).collect()
+    }
+
+    /// The shed of a handover queues a release per settled bucket; the renewal that follows
+    /// runs first, and the releases as one call.
+    #[test]
+    fn a_beat_goes_before_releases_and_releases_waiting_together_are_one_call() {
+        let claim = KeeperCall::Lease(LeaseCall::Claim(3));
+        let got = order(vec![
+            release(&[1]),
+            release(&[2]),
+            claim,
+            release(&[3]),
+            beat(),
+        ]);
+        assert_eq!(
+            got,
+            vec![
+                beat(),
+                release(&[1, 2, 3]),
+                KeeperCall::Lease(LeaseCall::Claim(3))
+            ]
+        );
+    }
+
+    /// A leave is the keeper's last call: nothing waiting after it moves before it, and
+    /// nothing before it moves after it.
+    #[test]
+    fn nothing_crosses_a_leave() {
+        let leave = KeeperCall::Leave(vec![(Bucket(9), 1)]);
+        let got = order(vec![release(&[1]), leave, beat(), release(&[2])]);
+        assert_eq!(
+            got,
+            vec![
+                release(&[1]),
+                KeeperCall::Leave(vec![(Bucket(9), 1)]),
+                beat(),
+                release(&[2])
+            ]
+        );
+        assert_eq!(order(Vec::new()), Vec::new());
     }
 }

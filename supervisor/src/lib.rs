@@ -14,6 +14,7 @@ mod waiting;
 
 pub use actors::Sharding;
 pub use keeper::LeaseConfig;
+pub use tree::LeasesAt;
 pub use tree::RelaySupervisor;
 pub use tree::SupervisorArgs;
 pub use tree::SupervisorConfig;

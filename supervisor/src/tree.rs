@@ -28,7 +28,7 @@ use crate::keeper::{Keeper, KeeperCall, poll_pending};
 mod api;
 mod gauges;
 pub use api::{
-    BROKER_CHECK_EVERY, BrokerCheck, SupervisorArgs, SupervisorConfig, SupervisorMessage,
+    BROKER_CHECK_EVERY, BrokerCheck, LeasesAt, SupervisorArgs, SupervisorConfig, SupervisorMessage,
     TreeSnapshot,
 };
 use gauges::{Gauges, tasks_alive};

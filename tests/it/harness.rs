@@ -108,14 +108,22 @@ pub async fn then_clean_up(
     }
 }
 
-/// The relays' and consumers' own account in a test's captured output (shown with a failure):
-/// `RUST_LOG` if set, else errors, without lapin's own (a connection a fault cuts is logged
-/// by lapin at ERROR each time, which buries the failure's message).
+/// The relays' and consumers' own account in a test's captured output (cargo shows it with a
+/// failure, so a failing run keeps every relay's log): `RUST_LOG` if set, else warnings and the
+/// relay's INFO lines (leases lost and handed over, publishers restarting, stalls: a few per
+/// test), each with its thread's name (`outbox-relay-<n>`: which relay of the test said it),
+/// without lapin's own (a connection a fault cuts is logged by lapin at ERROR each time, which
+/// buries the failure's message). Every relay the harness configures calls it.
 pub fn capture_logs() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("error,lapin=off"));
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new(
+            "warn,supervisor=info,actors=info,broker=info,consumer=info,distribution=info,lapin=off",
+        )
+    });
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_thread_names(true)
+        .with_ansi(false)
         .with_test_writer()
         .try_init();
 }
@@ -180,6 +188,7 @@ pub async fn fresh_database(label: &str) -> (PgPool, String) {
 
 /// A relay configuration with test-speed timings.
 pub fn relay_config(database_url: &str, amqp_url: &str, topology: &str) -> RelayConfig {
+    capture_logs();
     let mut config = RelayConfig::new(database_url, amqp_url);
     config.topology = topology.to_owned();
     config.partitions = 4;

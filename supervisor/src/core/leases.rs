@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use store::{Bucket, LeaseBook, LeasePlan, LeaseStep, TenantId, bucket_of};
 
 use super::*;
+use crate::LeasesAt;
 
 /// A call the actor runs against the lease tables for the core, in the order commanded.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -46,14 +47,11 @@ pub(super) enum LeaseStage {
     Idle,
     /// Between beats: [`Timer::LeaseBeat`] is set.
     Waiting,
-    /// A [`LeaseCall::Beat`] is out, commanded at `sent`.
-    Beating { sent: Instant, beat: Beat },
-    /// The beat that began at `began` claims: a [`LeaseCall::Claim`] is out, sent at `sent`.
-    Claiming {
-        sent: Instant,
-        began: Instant,
-        beat: Beat,
-    },
+    /// A [`LeaseCall::Beat`] is out, commanded at `began` (the next beat is due a heartbeat
+    /// after it; the fences count from when the keeper sent the renewal, [`LeasesAt::sent`]).
+    Beating { began: Instant, beat: Beat },
+    /// The beat that began at `began` claims: a [`LeaseCall::Claim`] is out.
+    Claiming { began: Instant, beat: Beat },
 }
 
 /// The core's lease state: the book, the share rule, the members last seen, the heartbeat.
@@ -90,7 +88,7 @@ impl<H: Handle> Core<H> {
         let held = self.leases.book.held();
         self.commands
             .push_back(Command::Lease(LeaseCall::Beat { held }));
-        self.leases.stage = LeaseStage::Beating { sent: now, beat };
+        self.leases.stage = LeaseStage::Beating { began: now, beat };
     }
 
     /// The answer to [`LeaseCall::Beat`]: the live relays and the leases renewed (`None` for
@@ -100,11 +98,11 @@ impl<H: Handle> Core<H> {
     pub(crate) fn lease_beaten(
         &mut self,
         members: Option<u32>,
-        renewed: Option<Vec<(Bucket, i64)>>,
+        renewed: Option<LeasesAt>,
         broker_blocked: bool,
         now: Instant,
     ) {
-        let LeaseStage::Beating { sent, beat } = self.leases.stage else {
+        let LeaseStage::Beating { began, beat } = self.leases.stage else {
             return;
         };
         if let Some(members) = members {
@@ -112,7 +110,9 @@ impl<H: Handle> Core<H> {
         }
         let mut lost = Vec::new();
         if let Some(renewed) = renewed {
-            let (until, taken) = self.leases.book.renewed(&renewed, sent);
+            // The deadline counts from when the renewal was sent, not from when it was
+            // commanded (`began`: that is the next beat's schedule).
+            let (until, taken) = self.leases.book.renewed(&renewed.leases, renewed.sent);
             // What the book still holds is exactly what was renewed.
             let buckets: Vec<Bucket> = self.leases.book.buckets().collect();
             if !buckets.is_empty() {
@@ -163,11 +163,7 @@ impl<H: Handle> Core<H> {
         match step {
             LeaseStep::Claim(n) => {
                 self.commands.push_back(Command::Lease(LeaseCall::Claim(n)));
-                self.leases.stage = LeaseStage::Claiming {
-                    sent: now,
-                    began: sent,
-                    beat,
-                };
+                self.leases.stage = LeaseStage::Claiming { began, beat };
             }
             LeaseStep::Shed(n) => {
                 // A planned move: the buckets stay held (fences open) while their drainers
@@ -179,23 +175,23 @@ impl<H: Handle> Core<H> {
                     "handing buckets over once their batches settle"
                 );
                 self.hand_over(leaving);
-                self.beat_done(sent, beat, now);
+                self.beat_done(began, beat, now);
             }
-            LeaseStep::Hold => self.beat_done(sent, beat, now),
+            LeaseStep::Hold => self.beat_done(began, beat, now),
         }
         self.lease_gauges();
     }
 
     /// The answer to [`LeaseCall::Claim`]: the buckets claimed with their epochs (`None` for
     /// a call that failed: claimed again at the next beat).
-    pub(crate) fn lease_claimed(&mut self, claimed: Option<Vec<(Bucket, i64)>>, now: Instant) {
-        let LeaseStage::Claiming { sent, began, beat } = self.leases.stage else {
+    pub(crate) fn lease_claimed(&mut self, claimed: Option<LeasesAt>, now: Instant) {
+        let LeaseStage::Claiming { began, beat, .. } = self.leases.stage else {
             return;
         };
-        let gained = self
-            .leases
-            .book
-            .claimed(claimed.as_deref().unwrap_or_default(), sent);
+        let gained = match claimed {
+            Some(claimed) => self.leases.book.claimed(&claimed.leases, claimed.sent),
+            None => Vec::new(),
+        };
         for (bucket, held) in &gained {
             self.commands.push_back(Command::OpenFence {
                 bucket: *bucket,
@@ -279,9 +275,18 @@ impl<H: Handle> Core<H> {
             return;
         }
         if let Some(lease) = self.leases.book.handed_over(bucket) {
-            self.commands.push_back(Command::CloseFence(bucket));
-            self.commands
-                .push_back(Command::Lease(LeaseCall::Release(vec![lease])));
+            // Buckets settled by one message are released by one call: its fence closes
+            // before the release commanded last, which takes this lease too.
+            if let Some(Command::Lease(LeaseCall::Release(leases))) = self.commands.back_mut() {
+                leases.push(lease);
+                let release = self.commands.pop_back();
+                self.commands.push_back(Command::CloseFence(bucket));
+                self.commands.extend(release);
+            } else {
+                self.commands.push_back(Command::CloseFence(bucket));
+                self.commands
+                    .push_back(Command::Lease(LeaseCall::Release(vec![lease])));
+            }
             self.lease_gauges();
         }
     }

@@ -5,6 +5,7 @@ use std::collections::{BTreeMap, BTreeSet, HashSet};
 use proptest::prelude::*;
 
 use super::*;
+use crate::LeasesAt;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct Fake(u64);
@@ -72,6 +73,8 @@ struct Leasing {
     /// Fence cells: epoch and until, per bucket (a closed one is removed).
     fences: BTreeMap<Bucket, (i64, Instant)>,
     released: Vec<Bucket>,
+    /// Release calls carried out.
+    release_calls: usize,
 }
 
 impl Leasing {
@@ -120,7 +123,14 @@ impl Leasing {
                         .into_iter()
                         .filter(|(bucket, epoch)| self.mine.get(bucket) == Some(epoch))
                         .collect();
-                    (Some(self.members), Some(renewed))
+                    let sent = now;
+                    (
+                        Some(self.members),
+                        Some(LeasesAt {
+                            leases: renewed,
+                            sent,
+                        }),
+                    )
                 };
                 core.lease_beaten(members, renewed, false, now);
             }
@@ -137,9 +147,11 @@ impl Leasing {
                         })
                         .collect()
                 });
+                let claimed = claimed.map(|leases| LeasesAt { leases, sent: now });
                 core.lease_claimed(claimed, now);
             }
             Command::Lease(LeaseCall::Release(leases)) => {
+                self.release_calls += 1;
                 for (bucket, epoch) in leases {
                     assert!(
                         !self.fences.contains_key(&bucket),
@@ -778,6 +790,45 @@ fn a_handover_finishes_the_buckets_drainers_and_settles_each_bucket_once_empty()
     assert_eq!(tree.core.leases.book.len(), 1);
 }
 
+/// A shed of many buckets without drainers (a relay joins a busy one) releases them in one
+/// call, each fence closed before it: a release per bucket once queued dozens of synchronous
+/// commits ahead of the next renewal, long enough for the fences to close by time while the
+/// leases were still held, and a planned handover sent events twice.
+#[test]
+fn buckets_settled_together_are_released_by_one_call_after_their_fences_close() {
+    let now = Instant::now();
+    let mut tree = Tree::holding(10, (0..64).map(Bucket));
+    assert_eq!(tree.core.buckets_held(), 64);
+    let calls = tree.leasing.release_calls;
+    // Four relays: a share of 32.
+    tree.leasing.members = 4;
+    tree.beat(now);
+    assert_eq!(tree.leasing.released.len(), 32);
+    assert_eq!(tree.leasing.release_calls, calls + 1, "one call for the 32");
+    assert_eq!(tree.core.buckets_held(), 32);
+}
+
+/// A fence's deadline counts from when the keeper sent the renewal, not from when the core
+/// commanded the beat: time the call waited behind others is not lease time.
+#[test]
+fn a_renewal_extends_the_fences_from_when_it_was_sent() {
+    let now = Instant::now();
+    let (mut core, _) = core_holding(10, [Bucket(3)]);
+    core.timers.stop(&Timer::LeaseBeat);
+    core.beat(leases::Beat::Later, now);
+    let Some(Command::Lease(LeaseCall::Beat { held })) = core.poll() else {
+        panic!("a beat is commanded");
+    };
+    let sent = now + Duration::from_millis(700);
+    let renewed = LeasesAt { leases: held, sent };
+    core.lease_beaten(Some(1), Some(renewed), false, sent);
+    let Some(Command::ExtendFences { buckets, until }) = core.poll() else {
+        panic!("the fences are extended");
+    };
+    assert_eq!(buckets, vec![Bucket(3)]);
+    assert_eq!(until, sent + config(10).lease.ttl.mul_f64(0.9));
+}
+
 /// A tree holding two buckets, each with a tenant, that hands the higher one over (its share
 /// is 1 among 128 relays) while that tenant's drainer runs: the drainer is told to finish.
 fn handing_over_a_busy_bucket(now: Instant) -> (Tree, Vec<TenantId>) {
@@ -814,7 +865,12 @@ fn a_handover_that_does_not_settle_is_forced_at_a_beat_after_the_grace_unless_bl
     let Some(Command::Lease(LeaseCall::Beat { held })) = tree.core.poll() else {
         panic!("a beat is commanded");
     };
-    tree.core.lease_beaten(Some(128), Some(held), true, later);
+    let renewed = LeasesAt {
+        leases: held,
+        sent: later,
+    };
+    tree.core
+        .lease_beaten(Some(128), Some(renewed), true, later);
     tree.perform(later);
     assert!(tree.take().is_empty());
     assert!(tree.leasing.released.is_empty());

@@ -13,6 +13,18 @@ use store::{Bucket, LeaseStore, Outbox, RelayId, TenantId};
 
 use crate::keeper::LeaseConfig;
 
+/// Leases as a renewal or claim left them, with the instant its statement was sent: a
+/// fence's deadline counts from `sent` (PostgreSQL's `now()` in the statement is no earlier),
+/// never from when the call was commanded, so time a call spends queued behind others is
+/// never counted as lease time.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeasesAt {
+    /// `(bucket, epoch)` of each lease.
+    pub leases: Vec<(Bucket, i64)>,
+    /// When the statement was sent.
+    pub sent: std::time::Instant,
+}
+
 /// How the tree runs.
 #[derive(Clone, Copy, Debug)]
 pub struct SupervisorConfig {
@@ -141,11 +153,11 @@ pub enum SupervisorMessage {
         /// Relays alive, this one included.
         members: Option<u32>,
         /// Leases still this relay's.
-        renewed: Option<Vec<(Bucket, i64)>>,
+        renewed: Option<LeasesAt>,
     },
     /// The keeper's answer to a claim: the buckets claimed, with their epochs (`None`: the
     /// call failed).
-    LeaseClaimed(Option<Vec<(Bucket, i64)>>),
+    LeaseClaimed(Option<LeasesAt>),
     /// Every tenant with pending intents, from the poller (sent empty too: waiting tenants
     /// it no longer lists leave the queue); those in buckets held are drained.
     Pending(Vec<TenantId>),

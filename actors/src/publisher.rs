@@ -331,6 +331,7 @@ mod tests {
             kind: EventKind::Intent,
             parent: None,
             meta: Default::default(),
+            epochs: Default::default(),
         }
     }
 

@@ -3,12 +3,12 @@ use chrono::{DateTime, Utc};
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use store::{
-    BranchId, BranchKey, EventKey, EventKind, EventType, Lsn, Metadata, OutboxEvent, RunId,
-    TenantId,
+    BranchId, BranchKey, Epoch, Epochs, EventKey, EventKind, EventType, Lsn, Metadata, OutboxEvent,
+    RunId, TenantId,
 };
 
 /// The contract version this relay writes (header `wire_version`).
-pub const WIRE_VERSION: i64 = 3;
+pub const WIRE_VERSION: i64 = 4;
 
 /// The default content type: the payload's bytes, unchanged, of a type the host did not say.
 pub(crate) const OCTET_STREAM: &str = "application/octet-stream";
@@ -116,6 +116,12 @@ pub fn properties(event: &OutboxEvent, mode: WireMode) -> BasicProperties {
         AMQPValue::LongLongInt(event.created_at.timestamp_micros()),
     );
     headers.insert("wire_version".into(), AMQPValue::LongLongInt(WIRE_VERSION));
+    if let Some(epoch) = event.epochs.epoch {
+        headers.insert("epoch".into(), AMQPValue::LongLongInt(epoch.to_db()));
+    }
+    if let Some(prev) = event.epochs.prev {
+        headers.insert("prev_epoch".into(), AMQPValue::LongLongInt(prev.to_db()));
+    }
     let kind = match &event.kind {
         EventKind::Intent => TYPE_INTENT,
         EventKind::Rewind { to } => {
@@ -265,6 +271,15 @@ pub fn decode(properties: &BasicProperties, body: &[u8]) -> Result<OutboxEvent, 
         None => None,
         Some(_) => Some(id(headers, "parent_branch", |s| BranchId::new(s))?),
     };
+    // Version 4: absent on rows written before epochs (and on older relays' messages).
+    let epoch = |name| match headers.inner().get(name) {
+        None => Ok(None),
+        Some(_) => number(headers, name).map(|n| Some(Epoch::new(n as u64))),
+    };
+    let epochs = Epochs {
+        epoch: epoch("epoch")?,
+        prev: epoch("prev_epoch")?,
+    };
     Ok(OutboxEvent {
         key: EventKey {
             branch,
@@ -277,6 +292,7 @@ pub fn decode(properties: &BasicProperties, body: &[u8]) -> Result<OutboxEvent, 
         kind,
         parent,
         meta,
+        epochs,
     })
 }
 
@@ -303,6 +319,7 @@ mod tests {
             kind: EventKind::Intent,
             parent: Some(BranchId::new("root").unwrap()),
             meta: Default::default(),
+            epochs: Default::default(),
         };
         let props = properties(&event, WireMode::Plain);
         assert_eq!(
@@ -375,6 +392,7 @@ mod tests {
             kind: EventKind::End,
             parent: Some(BranchId::new("main").unwrap()),
             meta: Metadata::default(),
+            epochs: Default::default(),
         };
         let props = properties(&end, WireMode::CloudEvents);
         let headers = props.headers().as_ref().unwrap().inner();
@@ -438,6 +456,7 @@ mod tests {
             kind: EventKind::Intent,
             parent: None,
             meta: meta.clone(),
+            epochs: Default::default(),
         };
         for mode in [
             WireMode::Plain,

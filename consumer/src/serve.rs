@@ -11,7 +11,7 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Channel, Confirmation};
 use sqlx::PgPool;
-use store::{OutboxEvent, Projection};
+use store::{FoldOutcome, OutboxEvent, Projection};
 use tokio::sync::watch;
 use tracing::Instrument;
 
@@ -298,6 +298,26 @@ where
         };
         match verdict {
             Verdict::Folded(outcome) => {
+                match outcome {
+                    FoldOutcome::Superseded => {
+                        metrics::counter!("relay_consumer_superseded_total").increment(1);
+                    }
+                    FoldOutcome::Adopted { undone, .. } => {
+                        let message = delivery
+                            .properties
+                            .message_id()
+                            .as_ref()
+                            .map(|id| id.to_string());
+                        tracing::warn!(
+                            partition,
+                            message = message.as_deref().unwrap_or("?"),
+                            undone,
+                            "adopted the database's history: what a failover lost was undone"
+                        );
+                        metrics::counter!("relay_consumer_adopted_total").increment(1);
+                    }
+                    _ => {}
+                }
                 self.record(|stats| stats.add(outcome));
             }
             Verdict::DeadLetter(why, reason) => {

@@ -28,6 +28,12 @@ pub struct FoldStats {
     /// Times a silent stream partition was subscribed to again
     /// ([`ConsumerConfig::stream_resubscribe`]).
     pub resubscribes: u64,
+    /// Copies of history the outbox's database replaced after a failover (WIRE.md, "Epochs"):
+    /// nothing applied (metric `relay_consumer_superseded_total`).
+    pub superseded: u64,
+    /// Diverged deliveries adopted after an operator armed their branch: the history the
+    /// database lost was undone, then they were folded (metric `relay_consumer_adopted_total`).
+    pub adopted: u64,
 }
 
 impl FoldStats {
@@ -41,6 +47,11 @@ impl FoldStats {
             FoldOutcome::Duplicate | FoldOutcome::Abandoned => self.duplicates += 1,
             FoldOutcome::Parked => self.parked += 1,
             FoldOutcome::Ended => self.ended += 1,
+            FoldOutcome::Superseded => self.superseded += 1,
+            FoldOutcome::Adopted { released, .. } => {
+                self.adopted += 1;
+                self.applied += u64::from(released);
+            }
         }
     }
 
@@ -56,6 +67,8 @@ impl FoldStats {
             reconnects: self.reconnects + other.reconnects,
             gaps: self.gaps + other.gaps,
             resubscribes: self.resubscribes + other.resubscribes,
+            superseded: self.superseded + other.superseded,
+            adopted: self.adopted + other.adopted,
         }
     }
 }

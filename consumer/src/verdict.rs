@@ -20,6 +20,9 @@ pub(crate) enum DeadReason {
     BrokenChain,
     /// Its run was retired.
     Retired,
+    /// It shows the fold's history is not the database's (a failover lost commits the fold
+    /// applied: WIRE.md, "Epochs").
+    Diverged,
     /// The projection's permanent error.
     Handler,
 }
@@ -30,6 +33,7 @@ impl DeadReason {
             DeadReason::Contract => "contract",
             DeadReason::BrokenChain => "broken_chain",
             DeadReason::Retired => "retired",
+            DeadReason::Diverged => "diverged",
             DeadReason::Handler => "handler",
         }
     }
@@ -67,6 +71,9 @@ pub(crate) fn verdict<E: std::fmt::Display>(
         }
         Err(FoldError::Store(err @ store::Error::RetiredRun { .. })) => {
             DeadReason::Retired.because(err)
+        }
+        Err(FoldError::Store(err @ store::Error::Diverged { .. })) => {
+            DeadReason::Diverged.because(err)
         }
         Err(FoldError::Store(err)) if err.is_transient() => {
             Verdict::Retry(format!("database: {err}"))

@@ -143,6 +143,19 @@ pub enum Error {
         /// What the fold has applied.
         applied: Lsn,
     },
+    /// A delivery shows that the fold's history is not the database's (WIRE.md, "Epochs": an
+    /// Lsn written again after a failover, a rewind the database lost): refused (SQLSTATE
+    /// `RL203`), never applied or dropped. Dead-letter it; the way out is
+    /// `relay_fold_adopt` and a replay (docs/operations.md, "After a failover").
+    #[error("{branch}@{lsn} diverges: {reason}")]
+    Diverged {
+        /// The branch.
+        branch: BranchKey,
+        /// The delivery's Lsn.
+        lsn: Lsn,
+        /// What `relay_fold` found.
+        reason: String,
+    },
     /// This relay's lease on the tenant's bucket is gone (expired or taken over): nothing was
     /// acked or drained. The caller must stop working on the tenant.
     #[error("lease of bucket {bucket} (epoch {epoch}) is no longer held")]

@@ -52,6 +52,19 @@ pub enum FoldOutcome {
     /// The run's end marker, folded after all of the run: the run is complete
     /// ([`Projection::end`] was called). Nothing of it was held back, so nothing was released.
     Ended,
+    /// A copy of history the database replaced after a failover (a later epoch was folded at or
+    /// below its Lsn): nothing applied (WIRE.md, "Epochs").
+    Superseded,
+    /// A diverged delivery of a branch an operator armed (`relay_fold_adopt`): the history the
+    /// database lost was undone ([`Projection::rewind`] for `undone` branches), then the
+    /// delivery folded as usual (applied, with `released` held-back intents after it, or held,
+    /// ended, rewound).
+    Adopted {
+        /// Branches whose lost history was undone.
+        undone: u32,
+        /// Held-back intents applied after the delivery.
+        released: u32,
+    },
 }
 
 /// A rewind, as the fold hands it to a [`Projection`].
@@ -153,7 +166,8 @@ pub async fn fold<P: Projection>(
     let steps: Vec<Step> = sqlx::query_as(
         "SELECT action, branch_id, lsn, prev_lsn, base_lsn, parent_branch, rewound_to, created_at,
                 CASE WHEN n > 1 THEN payload END AS payload, CASE WHEN n > 1 THEN meta END AS meta
-           FROM relay_fold($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) WITH ORDINALITY AS f(
+           FROM relay_fold($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
+                WITH ORDINALITY AS f(
                 action, branch_id, lsn, prev_lsn, base_lsn, parent_branch, rewound_to,
                 created_at, payload, meta, n)
           ORDER BY n",
@@ -170,21 +184,48 @@ pub async fn fold<P: Projection>(
     .bind(event.created_at)
     .bind(&event.payload)
     .bind((!event.meta.is_empty()).then_some(sqlx::types::Json(&event.meta)))
+    .bind(event.epochs.epoch.map(crate::Epoch::to_db))
+    .bind(event.epochs.prev.map(crate::Epoch::to_db))
     .fetch_all(&mut *tx)
     .await
     .map_err(|err| fold_refusal(err, event))?;
-    let mut steps = steps.into_iter();
-    let verdict = steps.next().ok_or_else(|| {
+    let mut steps = steps.into_iter().peekable();
+    let no_verdict = || {
         Error::Database(sqlx::Error::Protocol(
             "relay_fold returned no verdict".into(),
         ))
-    })?;
+    };
+    let mut verdict = steps.next().ok_or_else(no_verdict)?;
+    // An adopted delivery: first the history the database lost is undone (undo rows whose
+    // `rewound_to` is the delivery's branch), then the delivery's own verdict follows.
+    let mut undone = None;
+    if verdict.action == "adopt" {
+        let mut count = 0u32;
+        while let Some(step) = steps.next_if(|step| {
+            step.action == "undo" && step.rewound_to.as_deref() == Some(key.branch.as_str())
+        }) {
+            let notice = RewindNotice {
+                branch: BranchKey::new(
+                    key.tenant.clone(),
+                    key.run.clone(),
+                    BranchId::new(&step.branch_id)?,
+                ),
+                fork: Lsn::from_db(step.lsn),
+                applied: Lsn::from_db(step.prev_lsn),
+                to: key.branch.clone(),
+            };
+            projection
+                .rewind(tx, &notice)
+                .await
+                .map_err(FoldError::Projection)?;
+            count += 1;
+        }
+        undone = Some(count);
+        verdict = steps.next().ok_or_else(no_verdict)?;
+    }
+    let steps: Vec<Step> = steps.collect();
     // Released intents (an end marker released with them is not counted).
-    let released = steps
-        .as_slice()
-        .iter()
-        .filter(|step| step.action == "apply")
-        .count();
+    let released = steps.iter().filter(|step| step.action == "apply").count();
     let released = u32::try_from(released).unwrap_or(u32::MAX);
     let outcome = match verdict.action.as_str() {
         "apply" => {
@@ -217,6 +258,7 @@ pub async fn fold<P: Projection>(
         "hold" => FoldOutcome::Parked,
         "duplicate" => FoldOutcome::Duplicate,
         "abandoned" => FoldOutcome::Abandoned,
+        "superseded" => FoldOutcome::Superseded,
         other => {
             return Err(Error::Database(sqlx::Error::Protocol(format!(
                 "relay_fold returned the unknown action {other:?}"
@@ -246,6 +288,7 @@ pub async fn fold<P: Projection>(
             },
             parent: step.parent_branch.map(BranchId::new).transpose()?,
             meta: step.meta.map(|json| json.0).unwrap_or_default(),
+            epochs: crate::Epochs::default(),
         };
         if released_event.is_end() {
             projection.end(tx, &released_event).await
@@ -254,11 +297,15 @@ pub async fn fold<P: Projection>(
         }
         .map_err(FoldError::Projection)?;
     }
-    Ok(outcome)
+    Ok(match undone {
+        Some(undone) => FoldOutcome::Adopted { undone, released },
+        None => outcome,
+    })
 }
 
-/// `relay_fold`'s refusals of a broken chain (RL200) and of a retired run (RL202) as
-/// [`Error::BrokenChain`] and [`Error::RetiredRun`].
+/// `relay_fold`'s refusals of a broken chain (RL200), of a retired run (RL202) and of a
+/// diverged delivery (RL203) as [`Error::BrokenChain`], [`Error::RetiredRun`] and
+/// [`Error::Diverged`].
 fn fold_refusal(err: sqlx::Error, event: &OutboxEvent) -> Error {
     let micros = |name| detail_value(&err, name).and_then(DateTime::from_timestamp_micros);
     match sql_state(&err).as_deref() {
@@ -270,6 +317,14 @@ fn fold_refusal(err: sqlx::Error, event: &OutboxEvent) -> Error {
                 applied: Lsn::from_db(applied),
             },
             None => Error::Database(err),
+        },
+        Some("RL203") => match &err {
+            sqlx::Error::Database(db) => Error::Diverged {
+                branch: event.key.branch.clone(),
+                lsn: event.key.lsn,
+                reason: db.message().to_owned(),
+            },
+            _ => Error::Database(err),
         },
         Some("RL202") => match micros("retired_through_us") {
             Some(retired_through) => Error::RetiredRun {

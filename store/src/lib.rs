@@ -80,6 +80,8 @@ pub use offset::stream_offset;
 pub use outbox::Backlog;
 pub use outbox::Discarded;
 pub use outbox::DrainLimit;
+pub use outbox::Epoch;
+pub use outbox::Epochs;
 pub use outbox::EventKind;
 pub use outbox::Outbox;
 pub use outbox::OutboxEvent;
@@ -112,10 +114,11 @@ pub const MIGRATIONS_TABLE: &str = "relay_migrations";
 /// Tracked in [`MIGRATIONS_TABLE`]. Hosts with another migration tool can apply the same SQL
 /// (`MIGRATOR.iter()` or `distribution sql`, in version order).
 ///
-/// Versions 4, 6, 9 and 10 are the fold's SQL (`relay_fold`, end markers and
-/// `relay_fold_retire`, metadata, stream offsets), the very files the fold migrations of a
-/// consumer's own database apply, so a database with the outbox folds too. The next file in
-/// `store/migrations` after `0008_*` is `0011_*` (versions 9 and 10 are the fold's).
+/// Versions 4, 6, 9, 10 and 13 are the fold's SQL (`relay_fold`, end markers and
+/// `relay_fold_retire`, metadata, stream offsets, epochs), the very files the fold migrations of
+/// a consumer's own database apply, so a database with the outbox folds too. The next file in
+/// `store/migrations` after `0008_*` is `0011_*` (versions 9 and 10 are the fold's), and after
+/// `0012_*` it is `0014_*`.
 pub static MIGRATOR: std::sync::LazyLock<sqlx::migrate::Migrator> =
     std::sync::LazyLock::new(|| {
         let mut migrator = sqlx::migrate!("./migrations");
@@ -137,7 +140,7 @@ pub static MIGRATOR: std::sync::LazyLock<sqlx::migrate::Migrator> =
 
 /// The fold's SQL in the outbox's migrations: (outbox version, description, the fold file).
 /// `relay_fold` is what a consumer in any language calls once per delivery (see WIRE.md).
-const FOLD_IN_OUTBOX: [(i64, &str, &str); 4] = [
+const FOLD_IN_OUTBOX: [(i64, &str, &str); 5] = [
     (
         4,
         "fold function",
@@ -157,6 +160,11 @@ const FOLD_IN_OUTBOX: [(i64, &str, &str); 4] = [
         10,
         "fold stream offsets",
         include_str!("../fold_migrations/0005_stream_offsets.sql"),
+    ),
+    (
+        13,
+        "fold epochs",
+        include_str!("../fold_migrations/0006_epochs.sql"),
     ),
 ];
 
@@ -183,6 +191,8 @@ const REQUIRED_OBJECTS: &[(&str, &str)] = &[
     ("function", "relay_retire_runs"),
     ("function", "relay_fold_retire"),
     ("function", "relay_discard_branch"),
+    ("function", "relay_current_epoch"),
+    ("function", "relay_fold_adopt"),
 ];
 
 /// Checks that the schema the relay needs is there, without changing anything: for a relay

@@ -41,6 +41,8 @@ pub const RESERVED_HEADERS: &[&str] = &[
     "parent_branch",
     "rewound_to",
     "created_at_us",
+    "epoch",
+    "prev_epoch",
     "causation_id",
     "traceparent",
     "tracestate",

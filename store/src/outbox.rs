@@ -45,6 +45,53 @@ pub struct OutboxEvent {
     pub parent: Option<BranchId>,
     /// The intent's metadata (empty for markers and for intents appended without it).
     pub meta: Metadata,
+    /// The epochs it was written in, and its predecessor (WIRE.md, "Epochs").
+    pub epochs: Epochs,
+}
+
+/// An epoch of the outbox's database (WIRE.md, "Epochs"): it rises whenever the database may
+/// have lost commits a relay read (a promoted standby, a cluster moved to a new one). Within one
+/// epoch a `(BranchKey, Lsn)` is written at most once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Epoch(u64);
+
+impl Epoch {
+    /// Epoch `n`.
+    pub const fn new(n: u64) -> Self {
+        Self(n)
+    }
+
+    /// Its number.
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+
+    /// From a database column (never negative; a negative value reads as none).
+    pub(crate) fn from_db(value: Option<i64>) -> Option<Self> {
+        value.and_then(|n| u64::try_from(n).ok()).map(Self)
+    }
+
+    /// As a database value.
+    pub fn to_db(self) -> i64 {
+        i64::try_from(self.0).unwrap_or(i64::MAX)
+    }
+}
+
+impl std::fmt::Display for Epoch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// The epochs of a row: the one it was written in, and the one its predecessor (the intent at
+/// `prev_lsn`) was written in. Either may be unknown: rows written before epochs, a branch's
+/// first intent (its predecessor is the base), a marker's predecessor.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Epochs {
+    /// The row's own.
+    pub epoch: Option<Epoch>,
+    /// Its predecessor's.
+    pub prev: Option<Epoch>,
 }
 
 impl OutboxEvent {
@@ -159,25 +206,36 @@ pub struct Outbox {
     pool: PgPool,
 }
 
-type EventRow = (
-    String,
-    String,
-    i64,
-    i64,
-    i64,
-    Vec<u8>,
-    DateTime<Utc>,
-    i16,
-    Option<String>,
-    Option<String>,
-    Option<sqlx::types::Json<serde_json::Value>>,
-);
+/// An outbox row as drained.
+#[derive(sqlx::FromRow)]
+struct EventRow {
+    run_id: String,
+    branch_id: String,
+    lsn: i64,
+    prev_lsn: i64,
+    base_lsn: i64,
+    payload: Vec<u8>,
+    created_at: DateTime<Utc>,
+    kind: i16,
+    parent_branch_id: Option<String>,
+    rewound_to: Option<String>,
+    meta: Option<sqlx::types::Json<serde_json::Value>>,
+    epoch: Option<i64>,
+    prev_epoch: Option<i64>,
+}
 
-/// Columns of [`EventRow`], in order.
+/// `relay_outbox.kind`: an intent.
+const KIND_INTENT: i16 = 0;
+/// `relay_outbox.kind`: a rewind marker.
+const KIND_REWIND: i16 = 1;
+/// `relay_outbox.kind`: an end marker.
+const KIND_END: i16 = 2;
+
+/// Columns of [`EventRow`].
 macro_rules! event_columns {
     () => {
         "run_id, branch_id, lsn, prev_lsn, base_lsn, payload, created_at, kind, \
-         parent_branch_id, rewound_to, meta"
+         parent_branch_id, rewound_to, meta, epoch, prev_epoch"
     };
 }
 
@@ -378,56 +436,52 @@ fn fenced_or(err: sqlx::Error, fence: &Fence) -> Error {
 
 fn events_of(tenant: &TenantId, rows: Vec<EventRow>) -> Result<Vec<OutboxEvent>, Error> {
     rows.into_iter()
-        .map(
-            |(
-                run,
-                branch,
-                lsn,
-                prev_lsn,
-                base_lsn,
-                payload,
-                created_at,
+        .map(|row| {
+            let key = EventKey::from_db(tenant, row.run_id, row.branch_id, row.lsn)?;
+            // Decoded row by row: a row whose key reads but whose other columns do not names
+            // that row (`Error::Unreadable`, its branch is then parked) instead of failing the
+            // whole batch unnamed.
+            let unreadable = |what: &str, err: &dyn std::fmt::Display| Error::Unreadable {
+                branch: key.branch.clone(),
+                lsn: key.lsn,
+                reason: format!("{what}: {err}"),
+            };
+            let kind = match (row.kind, row.rewound_to) {
+                (KIND_INTENT, _) => EventKind::Intent,
+                (KIND_REWIND, Some(to)) => EventKind::Rewind {
+                    to: BranchId::new(to).map_err(|err| unreadable("rewound_to", &err))?,
+                },
+                (KIND_REWIND, None) => {
+                    return Err(unreadable("rewound_to", &"missing on a marker"));
+                }
+                (KIND_END, _) => EventKind::End,
+                (other, _) => return Err(unreadable("kind", &other)),
+            };
+            let parent = row
+                .parent_branch_id
+                .map(BranchId::new)
+                .transpose()
+                .map_err(|err| unreadable("parent_branch_id", &err))?;
+            let meta = match row.meta {
+                None => Metadata::default(),
+                Some(json) => {
+                    serde_json::from_value(json.0).map_err(|err| unreadable("metadata", &err))?
+                }
+            };
+            Ok(OutboxEvent {
+                key,
+                prev_lsn: Lsn::from_db(row.prev_lsn),
+                base_lsn: Lsn::from_db(row.base_lsn),
+                payload: row.payload,
+                created_at: row.created_at,
                 kind,
                 parent,
-                to,
                 meta,
-            )| {
-                let key = EventKey::from_db(tenant, run, branch, lsn)?;
-                // Decoded row by row: a row whose key reads but whose other columns do not
-                // names that row (`Error::Unreadable`, its branch is then parked) instead of
-                // failing the whole batch unnamed.
-                let unreadable = |what: &str, err: &dyn std::fmt::Display| Error::Unreadable {
-                    branch: key.branch.clone(),
-                    lsn: key.lsn,
-                    reason: format!("{what}: {err}"),
-                };
-                let kind = match (kind, to) {
-                    (1, Some(to)) => EventKind::Rewind {
-                        to: BranchId::new(to).map_err(|err| unreadable("rewound_to", &err))?,
-                    },
-                    (2, _) => EventKind::End,
-                    _ => EventKind::Intent,
-                };
-                let parent = parent
-                    .map(BranchId::new)
-                    .transpose()
-                    .map_err(|err| unreadable("parent_branch_id", &err))?;
-                let meta = match meta {
-                    None => Metadata::default(),
-                    Some(json) => serde_json::from_value(json.0)
-                        .map_err(|err| unreadable("metadata", &err))?,
-                };
-                Ok(OutboxEvent {
-                    key,
-                    prev_lsn: Lsn::from_db(prev_lsn),
-                    base_lsn: Lsn::from_db(base_lsn),
-                    payload,
-                    created_at,
-                    kind,
-                    parent,
-                    meta,
-                })
-            },
-        )
+                epochs: Epochs {
+                    epoch: Epoch::from_db(row.epoch),
+                    prev: Epoch::from_db(row.prev_epoch),
+                },
+            })
+        })
         .collect()
 }

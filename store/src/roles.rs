@@ -8,9 +8,10 @@
 //!   rows), park branches, hold leases and retire closed runs (`relay_retire_runs`), and
 //!   nothing else: it cannot write intents or change branches, and needs neither superuser nor
 //!   owner rights (run it with `RELAY_SKIP_MIGRATE=true`; the owner migrates);
-//! - the **consumer** role may only call `relay_fold`, `relay_fold_retire` and the stream
-//!   offset functions (`relay_fold_offset`, `relay_fold_save_offset`, `relay_fold_reset`) (and own its
-//!   projection's tables).
+//! - the **consumer** role may only call `relay_fold`, `relay_fold_retire`, the stream
+//!   offset functions (`relay_fold_offset`, `relay_fold_save_offset`, `relay_fold_reset`) and
+//!   `relay_fold_adopt` (the way out of a divergence after a failover) (and own its projection's
+//!   tables).
 //!
 //! - the **operator** role (the console's, or a person's with `distribution status`,
 //!   `release` and `discard`) may read the status views (`relay_backlog_status`,
@@ -66,6 +67,7 @@ const CONSUMER_FUNCTIONS: &[&str] = &[
     "relay_fold_offset",
     "relay_fold_save_offset",
     "relay_fold_reset",
+    "relay_fold_adopt",
 ];
 
 fn role(kind: &'static str, name: &str) -> Result<String, Error> {
@@ -120,6 +122,7 @@ pub fn roles_sql(roles: &Roles, on: RolesFor, schema: Option<&Schema>) -> Result
             "relay_close_run",
             "relay_require_id",
             "relay_require_meta",
+            "relay_current_epoch",
             "relay_ack_and_drain",
             "relay_retire_runs",
             "relay_discard_branch",
@@ -129,6 +132,7 @@ pub fn roles_sql(roles: &Roles, on: RolesFor, schema: Option<&Schema>) -> Result
             "relay_fold_offset",
             "relay_fold_save_offset",
             "relay_fold_reset",
+            "relay_fold_adopt",
         ],
         RolesFor::Fold => CONSUMER_FUNCTIONS,
     };
@@ -232,10 +236,10 @@ mod tests {
         };
         let sql = roles_sql(&fold, RolesFor::Fold, Some(&schema)).unwrap();
         assert!(sql.contains(
-            "REVOKE EXECUTE ON FUNCTION ops.relay_fold, ops.relay_fold_retire, ops.relay_fold_offset, ops.relay_fold_save_offset, ops.relay_fold_reset FROM PUBLIC;"
+            "REVOKE EXECUTE ON FUNCTION ops.relay_fold, ops.relay_fold_retire, ops.relay_fold_offset, ops.relay_fold_save_offset, ops.relay_fold_reset, ops.relay_fold_adopt FROM PUBLIC;"
         ));
         assert!(sql.contains(
-            "GRANT EXECUTE ON FUNCTION ops.relay_fold, ops.relay_fold_retire, ops.relay_fold_offset, ops.relay_fold_save_offset, ops.relay_fold_reset TO relay_projector;"
+            "GRANT EXECUTE ON FUNCTION ops.relay_fold, ops.relay_fold_retire, ops.relay_fold_offset, ops.relay_fold_save_offset, ops.relay_fold_reset, ops.relay_fold_adopt TO relay_projector;"
         ));
         assert!(sql.contains("GRANT USAGE ON SCHEMA ops TO relay_projector;"));
         assert!(!sql.contains("relay_append"));

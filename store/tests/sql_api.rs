@@ -17,6 +17,7 @@ const INTERNAL: &[&str] = &[
     "relay_ack_and_drain",
     "relay_require_id",
     "relay_require_meta",
+    "relay_fold_epoch_at",
 ];
 
 /// A documented signature: `name(arguments)` and, unless the function returns `void`,

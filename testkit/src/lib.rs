@@ -142,6 +142,7 @@ pub fn intent(branch: &BranchKey, lsn: u64) -> Event {
         kind: EventKind::Intent,
         parent: None,
         meta: Default::default(),
+        epochs: Default::default(),
     })
 }
 
@@ -192,6 +193,15 @@ impl Event {
             self.0.payload = Vec::new();
         }
         self.0.kind = kind;
+        self
+    }
+
+    /// The epoch it was written in, and its predecessor's (WIRE.md, "Epochs").
+    pub fn epochs(mut self, epoch: u64, prev: Option<u64>) -> Self {
+        self.0.epochs = store::Epochs {
+            epoch: Some(store::Epoch::new(epoch)),
+            prev: prev.map(store::Epoch::new),
+        };
         self
     }
 

@@ -1,5 +1,6 @@
 //! `distribution group`: create a consumer group's queues before its service first runs,
-//! delete them when the service is retired, or reset its fold to rebuild its projection.
+//! delete them when the service is retired, reset its fold to rebuild its projection, or adopt
+//! the outbox database's history on a branch after a failover.
 use anyhow::{Context, Result};
 use clap::Subcommand;
 use distribution::broker::{self, Group};
@@ -46,6 +47,26 @@ pub enum GroupAction {
         /// emptied another way.
         #[arg(long, conflicts_with = "tables")]
         fold_only: bool,
+    },
+    /// After a failover that lost commits the relay had shipped, the group's fold refuses the
+    /// branch's new history as diverged (dead letters with reason `diverged`, RL203). Arm the
+    /// branch to adopt the database's history: then replay its dead letters in order
+    /// (`distribution dead replay --tenant T --run R`); the first of them undoes what the
+    /// failover lost (the projection's rewind) and the rest fold as usual. docs/operations.md,
+    /// "After a failover".
+    Adopt {
+        /// The group's fold database (DATABASE_URL).
+        #[command(flatten)]
+        database: crate::Database,
+        /// The branch's tenant.
+        #[arg(long)]
+        tenant: String,
+        /// The branch's run.
+        #[arg(long)]
+        run: String,
+        /// The branch (as in the dead letters' `branch` header).
+        #[arg(long)]
+        branch: String,
     },
 }
 
@@ -113,6 +134,32 @@ pub async fn run(action: GroupAction) -> Result<()> {
                 } else {
                     format!(", emptied {}", names.join(", "))
                 }
+            );
+        }
+        GroupAction::Adopt {
+            database,
+            tenant,
+            run,
+            branch,
+        } => {
+            use distribution::store::{BranchId, BranchKey, RunId, TenantId};
+            let key = BranchKey::new(
+                TenantId::new(&tenant).context("--tenant")?,
+                RunId::new(&run).context("--run")?,
+                BranchId::new(&branch).context("--branch")?,
+            );
+            let pool = crate::connect(&database.database_url, database.schema.as_ref()).await?;
+            let mut conn = pool.acquire().await?;
+            let armed = distribution::store::adopt_branch(&mut conn, &key)
+                .await
+                .context("arming the branch (has `distribution migrate --fold` run?)")?;
+            if !armed {
+                anyhow::bail!(
+                    "the fold knows no branch {key}: nothing to adopt (check the dead letters' tenant, run and branch headers)"
+                );
+            }
+            println!(
+                "armed {key}: replay its dead letters in order (distribution dead replay --tenant {tenant} --run {run}); the first that begins the new epoch undoes what the failover lost"
             );
         }
     }

@@ -106,7 +106,15 @@ pub fn describe_metrics(publishers: u16) {
     );
     describe_counter!(
         "relay_consumer_dead_letters_total",
-        "Messages a consumer dead-lettered, per reason (contract, broken_chain, retired, handler)."
+        "Messages a consumer dead-lettered, per reason (contract, broken_chain, retired, diverged, handler)."
+    );
+    describe_counter!(
+        "relay_consumer_superseded_total",
+        "Deliveries of history the outbox's database replaced after a failover (an older epoch's copy): nothing applied."
+    );
+    describe_counter!(
+        "relay_consumer_adopted_total",
+        "Diverged deliveries adopted after an operator armed their branch (`distribution group adopt`): what the failover lost was undone."
     );
     describe_counter!(
         "relay_consumer_retries_total",

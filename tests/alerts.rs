@@ -166,12 +166,31 @@ mod alerts {
                 },
             )
             .await;
+            // A message the consumer cannot fold (no headers): dead-lettered, counted by reason.
+            let (connection, channel) = distribution::broker::open(&rabbit, "alerts-forger")
+                .await
+                .unwrap();
+            channel
+                .basic_publish(
+                    "".into(),
+                    rabbit.topology.queue(distribution::broker::Partition(0)),
+                    Default::default(),
+                    b"not an event",
+                    Default::default(),
+                )
+                .await
+                .unwrap();
             wait_until(
-                "the consumer reports its dead-letter depth",
+                "the consumer reports its dead-letter depth and a dead letter",
                 Duration::from_secs(30),
-                || async { handle.render().contains("relay_dead_letters{") },
+                || async {
+                    let rendered = handle.render();
+                    rendered.contains("relay_dead_letters{")
+                        && rendered.contains("relay_consumer_dead_letters_total{")
+                },
             )
             .await;
+            drop(connection);
             let mut scraped = Shapes::new();
             shapes(&http_get(&addr, "/metrics").await.unwrap().1, &mut scraped);
             shapes(&handle.render(), &mut scraped);

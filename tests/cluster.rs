@@ -3,6 +3,8 @@
 //! binaries one after another.
 #[path = "it/cluster.rs"]
 mod cluster;
+#[path = "it/double.rs"]
+mod double;
 #[path = "it/harness.rs"]
 mod harness;
 #[path = "it/node.rs"]

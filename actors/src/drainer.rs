@@ -446,6 +446,7 @@ impl Actor for Drainer {
         let window = Window::new(WindowConfig {
             max_batches: args.config.max_batches_in_flight,
             park_after_attempts: args.config.park_after_attempts,
+            nack_grace: args.config.nack_grace,
             retry: args.config.retry,
             express_max_events: args.config.express_max_events,
         });

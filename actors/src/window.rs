@@ -87,6 +87,8 @@ pub(crate) struct WindowConfig {
     pub(crate) max_batches: usize,
     /// Refusals in a row after which a branch is parked (at least 1).
     pub(crate) park_after_attempts: u32,
+    /// A branch the broker nacks is parked only once its refusals have lasted this long too.
+    pub(crate) nack_grace: Duration,
     /// Delays of the tenant's retry and of each cooling branch's.
     pub(crate) retry: RetryPolicy,
     /// Batches of at most this many events (and [`EXPRESS_MAX_BYTES`]) take the express lane

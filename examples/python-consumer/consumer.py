@@ -1,14 +1,18 @@
 """A consumer in Python: projects the relay's events into its own table, exactly once and in
 live-history order, through the fold's SQL function `relay_fold` (see broker/WIRE.md). It
 re-implements none of the fold's rules: per delivery, in one transaction, it calls `relay_fold`
-with the message's headers, body and metadata (WIRE.md, version 3), applies what it returns ("apply" rows in order, "undo" for a
-rewind, "end" once a closed run is complete), commits, and only then acks.
+with the message's headers, body and metadata (WIRE.md, version 4), applies what it returns ("apply" rows in order, "undo" for a
+rewind or for history a failover lost, "end" once a closed run is complete), commits, and only
+then acks. A delivery the fold refuses (a broken chain, a malformed message, a retired run, a
+history that diverged after a failover) is published to the group's dead-letter queue with the
+reason, confirmed by the broker, and only then acked: it is never dropped.
 
     AMQP_URL=amqp://guest:guest@127.0.0.1:5672/%2f DATABASE_URL=postgres://... \
       TOPOLOGY=outbox PARTITIONS=4 python3 consumer.py
 
 Its database needs the fold's tables and function (`distribution migrate --fold`, or
-`store::migrate_fold`). CRASH_AFTER_WRITES=N makes it exit hard after writing its N-th delivery
+`store::migrate_fold`). It reads the default group's queues (`<TOPOLOGY>.p<N>`) and dead-letters
+to `<TOPOLOGY>.dead`. CRASH_AFTER_WRITES=N makes it exit hard after writing its N-th delivery
 and before committing it: the write is rolled back, the delivery redelivered.
 """
 
@@ -21,17 +25,27 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 FOLD = """SELECT action, branch_id, lsn, prev_lsn, rewound_to, payload, meta
-            FROM relay_fold(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"""
+            FROM relay_fold(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"""
+
+# The fold's refusals (docs/sql-api.md, "Refusals"): they fail again however often the
+# delivery comes, so the delivery is dead-lettered.
+REFUSED = {"RL100", "RL200", "RL201", "RL202", "RL203"}
+# What the broker adds to a message it delivers: not the message's own (WIRE.md).
+BROKER_HEADERS = {
+    "x-death", "x-first-death-exchange", "x-first-death-queue", "x-first-death-reason",
+    "x-last-death-exchange", "x-last-death-queue", "x-last-death-reason", "x-delivery-count",
+}
 
 # WIRE.md, "Metadata": the contract's own headers, and the prefixes that are not the host's.
 CONTRACT_HEADERS = {
     "wire_version", "kind", "tenant", "run", "branch", "lsn", "prev_lsn", "base_lsn",
-    "parent_branch", "rewound_to", "created_at_us", "causation_id", "traceparent", "tracestate",
+    "parent_branch", "rewound_to", "created_at_us", "epoch", "prev_epoch", "causation_id",
+    "traceparent", "tracestate",
 }
 
 
 def metadata(properties, headers):
-    """An intent's metadata as WIRE.md (version 3) says it travels; None when it has none."""
+    """An intent's metadata as WIRE.md (version 3 and later) says it travels; None when it has none."""
     meta = {}
     if headers.get("kind", "intent") == "intent" and properties.type \
             and not properties.type.startswith("outbox."):
@@ -105,9 +119,13 @@ def main():
                         tenant, run, text(h.get("branch")), text(h.get("kind")),
                         h.get("lsn"), h.get("prev_lsn"), h.get("base_lsn"),
                         text(h.get("parent_branch")), text(h.get("rewound_to")),
-                        created_at, body, meta and Jsonb(meta),
+                        created_at, body, meta and Jsonb(meta), h.get("epoch"), h.get("prev_epoch"),
                     ),
                 ).fetchall()
+                # Also 'hold', 'duplicate', 'abandoned' and 'superseded' (a copy of history
+                # the database replaced after a failover): nothing to apply. 'adopt' comes
+                # first when an operator adopted a failover's history: the 'undo' rows after it
+                # remove what the failover lost.
                 for action, branch, lsn, _prev, _to, payload, row_meta in rows:
                     if action == "apply":
                         # Each row brings its body and metadata (those of a held-back intent
@@ -134,16 +152,46 @@ def main():
                     print(f"crashing before commit, after {writes} writes", flush=True)
                     os._exit(3)
         except psycopg.Error as error:
-            if error.sqlstate in ("RL200", "RL201", "RL202", "RL100"):
-                # A broken producer, a malformed message or a run retired after its retention:
-                # it will fail again; dead-letter it.
-                print(f"dead-lettering {properties.message_id}: {error}", flush=True)
-                channel.basic_nack(method.delivery_tag, requeue=False)
+            if error.sqlstate in REFUSED:
+                # A broken producer, a malformed message, a run retired after its retention,
+                # a history that diverged after a failover: it will fail again. Into the
+                # dead-letter queue with its reason, confirmed, and only then acked.
+                reason = f"{error.sqlstate}: {error.diag.message_primary}"
+                print(f"dead-lettering {properties.message_id}: {reason}", flush=True)
+                dead_letter(body, properties, reason)
+                channel.basic_ack(method.delivery_tag)
                 return
             raise
         channel.basic_ack(method.delivery_tag)
 
     connection = pika.BlockingConnection(pika.URLParameters(setting("AMQP_URL")))
+    # Dead letters go out on a channel of their own, with publisher confirms: basic_publish
+    # returns once the broker has the message (it raises if the broker refuses or cannot
+    # route it, and the delivery is then neither acked nor lost).
+    dead = connection.channel()
+    dead.confirm_delivery()
+
+    def dead_letter(body, properties, reason):
+        headers = {
+            name: value for name, value in (properties.headers or {}).items()
+            if name not in BROKER_HEADERS
+        }
+        headers["x-relay-dead-letter-reason"] = reason
+        dead.basic_publish(
+            exchange="",
+            routing_key=f"{topology}.dead",
+            body=body,
+            properties=pika.BasicProperties(
+                headers=headers,
+                message_id=properties.message_id,
+                type=properties.type,
+                content_type=properties.content_type,
+                correlation_id=properties.correlation_id,
+                delivery_mode=2,
+            ),
+            mandatory=True,
+        )
+
     channel = connection.channel()
     channel.basic_qos(prefetch_count=32)
     for partition in range(partitions):

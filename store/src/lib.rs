@@ -74,6 +74,7 @@ pub use meta::MAX_HEADERS;
 pub use meta::Metadata;
 pub use meta::RESERVED_HEADERS;
 pub use meta::is_reserved_header;
+pub use offset::adopt_branch;
 pub use offset::reset_fold;
 pub use offset::save_stream_offset;
 pub use offset::stream_offset;

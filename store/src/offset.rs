@@ -42,3 +42,20 @@ pub async fn reset_fold(conn: &mut PgConnection) -> Result<u64, Error> {
         .await?;
     Ok(branches.max(0) as u64)
 }
+
+/// Arms `branch` after a divergence (WIRE.md, "Epochs"; docs/operations.md, "After a
+/// failover"): its next diverged message that begins an epoch is adopted (the fold undoes what
+/// the failover lost, through the projection's `rewind`, then folds it). Replay the branch's
+/// dead letters in order after. False when the fold has no state for the branch.
+pub async fn adopt_branch(
+    conn: &mut PgConnection,
+    branch: &crate::BranchKey,
+) -> Result<bool, Error> {
+    let armed: bool = sqlx::query_scalar("SELECT relay_fold_adopt($1, $2, $3)")
+        .bind(branch.tenant.as_str())
+        .bind(branch.run.as_str())
+        .bind(branch.branch.as_str())
+        .fetch_one(conn)
+        .await?;
+    Ok(armed)
+}

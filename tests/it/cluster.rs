@@ -3,8 +3,17 @@
 //! address, the node that leads every partition is stopped, brought back, then another node
 //! is killed (SIGKILL) and brought back; for quorum queues and for streams with three
 //! replicas. Nothing is lost, no event reaches the broker's queues out of order (a raw
-//! recorder group sees each branch's first copies ascending), the fold equals the live
-//! history, shipping goes on while a node is down, and the lag comes back within seconds.
+//! recorder group sees each branch's first copies ascending, but for events the broker
+//! refused: their first copy is the one sent again, after later events of the branch the
+//! broker took), the fold equals the live history, shipping goes on while a node is down,
+//! and the lag comes back within seconds.
+//!
+//! RabbitMQ 3.10 nacks a new channel's first publishes to a quorum queue while it looks for
+//! the queue's new leader, and takes the publishes after them on the same channel: after a
+//! node is killed, 13 branches once had one to three events nacked at the head of a batch and
+//! the rest of it taken (first copies 1-134, 138-324, 135-137). The relay acked none of the
+//! branch from the nacked event on and sent it again, as it must; the order check failed in
+//! about one run in five before it exempted refused events.
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -16,6 +25,7 @@ use distribution::{Relay, RelayConfig};
 use futures_util::StreamExt;
 use sqlx::PgPool;
 
+use crate::double::{Double, Observer, Script};
 use crate::harness::{
     Expected, Folding, Workload, count, folded_count, fresh_database, holds_within, oldest_pending,
     pending, relay_config, tenants_of, unique, until_folded_exactly, wait_until,
@@ -221,6 +231,40 @@ impl FirstDeliveries {
     }
 }
 
+/// Every event the broker refused (nacked or returned) at least once, as `(branch, lsn)`: its
+/// first copy in a queue is the one the relay sent again.
+#[derive(Default)]
+struct Refusals {
+    calls: std::sync::Mutex<Vec<Vec<EventKey>>>,
+    refused: std::sync::Mutex<std::collections::HashSet<(distribution::store::BranchKey, u64)>>,
+}
+
+impl Refusals {
+    fn events(&self) -> std::collections::HashSet<(distribution::store::BranchKey, u64)> {
+        self.refused.lock().unwrap().clone()
+    }
+}
+
+impl Observer for Refusals {
+    fn writing(&self, events: &[distribution::store::OutboxEvent]) -> usize {
+        let mut calls = self.calls.lock().unwrap();
+        calls.push(events.iter().map(|event| event.key.clone()).collect());
+        calls.len() - 1
+    }
+
+    fn written(&self, _call: usize) {}
+
+    fn confirmed(&self, call: usize, report: &broker::PublishReport) {
+        let calls = self.calls.lock().unwrap();
+        let mut refused = self.refused.lock().unwrap();
+        for (key, outcome) in calls[call].iter().zip(&report.outcomes) {
+            if matches!(outcome, broker::Outcome::Nacked | broker::Outcome::Returned) {
+                refused.insert((key.branch.clone(), key.lsn.get()));
+            }
+        }
+    }
+}
+
 /// What one node failure cost: the worst lag while the node was down, and after it returned.
 #[derive(Debug)]
 struct Cost {
@@ -242,9 +286,26 @@ async fn failures_under_load(cluster: &PrivateCluster, queue_type: QueueType) ->
     let rabbit = config.rabbit_config().unwrap();
     assert_eq!(rabbit.addresses().len(), 3);
     let first_deliveries = FirstDeliveries::start(&rabbit);
+    // The real publishers, each event the broker refused (nacked, returned) recorded.
+    let refusals = Arc::new(Refusals::default());
+    let factory = {
+        let rabbit = rabbit.clone();
+        let observer: Arc<dyn Observer> = refusals.clone();
+        Arc::new(move |_shard| {
+            Double::rabbit(
+                rabbit.clone(),
+                Script {
+                    observer: Some(observer.clone()),
+                    ..Script::default()
+                },
+            )
+        })
+    };
     let relays = [
-        Relay::start(config.clone()).await.unwrap(),
-        Relay::start(config.clone()).await.unwrap(),
+        Relay::start_with(config.clone(), factory.clone())
+            .await
+            .unwrap(),
+        Relay::start_with(config.clone(), factory).await.unwrap(),
     ];
     let (fold_pool, _) = fresh_database("clusterfold").await;
     let fold = FoldStore::new(fold_pool);
@@ -317,10 +378,20 @@ async fn failures_under_load(cluster: &PrivateCluster, queue_type: QueueType) ->
     let first = tokio::time::timeout(teardown, first_deliveries.stop())
         .await
         .expect("the recorder stops within 60 s");
+    let refused = refusals.events();
+    println!(
+        "{queue_type:?}: the broker refused {} event(s) once at least",
+        refused.len()
+    );
     for (branch, lsns) in &first {
+        let taken: Vec<u64> = lsns
+            .iter()
+            .copied()
+            .filter(|lsn| !refused.contains(&(branch.clone(), *lsn)))
+            .collect();
         assert!(
-            lsns.windows(2).all(|pair| pair[0] < pair[1]),
-            "{queue_type:?}: {branch}'s first copies reached the queue out of order: {lsns:?}"
+            taken.windows(2).all(|pair| pair[0] < pair[1]),
+            "{queue_type:?}: {branch}'s first copies reached the queue out of order (events the broker refused aside): {lsns:?}"
         );
     }
     assert_eq!(

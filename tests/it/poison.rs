@@ -29,6 +29,9 @@ async fn poisoned_relay(label: &str, park_retry: Duration) -> Poisoned {
     let mut config = relay_config(&url, &amqp_url(), &unique("relay-poison"));
     config.supervisor.drainer.park_after_attempts = 3;
     config.supervisor.drainer.park_retry = park_retry;
+    // The poison is refused for good: parked after the attempts, without the grace an
+    // election's nacks get.
+    config.supervisor.drainer.nack_grace = Duration::ZERO;
     let fold = FoldStore::new(pool.clone());
     let folding = Folding::start(direct_rabbit(&config), &fold);
     let bad_branch = Arc::new(Mutex::new(None));

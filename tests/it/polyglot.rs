@@ -246,6 +246,10 @@ async fn a_typescript_host_and_a_python_consumer_get_exactly_the_live_history() 
         for tenant in ["ts-a", "ts-b"] {
             assert_eq!(projected(&fold_pool, tenant).await, live_history());
         }
+        // What the fold refuses is dead-lettered for real, with its reason, and changes
+        // nothing: a forged broken chain (RL200), and the run's Lsn 22 written again in a
+        // later epoch, as after a failover that lost it (RL203).
+        refused_messages_are_dead_lettered(&rabbit, &fold_pool).await;
         steady.kill().await.unwrap();
         relay.shutdown().await;
     })
@@ -255,6 +259,76 @@ async fn a_typescript_host_and_a_python_consumer_get_exactly_the_live_history() 
     if let Err(panic) = outcome {
         std::panic::resume_unwind(panic);
     }
+}
+
+/// Publishes two messages the fold refuses to the Python consumer's partition of ts-a/ts-r1 and
+/// finds each in the dead-letter queue with its SQLSTATE (the example once nacked them into a
+/// queue without a dead-letter exchange: the broker dropped them).
+async fn refused_messages_are_dead_lettered(
+    rabbit: &distribution::broker::RabbitConfig,
+    fold_pool: &PgPool,
+) {
+    use distribution::broker::{DeadLetters, WireMode, encode};
+    use distribution::store::EventKind;
+    let branch = testkit::branch("ts-a", "ts-r1", "retry");
+    let epoch: i64 = sqlx::query_scalar(
+        "SELECT max(e) FROM relay_fold_cursor, unnest(epochs) e WHERE tenant_id = 'ts-a'",
+    )
+    .fetch_one(fold_pool)
+    .await
+    .unwrap();
+    let broken = testkit::intent(&branch, 60)
+        .prev(14)
+        .base(12)
+        .parent("main")
+        .build();
+    let rewritten = testkit::intent(&branch, 22)
+        .prev(21)
+        .base(12)
+        .parent("main")
+        .payload("written again")
+        .epochs(epoch as u64 + 1, Some(epoch as u64 + 1))
+        .build();
+    assert_eq!(rewritten.kind, EventKind::Intent);
+    let (connection, channel) = distribution::broker::open(rabbit, "polyglot-forger")
+        .await
+        .unwrap();
+    channel.confirm_select(Default::default()).await.unwrap();
+    let partition = rabbit.topology.partition_of(&branch.tenant, &branch.run);
+    for event in [&broken, &rewritten] {
+        channel
+            .basic_publish(
+                rabbit.topology.exchange().clone(),
+                rabbit.topology.routing_key(partition),
+                Default::default(),
+                &event.payload,
+                encode(event, WireMode::Plain),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let dead = DeadLetters::open(rabbit).await.unwrap();
+    wait_until(
+        "both refused messages in the dead-letter queue",
+        Duration::from_secs(30),
+        || async { dead.depth().await.unwrap_or(0) >= 2 },
+    )
+    .await;
+    let mut reasons: Vec<String> = dead
+        .list(10)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|letter| letter.reason.unwrap_or_default())
+        .collect();
+    reasons.sort();
+    assert_eq!(reasons.len(), 2, "{reasons:?}");
+    assert!(reasons[0].starts_with("RL200"), "{reasons:?}");
+    assert!(reasons[1].starts_with("RL203"), "{reasons:?}");
+    drop(connection);
+    assert_eq!(projected(fold_pool, "ts-a").await, live_history());
 }
 
 /// `url` connecting as `role` instead of its user.

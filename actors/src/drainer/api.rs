@@ -36,6 +36,10 @@ pub struct DrainerConfig {
     pub park_after_attempts: u32,
     /// How long a parked branch is skipped before it is tried again. Default 60 s.
     pub park_retry: Duration,
+    /// A branch the broker keeps nacking is parked only once the nacks have lasted this long
+    /// too (and `park_after_attempts` is reached): a quorum queue nacks while it elects a
+    /// leader, which takes seconds. Default 30 s.
+    pub nack_grace: Duration,
     /// Batches of at most this many events (and 256 KiB) go through each shard's express
     /// publisher when nothing else of their tenant is in flight, so quiet tenants never queue
     /// behind another tenant's backlog. Default 32; 0: one publisher per shard, no lanes.
@@ -53,6 +57,7 @@ impl Default for DrainerConfig {
             batch_max_bytes: 4 << 20,
             park_after_attempts: 5,
             park_retry: Duration::from_secs(60),
+            nack_grace: Duration::from_secs(30),
             express_max_events: 32,
         }
     }

@@ -40,7 +40,9 @@ pub(crate) struct Refusal {
 
 impl<H> Window<H> {
     /// The broker refused an event of `branch`: retry it alone after its backoff, or park it
-    /// after `park_after_attempts` refusals in a row.
+    /// after `park_after_attempts` refusals in a row (a nack: and once the refusals have lasted
+    /// `nack_grace`: RabbitMQ nacks while a quorum queue elects a leader, and 3.10 nacks a new
+    /// channel's first publishes to a queue until it finds the new leader, for seconds).
     pub(super) fn refused(
         &mut self,
         branch: BranchKey,
@@ -59,8 +61,9 @@ impl<H> Window<H> {
             });
         cooling.attempts += 1;
         let attempts = cooling.attempts;
-        let action = if attempts >= self.config.park_after_attempts.max(1) {
-            let failing_for = now.saturating_duration_since(cooling.first_failed);
+        let failing_for = now.saturating_duration_since(cooling.first_failed);
+        let patient = reason == "nacked" && failing_for < self.config.nack_grace;
+        let action = if attempts >= self.config.park_after_attempts.max(1) && !patient {
             self.cooling.remove(&branch);
             RefusalAction::Park { failing_for }
         } else {

@@ -100,6 +100,14 @@ pub struct RelayConfig {
     /// closed this long ago and every row of them shipped, checked every quarter of it (between
     /// 100 ms and 60 s). Env `RELAY_RETENTION_SECS`; default none (closed runs are kept).
     pub retention: Option<Duration>,
+    /// Publish only what is durable where this says (a failover keeps it): off, `local` (this
+    /// server's disk), `sync` (every synchronous standby) or `all` (every streaming standby).
+    /// (`sync` on a server naming no synchronous standby: its disk.) Env
+    /// `RELAY_PUBLISH_REPLICATED`; default off. docs/operations.md, "Replication".
+    pub replication: store::Replication,
+    /// Longest wait for it after each drain; then the rows wait and are drained again. Env
+    /// `RELAY_PUBLISH_REPLICATED_TIMEOUT_MS`; default 1000.
+    pub replication_timeout: Duration,
 }
 
 /// Reads a PEM file that must hold a `-----BEGIN ...{kind}-----` block.
@@ -160,6 +168,8 @@ impl RelayConfig {
             schema: None,
             skip_migrate: false,
             retention: None,
+            replication: store::Replication::Off,
+            replication_timeout: Duration::from_secs(1),
         }
     }
 

@@ -1,8 +1,10 @@
-//! A TCP proxy between the relay and the real broker that its owner can cut and restore.
+//! A TCP proxy between the relay and the real broker (or database) that its owner can cut,
+//! restore and point elsewhere.
 //!
 //! This is how a broker outage is staged without stopping the machine's RabbitMQ: the relay
 //! talks to the proxy; `cut` drops every connection and refuses new ones until `restore`.
-//! It runs on its own thread, so a stalled caller runtime does not stall it.
+//! A failover is staged the same way: `retarget` points it at the promoted standby (sqlx
+//! takes one host). It runs on its own thread, so a stalled caller runtime does not stall it.
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -15,6 +17,8 @@ use tokio::task::JoinHandle;
 pub struct BrokerProxy {
     addr: SocketAddr,
     upstream_url: String,
+    /// Where new connections go (`host:port`).
+    upstream: Arc<Mutex<String>>,
     up: Arc<AtomicBool>,
     /// Connections stay open but nothing passes either way (a broker dropping packets).
     silent: Arc<AtomicBool>,
@@ -41,6 +45,8 @@ impl BrokerProxy {
             .enable_all()
             .build()?;
         // Bound with std so `start` works from inside any runtime (no `block_on`).
+        let upstream = Arc::new(Mutex::new(authority));
+        let accept_upstream = upstream.clone();
         let std_listener = std::net::TcpListener::bind("127.0.0.1:0")?;
         std_listener.set_nonblocking(true)?;
         let addr = std_listener.local_addr()?;
@@ -59,7 +65,10 @@ impl BrokerProxy {
                 if !accept_up.load(Ordering::SeqCst) {
                     continue; // dropped: the broker is "down"
                 }
-                let upstream = authority.clone();
+                let upstream = accept_upstream
+                    .lock()
+                    .unwrap_or_else(|poison| poison.into_inner())
+                    .clone();
                 let silent = accept_silent.clone();
                 let lost = Arc::new(AtomicBool::new(false));
                 {
@@ -96,6 +105,7 @@ impl BrokerProxy {
         Ok(Self {
             addr,
             upstream_url,
+            upstream,
             up,
             silent,
             links,
@@ -135,6 +145,12 @@ impl BrokerProxy {
 
     /// The upstream URL with its host and port replaced by the proxy's.
     pub fn amqp_url(&self) -> String {
+        self.url()
+    }
+
+    /// The upstream URL (any scheme: `amqp://`, `postgres://`) with its host and port replaced
+    /// by the proxy's.
+    pub fn url(&self) -> String {
         let (scheme, rest) = self
             .upstream_url
             .split_once("://")
@@ -153,6 +169,23 @@ impl BrokerProxy {
     /// Takes the broker down: drops every open connection and refuses new ones.
     pub fn cut(&self) {
         self.up.store(false, Ordering::SeqCst);
+        let mut links = self
+            .links
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        for link in links.drain(..) {
+            link.abort();
+        }
+    }
+
+    /// Points new connections at `authority` (`host:port`) and drops every open one: what a
+    /// failover does to clients of a virtual address (the old server's sessions end, new ones
+    /// reach the promoted standby).
+    pub fn retarget(&self, authority: &str) {
+        *self
+            .upstream
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner()) = authority.to_owned();
         let mut links = self
             .links
             .lock()

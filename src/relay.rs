@@ -208,7 +208,8 @@ async fn run_tree(
     let mut backoff = Backoff::new(config.supervisor.restart);
     loop {
         let args = SupervisorArgs {
-            outbox: Outbox::new(pool.clone()),
+            outbox: Outbox::new(pool.clone())
+                .replicated(config.replication, config.replication_timeout),
             leases: LeaseStore::new(lease_pool.clone()),
             database_url: config.database_url.clone(),
             factory: factory.clone(),

@@ -109,6 +109,10 @@ pub fn describe_metrics(publishers: u16) {
         "Messages a consumer dead-lettered, per reason (contract, broken_chain, retired, diverged, handler)."
     );
     describe_counter!(
+        "relay_drains_held_back_total",
+        "Drains whose rows were not published because they were not yet flushed where RELAY_PUBLISH_REPLICATED requires (a standby down or behind); drained again after a backoff."
+    );
+    describe_counter!(
         "relay_consumer_superseded_total",
         "Deliveries of history the outbox's database replaced after a failover (an older epoch's copy): nothing applied."
     );

@@ -180,6 +180,10 @@ impl Drainer {
             myself.stop(Some(StopReason::Fenced.as_str().into()));
             return Ok(());
         }
+        if matches!(err, store::Error::NotReplicated { .. }) {
+            // Nothing was published; the supervisor restarts the drainer on its backoff.
+            metrics::counter!("relay_drains_held_back_total").increment(1);
+        }
         Err(err.into())
     }
 

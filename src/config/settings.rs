@@ -105,6 +105,15 @@ pub struct Settings {
     #[arg(long, env = "RELAY_PARK_RETRY_MS", default_value_t = millis(defaults().supervisor.drainer.park_retry),
           value_parser = clap::value_parser!(u64).range(100..=86_400_000))]
     pub park_retry_ms: u64,
+    /// Publish only what is durable where this says, so a failover cannot take back what
+    /// consumers folded: off; local (this server's disk); sync (every synchronous standby:
+    /// what any failover candidate has); all (every streaming standby).
+    #[arg(long, env = "RELAY_PUBLISH_REPLICATED", value_enum, default_value_t = ReplicationSetting::Off)]
+    pub publish_replicated: ReplicationSetting,
+    /// Longest wait for it after each drain, in ms; then the rows wait and are drained again.
+    #[arg(long, env = "RELAY_PUBLISH_REPLICATED_TIMEOUT_MS", default_value_t = millis(defaults().replication_timeout),
+          value_parser = clap::value_parser!(u64).range(1..=60_000))]
+    pub publish_replicated_timeout_ms: u64,
     /// Runtime threads of the relay.
     #[arg(long, env = "RELAY_THREADS", default_value_t = defaults().worker_threads as u16,
           value_parser = clap::value_parser!(u16).range(1..=256))]
@@ -284,6 +293,13 @@ impl Settings {
         config.schema = self.schema;
         config.skip_migrate = self.skip_migrate;
         config.retention = self.retention_secs.map(Duration::from_secs);
+        config.replication = match self.publish_replicated {
+            ReplicationSetting::Off => store::Replication::Off,
+            ReplicationSetting::Local => store::Replication::Local,
+            ReplicationSetting::Sync => store::Replication::Sync,
+            ReplicationSetting::All => store::Replication::All,
+        };
+        config.replication_timeout = Duration::from_millis(self.publish_replicated_timeout_ms);
         if let Some(path) = &self.amqp_ca_file {
             let pem = pem_file("RELAY_AMQP_CA_FILE", path, "CERTIFICATE")?;
             config.amqp_tls.ca_pem = Some(String::from_utf8_lossy(&pem).into_owned());
@@ -321,6 +337,19 @@ pub fn unknown_relay_variables(also_known: &[&str]) -> Vec<String> {
         .collect();
     unknown.sort();
     unknown
+}
+
+/// `RELAY_PUBLISH_REPLICATED`: where a drained row must be durable before it is published.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ReplicationSetting {
+    /// Wherever its commit put it.
+    Off,
+    /// On this server's disk.
+    Local,
+    /// On every synchronous standby.
+    Sync,
+    /// On every streaming standby.
+    All,
 }
 
 /// `RELAY_CLOUDEVENTS`: whether, and under which prefix, CloudEvents attributes are written.

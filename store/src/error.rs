@@ -156,6 +156,16 @@ pub enum Error {
         /// What `relay_fold` found.
         reason: String,
     },
+    /// What a drain read is not yet durable where `RELAY_PUBLISH_REPLICATED` requires (a
+    /// synchronous standby down or behind): nothing may be published; the rows stay and are
+    /// drained again. What the call acked is committed.
+    #[error("what was drained is not yet flushed ({replication}) after {waited:?}: not published yet")]
+    NotReplicated {
+        /// The mode waited for.
+        replication: &'static str,
+        /// How long it waited.
+        waited: std::time::Duration,
+    },
     /// This relay's lease on the tenant's bucket is gone (expired or taken over): nothing was
     /// acked or drained. The caller must stop working on the tenant.
     #[error("lease of bucket {bucket} (epoch {epoch}) is no longer held")]
@@ -224,7 +234,7 @@ impl Error {
                     | sqlx::Error::TypeNotFound { .. }
                     | sqlx::Error::ColumnNotFound(_)
             ),
-            Error::Migrate(_) | Error::NoAnswer { .. } => true,
+            Error::Migrate(_) | Error::NoAnswer { .. } | Error::NotReplicated { .. } => true,
             _ => false,
         }
     }

@@ -88,6 +88,7 @@ pub use outbox::Outbox;
 pub use outbox::OutboxEvent;
 pub use outbox::ParkedBranch;
 pub use outbox::RelayShare;
+pub use outbox::Replication;
 pub use retention::Retention;
 pub use retention::retire_folded_runs;
 pub use retention::retire_runs;
@@ -119,7 +120,7 @@ pub const MIGRATIONS_TABLE: &str = "relay_migrations";
 /// `relay_fold_retire`, metadata, stream offsets, epochs), the very files the fold migrations of
 /// a consumer's own database apply, so a database with the outbox folds too. The next file in
 /// `store/migrations` after `0008_*` is `0011_*` (versions 9 and 10 are the fold's), and after
-/// `0012_*` it is `0014_*`.
+/// `0012_*` it is `0014_*` (13 is the fold's).
 pub static MIGRATOR: std::sync::LazyLock<sqlx::migrate::Migrator> =
     std::sync::LazyLock::new(|| {
         let mut migrator = sqlx::migrate!("./migrations");
@@ -194,6 +195,7 @@ const REQUIRED_OBJECTS: &[(&str, &str)] = &[
     ("function", "relay_discard_branch"),
     ("function", "relay_current_epoch"),
     ("function", "relay_fold_adopt"),
+    ("function", "relay_wait_replicated"),
 ];
 
 /// Checks that the schema the relay needs is there, without changing anything: for a relay

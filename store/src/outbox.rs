@@ -200,10 +200,43 @@ pub struct RelayShare {
     pub buckets: u64,
 }
 
+/// Where a drained row must be durable before the relay may publish it
+/// (`RELAY_PUBLISH_REPLICATED`; docs/operations.md, "Replication").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Replication {
+    /// Wherever its commit put it (the default).
+    #[default]
+    Off,
+    /// On this server's disk (a host committing with `synchronous_commit = off` can lose, in a
+    /// crash, what a relay already read).
+    Local,
+    /// On every synchronous standby: what any failover candidate has (what the database's own
+    /// synchronous replication promises, never less: a commit whose wait was cancelled is not
+    /// taken for replicated). On a server whose `synchronous_standby_names` names none: on its
+    /// disk, as [`Replication::Local`].
+    Sync,
+    /// On every streaming standby.
+    All,
+}
+
+impl Replication {
+    /// Its name in the setting and in `relay_wait_replicated`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Replication::Off => "off",
+            Replication::Local => "local",
+            Replication::Sync => "sync",
+            Replication::All => "all",
+        }
+    }
+}
+
 /// Reads and retires committed intents. Cheap to clone (a pool handle).
 #[derive(Clone, Debug)]
 pub struct Outbox {
     pool: PgPool,
+    replication: Replication,
+    replication_timeout: Duration,
 }
 
 /// An outbox row as drained.
@@ -242,7 +275,20 @@ macro_rules! event_columns {
 impl Outbox {
     /// The outbox on `pool` (migrated with [`crate::migrate`]).
     pub fn new(pool: PgPool) -> Self {
-        Self { pool }
+        Self {
+            pool,
+            replication: Replication::Off,
+            replication_timeout: Duration::from_secs(1),
+        }
+    }
+
+    /// The outbox whose drains for the relay ([`Outbox::ack_and_drain`], [`Outbox::drain_after`])
+    /// return rows only once they are durable as `replication` says, waiting at most `timeout`
+    /// each time ([`Error::NotReplicated`] then: the rows stay, and are drained again).
+    pub fn replicated(mut self, replication: Replication, timeout: Duration) -> Self {
+        self.replication = replication;
+        self.replication_timeout = timeout;
+        self
     }
 
     /// Up to `limit` pending intents of `tenant`, oldest first; each branch's in ascending Lsn.
@@ -370,7 +416,28 @@ impl Outbox {
         if !open {
             return Err(fenced(fence));
         }
+        if !rows.is_empty() && self.replication != Replication::Off {
+            self.wait_replicated().await?;
+        }
         events_of(tenant, rows)
+    }
+
+    /// Waits until what was just read is durable as [`Outbox::replicated`] says.
+    async fn wait_replicated(&self) -> Result<(), Error> {
+        let timeout_ms = i32::try_from(self.replication_timeout.as_millis()).unwrap_or(i32::MAX);
+        let done: bool = sqlx::query_scalar("SELECT relay_wait_replicated($1, $2)")
+            .bind(self.replication.as_str())
+            .bind(timeout_ms)
+            .fetch_one(&self.pool)
+            .await?;
+        if done {
+            Ok(())
+        } else {
+            Err(Error::NotReplicated {
+                replication: self.replication.as_str(),
+                waited: self.replication_timeout,
+            })
+        }
     }
 
     /// Retires `shipped` (confirmed keys of `tenant`) under a lease `fence`: like

@@ -53,7 +53,11 @@ const HOST_FUNCTIONS: &[&str] = &[
     "relay_rewind",
     "relay_close_run",
 ];
-const RELAY_FUNCTIONS: &[&str] = &["relay_ack_and_drain", "relay_retire_runs"];
+const RELAY_FUNCTIONS: &[&str] = &[
+    "relay_ack_and_drain",
+    "relay_retire_runs",
+    "relay_wait_replicated",
+];
 const OPERATOR_FUNCTIONS: &[&str] = &["relay_release", "relay_discard_branch"];
 const OPERATOR_VIEWS: &[&str] = &[
     "relay_backlog_status",
@@ -125,6 +129,7 @@ pub fn roles_sql(roles: &Roles, on: RolesFor, schema: Option<&Schema>) -> Result
             "relay_current_epoch",
             "relay_ack_and_drain",
             "relay_retire_runs",
+            "relay_wait_replicated",
             "relay_discard_branch",
             "relay_release",
             "relay_fold",

@@ -646,3 +646,39 @@ async fn retirement_skips_what_others_hold_and_never_waits_for_a_host(pool: PgPo
         .unwrap();
     assert_eq!(runs, ["open"]);
 }
+
+/// RELAY_PUBLISH_REPLICATED on a server without standbys: `local` returns what was read once
+/// it is on this server's disk (at once, here), and so does `sync` (the server names no
+/// synchronous standby: it promises its disk alone); `all` has no standby to wait for, so
+/// nothing is published ([`Error::NotReplicated`], after the timeout) and the rows stay.
+#[sqlx::test(migrator = "store::MIGRATOR")]
+async fn a_drain_under_replication_returns_only_what_is_flushed_where_asked(pool: PgPool) {
+    use store::Replication;
+    let branch = key("t", "r", "main");
+    appended(&pool, &branch, 1..=3).await;
+    let local = Outbox::new(pool.clone()).replicated(Replication::Local, Duration::from_secs(5));
+    let drained = local
+        .drain_after(&Fence::open(), &branch.tenant, 10, &[])
+        .await
+        .unwrap();
+    assert_eq!(drained.len(), 3);
+    let sync = Outbox::new(pool.clone()).replicated(Replication::Sync, Duration::from_secs(5));
+    let drained = sync
+        .drain_after(&Fence::open(), &branch.tenant, 10, &[])
+        .await
+        .unwrap();
+    assert_eq!(drained.len(), 3);
+    let all = Outbox::new(pool.clone()).replicated(Replication::All, Duration::from_millis(50));
+    let waited = all.drain_after(&Fence::open(), &branch.tenant, 10, &[]).await;
+    assert!(matches!(waited, Err(Error::NotReplicated { .. })), "{waited:?}");
+    // An empty drain never waits.
+    let nothing = Outbox::new(pool.clone()).replicated(Replication::Sync, Duration::from_secs(60));
+    let other = key("other", "r", "main");
+    let empty = nothing.drain_after(&Fence::open(), &other.tenant, 10, &[]).await.unwrap();
+    assert!(empty.is_empty());
+    assert_eq!(
+        Outbox::new(pool.clone()).drain_outbox(&branch.tenant, 10).await.unwrap().len(),
+        3,
+        "nothing was retired"
+    );
+}

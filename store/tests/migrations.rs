@@ -111,6 +111,7 @@ async fn an_upgrade_keeps_the_roles_grants() {
         .unwrap()
         .replace("relay_require_meta, ", "")
         .replace("relay_current_epoch, ", "")
+        .replace(", relay_wait_replicated", "")
         .replace(", relay_fold_adopt", "")
         .replace("relay_release, ", "")
         .replace(

@@ -18,6 +18,7 @@ const INTERNAL: &[&str] = &[
     "relay_require_id",
     "relay_require_meta",
     "relay_fold_epoch_at",
+    "relay_wait_replicated",
 ];
 
 /// A documented signature: `name(arguments)` and, unless the function returns `void`,

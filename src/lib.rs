@@ -32,6 +32,7 @@ pub use database::{APPLICATION_NAME, connect_database};
 pub use relay::Relay;
 pub use relay::RelayError;
 pub use relay::RelayHandle;
+pub use relay::RelayProbe;
 pub use relay::RelayWaker;
 pub use store;
 pub use supervisor::SupervisorConfig;

@@ -50,6 +50,36 @@ pub struct RelayHandle {
     done: Option<oneshot::Receiver<()>>,
     tree: watch::Receiver<Option<ActorRef<SupervisorMessage>>>,
     broker: BrokerHealth,
+    held_back: store::HeldBack,
+}
+
+/// What `/readyz` reads of a running relay (cheap to clone): its lease buckets, and whether
+/// its drains are held back for replication.
+#[derive(Clone, Debug)]
+pub struct RelayProbe {
+    tree: watch::Receiver<Option<ActorRef<SupervisorMessage>>>,
+    held_back: store::HeldBack,
+}
+
+impl RelayProbe {
+    /// Lease buckets the relay holds (`None` while its tree restarts, or if it does not answer
+    /// within a second).
+    pub async fn buckets_held(&self) -> Option<usize> {
+        let supervisor = self.tree.borrow().clone()?;
+        match supervisor
+            .call(SupervisorMessage::Snapshot, Some(Duration::from_secs(1)))
+            .await
+        {
+            Ok(CallResult::Success(snapshot)) => Some(snapshot.buckets_held),
+            _ => None,
+        }
+    }
+
+    /// How long its drains have been held back by `RELAY_PUBLISH_REPLICATED` (none: they are
+    /// not).
+    pub fn held_back_for(&self) -> Option<Duration> {
+        self.held_back.for_how_long()
+    }
 }
 
 impl Relay {
@@ -117,6 +147,8 @@ impl Relay {
     ) -> Result<RelayHandle, RelayError> {
         config.validate()?;
         let broker = health.clone();
+        let held_back = store::HeldBack::default();
+        let reporting = held_back.clone();
         let (ready_tx, ready_rx) = oneshot::channel();
         let (stop_tx, stop_rx) = oneshot::channel();
         let (done_tx, done_rx) = oneshot::channel();
@@ -137,7 +169,7 @@ impl Relay {
             .name(format!("outbox-relay-{number}-main"))
             .spawn(move || {
                 let mode = runtime.block_on(run_tree(
-                    config, factory, broker, check, ready_tx, stop_rx, tree_tx,
+                    config, factory, broker, reporting, check, ready_tx, stop_rx, tree_tx,
                 ));
                 match mode {
                     // A crash, as far as the outside world can tell: sockets drop, leases free.
@@ -150,6 +182,7 @@ impl Relay {
             Ok(Ok(())) => Ok(RelayHandle {
                 stop: Some(stop_tx),
                 done: Some(done_rx),
+                held_back,
                 tree: tree_rx,
                 broker: health,
             }),
@@ -161,10 +194,12 @@ impl Relay {
     }
 }
 
+#[allow(clippy::too_many_arguments)] // the relay thread's whole world, moved in once
 async fn run_tree(
     config: RelayConfig,
     factory: PublisherFactory,
     broker: BrokerHealth,
+    held_back: store::HeldBack,
     check: Option<BrokerCheck>,
     ready: oneshot::Sender<Result<(), RelayError>>,
     mut stop: oneshot::Receiver<StopMode>,
@@ -209,7 +244,8 @@ async fn run_tree(
     loop {
         let args = SupervisorArgs {
             outbox: Outbox::new(pool.clone())
-                .replicated(config.replication, config.replication_timeout),
+                .replicated(config.replication, config.replication_timeout)
+                .reporting(held_back.clone()),
             leases: LeaseStore::new(lease_pool.clone()),
             database_url: config.database_url.clone(),
             factory: factory.clone(),
@@ -305,6 +341,14 @@ impl RelayHandle {
     /// ([`Relay::start_with`]).
     pub fn broker_health(&self) -> BrokerHealth {
         self.broker.clone()
+    }
+
+    /// What `/readyz` reads of this relay.
+    pub fn probe(&self) -> RelayProbe {
+        RelayProbe {
+            tree: self.tree.clone(),
+            held_back: self.held_back.clone(),
+        }
     }
 
     /// The live actors (for status, and for tests that kill them). `None` while restarting.

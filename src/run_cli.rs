@@ -59,6 +59,7 @@ pub(crate) async fn run(config: RelayConfig) -> Result<()> {
             metrics,
             outbox: Outbox::new(probe_pool),
             broker: relay.broker_health(),
+            relay: relay.probe(),
             max_parked,
         },
     );

@@ -25,8 +25,20 @@ pub(crate) struct Probes {
     /// On its own small pool, so a busy relay pool does not make the probe time out.
     pub(crate) outbox: Outbox,
     pub(crate) broker: BrokerHealth,
+    pub(crate) relay: distribution::RelayProbe,
     pub(crate) max_parked: u64,
 }
+
+/// What the relay itself says for a readiness check: lease buckets held (`None`: no answer),
+/// and how long its drains have been held back for replication.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct RelayFacts {
+    pub(crate) buckets_held: Option<usize>,
+    pub(crate) held_back_for: Option<Duration>,
+}
+
+/// Drains held back this long make the relay not ready.
+const HELD_BACK_NOT_READY: Duration = Duration::from_secs(5);
 
 /// What the database said for a readiness check: whether intents wait, and parked branches.
 pub(crate) type DatabaseFacts = Result<(bool, u64), String>;
@@ -36,12 +48,28 @@ pub(crate) fn readiness(
     database: DatabaseFacts,
     broker: BrokerState,
     blocked: bool,
+    relay: RelayFacts,
     max_parked: u64,
 ) -> Result<(), Vec<String>> {
     let mut problems = Vec::new();
     match database {
         Err(why) => problems.push(format!("database unreachable: {why}")),
         Ok((pending, parked)) => {
+            if pending && relay.buckets_held == Some(0) {
+                problems.push(
+                    "holds no lease bucket while intents wait (its lease renewals do not commit: the database is slow, or waits for a synchronous standby that is down)"
+                        .into(),
+                );
+            }
+            if let Some(held) = relay
+                .held_back_for
+                .filter(|held| *held >= HELD_BACK_NOT_READY)
+            {
+                problems.push(format!(
+                    "drains held back for {} s: what they read is not yet flushed where RELAY_PUBLISH_REPLICATED requires (a standby down or behind)",
+                    held.as_secs()
+                ));
+            }
             if pending && broker == BrokerState::Down {
                 problems.push("broker down while intents wait".into());
             }
@@ -84,7 +112,11 @@ async fn ready(probes: &Probes) -> Result<(), Vec<String>> {
         Err(_) => Err(format!("no answer within {} ms", READY_TIMEOUT.as_millis())),
     };
     let (state, blocked) = (probes.broker.state(), probes.broker.blocked());
-    readiness(facts, state, blocked, probes.max_parked)
+    let relay = RelayFacts {
+        buckets_held: probes.relay.buckets_held().await,
+        held_back_for: probes.relay.held_back_for(),
+    };
+    readiness(facts, state, blocked, relay, probes.max_parked)
 }
 
 async fn answer(probes: &Probes, request: Request<Incoming>) -> Response<Full<Bytes>> {
@@ -152,29 +184,129 @@ mod tests {
     use super::*;
 
     #[test]
-    fn readiness_names_each_problem() {
+    fn readiness_names_what_the_relay_says() {
+        let none = RelayFacts {
+            buckets_held: Some(0),
+            held_back_for: None,
+        };
+        let problems = readiness(Ok((true, 0)), BrokerState::Up, false, none, 0).unwrap_err();
         assert!(
-            readiness(Ok((false, 0)), BrokerState::Down, false, 0).is_ok(),
+            problems[0].starts_with("holds no lease bucket"),
+            "{problems:?}"
+        );
+        assert!(
+            readiness(Ok((false, 0)), BrokerState::Up, false, none, 0).is_ok(),
             "nothing waits"
         );
-        assert!(readiness(Ok((true, 0)), BrokerState::Unknown, false, 0).is_ok());
-        assert!(readiness(Ok((true, 0)), BrokerState::Up, false, 0).is_ok());
-        let down = readiness(Ok((true, 0)), BrokerState::Down, false, 0).unwrap_err();
+        let held = RelayFacts {
+            buckets_held: Some(3),
+            held_back_for: Some(Duration::from_secs(6)),
+        };
+        let problems = readiness(Ok((true, 0)), BrokerState::Up, false, held, 0).unwrap_err();
+        assert!(
+            problems[0].starts_with("drains held back for 6 s"),
+            "{problems:?}"
+        );
+        let briefly = RelayFacts {
+            buckets_held: Some(3),
+            held_back_for: Some(Duration::from_secs(1)),
+        };
+        assert!(readiness(Ok((true, 0)), BrokerState::Up, false, briefly, 0).is_ok());
+    }
+
+    #[test]
+    fn readiness_names_each_problem() {
+        assert!(
+            readiness(
+                Ok((false, 0)),
+                BrokerState::Down,
+                false,
+                RelayFacts::default(),
+                0
+            )
+            .is_ok(),
+            "nothing waits"
+        );
+        assert!(
+            readiness(
+                Ok((true, 0)),
+                BrokerState::Unknown,
+                false,
+                RelayFacts::default(),
+                0
+            )
+            .is_ok()
+        );
+        assert!(
+            readiness(
+                Ok((true, 0)),
+                BrokerState::Up,
+                false,
+                RelayFacts::default(),
+                0
+            )
+            .is_ok()
+        );
+        let down = readiness(
+            Ok((true, 0)),
+            BrokerState::Down,
+            false,
+            RelayFacts::default(),
+            0,
+        )
+        .unwrap_err();
         assert_eq!(down, vec!["broker down while intents wait".to_owned()]);
-        let parked = readiness(Ok((false, 3)), BrokerState::Up, false, 2).unwrap_err();
+        let parked = readiness(
+            Ok((false, 3)),
+            BrokerState::Up,
+            false,
+            RelayFacts::default(),
+            2,
+        )
+        .unwrap_err();
         assert!(parked[0].starts_with("3 branches parked"), "{parked:?}");
-        assert!(readiness(Ok((false, 2)), BrokerState::Up, false, 2).is_ok());
-        let database = readiness(Err("refused".into()), BrokerState::Up, false, 0).unwrap_err();
+        assert!(
+            readiness(
+                Ok((false, 2)),
+                BrokerState::Up,
+                false,
+                RelayFacts::default(),
+                2
+            )
+            .is_ok()
+        );
+        let database = readiness(
+            Err("refused".into()),
+            BrokerState::Up,
+            false,
+            RelayFacts::default(),
+            0,
+        )
+        .unwrap_err();
         assert_eq!(database, vec!["database unreachable: refused".to_owned()]);
         // Issue 16: a broker alarm blocks every publishing connection while the last state
         // reported stays Up (nothing faults): blocked with intents waiting is not ready.
-        let blocked = readiness(Ok((true, 0)), BrokerState::Up, true, 0).unwrap_err();
+        let blocked = readiness(
+            Ok((true, 0)),
+            BrokerState::Up,
+            true,
+            RelayFacts::default(),
+            0,
+        )
+        .unwrap_err();
         assert!(
             blocked[0].starts_with("broker blocks the relay"),
             "{blocked:?}"
         );
         assert!(
-            readiness(Ok((false, 0)), BrokerState::Up, true, 0).is_ok(),
+            readiness(
+                Ok((false, 0)),
+                BrokerState::Up,
+                true,
+                RelayFacts::default(),
+                0
+            )
+            .is_ok(),
             "blocked with nothing waiting"
         );
     }

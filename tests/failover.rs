@@ -1,6 +1,8 @@
 //! The failover tests (`it/failover.rs`), alone in their binary: each runs two private
 //! PostgreSQL servers (`it/pg_pair.rs`), which would starve the timing-sensitive tests of
 //! `tests/it` running beside them.
+#[path = "it/double.rs"]
+mod double;
 #[path = "it/failover.rs"]
 mod failover;
 #[path = "it/harness.rs"]

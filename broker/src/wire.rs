@@ -520,3 +520,57 @@ mod tests {
         assert_eq!(decode(&props, b"{}").unwrap(), plain);
     }
 }
+
+#[cfg(test)]
+mod epoch_tests {
+    use super::*;
+
+    /// Version 4: a row's epoch and its predecessor's travel as `epoch` and `prev_epoch` (long
+    /// long ints) and read back; a row without them (written before epochs) has neither header,
+    /// and reads back without them.
+    #[test]
+    fn epochs_travel_as_headers_and_only_when_known() {
+        let branch = BranchKey::new(
+            TenantId::new("acme").unwrap(),
+            RunId::new("run-7").unwrap(),
+            BranchId::new("main").unwrap(),
+        );
+        let mut event = OutboxEvent {
+            key: EventKey {
+                branch,
+                lsn: Lsn::new(5),
+            },
+            prev_lsn: Lsn::new(4),
+            base_lsn: Lsn::ZERO,
+            payload: b"x".to_vec(),
+            created_at: Utc::now(),
+            kind: EventKind::Intent,
+            parent: None,
+            meta: Metadata::default(),
+            epochs: Epochs {
+                epoch: Some(Epoch::new(3)),
+                prev: Some(Epoch::new(2)),
+            },
+        };
+        let props = properties(&event, WireMode::Plain);
+        let headers = props.headers().as_ref().unwrap().inner();
+        assert_eq!(headers.get("epoch"), Some(&AMQPValue::LongLongInt(3)));
+        assert_eq!(headers.get("prev_epoch"), Some(&AMQPValue::LongLongInt(2)));
+        assert_eq!(
+            headers.get("wire_version"),
+            Some(&AMQPValue::LongLongInt(4))
+        );
+        let decoded = decode(&props, b"x").unwrap();
+        assert_eq!(decoded.epochs, event.epochs);
+        assert!(
+            decoded.meta.headers.is_empty(),
+            "not taken for a host's headers"
+        );
+
+        event.epochs = Epochs::default();
+        let props = properties(&event, WireMode::Plain);
+        let headers = props.headers().as_ref().unwrap().inner();
+        assert!(!headers.contains_key("epoch") && !headers.contains_key("prev_epoch"));
+        assert_eq!(decode(&props, b"x").unwrap().epochs, Epochs::default());
+    }
+}

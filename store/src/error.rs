@@ -159,7 +159,9 @@ pub enum Error {
     /// What a drain read is not yet durable where `RELAY_PUBLISH_REPLICATED` requires (a
     /// synchronous standby down or behind): nothing may be published; the rows stay and are
     /// drained again. What the call acked is committed.
-    #[error("what was drained is not yet flushed ({replication}) after {waited:?}: not published yet")]
+    #[error(
+        "what was drained is not yet flushed ({replication}) after {waited:?}: not published yet"
+    )]
     NotReplicated {
         /// The mode waited for.
         replication: &'static str,

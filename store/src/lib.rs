@@ -84,6 +84,7 @@ pub use outbox::DrainLimit;
 pub use outbox::Epoch;
 pub use outbox::Epochs;
 pub use outbox::EventKind;
+pub use outbox::HeldBack;
 pub use outbox::Outbox;
 pub use outbox::OutboxEvent;
 pub use outbox::ParkedBranch;

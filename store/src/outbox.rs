@@ -231,12 +231,37 @@ impl Replication {
     }
 }
 
+/// Since when the relay's drains have been held back by [`Outbox::replicated`] (none since the
+/// last drain that was not): what `/readyz` reports. Cheap to clone; shared.
+#[derive(Clone, Debug, Default)]
+pub struct HeldBack(std::sync::Arc<std::sync::Mutex<Option<std::time::Instant>>>);
+
+impl HeldBack {
+    fn set(&self, held: bool) {
+        let mut since = self.0.lock().unwrap_or_else(|poison| poison.into_inner());
+        match (held, *since) {
+            (true, None) => *since = Some(std::time::Instant::now()),
+            (false, Some(_)) => *since = None,
+            _ => {}
+        }
+    }
+
+    /// How long drains have been held back without one getting through; `None`: they are not.
+    pub fn for_how_long(&self) -> Option<Duration> {
+        self.0
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .map(|since| since.elapsed())
+    }
+}
+
 /// Reads and retires committed intents. Cheap to clone (a pool handle).
 #[derive(Clone, Debug)]
 pub struct Outbox {
     pool: PgPool,
     replication: Replication,
     replication_timeout: Duration,
+    held_back: HeldBack,
 }
 
 /// An outbox row as drained.
@@ -279,7 +304,14 @@ impl Outbox {
             pool,
             replication: Replication::Off,
             replication_timeout: Duration::from_secs(1),
+            held_back: HeldBack::default(),
         }
+    }
+
+    /// Reports into `held_back` since when its drains are held back (see [`HeldBack`]).
+    pub fn reporting(mut self, held_back: HeldBack) -> Self {
+        self.held_back = held_back;
+        self
     }
 
     /// The outbox whose drains for the relay ([`Outbox::ack_and_drain`], [`Outbox::drain_after`])
@@ -430,6 +462,7 @@ impl Outbox {
             .bind(timeout_ms)
             .fetch_one(&self.pool)
             .await?;
+        self.held_back.set(!done);
         if done {
             Ok(())
         } else {

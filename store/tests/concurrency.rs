@@ -669,15 +669,27 @@ async fn a_drain_under_replication_returns_only_what_is_flushed_where_asked(pool
         .unwrap();
     assert_eq!(drained.len(), 3);
     let all = Outbox::new(pool.clone()).replicated(Replication::All, Duration::from_millis(50));
-    let waited = all.drain_after(&Fence::open(), &branch.tenant, 10, &[]).await;
-    assert!(matches!(waited, Err(Error::NotReplicated { .. })), "{waited:?}");
+    let waited = all
+        .drain_after(&Fence::open(), &branch.tenant, 10, &[])
+        .await;
+    assert!(
+        matches!(waited, Err(Error::NotReplicated { .. })),
+        "{waited:?}"
+    );
     // An empty drain never waits.
     let nothing = Outbox::new(pool.clone()).replicated(Replication::Sync, Duration::from_secs(60));
     let other = key("other", "r", "main");
-    let empty = nothing.drain_after(&Fence::open(), &other.tenant, 10, &[]).await.unwrap();
+    let empty = nothing
+        .drain_after(&Fence::open(), &other.tenant, 10, &[])
+        .await
+        .unwrap();
     assert!(empty.is_empty());
     assert_eq!(
-        Outbox::new(pool.clone()).drain_outbox(&branch.tenant, 10).await.unwrap().len(),
+        Outbox::new(pool.clone())
+            .drain_outbox(&branch.tenant, 10)
+            .await
+            .unwrap()
+            .len(),
         3,
         "nothing was retired"
     );

@@ -151,7 +151,16 @@ impl PgPair {
         run(
             version.command(
                 "initdb",
-                &["-D", &primary.data, "-U", "postgres", "--auth=trust", "-E", "UTF8", "--locale=C.UTF-8"],
+                &[
+                    "-D",
+                    &primary.data,
+                    "-U",
+                    "postgres",
+                    "--auth=trust",
+                    "-E",
+                    "UTF8",
+                    "--locale=C.UTF-8",
+                ],
             ),
             "initdb",
         );
@@ -181,8 +190,10 @@ impl PgPair {
     fn start_server(&self, data: &str) {
         let log = format!("{data}/server.log");
         run(
-            self.version
-                .command("pg_ctl", &["-D", data, "-l", &log, "-w", "-t", "60", "start"]),
+            self.version.command(
+                "pg_ctl",
+                &["-D", data, "-l", &log, "-w", "-t", "60", "start"],
+            ),
             "pg_ctl start",
         );
     }
@@ -201,8 +212,20 @@ impl PgPair {
             self.version.command(
                 "pg_basebackup",
                 &[
-                    "-h", "127.0.0.1", "-p", &port, "-U", "postgres", "-D", &standby.data, "-R",
-                    "-X", "stream", "-C", "-S", &name,
+                    "-h",
+                    "127.0.0.1",
+                    "-p",
+                    &port,
+                    "-U",
+                    "postgres",
+                    "-D",
+                    &standby.data,
+                    "-R",
+                    "-X",
+                    "stream",
+                    "-C",
+                    "-S",
+                    &name,
                     // At once: the default spreads its first checkpoint over minutes.
                     "--checkpoint=fast",
                 ],
@@ -233,6 +256,11 @@ impl PgPair {
         self.primary.port
     }
 
+    /// The standby's port.
+    pub fn standby_port(&self) -> u16 {
+        self.standby.as_ref().expect("a standby").port
+    }
+
     /// `host:port` of the primary.
     pub fn primary_authority(&self) -> String {
         format!("127.0.0.1:{}", self.primary.port)
@@ -253,8 +281,19 @@ impl PgPair {
             "relay"
         };
         command.args([
-            "-h", "127.0.0.1", "-p", &port.to_string(), "-U", "postgres", "-d", database,
-            "-qAtX", "-v", "ON_ERROR_STOP=1", "-c", sql,
+            "-h",
+            "127.0.0.1",
+            "-p",
+            &port.to_string(),
+            "-U",
+            "postgres",
+            "-d",
+            database,
+            "-qAtX",
+            "-v",
+            "ON_ERROR_STOP=1",
+            "-c",
+            sql,
         ]);
         run(command, &format!("psql -c {sql:?}")).trim().to_owned()
     }
@@ -271,7 +310,10 @@ impl PgPair {
             if state == "streaming" {
                 return;
             }
-            assert!(Instant::now() < deadline, "{name} never streamed: {state:?}");
+            assert!(
+                Instant::now() < deadline,
+                "{name} never streamed: {state:?}"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -313,7 +355,10 @@ impl PgPair {
                 "SELECT count(*) FROM pg_stat_replication WHERE sync_state = 'sync'",
             ) != "1"
             {
-                assert!(Instant::now() < deadline, "the standby never became synchronous");
+                assert!(
+                    Instant::now() < deadline,
+                    "the standby never became synchronous"
+                );
                 std::thread::sleep(Duration::from_millis(10));
             }
         }
@@ -326,7 +371,11 @@ impl PgPair {
         self.psql(standby, "ALTER SYSTEM SET primary_conninfo = ''");
         self.psql(standby, "SELECT pg_reload_conf()");
         let deadline = Instant::now() + Duration::from_secs(30);
-        while self.psql(self.primary.port, "SELECT count(*) FROM pg_stat_replication") != "0" {
+        while self.psql(
+            self.primary.port,
+            "SELECT count(*) FROM pg_stat_replication",
+        ) != "0"
+        {
             assert!(Instant::now() < deadline, "replication never stopped");
             std::thread::sleep(Duration::from_millis(10));
         }
@@ -351,8 +400,9 @@ impl PgPair {
     /// The running postmaster of `data`, if any (checked in /proc: a pid file outlives its
     /// process, and its pid may belong to another by now).
     fn postmaster_pid(&self, data: &str) -> Option<i32> {
-        let pid = std::fs::read_to_string(self.version.host_path(&format!("{data}/postmaster.pid")))
-            .ok()?;
+        let pid =
+            std::fs::read_to_string(self.version.host_path(&format!("{data}/postmaster.pid")))
+                .ok()?;
         let pid: i32 = pid.lines().next()?.trim().parse().ok()?;
         let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
         String::from_utf8_lossy(&cmdline)
@@ -371,7 +421,9 @@ impl PgPair {
     /// Kills the primary (SIGKILL of its postmaster); it is never started again.
     pub fn kill_primary(&self) {
         if let Some(pid) = self.postmaster_pid(&self.primary.data) {
-            let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+            let _ = Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
         }
     }
 
@@ -381,8 +433,10 @@ impl PgPair {
         let standby = self.standby.take().expect("a standby to promote");
         // Promoted once its replay ends (what it received is replayed first).
         run(
-            self.version
-                .command("pg_ctl", &["-D", &standby.data, "-w", "-t", "60", "promote"]),
+            self.version.command(
+                "pg_ctl",
+                &["-D", &standby.data, "-w", "-t", "60", "promote"],
+            ),
             "pg_ctl promote",
         );
         let old = std::mem::replace(&mut self.primary, standby);
@@ -411,7 +465,9 @@ impl Drop for PgPair {
         servers.extend(self.standby.as_ref());
         for server in servers {
             if let Some(pid) = self.postmaster_pid(&server.data) {
-                let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+                let _ = Command::new("kill")
+                    .args(["-KILL", &pid.to_string()])
+                    .status();
             }
         }
         let _ = std::fs::remove_dir_all(self.version.host_path(&self.dir));

@@ -14,6 +14,12 @@
 //! host's own (`host_event`, a `bytea` column with PostgreSQL's default storage), at 256 B,
 //! 64 KiB and 256 KiB of incompressible bytes, NOTIFY off and on, alternating rounds, the tables
 //! emptied before each. `BENCH_SIZES=off` skips it; `BENCH_SIZES=only` runs it alone.
+//!
+//! A third table (issue 50) gives what epochs cost the host: today's `relay_append` (which
+//! stamps each row with its epoch and its predecessor's, and keeps the head's epoch on the
+//! branch) against version 3's (`migrations/0008_metadata.sql`'s, installed in the bench
+//! database as `relay_append_v3` and writing no epoch), at 256 B, 64 KiB and 256 KiB,
+//! alternating rounds. `BENCH_EPOCHS=only` runs it alone, `off` skips it.
 use std::time::{Duration, Instant};
 
 use sqlx::{Connection, PgConnection, PgPool};
@@ -55,6 +61,33 @@ enum Way {
     Function,
     /// A plain insert into the host's own table: no outbox at all.
     Plain,
+    /// Version 3's `relay_append` (no epochs), as `relay_append_v3`.
+    BeforeEpochs,
+}
+
+/// Version 3's `relay_append` (0008), renamed and writing the epoch column as NULL explicitly
+/// (so its default, today's epoch function, is not called): what a host paid before epochs.
+fn append_before_epochs() -> String {
+    let migration = include_str!("../migrations/0008_metadata.sql");
+    let start = migration
+        .find("CREATE FUNCTION relay_append(")
+        .expect("0008 defines relay_append");
+    let end = migration[start..]
+        .find("\n$$;")
+        .map(|at| start + at + "\n$$;".len())
+        .expect("its body ends");
+    let function = migration[start..end]
+        .replace("CREATE FUNCTION relay_append(", "CREATE FUNCTION relay_append_v3(")
+        .replace(
+            "(tenant_id, run_id, branch_id, lsn, prev_lsn, base_lsn, payload, parent_branch_id, meta)",
+            "(tenant_id, run_id, branch_id, lsn, prev_lsn, base_lsn, payload, parent_branch_id, meta, epoch)",
+        )
+        .replace(
+            "nullif(p_meta, '{}'::jsonb)\n      FROM moved m;",
+            "nullif(p_meta, '{}'::jsonb), NULL\n      FROM moved m;",
+        );
+    assert!(function.contains(", epoch)") && function.contains("), NULL"), "{function}");
+    function
 }
 
 fn setting(name: &str, default: u64) -> u64 {
@@ -84,6 +117,10 @@ async fn fresh_database() -> (PgPool, String) {
     .execute(&pool)
     .await
     .expect("host tables");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(append_before_epochs()))
+        .execute(&pool)
+        .await
+        .expect("version 3's relay_append");
     (pool, name)
 }
 
@@ -140,6 +177,18 @@ async fn round(
                             .await
                             .expect("append statement");
                         assert_eq!(done.rows_affected(), 1);
+                    }
+                    Way::BeforeEpochs => {
+                        sqlx::query("SELECT relay_append_v3($1, $2, $3, $4, $5, $6)")
+                            .bind(branch.tenant.as_str())
+                            .bind(branch.run.as_str())
+                            .bind(branch.branch.as_str())
+                            .bind(lsn as i64)
+                            .bind(&payload)
+                            .bind(notify)
+                            .execute(&mut *tx)
+                            .await
+                            .expect("version 3's append");
                     }
                     Way::Plain => {
                         sqlx::query("INSERT INTO host_event VALUES ($1, $2, $3)")
@@ -208,6 +257,7 @@ async fn main() {
     }
     let mut next = vec![1u64; writers];
     let sizes = std::env::var("BENCH_SIZES").unwrap_or_default();
+    let epochs = std::env::var("BENCH_EPOCHS").unwrap_or_default();
     let mut bench = Bench {
         pool: &pool,
         url: &url,
@@ -216,11 +266,16 @@ async fn main() {
         rounds,
         seconds,
     };
-    if sizes != "only" {
-        statement_and_function(&mut bench, writers).await;
+    if epochs != "only" {
+        if sizes != "only" {
+            statement_and_function(&mut bench, writers).await;
+        }
+        if sizes != "off" {
+            outbox_and_plain(&mut bench, writers).await;
+        }
     }
-    if sizes != "off" {
-        outbox_and_plain(&mut bench, writers).await;
+    if epochs != "off" {
+        before_and_after_epochs(&mut bench, writers).await;
     }
     pool.close().await;
     let mut admin = PgConnection::connect(&std::env::var("DATABASE_URL").unwrap())
@@ -333,6 +388,28 @@ async fn outbox_and_plain(bench: &mut Bench<'_>, writers: usize) {
                 "| {label}, NOTIFY {} | {plain:.0} | {outbox:.0} | {:.2} |",
                 notify_label(notify),
                 outbox / plain
+            );
+        }
+    }
+}
+
+/// The third table: today's `relay_append` (epochs) against version 3's, by size.
+async fn before_and_after_epochs(bench: &mut Bench<'_>, writers: usize) {
+    println!();
+    println!(
+        "| host commits/s, {writers} writers, incompressible payload | `relay_append` v3 (no epochs) | `relay_append` v4 (epochs) | v4 / v3 |"
+    );
+    println!("|---|---|---|---|");
+    for (bytes, label) in [(256, "256 B"), (64 << 10, "64 KiB"), (256 << 10, "256 KiB")] {
+        let payload = store::fixtures::Incompressible::default().bytes(bytes);
+        for notify in [false, true] {
+            let (before, after) = bench
+                .pair([Way::BeforeEpochs, Way::Function], notify, &payload)
+                .await;
+            println!(
+                "| {label}, NOTIFY {} | {before:.0} | {after:.0} | {:.3} |",
+                notify_label(notify),
+                after / before
             );
         }
     }

@@ -3,7 +3,10 @@
 //!
 //! `cargo bench -p store --bench drain_ack` (BENCH_ROWS=N to change the backlog, default 200000).
 //! Each strategy drains the same backlog twice (round 2 runs on top of round 1's shipped rows),
-//! 50 tenants x 20 runs, 256-byte payloads, batches of 1000.
+//! 50 tenants x 20 runs, 256-byte payloads, batches of 1000. The relay's step also runs with
+//! `RELAY_PUBLISH_REPLICATED=local` (each drain that read rows then waits until the WAL up to
+//! now is on this server's disk: one more round trip; against a standby its replication lag
+//! comes on top, which a bench on one server cannot show).
 use std::time::Instant;
 
 use sqlx::{Connection, PgConnection, PgPool};
@@ -191,18 +194,27 @@ async fn main() {
             moved as f64 / started.elapsed().as_secs_f64()
         );
 
-        for (label, book, offset) in [
-            ("delete, ack_and_drain unfenced", None, 10),
+        let local = Outbox::new(pool.clone())
+            .replicated(store::Replication::Local, Duration::from_secs(10));
+        for (label, book, offset, outbox) in [
+            ("delete, ack_and_drain unfenced", None, 10, &outbox),
             (
                 "delete, ack_and_drain fenced (relay's step)",
                 Some(&fences),
                 20,
+                &outbox,
+            ),
+            (
+                "delete, ack_and_drain fenced, RELAY_PUBLISH_REPLICATED=local",
+                Some(&fences),
+                30,
+                &local,
             ),
         ] {
             exec(&pool, fill_sql("relay_outbox", rows, round + offset)).await;
             exec(&pool, "VACUUM ANALYZE relay_outbox".into()).await;
             let started = Instant::now();
-            let moved = drain_with_ack_and_drain(&outbox, &tenants, book).await;
+            let moved = drain_with_ack_and_drain(outbox, &tenants, book).await;
             assert_eq!(moved, rows);
             println!(
                 "| {label} | {round} | {:.0} |",

@@ -56,7 +56,7 @@ BEGIN
 END
 $$;
 
-CREATE TEMP TABLE relay_old_fold_acl ON COMMIT DROP AS
+CREATE TEMP TABLE relay_old_fold_acl_v6 ON COMMIT DROP AS
 SELECT proacl FROM pg_proc
  WHERE oid = to_regprocedure('relay_fold(text, text, text, text, bigint, bigint, bigint, text, text, timestamptz, bytea, jsonb)');
 
@@ -478,7 +478,7 @@ $$;
 COMMENT ON FUNCTION relay_fold_adopt IS 'Arms a diverged branch: its next diverged message that begins an epoch is adopted (the fold undoes the history the database lost). Replay its dead letters in order after.';
 
 SELECT pg_temp.relay_regrant(proacl, 'relay_fold(text, text, text, text, bigint, bigint, bigint, text, text, timestamptz, bytea, jsonb, bigint, bigint)')
-  FROM relay_old_fold_acl;
+  FROM relay_old_fold_acl_v6;
 
 DO $$
 BEGIN

@@ -96,6 +96,10 @@ pub struct RelayConfig {
     /// `distribution run` does not apply the schema (the host applies `distribution sql` with
     /// its own migration tool). Env `RELAY_SKIP_MIGRATE`; default false.
     pub skip_migrate: bool,
+    /// With `skip_migrate`, how long `distribution run` waits for a missing or out-of-date
+    /// schema (checked every second) before it fails: a relay started beside its migration
+    /// job waits for it instead of crash-looping. Env `RELAY_SCHEMA_WAIT_SECS`; default 0.
+    pub schema_wait: Duration,
     /// Retire closed runs (their branches and parked rows; `store::retire_runs`) once they were
     /// closed this long ago and every row of them shipped, checked every quarter of it (between
     /// 100 ms and 60 s). Env `RELAY_RETENTION_SECS`; default none (closed runs are kept).
@@ -129,7 +133,9 @@ fn pem_file(var: &'static str, path: &std::path::Path, kind: &str) -> Result<Vec
 }
 
 /// The URL with its password replaced by `***` (parsed as a URL: `@`, `:` and `%` in a
-/// password never leak); an unparseable URL is not shown at all.
+/// password never leak). Of a text that is no URL, whatever precedes its last `@` (where
+/// credentials would be) is shown as `***`, the rest as given: the reader sees what was
+/// set, never a password.
 pub(crate) fn redact(url: &str) -> String {
     match url::Url::parse(url) {
         Ok(mut parsed) => {
@@ -138,7 +144,16 @@ pub(crate) fn redact(url: &str) -> String {
             }
             parsed.to_string()
         }
-        Err(_) => "<not a URL>".into(),
+        Err(_) => match url.rsplit_once('@') {
+            None => url.to_owned(),
+            Some((credentials, host)) => {
+                let scheme = credentials
+                    .split_once("://")
+                    .map(|(scheme, _)| format!("{scheme}://"))
+                    .unwrap_or_default();
+                format!("{scheme}***@{host}")
+            }
+        },
     }
 }
 
@@ -167,6 +182,7 @@ impl RelayConfig {
             amqp_tls: broker::AmqpTls::default(),
             schema: None,
             skip_migrate: false,
+            schema_wait: Duration::ZERO,
             retention: None,
             replication: store::Replication::Off,
             replication_timeout: Duration::from_secs(1),
@@ -331,7 +347,10 @@ impl RelayConfig {
             ConfigError::Invalid {
                 var: "AMQP_URL",
                 value: redact(&self.amqp_url),
-                reason: err.to_string(),
+                reason: format!(
+                    "{err} (a broker URL looks like amqp://user:password@host:5672/%2f; several, \
+                     for a cluster, are separated by commas)"
+                ),
             }
         })?;
         rabbit.topology = rabbit
@@ -482,7 +501,9 @@ mod tests {
             assert!(!shown.contains(secret), "{shown}");
             assert!(shown.contains("relay:***@"), "{shown}");
         }
-        assert_eq!(redact("no scheme at all"), "<not a URL>");
+        assert_eq!(redact("no scheme at all"), "no scheme at all");
+        assert_eq!(redact("amqp//relay:p@ss@mq:5672"), "***@mq:5672");
+        assert_eq!(redact("amqp://relay:p@ss@mq:99999"), "amqp://***@mq:99999");
         assert_eq!(
             redact("postgres://relay@db/outbox"),
             "postgres://relay@db/outbox"

@@ -15,7 +15,7 @@
 use std::process::ExitCode;
 
 use anyhow::Result;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 use distribution::store;
 use distribution::{LogFormat, Settings};
@@ -187,18 +187,35 @@ enum Command {
     },
 }
 
+/// Every environment variable `command` and its subcommands read: the one list the
+/// unknown-variable warning checks (a setting of any command is no typo in another).
+fn variables_read(command: &clap::Command) -> Vec<String> {
+    let mut names: Vec<String> = command
+        .get_arguments()
+        .filter_map(|arg| arg.get_env())
+        .map(|name| name.to_string_lossy().into_owned())
+        .collect();
+    for sub in command.get_subcommands() {
+        names.extend(variables_read(sub));
+    }
+    names
+}
+
 /// Exit code of a usage or configuration error (as clap's own).
 const USAGE: u8 = 2;
 
 fn main() -> ExitCode {
-    // Before parsing: a typo'd variable is often why parsing fails.
-    let unknown = distribution::unknown_relay_variables(&["RELAY_LOG_FORMAT", "RELAY_GROUP"]);
-    for variable in &unknown {
-        eprintln!("warning: {variable} is not a setting of this relay and is ignored (a typo?)");
-    }
+    // Read before parsing: a typo'd variable is often why parsing fails. Said once: here if
+    // parsing fails (no log starts), else in the log (in its format) once it runs.
+    let unknown = distribution::unknown_relay_variables(&variables_read(&Cli::command()));
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(err) => {
+            for variable in &unknown {
+                eprintln!(
+                    "warning: {variable} is not a setting of this relay and is ignored (a typo?)"
+                );
+            }
             if let Some(variable) = blamed_variable(&err) {
                 eprintln!("note: that value comes from the environment variable {variable}");
             }
@@ -237,7 +254,7 @@ fn main() -> ExitCode {
     };
     registry.init();
     for variable in unknown {
-        tracing::warn!(%variable, "unknown RELAY_* variable ignored (a typo?); see `distribution run --help`");
+        tracing::warn!(%variable, "{variable} is not a setting of this relay and is ignored (a typo?); see `distribution <command> --help`");
     }
     if let Command::Roles {
         host,

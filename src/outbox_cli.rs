@@ -147,20 +147,31 @@ pub(crate) async fn status(
     if parked.is_empty() {
         println!("no parked branches");
     } else {
-        println!("parked branches (the broker kept refusing their events):");
+        println!("parked branches (their events wait, in order):");
         println!(
-            "{:<40} {:<22} {:>8} {:>12} {:>10} {:>8}",
-            "branch", "reason", "attempts", "failing for", "retry in", "pending"
+            "{:<40} {:<15} {:>8} {:>12} {:>10} {:>8}  reason",
+            "branch", "cause", "attempts", "failing for", "retry in", "pending"
         );
-        for branch in parked {
+        for branch in &parked {
             println!(
-                "{:<40} {:<22} {:>8} {:>11.0}s {:>9.0}s {:>8}",
+                "{:<40} {:<15} {:>8} {:>11.0}s {:>9.0}s {:>8}  {}",
                 branch.branch.to_string(),
-                branch.reason,
+                branch.cause.label(),
                 branch.attempts,
                 branch.failing_for.as_secs_f64(),
                 branch.retry_in.as_secs_f64(),
-                branch.pending
+                branch.pending,
+                branch.reason
+            );
+        }
+        let causes: std::collections::BTreeSet<_> =
+            parked.iter().map(|branch| branch.cause).collect();
+        for cause in causes {
+            println!(
+                "{}: {}. Way out: {}.",
+                cause.label(),
+                cause.what(),
+                cause.way_out()
             );
         }
     }
@@ -168,6 +179,7 @@ pub(crate) async fn status(
         return Ok(());
     };
     let groups = groups.into_iter().filter(|group| group.trim() != "none");
+    let mut unanswered = Vec::new();
     for group in groups {
         let broker = dead_cli::Broker {
             amqp_url: amqp_url.clone(),
@@ -195,10 +207,20 @@ pub(crate) async fn status(
             Err(err) if err.to_string().contains("NOT_FOUND") => {
                 println!("{queue} does not exist: no consumer of the group declared its queues")
             }
-            Err(err) => println!("dead letters in {queue}: unknown ({err})"),
+            Err(err) => {
+                println!("dead letters in {queue}: unknown ({err})");
+                unanswered.push(queue.to_string());
+            }
         }
     }
-    Ok(())
+    // Asked about dead letters and could not tell: not a success a script may read as "none".
+    match unanswered.as_slice() {
+        [] => Ok(()),
+        queues => anyhow::bail!(
+            "could not read the depth of {} (the broker refused or did not answer)",
+            queues.join(", ")
+        ),
+    }
 }
 
 pub(crate) async fn release(

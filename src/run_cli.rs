@@ -12,7 +12,7 @@ pub(crate) async fn run(config: RelayConfig) -> Result<()> {
     // unless the host applies it with its own tool (`distribution sql`).
     if config.skip_migrate {
         let pool = connect(&config.database_url, config.schema().as_ref()).await?;
-        store::check_schema(&pool)
+        wait_for_schema(&pool, config.schema_wait)
             .await
             .context("RELAY_SKIP_MIGRATE is set")?;
         pool.close().await;
@@ -109,5 +109,32 @@ pub(crate) async fn log_broker_version(config: &RelayConfig) {
             }
         }
         Err(err) => tracing::warn!(error = %err, "the broker's version could not be read"),
+    }
+}
+
+/// The schema, checked now and then every second until `wait` has passed (said once on
+/// standard error and in the log): a relay started beside the job that migrates waits for it.
+async fn wait_for_schema(
+    pool: &sqlx::PgPool,
+    wait: std::time::Duration,
+) -> Result<(), store::Error> {
+    let deadline = tokio::time::Instant::now() + wait;
+    let mut said = false;
+    loop {
+        match store::check_schema(pool).await {
+            Err(store::Error::SchemaMissing(missing)) if tokio::time::Instant::now() < deadline => {
+                if !said {
+                    said = true;
+                    tracing::warn!(missing = ?missing, wait_s = wait.as_secs(), "the schema is missing or out of date; waiting for it (RELAY_SCHEMA_WAIT_SECS)");
+                    eprintln!(
+                        "waiting up to {} s for the schema ({} not found yet; RELAY_SCHEMA_WAIT_SECS)",
+                        wait.as_secs(),
+                        missing.join(", ")
+                    );
+                }
+                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            }
+            other => return other,
+        }
     }
 }

@@ -53,7 +53,7 @@ mod alerts {
                 pair.split_once('=')
                     .map(|(label, _)| label.trim().to_owned())
             })
-            .filter(|label| label != "instance" && label != "job")
+            .filter(|label| !["instance", "job", "namespace"].contains(&label.as_str()))
             .collect();
         (name.trim().to_owned(), labels)
     }
@@ -226,6 +226,33 @@ mod alerts {
                 assert!(
                     targets.iter().all(|target| target["expr"].is_string()),
                     "{panel}"
+                );
+                // One deployment at a time: every selector reads the dashboard's namespace
+                // (and, for the relay's own metrics, its job) variable.
+                for target in targets {
+                    let expr = target["expr"].as_str().unwrap();
+                    let selectors = expr.matches("relay_").count();
+                    assert_eq!(
+                        expr.matches("namespace=~\"$namespace\"").count(),
+                        selectors,
+                        "{expr}"
+                    );
+                }
+            }
+            let variables: Vec<&str> = dashboard["templating"]["list"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter_map(|variable| variable["name"].as_str())
+                .collect();
+            assert_eq!(variables, ["datasource", "job", "namespace"]);
+            // Every rule that aggregates keeps the deployment's labels (two deployments
+            // sharing a Prometheus alert each on its own).
+            let rules = std::fs::read_to_string(deploy("prometheus/rules.yml")).unwrap();
+            for line in rules.lines().filter(|line| line.contains(" by (")) {
+                assert!(
+                    line.matches(" by (").count() == line.matches(" by (job, namespace").count(),
+                    "a rule aggregates away the deployment: {line}"
                 );
             }
 

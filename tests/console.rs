@@ -299,12 +299,24 @@ mod console {
             );
             screenshot(&browser, "overview").await;
 
-            // Parked branches: the reason and count, then Release.
+            // Parked branches: the cause, the reason and count, the way out, then Release.
             browser.goto(&format!("{base}/parked")).await.unwrap();
             let row = text_of(&browser, "#parked tbody tr").await;
             assert!(
-                row.contains("console-parked") && row.contains("nacked") && row.contains('3'),
+                row.contains("console-parked")
+                    && row.contains("broker nacked")
+                    && row.contains("nacked")
+                    && row.contains('3'),
                 "{row}"
+            );
+            let causes = text_of(&browser, "#causes").await;
+            assert!(
+                causes.contains(
+                    &distribution::store::ParkCause::Nacked
+                        .way_out()
+                        .replace('`', "")
+                ),
+                "{causes}"
             );
             screenshot(&browser, "parked").await;
             // Discard asks first and says what it does on the wire; cancelled here.
@@ -315,6 +327,10 @@ mod console {
             )
             .await;
             assert!(asked.contains("rewind marker"), "{asked}");
+            assert!(
+                asked.contains("3 event(s) wait now"),
+                "what it drops: {asked}"
+            );
             screenshot(&browser, "discard-confirm").await;
             follow(&browser, Locator::LinkText("Cancel"), "#parked").await;
             follow(

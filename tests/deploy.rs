@@ -58,9 +58,9 @@ fn config_map(manifest: &str) -> Vec<(String, String)> {
 
 #[test]
 fn every_variable_the_files_set_is_one_the_binary_reads() {
-    let known: BTreeSet<String> = variables_of("run")
-        .union(&variables_of("migrate"))
-        .cloned()
+    let known: BTreeSet<String> = ["run", "migrate", "console"]
+        .into_iter()
+        .flat_map(variables_of)
         .collect();
     assert!(known.len() > 30, "{known:?}");
     for file in ["kubernetes/relay.yaml", "Dockerfile"] {
@@ -183,4 +183,47 @@ fn the_image_ships_the_binary_alone_as_a_non_root_user() {
         "{}",
         String::from_utf8_lossy(&locked.stderr)
     );
+}
+
+/// Applied again, or the next version applied, the manifest neither meets an immutable Job nor
+/// runs an image other than this version; relays wait for the schema rather than crash-loop
+/// (`cli::skip_migrate_waits_for_the_schema_when_told_to`); a drain keeps a relay; the
+/// operators' console runs behind its token.
+#[test]
+fn the_manifest_pins_its_image_waits_for_its_schema_and_ships_the_console() {
+    let manifest = deploy("kubernetes/relay.yaml");
+    let version = env!("CARGO_PKG_VERSION");
+    let images: Vec<&str> = manifest
+        .lines()
+        .filter_map(|line| line.trim().strip_prefix("image: "))
+        .collect();
+    assert_eq!(images.len(), 3, "migrate, relay, console: {images:?}");
+    for image in images {
+        assert_eq!(image, format!("outbox-relay:{version}"));
+    }
+    let job = format!("name: outbox-relay-migrate-{}", version.replace('.', "-"));
+    assert!(
+        manifest.contains(&job),
+        "the Job is named for its version: {job}"
+    );
+    assert!(manifest.contains("ttlSecondsAfterFinished: "));
+    let settings = config_map(&manifest);
+    let wait = settings
+        .iter()
+        .find(|(key, _)| key == "RELAY_SCHEMA_WAIT_SECS")
+        .map(|(_, value)| value.parse::<u64>().unwrap());
+    assert!(wait.is_some_and(|secs| secs >= 60), "{settings:?}");
+    let budget = manifest
+        .split("kind: PodDisruptionBudget")
+        .nth(1)
+        .expect("a PodDisruptionBudget");
+    assert!(budget.contains("minAvailable: 1"));
+    assert!(budget.contains("matchLabels: {app.kubernetes.io/name: outbox-relay}"));
+    let console = manifest
+        .split("name: outbox-relay-console\n")
+        .nth(1)
+        .expect("the console's Deployment");
+    assert!(console.contains("args: [\"console\"]"));
+    assert!(console.contains("- name: RELAY_CONSOLE_TOKEN\n              valueFrom:"));
+    assert!(console.contains("secretKeyRef: {name: outbox-relay, key: console-token}"));
 }

@@ -554,7 +554,7 @@ mod epoch_tests {
         };
         let props = properties(&event, WireMode::Plain);
         let headers = props.headers().as_ref().unwrap().inner();
-        assert_eq!(headers.get("epoch"), Some(&AMQPValue::LongLongInt(4)));
+        assert_eq!(headers.get("epoch"), Some(&AMQPValue::LongLongInt(3)));
         assert_eq!(headers.get("prev_epoch"), Some(&AMQPValue::LongLongInt(2)));
         assert_eq!(
             headers.get("wire_version"),

@@ -156,6 +156,11 @@ pub struct Settings {
     /// Do not apply the schema at start (the host applies `distribution sql` itself).
     #[arg(long, env = "RELAY_SKIP_MIGRATE")]
     pub skip_migrate: bool,
+    /// With RELAY_SKIP_MIGRATE, seconds to wait for a missing or out-of-date schema (checked
+    /// every second) before failing: a relay started beside its migration job waits for it.
+    #[arg(long, env = "RELAY_SCHEMA_WAIT_SECS", default_value_t = 0,
+          value_parser = clap::value_parser!(u64).range(0..=3600))]
+    pub schema_wait_secs: u64,
     /// `/readyz` fails when more branches than this are parked.
     #[arg(long, env = "RELAY_READY_MAX_PARKED", default_value_t = defaults().ready_max_parked,
           value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
@@ -292,6 +297,7 @@ impl Settings {
         config.ready_max_parked = self.ready_max_parked;
         config.schema = self.schema;
         config.skip_migrate = self.skip_migrate;
+        config.schema_wait = Duration::from_secs(self.schema_wait_secs);
         config.retention = self.retention_secs.map(Duration::from_secs);
         config.replication = match self.publish_replicated {
             ReplicationSetting::Off => store::Replication::Off,
@@ -313,29 +319,18 @@ impl Settings {
         config.validate()?;
         Ok(config)
     }
-
-    /// The environment variables these settings read.
-    pub fn variables() -> Vec<String> {
-        use clap::Args as _;
-        Self::augment_args(clap::Command::new("relay"))
-            .get_arguments()
-            .filter_map(|arg| arg.get_env())
-            .map(|name| name.to_string_lossy().into_owned())
-            .collect()
-    }
 }
 
-/// `RELAY_*` variables set in the environment that no setting reads (a typo such as
-/// `RELAY_PARTITONS` would otherwise be ignored silently). `also_known` adds variables read
-/// elsewhere (the binary's `RELAY_LOG_FORMAT`).
-pub fn unknown_relay_variables(also_known: &[&str]) -> Vec<String> {
-    let known = Settings::variables();
+/// `RELAY_*` variables set in the environment that `known` (every variable the command line
+/// reads, over all its commands) does not name: a typo such as `RELAY_PARTITONS` would
+/// otherwise be ignored silently. Each is named once, sorted.
+pub fn unknown_relay_variables(known: &[String]) -> Vec<String> {
     let mut unknown: Vec<String> = std::env::vars_os()
         .filter_map(|(name, _)| name.into_string().ok())
-        .filter(|name| name.starts_with("RELAY_"))
-        .filter(|name| !known.contains(name) && !also_known.contains(&name.as_str()))
+        .filter(|name| name.starts_with("RELAY_") && !known.contains(name))
         .collect();
     unknown.sort();
+    unknown.dedup();
     unknown
 }
 

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use distribution::broker::{Checkup, DeadLetter};
-use distribution::store::{Backlog, ParkedBranch, RelayShare};
+use distribution::store::{Backlog, ParkCause, ParkedBranch, RelayShare};
 use maud::{DOCTYPE, Markup, html};
 
 use super::lag::LagHistory;
@@ -225,7 +225,7 @@ fn branch_fields(branch: &distribution::store::BranchKey) -> Markup {
 pub fn parked(branches: &[ParkedBranch], csrf: &str) -> Markup {
     html! {
         p .note {
-            "A branch is parked after the broker kept refusing its events: they wait, in order, and the relay tries again on its own at the next retry. "
+            "A branch is parked when the broker kept refusing its events, or a row of it cannot be read: its events wait, in order, and the relay tries again on its own at the next retry. "
             b { "Release" } " tries again now. " b { "Discard" } " drops its waiting events for good (you will be asked to confirm)."
         }
         @if branches.is_empty() {
@@ -233,14 +233,14 @@ pub fn parked(branches: &[ParkedBranch], csrf: &str) -> Markup {
         } @else {
             table #parked {
                 thead { tr {
-                    th { "tenant" } th { "run" } th { "branch" } th { "broker's last refusal" }
+                    th { "tenant" } th { "run" } th { "branch" } th { "cause" } th { "reason" }
                     th { "attempts" } th { "failing for" } th { "next try in" } th { "waiting" } th {}
                 } }
                 tbody {
                     @for parked in branches {
                         tr {
-                            td { (parked.branch.tenant) } td { (parked.branch.run) } td { (parked.branch.branch) }
-                            td .reason { (parked.reason) } td .num { (parked.attempts) }
+                            td { (parked.branch.tenant) } td .run { (parked.branch.run) } td { (parked.branch.branch) }
+                            td .cause { (parked.cause.label()) } td .reason { (parked.reason) } td .num { (parked.attempts) }
                             td { (age(parked.failing_for)) } td { (age(parked.retry_in)) } td .num { (parked.pending) }
                             td .actions {
                                 form method="post" action="/parked/act" {
@@ -253,14 +253,45 @@ pub fn parked(branches: &[ParkedBranch], csrf: &str) -> Markup {
                     }
                 }
             }
+            dl #causes {
+                @for cause in causes(branches) {
+                    dt { (cause.label()) }
+                    dd { (prose(cause.what())) ". " b { "Way out: " } (prose(cause.way_out())) "." }
+                }
+            }
         }
     }
 }
 
-/// The confirmation of a discard: what it does on the wire, and the new branch's name.
-pub fn confirm_discard(branch: &distribution::store::BranchKey, to: &str, csrf: &str) -> Markup {
+/// Text with `quoted` words (commands, settings) shown as code, without the backticks.
+fn prose(text: &str) -> Markup {
     html! {
-        p { "Discard the waiting events of " b { (branch) } " for good?" }
+        @for (at, part) in text.split('`').enumerate() {
+            @if at % 2 == 1 { code { (part) } } @else { (part) }
+        }
+    }
+}
+
+/// The causes of `branches`, each once, in the docs' order.
+fn causes(branches: &[ParkedBranch]) -> std::collections::BTreeSet<ParkCause> {
+    branches.iter().map(|parked| parked.cause).collect()
+}
+
+/// The confirmation of a discard: what it does on the wire, and the new branch's name.
+pub fn confirm_discard(
+    branch: &distribution::store::BranchKey,
+    waiting: Option<u64>,
+    to: &str,
+    csrf: &str,
+) -> Markup {
+    html! {
+        p #asked {
+            "Discard the waiting events of " b { (branch) } " for good? "
+            @match waiting {
+                Some(waiting) => { (waiting) " event(s) wait now: every one it has not shipped." }
+                None => { "It is not parked now (a relay shipped it, or someone released it): a discard would be refused." }
+            }
+        }
         ul .note {
             li { "Its waiting intents are deleted from the outbox; they are never shipped." }
             li { "Consumers get a rewind marker at its last shipped Lsn (never a silent gap): they undo nothing they applied." }
@@ -424,7 +455,7 @@ pub fn confirm_dead(
             (matching) " of the " (listed) " dead letter(s) read now match."
         }
         p .note {
-            @if purge { "Purged letters are removed for good." }
+            @if purge { "Purged letters are removed for good. An intent purged leaves its branch's later intents held at the fold for good: prefer Replay once the consumer is fixed, or discard the branch upstream." }
             @else { "Each leaves the dead-letter queue once its partition confirmed it; the consumers fold it again." }
         }
         form method="post" action={ "/dead/" (group) "/act" } {
@@ -453,11 +484,13 @@ body { font: 15px/1.45 system-ui, sans-serif; margin: 0; color: #1d232a; backgro
 nav { background: #1d232a; padding: .6em 1em; }
 nav a { color: #cfd6de; margin-right: 1.2em; text-decoration: none; }
 nav a.on { color: #fff; font-weight: 600; }
-main { padding: 1em 1.5em; max-width: 72em; }
+main { padding: 1em 1.5em; max-width: 110em; }
 section { background: #fff; border: 1px solid #dde1e6; border-radius: 6px; padding: .4em 1em 1em; margin-bottom: 1em; }
 table { border-collapse: collapse; width: 100%; }
 th, td { text-align: left; padding: .3em .6em; border-bottom: 1px solid #eceff2; vertical-align: top; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
+table#parked th, table#parked td { white-space: nowrap; } table#parked td.reason, table#parked td.run { white-space: normal; overflow-wrap: anywhere; }
+dl#causes dd { margin: .2em 0 .8em 1.5em; } dl#causes dt { font-weight: 600; }
 td.reason, dd.reason { font-family: ui-monospace, monospace; font-size: 90%; }
 .state { padding: .1em .5em; border-radius: 4px; color: #fff; }
 .good { background: #2f855a; } .bad { background: #c53030; color: #fff; }

@@ -178,9 +178,16 @@ pub(super) async fn parked_act(
                 .chars()
                 .take(64)
                 .collect();
+            // What the discard would drop, read now (the branch may ship or grow meanwhile:
+            // the answer says what was dropped).
+            let parked = console.outbox.parked_branches().await?;
+            let waiting = parked
+                .iter()
+                .find(|parked| parked.branch == key)
+                .map(|parked| parked.pending);
             page(
                 "Discard a parked branch?",
-                page::confirm_discard(&key, &to, &console.csrf),
+                page::confirm_discard(&key, waiting, &to, &console.csrf),
             )
         }
     }

@@ -86,7 +86,10 @@ fn append_before_epochs() -> String {
             "nullif(p_meta, '{}'::jsonb)\n      FROM moved m;",
             "nullif(p_meta, '{}'::jsonb), NULL\n      FROM moved m;",
         );
-    assert!(function.contains(", epoch)") && function.contains("), NULL"), "{function}");
+    assert!(
+        function.contains(", epoch)") && function.contains("), NULL"),
+        "{function}"
+    );
     function
 }
 

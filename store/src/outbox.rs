@@ -8,6 +8,7 @@ use crate::{BranchId, Error, EventKey, Fence, Lsn, Metadata, TenantId};
 
 mod backlog;
 mod parked;
+pub use parked::ParkCause;
 
 /// What an outbox row carries.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -177,7 +178,9 @@ impl From<u32> for DrainLimit {
 pub struct ParkedBranch {
     /// The branch.
     pub branch: crate::BranchKey,
-    /// What the broker said last.
+    /// Why it is parked, by cause (with the way out).
+    pub cause: ParkCause,
+    /// The stored reason: the broker's last refusal, or the row that cannot be read and why.
     pub reason: String,
     /// Failed attempts so far.
     pub attempts: u32,
@@ -534,54 +537,76 @@ fn fenced_or(err: sqlx::Error, fence: &Fence) -> Error {
     }
 }
 
+/// The drained rows as events, oldest first. A row that cannot be read stops its branch
+/// there: if the batch holds readable rows of that branch before it, they are returned and
+/// the branch's later rows are left for the next drain (which then starts at the unreadable
+/// row); if it is the first row of its branch here, the drain fails with
+/// [`Error::Unreadable`] and the relay parks that branch. So a branch parks at the first
+/// intent it cannot ship, and whatever came before ships.
 fn events_of(tenant: &TenantId, rows: Vec<EventRow>) -> Result<Vec<OutboxEvent>, Error> {
-    rows.into_iter()
-        .map(|row| {
-            let key = EventKey::from_db(tenant, row.run_id, row.branch_id, row.lsn)?;
-            // Decoded row by row: a row whose key reads but whose other columns do not names
-            // that row (`Error::Unreadable`, its branch is then parked) instead of failing the
-            // whole batch unnamed.
-            let unreadable = |what: &str, err: &dyn std::fmt::Display| Error::Unreadable {
-                branch: key.branch.clone(),
-                lsn: key.lsn,
-                reason: format!("{what}: {err}"),
-            };
-            let kind = match (row.kind, row.rewound_to) {
-                (KIND_INTENT, _) => EventKind::Intent,
-                (KIND_REWIND, Some(to)) => EventKind::Rewind {
-                    to: BranchId::new(to).map_err(|err| unreadable("rewound_to", &err))?,
-                },
-                (KIND_REWIND, None) => {
-                    return Err(unreadable("rewound_to", &"missing on a marker"));
+    let mut events: Vec<OutboxEvent> = Vec::with_capacity(rows.len());
+    let mut stopped: Vec<crate::BranchKey> = Vec::new();
+    for row in rows {
+        let event = match event_of(tenant, row) {
+            Ok(event) if stopped.contains(&event.key.branch) => continue,
+            Ok(event) => event,
+            Err(Error::Unreadable { branch, .. })
+                if events.iter().any(|event| event.key.branch == branch) =>
+            {
+                if !stopped.contains(&branch) {
+                    stopped.push(branch);
                 }
-                (KIND_END, _) => EventKind::End,
-                (other, _) => return Err(unreadable("kind", &other)),
-            };
-            let parent = row
-                .parent_branch_id
-                .map(BranchId::new)
-                .transpose()
-                .map_err(|err| unreadable("parent_branch_id", &err))?;
-            let meta = match row.meta {
-                None => Metadata::default(),
-                Some(json) => {
-                    serde_json::from_value(json.0).map_err(|err| unreadable("metadata", &err))?
-                }
-            };
-            Ok(OutboxEvent {
-                key,
-                prev_lsn: Lsn::from_db(row.prev_lsn),
-                base_lsn: Lsn::from_db(row.base_lsn),
-                payload: row.payload,
-                created_at: row.created_at,
-                kind,
-                parent,
-                meta,
-                epochs: Epochs {
-                    epoch: Epoch::from_db(row.epoch),
-                    prev: Epoch::from_db(row.prev_epoch),
-                },
-            })
-        })
-        .collect()
+                continue;
+            }
+            Err(err) => return Err(err),
+        };
+        events.push(event);
+    }
+    Ok(events)
+}
+
+fn event_of(tenant: &TenantId, row: EventRow) -> Result<OutboxEvent, Error> {
+    let key = EventKey::from_db(tenant, row.run_id, row.branch_id, row.lsn)?;
+    // Decoded row by row: a row whose key reads but whose other columns do not names
+    // that row (`Error::Unreadable`, its branch is then parked) instead of failing the
+    // whole batch unnamed.
+    let unreadable = |what: &str, err: &dyn std::fmt::Display| Error::Unreadable {
+        branch: key.branch.clone(),
+        lsn: key.lsn,
+        reason: format!("{what}: {err}"),
+    };
+    let kind = match (row.kind, row.rewound_to) {
+        (KIND_INTENT, _) => EventKind::Intent,
+        (KIND_REWIND, Some(to)) => EventKind::Rewind {
+            to: BranchId::new(to).map_err(|err| unreadable("rewound_to", &err))?,
+        },
+        (KIND_REWIND, None) => {
+            return Err(unreadable("rewound_to", &"missing on a marker"));
+        }
+        (KIND_END, _) => EventKind::End,
+        (other, _) => return Err(unreadable("kind", &other)),
+    };
+    let parent = row
+        .parent_branch_id
+        .map(BranchId::new)
+        .transpose()
+        .map_err(|err| unreadable("parent_branch_id", &err))?;
+    let meta = match row.meta {
+        None => Metadata::default(),
+        Some(json) => serde_json::from_value(json.0).map_err(|err| unreadable("metadata", &err))?,
+    };
+    Ok(OutboxEvent {
+        key,
+        prev_lsn: Lsn::from_db(row.prev_lsn),
+        base_lsn: Lsn::from_db(row.base_lsn),
+        payload: row.payload,
+        created_at: row.created_at,
+        kind,
+        parent,
+        meta,
+        epochs: Epochs {
+            epoch: Epoch::from_db(row.epoch),
+            prev: Epoch::from_db(row.prev_epoch),
+        },
+    })
 }

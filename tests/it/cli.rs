@@ -122,6 +122,17 @@ fn bad_settings_exit_2_naming_the_variable() {
         stderr.contains("AMQP_URL=") && stderr.contains("not a valid AMQP URI"),
         "{stderr}"
     );
+    // A malformed URL is shown as given, its credentials masked, beside what a URL looks like.
+    let mut command = relay_command();
+    base(&mut command);
+    let (code, _, stderr) = output(command.env("AMQP_URL", "amqp//relay:S3cret@mq.example:5672"));
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("AMQP_URL=\"***@mq.example:5672\" is invalid")
+            && stderr.contains("a broker URL looks like amqp://user:password@host:5672/%2f"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("S3cret"), "{stderr}");
 
     let mut command = relay_command();
     base(&mut command);
@@ -138,8 +149,9 @@ fn bad_settings_exit_2_naming_the_variable() {
     );
     assert_eq!(code, 2, "{stderr}");
     assert!(stderr.contains("RELAY_LEASE_TTL_MS"), "{stderr}");
-    assert!(
-        stderr.contains("warning: RELAY_PARTITONS is not a setting"),
+    assert_eq!(
+        stderr.matches("RELAY_PARTITONS is not a setting").count(),
+        1,
         "{stderr}"
     );
     let mut command = relay_command();
@@ -306,6 +318,36 @@ fn group_reset_empties_the_projection_with_the_fold_or_refuses() {
     });
 }
 
+/// The unknown-variable warning reads every command's settings: the console's token is no
+/// typo for `sql` (or `run`, or `status`), a misspelt setting is named, and each once.
+#[test]
+fn only_a_variable_no_command_reads_is_called_a_typo() {
+    let (code, _, stderr) = output(
+        relay_command()
+            .arg("sql")
+            .env("RELAY_CONSOLE_TOKEN", "a-token-of-sixteen-characters")
+            .env("RELAY_CONSOLE_LISTEN", "127.0.0.1:9181")
+            .env("RELAY_GROUP", "billing")
+            .env("RELAY_PARTITONS", "4"),
+    );
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("RELAY_PARTITONS is not a setting of this relay and is ignored (a typo?)"),
+        "{stderr}"
+    );
+    // And on a usage error (no log runs then), said on standard error, once.
+    let (code, _, stderr) = output(
+        relay_command()
+            .args(["sql", "--no-such-flag"])
+            .env("RELAY_CONSOLE_TOKEN", "a-token-of-sixteen-characters")
+            .env("RELAY_PARTITONS", "4"),
+    );
+    assert_eq!(code, 2, "{stderr}");
+    assert_eq!(stderr.matches("RELAY_PARTITONS").count(), 1, "{stderr}");
+    assert!(!stderr.contains("RELAY_CONSOLE_TOKEN"), "{stderr}");
+}
+
 /// `distribution sql --fold` is what a consumer's own database needs: applied as is,
 /// `relay_fold` folds. `distribution roles` prints grants, and refuses a bad call with exit 2.
 #[test]
@@ -377,6 +419,51 @@ fn skip_migrate_without_the_schema_fails_at_start_naming_what_is_missing() {
                 .await
                 .unwrap();
         assert_eq!(created, 0, "the relay created tables although told not to");
+    });
+}
+
+/// With RELAY_SCHEMA_WAIT_SECS, a relay started before its schema (beside the migration job,
+/// as deploy/kubernetes/relay.yaml does) says it waits, and runs once the schema is there,
+/// instead of crash-looping.
+#[test]
+fn skip_migrate_waits_for_the_schema_when_told_to() {
+    use std::io::{BufRead, BufReader};
+    host_runtime().block_on(async {
+        let (pool, url) = empty_database("cli_skip_wait").await;
+        let topology = unique("relay-skip-wait");
+        let addr = free_addr();
+        let mut child = run_command(&url, &amqp_url(), &topology, &addr)
+            .env("RELAY_SKIP_MIGRATE", "true")
+            .env("RELAY_SCHEMA_WAIT_SECS", "120")
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stderr = BufReader::new(child.stderr.take().unwrap());
+        // Its log line, then the line for a reader (a blocking read: it prints them before
+        // it waits).
+        let mut said = String::new();
+        while !said.contains("waiting up to") {
+            let mut line = String::new();
+            assert!(
+                stderr.read_line(&mut line).unwrap() > 0,
+                "it exited: {said}"
+            );
+            said.push_str(&line);
+        }
+        assert!(
+            said.contains("waiting up to 120 s for the schema (relay_outbox"),
+            "{said}"
+        );
+        // Whatever it says next must not block it: drained on a thread.
+        std::thread::spawn(move || std::io::copy(&mut stderr, &mut std::io::sink()));
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "it waits, it did not exit"
+        );
+        distribution::store::migrate(&pool).await.unwrap();
+        answer_until(&addr, "/readyz", |status| status == 200).await;
+        assert_eq!(terminate(&mut child), Some(0), "graceful stop on SIGTERM");
+        drop_topology_named(&url, &topology).await;
     });
 }
 
@@ -590,7 +677,14 @@ fn the_demo_ships_everything_and_leaves_nothing_behind() {
             .unwrap_or_else(|| panic!("{tenant} folded in order: {stdout}"));
         let columns: Vec<&str> = row.split_whitespace().collect();
         assert_eq!(columns[2], "0", "nothing pending after: {row}");
+        // The story adds up: pending before = folded intents + one rewind marker per run.
+        let number = |at: usize| columns[at].parse::<u64>().unwrap();
+        assert_eq!(number(1), number(3) + 2, "{row}");
     }
+    assert!(
+        stdout.contains("228 live intents and 6 rewind markers wait to ship"),
+        "{stdout}"
+    );
     // The broker (this machine's node, which `AMQP_URL` names here) and the database server.
     let ours = format!("relay-demo-{pid}_");
     for what in ["list_queues", "list_exchanges"] {

@@ -568,7 +568,7 @@ async fn cancelled_wait(
             wait_until(
                 "the relay ships the phantom",
                 Duration::from_secs(30),
-                || folded_phantom(),
+                &folded_phantom,
             )
             .await;
         }
@@ -765,9 +765,12 @@ async fn a_sync_standby_down_closes_the_fences_says_why_and_everything_ships_on_
     rig.stop().await;
 }
 
-/// Every publish call of a relay: which relay, which tenants, when it began and ended.
+/// One publish call: which relay, which tenants, when it began and (once confirmed) ended.
+type Write = (usize, BTreeSet<TenantId>, Instant, Option<Instant>);
+
+/// Every publish call of the relays.
 #[derive(Default)]
-struct Writes(std::sync::Mutex<Vec<(usize, BTreeSet<TenantId>, Instant, Option<Instant>)>>);
+struct Writes(std::sync::Mutex<Vec<Write>>);
 
 struct RelayWrites {
     relay: usize,

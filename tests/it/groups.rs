@@ -457,6 +457,28 @@ async fn the_group_commands_create_and_delete_a_groups_queues() {
             )),
             "{stdout}"
         );
+        // Asked about dead letters and unable to tell (the broker refuses the password):
+        // said on stdout, and the exit code is a failure, never "0, unknown".
+        let refused = tokio::process::Command::new(env!("CARGO_BIN_EXE_distribution"))
+            .args(["status", "--topology", &name])
+            .env(
+                "AMQP_URL",
+                amqp_url().replacen("guest:guest@", "guest:wrong@", 1),
+            )
+            .env("DATABASE_URL", &url)
+            .env("RELAY_GROUPS", "search")
+            .output()
+            .await
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&refused.stdout).into_owned();
+        let stderr = String::from_utf8_lossy(&refused.stderr).into_owned();
+        assert_eq!(refused.status.code(), Some(1), "{stdout}{stderr}");
+        assert!(stdout.contains("dead letters in"), "{stdout}");
+        assert!(stdout.contains(": unknown ("), "{stdout}");
+        assert!(
+            stderr.contains(&format!("could not read the depth of {name}.search.dead")),
+            "{stderr}"
+        );
 
         // Replaying the search group's dead letters puts them back into its own partition
         // queue only: another group, which folded the message already, gets no second copy.

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use distribution::Relay;
-use distribution::store::{BranchId, BranchKey, FoldStore, IntentWriter, Outbox, RunId};
+use distribution::store::{BranchId, BranchKey, FoldStore, IntentWriter, Outbox, ParkCause, RunId};
 
 use crate::double::{Double, Refuse, Script};
 use crate::harness::*;
@@ -296,8 +296,10 @@ fn a_parked_branch_discarded_for_good_ends_on_the_wire_and_its_run_goes_on() {
 
 /// A pending row the relay cannot read (metadata written past `relay_append`: a field this
 /// relay does not know) parks its branch with the reason, naming the row; the rest of its
-/// tenant ships (before, every drain of the tenant failed and nothing of it shipped again).
-/// Repaired and released, the branch ships in order, exactly once at the fold.
+/// tenant ships (before, every drain of the tenant failed and nothing of it shipped again),
+/// and so does what its branch wrote before it: the branch parks at the first intent it
+/// cannot ship (before, the valid intent drained with it waited too). Repaired and released,
+/// the branch ships in order, exactly once at the fold.
 #[test]
 fn a_row_the_relay_cannot_read_parks_its_branch_and_the_tenant_ships() {
     host_runtime().block_on(async {
@@ -348,14 +350,26 @@ fn a_row_the_relay_cannot_read_parks_its_branch_and_the_tenant_ships() {
             "the reason names the row and what does not decode: {}",
             parked[0].reason
         );
-        // The rest of the tenant ships; the parked branch waits whole, in order.
+        assert_eq!(parked[0].cause, ParkCause::Unreadable);
+        // The rest of the tenant ships, and the sick branch's intent before the bad row; the
+        // bad row and what follows it wait, in order.
         wait_until("the other run folded", Duration::from_secs(30), || async {
-            fold.folded(&sick.tenant).await.unwrap().len() == 3
+            fold.folded(&sick.tenant).await.unwrap().len() == 4
         })
         .await;
         let folded = fold.folded(&sick.tenant).await.unwrap();
-        assert!(folded.iter().all(|e| e.key.branch == well), "{folded:?}");
-        assert_eq!(pending(&outbox).await, 3, "the sick branch's three wait");
+        let sick_lsns: Vec<u64> = folded
+            .iter()
+            .filter(|e| e.key.branch == sick)
+            .map(|e| e.key.lsn.get())
+            .collect();
+        assert_eq!(sick_lsns, [1], "{folded:?}");
+        assert_eq!(
+            pending(&outbox).await,
+            2,
+            "the bad row and the one after it wait"
+        );
+        assert_eq!(outbox.parked_branches().await.unwrap()[0].pending, 2);
 
         // Repaired and released: it ships, in order.
         sqlx::query("UPDATE relay_outbox SET meta = NULL WHERE tenant_id = 'mixed' AND lsn = 2")

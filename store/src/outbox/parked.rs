@@ -1,4 +1,5 @@
-//! Branches the broker keeps refusing: parked, released, discarded.
+//! Parked branches (the broker kept refusing their events, or a row of theirs cannot be
+//! read): parked, released, discarded, and why.
 use std::time::Duration;
 
 use crate::{BranchId, Error, TenantId};
@@ -127,6 +128,7 @@ impl Outbox {
                             crate::RunId::new(run)?,
                             BranchId::new(branch)?,
                         ),
+                        cause: ParkCause::of_reason(&reason),
                         reason,
                         attempts: attempts.max(0) as u32,
                         failing_for: Duration::from_secs_f64(failing.max(0.0)),
@@ -136,5 +138,139 @@ impl Outbox {
                 },
             )
             .collect()
+    }
+}
+
+/// Why a branch is parked, by cause: what the operator is told, and the way out. The one
+/// place that reads a park's stored reason (the window's refusal, `nacked`, `returned` or
+/// `too_large`, or the drainer's `unreadable: lsn N: ...`); the console, `status`, the
+/// `RelayBranchParked` alert and docs/operations.md ("Parked branches") say the same.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ParkCause {
+    /// The broker nacked its events for longer than the nack grace.
+    Nacked,
+    /// The broker returned its events as unroutable: no queue is bound for their key.
+    Unroutable,
+    /// An event is larger than the broker accepts.
+    TooLarge,
+    /// A row of it cannot be read (its metadata does not decode).
+    Unreadable,
+    /// A reason this version does not know (written by another version of the relay).
+    Other,
+}
+
+impl ParkCause {
+    /// Every cause, in the order the docs list them.
+    pub const ALL: [ParkCause; 5] = [
+        ParkCause::Nacked,
+        ParkCause::Unroutable,
+        ParkCause::TooLarge,
+        ParkCause::Unreadable,
+        ParkCause::Other,
+    ];
+
+    /// The cause of a stored reason.
+    pub fn of_reason(reason: &str) -> Self {
+        let word = reason.split(':').next().unwrap_or_default().trim();
+        match word {
+            "nacked" => Self::Nacked,
+            "returned" => Self::Unroutable,
+            "too_large" => Self::TooLarge,
+            "unreadable" => Self::Unreadable,
+            _ => Self::Other,
+        }
+    }
+
+    /// A short name for tables.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Nacked => "broker nacked",
+            Self::Unroutable => "unroutable",
+            Self::TooLarge => "too large",
+            Self::Unreadable => "unreadable row",
+            Self::Other => "other",
+        }
+    }
+
+    /// What happened, in one sentence.
+    pub fn what(self) -> &'static str {
+        match self {
+            Self::Nacked => {
+                "the broker refused (nacked) its events for longer than the nack grace: a queue at its length limit with reject-publish, a quorum queue without a majority, or a broker fault"
+            }
+            Self::Unroutable => {
+                "the broker returned its events: no queue is bound for their partition (a group's queue deleted or never declared)"
+            }
+            Self::TooLarge => "an event is larger than the broker's max_message_size",
+            Self::Unreadable => {
+                "a row of it cannot be read by this relay (its metadata does not decode: written past relay_append, or by a newer schema); the intents before it shipped"
+            }
+            Self::Other => "a reason this version of the relay does not know",
+        }
+    }
+
+    /// What to do about it.
+    pub fn way_out(self) -> &'static str {
+        match self {
+            Self::Nacked => {
+                "fix the queue or the broker (its log names why), then Release; it is retried on its own after `RELAY_PARK_RETRY_MS` too"
+            }
+            Self::Unroutable => {
+                "declare the group's queues again (start its consumer, or `distribution group create`), then Release"
+            }
+            Self::TooLarge => {
+                "raise max_message_size on the broker, then Release; or Discard the branch (its waiting events are dropped for good)"
+            }
+            Self::Unreadable => {
+                "repair the row named in the reason (or upgrade the relay), then Release: a release before the repair parks it again at once"
+            }
+            Self::Other => "read the reason; Release once its cause is gone",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ParkCause;
+
+    #[test]
+    fn each_stored_reason_has_its_cause() {
+        for (reason, cause) in [
+            ("nacked", ParkCause::Nacked),
+            ("returned", ParkCause::Unroutable),
+            ("too_large", ParkCause::TooLarge),
+            (
+                "unreadable: lsn 2: metadata: unknown field `priority`",
+                ParkCause::Unreadable,
+            ),
+            ("something new", ParkCause::Other),
+            ("", ParkCause::Other),
+        ] {
+            assert_eq!(ParkCause::of_reason(reason), cause, "{reason}");
+        }
+        let labels: std::collections::BTreeSet<_> =
+            ParkCause::ALL.iter().map(|cause| cause.label()).collect();
+        assert_eq!(
+            labels.len(),
+            ParkCause::ALL.len(),
+            "labels tell causes apart"
+        );
+    }
+
+    /// docs/operations.md's table of park causes says what the code says.
+    #[test]
+    fn the_operations_guide_lists_each_cause_with_its_way_out() {
+        let guide = include_str!("../../../docs/operations.md").replace('`', "");
+        for cause in ParkCause::ALL {
+            let row = guide
+                .lines()
+                .find(|line| line.starts_with(&format!("| {} ", cause.label())))
+                .unwrap_or_else(|| panic!("no row for {}", cause.label()));
+            assert!(
+                row.contains(&cause.way_out().replace('`', "")),
+                "{row}\n{}",
+                cause.way_out()
+            );
+        }
     }
 }

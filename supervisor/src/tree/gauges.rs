@@ -127,7 +127,7 @@ impl RelaySupervisor {
                 }
                 *gauged = seen;
             }
-            // Parked branches per tenant (a small table: only what the broker kept refusing).
+            // Parked branches per tenant (a small table: only what the broker kept refusing or the relay cannot read).
             if let Ok(Ok(parked)) = tokio::time::timeout(limit, outbox.parked_branches()).await {
                 let mut counts: HashMap<TenantId, usize> = HashMap::new();
                 for branch in parked {

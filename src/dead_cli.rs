@@ -156,6 +156,9 @@ pub async fn run(action: DeadAction) -> Result<()> {
             if let Err(err) = &letter.event {
                 println!("not an event: {err}");
             }
+            for (name, value) in letter.properties() {
+                println!("{name}: {value}");
+            }
             for (name, value) in letter.header_texts() {
                 println!("header {name}: {value}");
             }

@@ -359,7 +359,18 @@ mod console {
             screenshot(&browser, "dead-letters").await;
             follow(&browser, Locator::LinkText(&id), "#body").await;
             assert_eq!(text_of(&browser, "#body").await, "poison 1");
+            let letter = text_of(&browser, "#letter").await;
+            assert!(letter.contains("written at"), "{letter}");
             screenshot(&browser, "dead-letter").await;
+            // Its own Replay asks first, naming this letter alone; cancelled by going back.
+            let asked = follow(
+                &browser,
+                Locator::Css("#letter-actions button[value=replay]"),
+                "input[name=confirmed]",
+            )
+            .await;
+            assert!(asked.contains(&id), "{asked}");
+            browser.back().await.unwrap();
             browser.back().await.unwrap();
             browser
                 .wait()

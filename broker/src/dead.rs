@@ -76,6 +76,38 @@ impl DeadLetter {
             .collect()
     }
 
+    /// What a person looks for first, from the event it carries (none for a message that is
+    /// not one): when it was written (RFC 3339, not the header's microseconds), then the AMQP
+    /// properties and trace context its metadata travelled in, those it has.
+    pub fn properties(&self) -> Vec<(&'static str, String)> {
+        let Ok(event) = &self.event else {
+            return Vec::new();
+        };
+        let meta = &event.meta;
+        let mut shown = vec![(
+            "written at",
+            event
+                .created_at
+                .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+        )];
+        let named = [
+            (
+                "type",
+                meta.event_type.as_ref().map(|t| t.as_str().to_owned()),
+            ),
+            ("content type", meta.content_type.clone()),
+            ("correlation id", meta.correlation_id.clone()),
+            ("causation id", meta.causation_id.clone()),
+            ("traceparent", meta.traceparent.clone()),
+        ];
+        shown.extend(
+            named
+                .into_iter()
+                .filter_map(|(name, value)| Some((name, value?))),
+        );
+        shown
+    }
+
     /// What it carries: `intent`, `rewind`, `end`, or `not an event`.
     pub fn kind(&self) -> &'static str {
         match &self.event {

@@ -387,15 +387,26 @@ pub fn urlencode(value: &str) -> String {
     url::form_urlencoded::byte_serialize(value.as_bytes()).collect()
 }
 
-pub fn dead_show(group: &str, letter: &DeadLetter) -> Markup {
+pub fn dead_show(group: &str, letter: &DeadLetter, csrf: &str) -> Markup {
     let body = shown(&letter.body, BODY_SHOWN);
     html! {
-        dl {
+        dl #letter {
             dt { "position" } dd { (letter.position) }
             dt { "message id" } dd { (letter.message_id.as_deref().unwrap_or("(none)")) }
             dt { "kind" } dd { (letter.kind()) }
             dt { "why" } dd .reason { (letter.reason.as_deref().unwrap_or("(no reason)")) }
             @if let Err(err) = &letter.event { dt { "not an event" } dd { (err) } }
+            @for (name, value) in letter.properties() { dt { (name) } dd { (value) } }
+        }
+        @if let Some(id) = &letter.message_id {
+            // This letter alone: each asks to confirm first, as from the list.
+            form method="post" action={ "/dead/" (group) "/act" } #letter-actions {
+                (csrf_field(csrf))
+                input type="hidden" name="select" value="message";
+                input type="hidden" name="message_id" value=(id);
+                button name="action" value="replay" { "Replay…" }
+                button name="action" value="purge" class="danger" { "Purge…" }
+            }
         }
         h2 { "Headers" }
         table #headers {

@@ -239,7 +239,7 @@ pub(super) async fn dead_show(
     Ok(console.page(
         &format!("Dead letter {id}"),
         Section::Dead,
-        page::dead_show(&group, &letter),
+        page::dead_show(&group, &letter, &console.csrf),
     ))
 }
 

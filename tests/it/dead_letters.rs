@@ -154,6 +154,15 @@ async fn dead_letters_are_listed_replayed_in_order_through_the_fold_and_purged()
             "{shown}"
         );
         assert!(shown.contains("reason: handler: poison"), "{shown}");
+        // When it was written, readable (the header carries microseconds).
+        let written = shown
+            .lines()
+            .find_map(|line| line.strip_prefix("written at: "))
+            .unwrap_or_else(|| panic!("no written at: {shown}"));
+        assert!(
+            chrono::DateTime::parse_from_rfc3339(written).is_ok(),
+            "{written}"
+        );
         assert_eq!(dead.depth().await.unwrap(), 3);
         // The order tenant a's two were dead-lettered in (the order the consumer met them).
         let dead_order: Vec<String> = ids

@@ -69,7 +69,8 @@ enum Way {
 }
 
 /// Version 3's `relay_append` (0008), renamed and writing the epoch column as NULL explicitly
-/// (so its default, today's epoch function, is not called): what a host paid before epochs.
+/// (so its default, today's epoch function, is not called), its search_path pinned as 0008
+/// pinned it: what a host paid before epochs.
 fn append_before_epochs() -> String {
     let migration = include_str!("../migrations/0008_metadata.sql");
     let start = migration
@@ -93,7 +94,14 @@ fn append_before_epochs() -> String {
         function.contains(", epoch)") && function.contains("), NULL"),
         "{function}"
     );
-    function
+    // As 0008 (and 0012 for today's) pins the function's search_path: a function with a SET
+    // clause pays for it on every call, so without it version 3 would look 7 % cheaper at
+    // 256 B than it ever was.
+    let pinned = "ALTER FUNCTION relay_append(text, text, text, bigint, bytea, boolean, bigint, jsonb) SET search_path";
+    assert!(migration.contains(pinned), "0008 pins relay_append's search_path");
+    format!(
+        "{function}\nDO $pin$ BEGIN EXECUTE format('ALTER FUNCTION relay_append_v3(text, text, text, bigint, bytea, boolean, bigint, jsonb) SET search_path = %I, pg_temp', current_schema()); END $pin$;"
+    )
 }
 
 fn setting(name: &str, default: u64) -> u64 {

@@ -270,7 +270,13 @@ BEGIN
     IF p_meta IS NOT NULL THEN
         PERFORM relay_require_meta(p_meta);
     END IF;
-    v_epoch := relay_current_epoch();
+    -- The session's epoch from its cache, without a call: relay_current_epoch, like every
+    -- function with a pinned search_path, costs a switch of settings per call (benches/HISTORY.md,
+    -- "Issue 50"); the session's first append fills the cache through it.
+    v_epoch := nullif(current_setting('relay.epoch', true), '')::bigint;
+    IF v_epoch IS NULL THEN
+        v_epoch := relay_current_epoch();
+    END IF;
     -- One statement: lock the live branch row (held until the host commits: a branch's intents
     -- commit in Lsn order, so a reader only ever sees a gap-free prefix of each branch), move
     -- its head, insert the intent.

@@ -60,6 +60,7 @@ pub(crate) async fn run(config: RelayConfig) -> Result<()> {
             outbox: Outbox::new(probe_pool),
             broker: relay.broker_health(),
             relay: relay.probe(),
+            without_buckets: serve::WithoutBuckets::default(),
             max_parked,
         },
     );

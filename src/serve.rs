@@ -26,19 +26,49 @@ pub(crate) struct Probes {
     pub(crate) outbox: Outbox,
     pub(crate) broker: BrokerHealth,
     pub(crate) relay: distribution::RelayProbe,
+    pub(crate) without_buckets: WithoutBuckets,
     pub(crate) max_parked: u64,
 }
 
-/// What the relay itself says for a readiness check: lease buckets held (`None`: no answer),
-/// and how long its drains have been held back for replication.
+/// What the relay itself says for a readiness check: how long it has held no lease bucket,
+/// as the probes saw it (`None`: it holds some, or does not answer), and how long its drains
+/// have been held back for replication.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct RelayFacts {
-    pub(crate) buckets_held: Option<usize>,
+    pub(crate) without_buckets_for: Option<Duration>,
     pub(crate) held_back_for: Option<Duration>,
 }
 
 /// Drains held back this long make the relay not ready.
 const HELD_BACK_NOT_READY: Duration = Duration::from_secs(5);
+
+/// No lease bucket held this long makes the relay not ready: a relay that has just started (or
+/// just handed its buckets over) claims them within a heartbeat or two, and is not to be called
+/// stuck before then (cli::a_running_relay_answers_health_and_readiness failed once in CI
+/// with the probe racing the first claims under load, as far as its truncated log shows).
+const NO_BUCKETS_NOT_READY: Duration = Duration::from_secs(5);
+
+/// Since when the probes have seen the relay hold no lease bucket.
+#[derive(Debug, Default)]
+pub(crate) struct WithoutBuckets(std::sync::Mutex<Option<std::time::Instant>>);
+
+impl WithoutBuckets {
+    /// How long the relay has held none, given what it answers now (`None`: some, or no answer).
+    fn observe(&self, buckets_held: Option<usize>, now: std::time::Instant) -> Option<Duration> {
+        let mut since = self
+            .0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        match buckets_held {
+            Some(0) => Some(now.duration_since(*since.get_or_insert(now))),
+            Some(_) => {
+                *since = None;
+                None
+            }
+            None => None,
+        }
+    }
+}
 
 /// What the database said for a readiness check: whether intents wait, and parked branches.
 pub(crate) type DatabaseFacts = Result<(bool, u64), String>;
@@ -55,11 +85,14 @@ pub(crate) fn readiness(
     match database {
         Err(why) => problems.push(format!("database unreachable: {why}")),
         Ok((pending, parked)) => {
-            if pending && relay.buckets_held == Some(0) {
-                problems.push(
-                    "holds no lease bucket while intents wait (its lease renewals do not commit: the database is slow, or waits for a synchronous standby that is down)"
-                        .into(),
-                );
+            if let Some(without) = relay
+                .without_buckets_for
+                .filter(|without| pending && *without >= NO_BUCKETS_NOT_READY)
+            {
+                problems.push(format!(
+                    "holds no lease bucket while intents wait, for {} s (its lease renewals do not commit: the database is slow, or waits for a synchronous standby that is down)",
+                    without.as_secs()
+                ));
             }
             if let Some(held) = relay
                 .held_back_for
@@ -112,8 +145,11 @@ async fn ready(probes: &Probes) -> Result<(), Vec<String>> {
         Err(_) => Err(format!("no answer within {} ms", READY_TIMEOUT.as_millis())),
     };
     let (state, blocked) = (probes.broker.state(), probes.broker.blocked());
+    let buckets_held = probes.relay.buckets_held().await;
     let relay = RelayFacts {
-        buckets_held: probes.relay.buckets_held().await,
+        without_buckets_for: probes
+            .without_buckets
+            .observe(buckets_held, std::time::Instant::now()),
         held_back_for: probes.relay.held_back_for(),
     };
     readiness(facts, state, blocked, relay, probes.max_parked)
@@ -186,20 +222,28 @@ mod tests {
     #[test]
     fn readiness_names_what_the_relay_says() {
         let none = RelayFacts {
-            buckets_held: Some(0),
+            without_buckets_for: Some(Duration::from_secs(6)),
             held_back_for: None,
         };
         let problems = readiness(Ok((true, 0)), BrokerState::Up, false, none, 0).unwrap_err();
         assert!(
-            problems[0].starts_with("holds no lease bucket"),
+            problems[0].starts_with("holds no lease bucket while intents wait, for 6 s"),
             "{problems:?}"
         );
         assert!(
             readiness(Ok((false, 0)), BrokerState::Up, false, none, 0).is_ok(),
             "nothing waits"
         );
+        let starting = RelayFacts {
+            without_buckets_for: Some(Duration::from_secs(1)),
+            held_back_for: None,
+        };
+        assert!(
+            readiness(Ok((true, 0)), BrokerState::Up, false, starting, 0).is_ok(),
+            "a relay still claiming its first buckets is not stuck"
+        );
         let held = RelayFacts {
-            buckets_held: Some(3),
+            without_buckets_for: None,
             held_back_for: Some(Duration::from_secs(6)),
         };
         let problems = readiness(Ok((true, 0)), BrokerState::Up, false, held, 0).unwrap_err();
@@ -208,10 +252,33 @@ mod tests {
             "{problems:?}"
         );
         let briefly = RelayFacts {
-            buckets_held: Some(3),
+            without_buckets_for: None,
             held_back_for: Some(Duration::from_secs(1)),
         };
         assert!(readiness(Ok((true, 0)), BrokerState::Up, false, briefly, 0).is_ok());
+    }
+
+    #[test]
+    fn the_time_without_buckets_counts_from_the_first_probe_that_saw_none() {
+        let without = WithoutBuckets::default();
+        let start = std::time::Instant::now();
+        let later = |secs| start + Duration::from_secs(secs);
+        assert_eq!(without.observe(Some(0), start), Some(Duration::ZERO));
+        assert_eq!(
+            without.observe(None, later(1)),
+            None,
+            "no answer says nothing"
+        );
+        assert_eq!(
+            without.observe(Some(0), later(6)),
+            Some(Duration::from_secs(6))
+        );
+        assert_eq!(without.observe(Some(4), later(7)), None);
+        assert_eq!(
+            without.observe(Some(0), later(9)),
+            Some(Duration::ZERO),
+            "counted anew"
+        );
     }
 
     #[test]

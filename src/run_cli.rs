@@ -113,8 +113,8 @@ pub(crate) async fn log_broker_version(config: &RelayConfig) {
     }
 }
 
-/// The schema, checked now and then every second until `wait` has passed (said once on
-/// standard error and in the log): a relay started beside the job that migrates waits for it.
+/// The schema, checked now and then every second until `wait` has passed (the wait said once,
+/// in the log): a relay started beside the job that migrates waits for it.
 async fn wait_for_schema(
     pool: &sqlx::PgPool,
     wait: std::time::Duration,
@@ -126,8 +126,7 @@ async fn wait_for_schema(
             Err(store::Error::SchemaMissing(missing)) if tokio::time::Instant::now() < deadline => {
                 if !said {
                     said = true;
-                    tracing::warn!(missing = ?missing, wait_s = wait.as_secs(), "the schema is missing or out of date; waiting for it (RELAY_SCHEMA_WAIT_SECS)");
-                    eprintln!(
+                    tracing::warn!(
                         "waiting up to {} s for the schema ({} not found yet; RELAY_SCHEMA_WAIT_SECS)",
                         wait.as_secs(),
                         missing.join(", ")

@@ -281,99 +281,40 @@ mod tests {
         );
     }
 
+    /// The rules with nothing said by the relay itself.
+    fn plain(
+        database: DatabaseFacts,
+        broker: BrokerState,
+        blocked: bool,
+        max_parked: u64,
+    ) -> Result<(), Vec<String>> {
+        readiness(database, broker, blocked, RelayFacts::default(), max_parked)
+    }
+
     #[test]
     fn readiness_names_each_problem() {
         assert!(
-            readiness(
-                Ok((false, 0)),
-                BrokerState::Down,
-                false,
-                RelayFacts::default(),
-                0
-            )
-            .is_ok(),
+            plain(Ok((false, 0)), BrokerState::Down, false, 0).is_ok(),
             "nothing waits"
         );
-        assert!(
-            readiness(
-                Ok((true, 0)),
-                BrokerState::Unknown,
-                false,
-                RelayFacts::default(),
-                0
-            )
-            .is_ok()
-        );
-        assert!(
-            readiness(
-                Ok((true, 0)),
-                BrokerState::Up,
-                false,
-                RelayFacts::default(),
-                0
-            )
-            .is_ok()
-        );
-        let down = readiness(
-            Ok((true, 0)),
-            BrokerState::Down,
-            false,
-            RelayFacts::default(),
-            0,
-        )
-        .unwrap_err();
+        assert!(plain(Ok((true, 0)), BrokerState::Unknown, false, 0).is_ok());
+        assert!(plain(Ok((true, 0)), BrokerState::Up, false, 0).is_ok());
+        let down = plain(Ok((true, 0)), BrokerState::Down, false, 0).unwrap_err();
         assert_eq!(down, vec!["broker down while intents wait".to_owned()]);
-        let parked = readiness(
-            Ok((false, 3)),
-            BrokerState::Up,
-            false,
-            RelayFacts::default(),
-            2,
-        )
-        .unwrap_err();
+        let parked = plain(Ok((false, 3)), BrokerState::Up, false, 2).unwrap_err();
         assert!(parked[0].starts_with("3 branches parked"), "{parked:?}");
-        assert!(
-            readiness(
-                Ok((false, 2)),
-                BrokerState::Up,
-                false,
-                RelayFacts::default(),
-                2
-            )
-            .is_ok()
-        );
-        let database = readiness(
-            Err("refused".into()),
-            BrokerState::Up,
-            false,
-            RelayFacts::default(),
-            0,
-        )
-        .unwrap_err();
+        assert!(plain(Ok((false, 2)), BrokerState::Up, false, 2).is_ok());
+        let database = plain(Err("refused".into()), BrokerState::Up, false, 0).unwrap_err();
         assert_eq!(database, vec!["database unreachable: refused".to_owned()]);
         // Issue 16: a broker alarm blocks every publishing connection while the last state
         // reported stays Up (nothing faults): blocked with intents waiting is not ready.
-        let blocked = readiness(
-            Ok((true, 0)),
-            BrokerState::Up,
-            true,
-            RelayFacts::default(),
-            0,
-        )
-        .unwrap_err();
+        let blocked = plain(Ok((true, 0)), BrokerState::Up, true, 0).unwrap_err();
         assert!(
             blocked[0].starts_with("broker blocks the relay"),
             "{blocked:?}"
         );
         assert!(
-            readiness(
-                Ok((false, 0)),
-                BrokerState::Up,
-                true,
-                RelayFacts::default(),
-                0
-            )
-            .is_ok(),
+            plain(Ok((false, 0)), BrokerState::Up, true, 0).is_ok(),
             "blocked with nothing waiting"
         );
     }

@@ -395,43 +395,40 @@ async fn statement_and_function(bench: &mut Bench<'_>, writers: usize) {
 
 /// The second table: `relay_append` against a plain insert of the same bytes, by size.
 async fn outbox_and_plain(bench: &mut Bench<'_>, writers: usize) {
-    println!();
-    println!(
-        "| host commits/s, {writers} writers, incompressible payload | plain insert into the host's table | `relay_append` | outbox / plain |"
-    );
-    println!("|---|---|---|---|");
-    for (bytes, label) in [(256, "256 B"), (64 << 10, "64 KiB"), (256 << 10, "256 KiB")] {
-        let payload = store::fixtures::Incompressible::default().bytes(bytes);
-        for notify in [false, true] {
-            let (plain, outbox) = bench
-                .pair([Way::Plain, Way::Function], notify, &payload)
-                .await;
-            println!(
-                "| {label}, NOTIFY {} | {plain:.0} | {outbox:.0} | {:.2} |",
-                notify_label(notify),
-                outbox / plain
-            );
-        }
-    }
+    by_size(
+        bench,
+        writers,
+        [Way::Plain, Way::Function],
+        "plain insert into the host's table | `relay_append` | outbox / plain",
+    )
+    .await;
 }
 
 /// The third table: today's `relay_append` (epochs) against version 3's, by size.
 async fn before_and_after_epochs(bench: &mut Bench<'_>, writers: usize) {
+    by_size(
+        bench,
+        writers,
+        [Way::BeforeEpochs, Way::AfterEpochs],
+        "`relay_append` v3 (no epochs) | `relay_append` v4 (epochs) | v4 / v3",
+    )
+    .await;
+}
+
+/// A table of `ways` side by side at 256 B, 64 KiB and 256 KiB of incompressible payload,
+/// NOTIFY off and on; `columns` heads the first way, the second and their ratio.
+async fn by_size(bench: &mut Bench<'_>, writers: usize, ways: [Way; 2], columns: &str) {
     println!();
-    println!(
-        "| host commits/s, {writers} writers, incompressible payload | `relay_append` v3 (no epochs) | `relay_append` v4 (epochs) | v4 / v3 |"
-    );
+    println!("| host commits/s, {writers} writers, incompressible payload | {columns} |");
     println!("|---|---|---|---|");
     for (bytes, label) in [(256, "256 B"), (64 << 10, "64 KiB"), (256 << 10, "256 KiB")] {
         let payload = store::fixtures::Incompressible::default().bytes(bytes);
         for notify in [false, true] {
-            let (before, after) = bench
-                .pair([Way::BeforeEpochs, Way::AfterEpochs], notify, &payload)
-                .await;
+            let (first, second) = bench.pair(ways, notify, &payload).await;
             println!(
-                "| {label}, NOTIFY {} | {before:.0} | {after:.0} | {:.3} |",
+                "| {label}, NOTIFY {} | {first:.0} | {second:.0} | {:.3} |",
                 notify_label(notify),
-                after / before
+                second / first
             );
         }
     }

@@ -439,8 +439,7 @@ fn skip_migrate_waits_for_the_schema_when_told_to() {
             .spawn()
             .unwrap();
         let mut stderr = BufReader::new(child.stderr.take().unwrap());
-        // Its log line, then the line for a reader (a blocking read: it prints them before
-        // it waits).
+        // Its log line (a blocking read: it logs before it waits).
         let mut said = String::new();
         while !said.contains("waiting up to") {
             let mut line = String::new();

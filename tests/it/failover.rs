@@ -725,26 +725,23 @@ async fn a_sync_standby_down_closes_the_fences_says_why_and_everything_ships_on_
         .unwrap();
     let branch = &host.branches[0];
     let lsn = host.head(branch).await + 1;
-    // Without NOTIFY: the commit waiting for the standby holds the notification queue's
-    // lock until its WAL is replicated (docs/sql-api.md), and a notifying commit would wait.
-    sqlx::query("SELECT relay_append($1, $2, $3, $4, $5, p_notify => false)")
-        .bind(branch.tenant.as_str())
-        .bind(branch.run.as_str())
-        .bind(branch.branch.as_str())
-        .bind(lsn as i64)
-        .bind(format!("{branch}@{lsn}#local").into_bytes())
-        .execute(&mut conn)
-        .await
-        .unwrap();
-    sqlx::query("INSERT INTO host_history VALUES ($1, $2, $3, $4, $5)")
-        .bind(branch.tenant.as_str())
-        .bind(branch.run.as_str())
-        .bind(branch.branch.as_str())
-        .bind(lsn as i64)
-        .bind(format!("{branch}@{lsn}#local").into_bytes())
-        .execute(&mut conn)
-        .await
-        .unwrap();
+    // The intent and the host's record of it. Without NOTIFY: the commit waiting for the
+    // standby holds the notification queue's lock until its WAL is replicated
+    // (docs/sql-api.md), and a notifying commit would wait.
+    for sql in [
+        "SELECT relay_append($1, $2, $3, $4, $5, p_notify => false)",
+        "INSERT INTO host_history VALUES ($1, $2, $3, $4, $5)",
+    ] {
+        sqlx::query(sql)
+            .bind(branch.tenant.as_str())
+            .bind(branch.run.as_str())
+            .bind(branch.branch.as_str())
+            .bind(lsn as i64)
+            .bind(format!("{branch}@{lsn}#local").into_bytes())
+            .execute(&mut conn)
+            .await
+            .unwrap();
+    }
     wait_until("/readyz says why", Duration::from_secs(30), || async {
         crate::harness::http_get(&addr, "/readyz")
             .await

@@ -74,9 +74,10 @@ impl<H> Window<H> {
                     // The broker answered about this event: its branch alone cools down, even
                     // behind an unanswered event of its own (a refusal that closes the channel
                     // leaves the events before it unconfirmed).
-                    Some(Outcome::Returned) => Some("returned"),
-                    Some(Outcome::Nacked) => Some("nacked"),
-                    Some(Outcome::TooLarge) => Some("too_large"),
+                    // Its label is the park's stored reason (`store::ParkCause::of_reason`).
+                    Some(refused @ (Outcome::Returned | Outcome::Nacked | Outcome::TooLarge)) => {
+                        Some(refused.label())
+                    }
                     // No answer: the session, not the branch, failed; the tenant backs off.
                     Some(Outcome::NotSent) => {
                         session_failed.get_or_insert(StallCause::NotSent);

@@ -142,8 +142,9 @@ impl Outbox {
 }
 
 /// Why a branch is parked, by cause: what the operator is told, and the way out. The one
-/// place that reads a park's stored reason (the window's refusal, `nacked`, `returned` or
-/// `too_large`, or the drainer's `unreadable: lsn N: ...`); the console, `status`, the
+/// place that reads a park's stored reason (the label of the broker's refusal,
+/// `broker::Outcome::label`: `nacked`, `returned` or `too_large`; or the drainer's
+/// `unreadable: lsn N: ...`); the console, `status`, the
 /// `RelayBranchParked` alert and docs/operations.md ("Parked branches") say the same.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum ParkCause {

@@ -28,6 +28,7 @@ mod group_cli;
 mod otlp;
 mod outbox_cli;
 mod run_cli;
+mod tail_cli;
 // The demo takes "the broker" down with the same proxy the tests use, compiled in privately.
 #[allow(dead_code)]
 mod proxy;
@@ -105,6 +106,9 @@ enum Command {
         #[command(subcommand)]
         action: group_cli::GroupAction,
     },
+    /// Watch events arrive: one line each (key, kind, metadata), the payload only if asked,
+    /// through a queue of the watcher's own (it takes nothing from any consumer).
+    Tail(Box<tail_cli::TailSettings>),
     /// Drain parked branches again now (all of a tenant, of a run, or one branch).
     Release {
         #[command(flatten)]
@@ -318,6 +322,7 @@ fn main() -> ExitCode {
             } => status(&database, amqp_url, topology, groups).await,
             Command::Dead { action } => dead_cli::run(action).await,
             Command::Group { action } => group_cli::run(action).await,
+            Command::Tail(settings) => tail_cli::run(*settings).await,
             Command::Release {
                 database,
                 tenant,

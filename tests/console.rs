@@ -297,7 +297,58 @@ mod console {
                 groups.contains(rabbit.topology.dead_letter_queue().as_str()),
                 "{groups}"
             );
+            // What needs an operator first, when the page was read, the group's partitions.
+            let attention = text_of(&browser, "#attention").await;
+            assert!(
+                attention.contains("1 dead letter(s)") && attention.contains("1 parked branch"),
+                "{attention}"
+            );
+            let as_of = text_of(&browser, ".asof").await;
+            assert!(
+                as_of.starts_with("As of 20") && as_of.ends_with("UTC. Refresh"),
+                "{as_of}"
+            );
+            let partitions = rabbit.topology.partitions();
+            assert!(
+                groups.contains(&format!("{partitions} of {partitions}")),
+                "every partition queue counted: {groups}"
+            );
+            // The lag plot's readout (the console samples every 5 s, the first at its start).
+            wait_until("a lag sample", Duration::from_secs(20), || async {
+                browser.goto(&format!("{base}/")).await.unwrap();
+                browser.find(Locator::Css("#lag .readout")).await.is_ok()
+            })
+            .await;
+            let readout = text_of(&browser, "#lag .readout").await;
+            assert!(readout.starts_with("Now "), "{readout}");
             screenshot(&browser, "overview").await;
+
+            // A tenant's page, from its name in the backlog: its waiting branch (Lsns 1-3),
+            // its parked branch; then the other tenant's dead letter.
+            let tenant = follow(
+                &browser,
+                Locator::LinkText("console-parked"),
+                "#tenant-backlog",
+            )
+            .await;
+            assert!(
+                tenant.contains("3 intent(s) wait on 1 branch(es)")
+                    && tenant.contains("1–3")
+                    && tenant.contains("broker nacked"),
+                "{tenant}"
+            );
+            screenshot(&browser, "tenant").await;
+            browser
+                .goto(&format!("{base}/tenant/console-dead"))
+                .await
+                .unwrap();
+            let theirs = text_of(&browser, "#tenant-dead").await;
+            assert!(
+                theirs.contains(&format!("{poisoned}/1"))
+                    && theirs.contains("1 of the group's 1 dead letter(s)"),
+                "{theirs}"
+            );
+            screenshot(&browser, "tenant-dead").await;
 
             // Parked branches: the cause, the reason and count, the way out, then Release.
             browser.goto(&format!("{base}/parked")).await.unwrap();
@@ -509,6 +560,8 @@ mod console {
                 http_send(&addr, "GET", "/", &[], Vec::new()).await.unwrap();
             assert_eq!(status, 401, "{page}");
             assert!(headers.get("www-authenticate").is_some());
+            // A refusal for want of the token shows nothing of the console's settings.
+            assert!(!page.contains("/dead/default"), "{page}");
             let wrong = [("authorization", "Bearer a-console-token-of-32-characterZ")];
             assert_eq!(
                 http_send(&addr, "GET", "/", &wrong, Vec::new())
@@ -641,6 +694,8 @@ mod console {
                 ("GET", "/dead/default/show", 400),
                 ("GET", "/?page=abc", 400),
                 ("GET", "/?page=18446744073709551615", 400),
+                ("GET", "/tenant/not%20an%20id", 400),
+                ("GET", "/tenant/%3Cscript%3E", 400),
                 ("DELETE", "/", 405),
             ] {
                 let (got, _, page) = http_send(&addr, method, path, &auth, Vec::new())
@@ -648,6 +703,12 @@ mod console {
                     .unwrap();
                 assert_eq!(got, status, "{method} {path}: {page}");
                 assert!(page.contains("<p id=\"error\">"), "{method} {path}: {page}");
+                // An error page keeps the navigation: the dead letters are one click away.
+                assert!(
+                    page.contains("<a href=\"/dead/default\">Dead letters: default</a>"),
+                    "{method} {path}: {page}"
+                );
+                assert!(!page.contains("<script>"), "{method} {path}: {page}");
             }
 
             // The hostile dead letters: escaped in the list and on their page; binary as hex.

@@ -1,9 +1,11 @@
-//! An operator's look at the broker (the console's): what it is, and whether it blocks
-//! publishers now (a resource alarm), found the only way a client can: by publishing.
+//! An operator's look at the broker (the console's): what it is, whether it blocks
+//! publishers now (a resource alarm), found the only way a client can: by publishing; and what
+//! a group's partition queues hold and who reads them.
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
+use lapin::types::FieldTable;
 
 use crate::{BrokerVersion, Error, RabbitConfig, within};
 
@@ -82,4 +84,67 @@ pub async fn checkup(config: &RabbitConfig, wait: Duration) -> Result<Checkup, E
             timeout_ms: wait.as_millis() as u64,
         }),
     }
+}
+
+/// One partition queue of a group, as the broker counts it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QueueCount {
+    /// The queue's name.
+    pub queue: String,
+    /// `None`: no such queue (no consumer of the group declared it yet).
+    pub counted: Option<Counted>,
+}
+
+/// What a passive `queue.declare` answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Counted {
+    /// Messages ready (not counting those a consumer holds unacked; a stream's count is the
+    /// broker's own for it).
+    pub messages: u32,
+    /// Consumers attached.
+    pub consumers: u32,
+}
+
+/// Each partition queue of `config`'s group, in partition order: a passive `queue.declare`
+/// each, on one connection (a missing queue closes its channel, so the next gets a new one),
+/// each step within `config.connect_timeout`. Declares nothing.
+pub async fn partition_queues(config: &RabbitConfig) -> Result<Vec<QueueCount>, Error> {
+    let limit = config.connect_timeout;
+    let connection = config.connect_named("outbox-relay-queues").await?;
+    let topology = &config.topology;
+    let mut counts = Vec::with_capacity(usize::from(topology.partitions()));
+    let mut channel = None;
+    for partition in 0..topology.partitions() {
+        let queue = topology.queue(crate::Partition(partition));
+        let open = match channel.take() {
+            Some(open) => open,
+            None => within("channel.open", limit, connection.create_channel()).await?,
+        };
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        };
+        let declared = within(
+            "queue.declare",
+            limit,
+            open.queue_declare(queue.clone(), passive, FieldTable::default()),
+        )
+        .await;
+        let counted = match declared {
+            Ok(declared) => {
+                channel = Some(open);
+                Some(Counted {
+                    messages: declared.message_count(),
+                    consumers: declared.consumer_count(),
+                })
+            }
+            Err(err) if err.to_string().contains("NOT_FOUND") => None,
+            Err(err) => return Err(err),
+        };
+        counts.push(QueueCount {
+            queue: queue.to_string(),
+            counted,
+        });
+    }
+    Ok(counts)
 }

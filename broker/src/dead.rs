@@ -66,58 +66,75 @@ pub enum DeadFilter {
 }
 
 impl DeadLetter {
-    /// Its headers as a person reads them, in order: strings as text (invalid UTF-8 replaced),
-    /// numbers and booleans as such, anything else (tables, arrays) as lapin shows it.
+    /// Its headers as a person reads them ([`header_texts`]).
     pub fn header_texts(&self) -> Vec<(String, String)> {
-        self.headers
-            .inner()
-            .iter()
-            .map(|(name, value)| (name.to_string(), header_text(value)))
-            .collect()
+        header_texts(&self.headers)
     }
 
-    /// What a person looks for first, from the event it carries (none for a message that is
-    /// not one): when it was written (RFC 3339, not the header's microseconds), then the AMQP
-    /// properties and trace context its metadata travelled in, those it has.
+    /// What a person looks for first ([`event_properties`]).
     pub fn properties(&self) -> Vec<(&'static str, String)> {
-        let Ok(event) = &self.event else {
-            return Vec::new();
-        };
-        let meta = &event.meta;
-        let mut shown = vec![(
-            "written at",
-            event
-                .created_at
-                .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
-        )];
-        let named = [
-            (
-                "type",
-                meta.event_type.as_ref().map(|t| t.as_str().to_owned()),
-            ),
-            ("content type", meta.content_type.clone()),
-            ("correlation id", meta.correlation_id.clone()),
-            ("causation id", meta.causation_id.clone()),
-            ("traceparent", meta.traceparent.clone()),
-        ];
-        shown.extend(
-            named
-                .into_iter()
-                .filter_map(|(name, value)| Some((name, value?))),
-        );
-        shown
+        event_properties(&self.event)
     }
 
     /// What it carries: `intent`, `rewind`, `end`, or `not an event`.
     pub fn kind(&self) -> &'static str {
-        match &self.event {
-            Ok(event) => match event.kind {
-                store::EventKind::Intent => "intent",
-                store::EventKind::Rewind { .. } => "rewind",
-                store::EventKind::End => "end",
-            },
-            Err(_) => "not an event",
-        }
+        event_kind(&self.event)
+    }
+}
+
+/// Headers as a person reads them, in order: strings as text (invalid UTF-8 replaced),
+/// numbers and booleans as such, anything else (tables, arrays) as lapin shows it.
+pub(crate) fn header_texts(headers: &FieldTable) -> Vec<(String, String)> {
+    headers
+        .inner()
+        .iter()
+        .map(|(name, value)| (name.to_string(), header_text(value)))
+        .collect()
+}
+
+/// What a person looks for first in a message, from the event it carries (none for a message
+/// that is not one): when it was written (RFC 3339, not the header's microseconds), then the
+/// AMQP properties and trace context its metadata travelled in, those it has.
+pub(crate) fn event_properties(
+    event: &Result<OutboxEvent, WireError>,
+) -> Vec<(&'static str, String)> {
+    let Ok(event) = event else {
+        return Vec::new();
+    };
+    let meta = &event.meta;
+    let mut shown = vec![(
+        "written at",
+        event
+            .created_at
+            .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+    )];
+    let named = [
+        (
+            "type",
+            meta.event_type.as_ref().map(|t| t.as_str().to_owned()),
+        ),
+        ("content type", meta.content_type.clone()),
+        ("correlation id", meta.correlation_id.clone()),
+        ("causation id", meta.causation_id.clone()),
+        ("traceparent", meta.traceparent.clone()),
+    ];
+    shown.extend(
+        named
+            .into_iter()
+            .filter_map(|(name, value)| Some((name, value?))),
+    );
+    shown
+}
+
+/// What a message carries: `intent`, `rewind`, `end`, or `not an event`.
+pub(crate) fn event_kind(event: &Result<OutboxEvent, WireError>) -> &'static str {
+    match event {
+        Ok(event) => match event.kind {
+            store::EventKind::Intent => "intent",
+            store::EventKind::Rewind { .. } => "rewind",
+            store::EventKind::End => "end",
+        },
+        Err(_) => "not an event",
     }
 }
 

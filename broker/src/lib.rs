@@ -4,6 +4,8 @@
 //! - `topology`: exchange, partition queues and the stable `(TenantId, RunId)` -> partition map.
 //! - `wire`: the wire contract: message id, headers, body (see `broker/WIRE.md`).
 //! - `dead`: the dead-letter queue read back ([`DeadLetters`]: list, replay, purge).
+//! - `tail`: watching events arrive ([`Tail`]: a queue of the watcher's own, read without acks).
+//! - `checkup`: an operator's look at the broker ([`checkup`], [`partition_queues`]).
 //! - `port`: the [`Publisher`] port the actors drive, and its [`PublishReport`].
 //! - `rabbit`: the RabbitMQ adapter ([`RabbitPublisher`]): lazy connect, confirms, pipelining.
 //! - `probe`: [`CallProbe`], records which threads call the broker client.
@@ -23,13 +25,14 @@ mod probe;
 mod rabbit;
 #[cfg(feature = "fixtures")]
 pub mod scratch;
+mod tail;
 mod topology;
 mod version;
 mod wire;
 
 pub use backoff::Backoff;
 pub use backoff::RetryPolicy;
-pub use checkup::{Checkup, checkup};
+pub use checkup::{Checkup, Counted, QueueCount, checkup, partition_queues};
 pub use connect::AmqpTls;
 pub use connect::ClosingConnection;
 pub use connect::DEFAULT_FRAME_MAX;
@@ -56,6 +59,7 @@ pub use rabbit::RabbitConfig;
 pub use rabbit::RabbitPublisher;
 pub use rabbit::preflight;
 pub use rabbit::{open, within};
+pub use tail::{Tail, TailFilter, Tailed};
 pub use topology::DEAD_LETTER_DELIVERY_LIMIT;
 pub use topology::DEFAULT_DELIVERY_LIMIT;
 pub use topology::Group;

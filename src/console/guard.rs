@@ -30,19 +30,29 @@ impl Failure {
     }
 }
 
+impl Failure {
+    fn title(&self) -> &'static str {
+        self.status
+            .canonical_reason()
+            .unwrap_or("Something went wrong")
+    }
+}
+
+/// A failure's page as rendered by a handler, which cannot see the console: without the
+/// navigation. The guard, which can, renders it again with the navigation (the dead-letter
+/// pages' links included), except for a request it refused itself (no token: nothing of the
+/// console's settings is shown).
 impl IntoResponse for Failure {
     fn into_response(self) -> Response {
-        let title = self
-            .status
-            .canonical_reason()
-            .unwrap_or("Something went wrong");
         let body = page::layout(
-            title,
+            self.title(),
             Section::None,
             &[],
             page::error(self.status.as_u16(), &self.message),
         );
-        (self.status, body).into_response()
+        let mut response = (self.status, body).into_response();
+        response.extensions_mut().insert(std::sync::Arc::new(self));
+        response
     }
 }
 
@@ -99,7 +109,23 @@ pub(super) async fn guard(State(console): Shared, request: Request, next: Next) 
         )
         .into_response()
     } else {
-        next.run(request).await
+        let response = next.run(request).await;
+        match response
+            .extensions()
+            .get::<std::sync::Arc<Failure>>()
+            .cloned()
+        {
+            Some(failure) => (
+                failure.status,
+                console.page(
+                    failure.title(),
+                    Section::None,
+                    page::error(failure.status.as_u16(), &failure.message),
+                ),
+            )
+                .into_response(),
+            None => response,
+        }
     };
     let headers = response.headers_mut();
     for (name, value) in [

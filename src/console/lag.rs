@@ -5,6 +5,8 @@ use std::time::{Duration, SystemTime};
 
 use maud::{Markup, html};
 
+use super::page::age;
+
 /// Samples of the oldest waiting intent's age, one every `every`, the last `capacity` kept.
 #[derive(Debug)]
 pub struct LagHistory {
@@ -12,6 +14,9 @@ pub struct LagHistory {
     capacity: usize,
     samples: VecDeque<(SystemTime, Duration)>,
 }
+
+/// A sample's point on the plot, and the sample (when, the age then).
+type Plotted<'a> = ((f64, f64), &'a (SystemTime, Duration));
 
 const WIDTH: f64 = 600.0;
 const HEIGHT: f64 = 120.0;
@@ -45,7 +50,14 @@ impl LagHistory {
 
     /// The plot's points: x from the left edge (the span before `now`) to the right (`now`),
     /// y from the bottom (0) to the top (the largest age sampled, at least 1 s).
-    pub fn points(&self, now: SystemTime) -> (Vec<(f64, f64)>, Duration) {
+    #[cfg(test)]
+    fn points(&self, now: SystemTime) -> (Vec<(f64, f64)>, Duration) {
+        let (plotted, top) = self.plotted(now);
+        (plotted.into_iter().map(|(point, _)| point).collect(), top)
+    }
+
+    /// Each sample within the span with its point, and the plot's top.
+    fn plotted(&self, now: SystemTime) -> (Vec<Plotted<'_>>, Duration) {
         let span = self.span().as_secs_f64();
         let top = self
             .samples
@@ -57,36 +69,56 @@ impl LagHistory {
         let points = self
             .samples
             .iter()
-            .filter_map(|(at, age)| {
+            .filter_map(|sample| {
+                let (at, age) = sample;
                 let ago = now.duration_since(*at).unwrap_or_default().as_secs_f64();
                 (ago <= span).then(|| {
                     let x = LEFT + (WIDTH - LEFT) * (1.0 - ago / span);
                     let y = HEIGHT - HEIGHT * age.as_secs_f64() / top.as_secs_f64();
-                    ((x * 10.0).round() / 10.0, (y * 10.0).round() / 10.0)
+                    (
+                        ((x * 10.0).round() / 10.0, (y * 10.0).round() / 10.0),
+                        sample,
+                    )
                 })
             })
             .collect();
         (points, top)
     }
 
+    /// The plot, with a readout above it (the last sample and the highest) and each sample's
+    /// time and value on its point (a tooltip: the pages carry no script).
     pub fn svg(&self, now: SystemTime) -> Markup {
-        let (points, top) = self.points(now);
-        let line: Vec<String> = points.iter().map(|(x, y)| format!("{x},{y}")).collect();
+        let (plotted, top) = self.plotted(now);
+        let line: Vec<String> = plotted
+            .iter()
+            .map(|((x, y), _)| format!("{x},{y}"))
+            .collect();
+        let highest = plotted.iter().map(|(_, (_, age))| *age).max();
         html! {
-            @if points.is_empty() {
-                p .note { "No sample yet." }
-            } @else {
-                svg .lag xmlns="http://www.w3.org/2000/svg" width=(WIDTH) height={ (HEIGHT + 16.0) }
-                    viewBox={ "0 0 " (WIDTH) " " (HEIGHT + 16.0) } role="img"
-                    aria-label={ "oldest waiting intent, at most " (super::page::age(top)) } {
-                    line x1=(LEFT) y1="0" x2=(WIDTH) y2="0" {}
-                    line x1=(LEFT) y1=(HEIGHT) x2=(WIDTH) y2=(HEIGHT) {}
-                    text x="0" y="10" { (super::page::age(top)) }
-                    text x="0" y=(HEIGHT) { "0" }
-                    text x=(LEFT) y={ (HEIGHT + 14.0) } { "-" (super::page::age(self.span())) }
-                    text x={ (WIDTH - 24.0) } y={ (HEIGHT + 14.0) } { "now" }
-                    polyline points=(line.join(" ")) {}
+            @match (plotted.last(), highest) {
+                (Some((_, (at, last))), Some(highest)) => {
+                    p .readout {
+                        "Now " b { (age(*last)) } " (sampled " (super::page::clock(*at)) "); the highest in the plot "
+                        b { (age(highest)) } "."
+                    }
+                    svg .lag xmlns="http://www.w3.org/2000/svg" width=(WIDTH) height={ (HEIGHT + 16.0) }
+                        viewBox={ "0 0 " (WIDTH) " " (HEIGHT + 16.0) } role="img"
+                        aria-label={ "oldest waiting intent, now " (age(*last)) ", at most " (age(top)) } {
+                        line x1=(LEFT) y1="0" x2=(WIDTH) y2="0" {}
+                        line x1=(LEFT) y1=(HEIGHT) x2=(WIDTH) y2=(HEIGHT) {}
+                        text x="0" y="10" { (age(top)) }
+                        text x="0" y=(HEIGHT) { "0" }
+                        text x=(LEFT) y={ (HEIGHT + 14.0) } { "-" (age(self.span())) }
+                        text x={ (WIDTH - 24.0) } y={ (HEIGHT + 14.0) } { "now" }
+                        polyline points=(line.join(" ")) {}
+                        @for ((x, y), (at, sampled)) in &plotted {
+                            circle cx=(x) cy=(y) r="3" {
+                                title { (super::page::clock(*at)) ": " (age(*sampled)) }
+                            }
+                        }
+                    }
                 }
+                _ => p .note { "No sample yet." },
             }
         }
     }
@@ -133,6 +165,27 @@ mod tests {
         assert_eq!(
             (points, top),
             (vec![(WIDTH, HEIGHT)], Duration::from_secs(1))
+        );
+    }
+
+    #[test]
+    fn the_plot_reads_out_the_last_and_highest_sample_and_each_point() {
+        let start = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        let mut lag = LagHistory::new(Duration::from_secs(5), 4);
+        for (n, secs) in [3u64, 42, 7].into_iter().enumerate() {
+            lag.push(
+                start + Duration::from_secs(5 * n as u64),
+                Duration::from_secs(secs),
+            );
+        }
+        let svg = lag.svg(start + Duration::from_secs(10)).into_string();
+        assert!(
+            svg.contains("Now <b>7 s</b> (sampled 2027-01-15 08:00:10 UTC); the highest in the plot <b>42 s</b>."),
+            "{svg}"
+        );
+        assert!(
+            svg.contains("<title>2027-01-15 08:00:05 UTC: 42 s</title>"),
+            "{svg}"
         );
     }
 }

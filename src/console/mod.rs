@@ -1,5 +1,5 @@
-//! `distribution console`: a few server-rendered pages for operators (overview, parked
-//! branches, dead letters) with the actions of the CLI (release, discard, replay, purge).
+//! `distribution console`: a few server-rendered pages for operators (overview, a tenant's page,
+//! parked branches, dead letters) with the actions of the CLI (release, discard, replay, purge).
 //!
 //! Off unless started; binds to loopback by default and refuses any other address without a
 //! token (HTTP basic auth, any user name, or a bearer token). Actions are POSTs that carry a
@@ -27,7 +27,7 @@ mod page;
 mod routes;
 
 use guard::{guard, method_not_allowed, not_found};
-use routes::{dead_act, dead_list, dead_show, overview, parked, parked_act};
+use routes::{dead_act, dead_list, dead_show, overview, parked, parked_act, tenant};
 
 /// `distribution console`'s settings.
 #[derive(Debug, clap::Args)]
@@ -174,6 +174,7 @@ fn router(console: Arc<Console>) -> axum::Router {
         .route("/console.css", get(style))
         .route("/parked", get(parked))
         .route("/parked/act", post(parked_act))
+        .route("/tenant/{tenant}", get(tenant))
         .route("/dead/{group}", get(dead_list))
         .route("/dead/{group}/show", get(dead_show))
         .route("/dead/{group}/act", post(dead_act))

@@ -2,8 +2,8 @@
 //! bodies are cut and shown as text or hex, and every form carries the CSRF token.
 use std::time::Duration;
 
-use distribution::broker::{Checkup, DeadLetter};
-use distribution::store::{Backlog, ParkCause, ParkedBranch, RelayShare};
+use distribution::broker::{Checkup, DeadLetter, QueueCount};
+use distribution::store::{Backlog, BranchBacklog, ParkCause, ParkedBranch, RelayShare, TenantId};
 use maud::{DOCTYPE, Markup, html};
 
 use super::lag::LagHistory;
@@ -19,6 +19,12 @@ pub const LETTERS_LISTED: u64 = 100;
 
 /// Dead letters read to count those a replay or purge would take, before it asks.
 pub const LETTERS_COUNTED: u64 = 10_000;
+
+/// Dead letters read per group for a tenant's page (its own are counted among them).
+pub const TENANT_LETTERS_READ: u64 = 1_000;
+
+/// A tenant's waiting branches listed on its page.
+pub const BRANCHES_LISTED: u32 = 100;
 
 /// A body as shown: UTF-8 text, else hex; cut to `limit` bytes.
 #[derive(Debug, PartialEq, Eq)]
@@ -69,6 +75,25 @@ pub fn age(duration: Duration) -> String {
         60..3600 => format!("{} min {} s", secs / 60, secs % 60),
         _ => format!("{} h {} min", secs / 3600, secs % 3600 / 60),
     }
+}
+
+/// A wall-clock time as a person reads it: `2026-12-05 19:03:12 UTC`.
+pub fn clock(at: std::time::SystemTime) -> String {
+    chrono::DateTime::<chrono::Utc>::from(at)
+        .format("%Y-%m-%d %H:%M:%S UTC")
+        .to_string()
+}
+
+/// When the page was read, and a link that reads it again.
+pub fn as_of(at: std::time::SystemTime, here: &str) -> Markup {
+    html! {
+        p .asof { "As of " (clock(at)) ". " a href=(here) { "Refresh" } }
+    }
+}
+
+/// A link to a tenant's page.
+fn tenant_link(tenant: &TenantId) -> Markup {
+    html! { a href={ "/tenant/" (tenant) } { (tenant) } }
 }
 
 /// The sections of the navigation bar.
@@ -124,13 +149,40 @@ pub struct Overview {
     pub parked: usize,
     /// `None`: no broker configured (AMQP_URL).
     pub broker: Option<(String, Result<Checkup, String>)>,
-    /// Per group: its dead-letter queue and depth (or why it is unknown).
-    pub dead: Vec<(String, String, Result<u32, String>)>,
+    /// Per group (in RELAY_GROUPS order): its queues as the broker counts them.
+    pub groups: Vec<GroupQueues>,
+}
+
+/// A consumer group's queues, as the broker counts them.
+pub struct GroupQueues {
+    pub group: String,
+    /// Its dead-letter queue's name.
+    pub dead_queue: String,
+    /// How many dead letters (or why it is unknown).
+    pub dead: Result<u32, String>,
+    /// Its partition queues (or why they are unknown).
+    pub partitions: Result<Vec<QueueCount>, String>,
 }
 
 pub fn overview(data: &Overview, lag: &LagHistory, now: std::time::SystemTime) -> Markup {
     let pages = data.tenants.div_ceil(u64::from(TENANTS_PER_PAGE)).max(1);
+    let here = match data.page {
+        0 => "/".to_owned(),
+        page => format!("/?page={page}"),
+    };
+    let dead: u32 = data
+        .groups
+        .iter()
+        .filter_map(|group| group.dead.as_ref().ok())
+        .sum();
     html! {
+        (as_of(now, &here))
+        @if dead > 0 || data.parked > 0 {
+            p .warn #attention {
+                @if dead > 0 { (dead) " dead letter(s) wait in the groups below. " }
+                @if data.parked > 0 { a href="/parked" { (data.parked) " parked branch(es)" } " wait for an operator." }
+            }
+        }
         section #broker {
             h2 { "Broker" }
             @match &data.broker {
@@ -143,6 +195,58 @@ pub fn overview(data: &Overview, lag: &LagHistory, now: std::time::SystemTime) -
                     @if !checkup.version.cluster_name.is_empty() { " (cluster " (checkup.version.cluster_name) ")" }
                 },
                 Some((shown, Err(err))) => p { span .state.bad { "down" } " " (shown) ": " (err) },
+            }
+        }
+        section #groups {
+            h2 { "Consumer groups" }
+            @if data.groups.is_empty() {
+                p { "No broker configured." }
+            } @else {
+                table {
+                    thead { tr {
+                        th { "group" } th { "dead letters" } th { "dead-letter queue" }
+                        th { "partition queues" } th { "messages ready" } th { "consumers" }
+                    } }
+                    tbody {
+                        @for group in &data.groups {
+                            tr {
+                                td { a href={ "/dead/" (group.group) } { (group.group) } }
+                                @match &group.dead {
+                                    Ok(0) => td .num { "0" },
+                                    Ok(depth) => td .num.bad { a href={ "/dead/" (group.group) } { (depth) } },
+                                    Err(err) => td { "unknown: " (err) },
+                                }
+                                td { (group.dead_queue) }
+                                (partition_cells(&group.partitions))
+                            }
+                        }
+                    }
+                }
+                p .note { "Messages ready: what waits in the group's partition queues (not counting what a consumer holds unacked); a partition without a consumer is not folded." }
+                @for group in &data.groups {
+                    @if let Ok(queues) = &group.partitions {
+                        details {
+                            summary { "Partition queues of " (group.group) }
+                            table .partitions {
+                                thead { tr { th { "queue" } th { "messages ready" } th { "consumers" } } }
+                                tbody {
+                                    @for queue in queues {
+                                        tr {
+                                            td { (queue.queue) }
+                                            @match queue.counted {
+                                                Some(counted) => {
+                                                    td .num { (counted.messages) }
+                                                    td .num.bad[counted.consumers == 0] { (counted.consumers) }
+                                                }
+                                                None => td colspan="2" { "no such queue" },
+                                            }
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
             }
         }
         section #relays {
@@ -176,7 +280,7 @@ pub fn overview(data: &Overview, lag: &LagHistory, now: std::time::SystemTime) -
                     thead { tr { th { "tenant" } th { "waiting" } th { "oldest waits for" } } }
                     tbody {
                         @for tenant in &data.backlog {
-                            tr { td { (tenant.tenant) } td .num { (tenant.pending) } td { (age(tenant.oldest_age)) } }
+                            tr { td { (tenant_link(&tenant.tenant)) } td .num { (tenant.pending) } td { (age(tenant.oldest_age)) } }
                         }
                     }
                 }
@@ -187,26 +291,27 @@ pub fn overview(data: &Overview, lag: &LagHistory, now: std::time::SystemTime) -
                 }
             }
         }
-        section #groups {
-            h2 { "Consumer groups" }
-            @if data.dead.is_empty() {
-                p { "No broker configured." }
-            } @else {
-                table {
-                    thead { tr { th { "group" } th { "dead-letter queue" } th { "dead letters" } } }
-                    tbody {
-                        @for (group, queue, depth) in &data.dead {
-                            tr {
-                                td { a href={ "/dead/" (group) } { (group) } }
-                                td { (queue) }
-                                @match depth {
-                                    Ok(0) => td .num { "0" },
-                                    Ok(depth) => td .num.bad { (depth) },
-                                    Err(err) => td { "unknown: " (err) },
-                                }
-                            }
-                        }
-                    }
+    }
+}
+
+/// A group's partition queues in three cells: how many exist, messages ready, consumers
+/// (and how many partitions have none).
+fn partition_cells(partitions: &Result<Vec<QueueCount>, String>) -> Markup {
+    match partitions {
+        Err(err) => html! { td colspan="3" { "unknown: " (err) } },
+        Ok(queues) => {
+            let counted: Vec<_> = queues.iter().filter_map(|queue| queue.counted).collect();
+            let ready: u64 = counted.iter().map(|c| u64::from(c.messages)).sum();
+            let consumers: u64 = counted.iter().map(|c| u64::from(c.consumers)).sum();
+            let unread = counted.iter().filter(|c| c.consumers == 0).count();
+            html! {
+                td .num.bad[counted.len() < queues.len()] {
+                    (counted.len()) " of " (queues.len())
+                }
+                td .num { (ready) }
+                td .num.bad[unread > 0] {
+                    (consumers)
+                    @if unread > 0 { " (" (unread) " partition(s) without one)" }
                 }
             }
         }
@@ -222,8 +327,9 @@ fn branch_fields(branch: &distribution::store::BranchKey) -> Markup {
     }
 }
 
-pub fn parked(branches: &[ParkedBranch], csrf: &str) -> Markup {
+pub fn parked(branches: &[ParkedBranch], csrf: &str, now: std::time::SystemTime) -> Markup {
     html! {
+        (as_of(now, "/parked"))
         p .note {
             "A branch is parked when the broker kept refusing its events, or a row of it cannot be read: its events wait, in order, and the relay tries again on its own at the next retry. "
             b { "Release" } " tries again now. " b { "Discard" } " drops its waiting events for good (you will be asked to confirm)."
@@ -231,32 +337,133 @@ pub fn parked(branches: &[ParkedBranch], csrf: &str) -> Markup {
         @if branches.is_empty() {
             p #none { "No parked branches." }
         } @else {
-            table #parked {
-                thead { tr {
-                    th { "tenant" } th { "run" } th { "branch" } th { "cause" } th { "reason" }
-                    th { "attempts" } th { "failing for" } th { "next try in" } th { "waiting" } th {}
-                } }
-                tbody {
-                    @for parked in branches {
-                        tr {
-                            td { (parked.branch.tenant) } td .run { (parked.branch.run) } td { (parked.branch.branch) }
-                            td .cause { (parked.cause.label()) } td .reason { (parked.reason) } td .num { (parked.attempts) }
-                            td { (age(parked.failing_for)) } td { (age(parked.retry_in)) } td .num { (parked.pending) }
-                            td .actions {
-                                form method="post" action="/parked/act" {
-                                    (csrf_field(csrf)) (branch_fields(&parked.branch))
-                                    button name="action" value="release" { "Release" }
-                                    button name="action" value="discard" class="danger" { "Discard…" }
-                                }
+            (parked_table(branches, csrf))
+        }
+    }
+}
+
+/// Parked branches with their actions, then each of their causes with its way out.
+fn parked_table(branches: &[ParkedBranch], csrf: &str) -> Markup {
+    html! {
+        table #parked {
+            thead { tr {
+                th { "tenant" } th { "run" } th { "branch" } th { "cause" } th { "reason" }
+                th { "attempts" } th { "failing for" } th { "next try in" } th { "waiting" } th {}
+            } }
+            tbody {
+                @for parked in branches {
+                    tr {
+                        td { (tenant_link(&parked.branch.tenant)) } td .run { (parked.branch.run) } td { (parked.branch.branch) }
+                        td .cause { (parked.cause.label()) } td .reason { (parked.reason) } td .num { (parked.attempts) }
+                        td { (age(parked.failing_for)) } td { (age(parked.retry_in)) } td .num { (parked.pending) }
+                        td .actions {
+                            form method="post" action="/parked/act" {
+                                (csrf_field(csrf)) (branch_fields(&parked.branch))
+                                button name="action" value="release" { "Release" }
+                                button name="action" value="discard" class="danger" { "Discard…" }
                             }
                         }
                     }
                 }
             }
-            dl #causes {
-                @for cause in causes(branches) {
-                    dt { (cause.label()) }
-                    dd { (prose(cause.what())) ". " b { "Way out: " } (prose(cause.way_out())) "." }
+        }
+        dl #causes {
+            @for cause in causes(branches) {
+                dt { (cause.label()) }
+                dd { (prose(cause.what())) ". " b { "Way out: " } (prose(cause.way_out())) "." }
+            }
+        }
+    }
+}
+
+/// What a tenant's page shows.
+pub struct TenantPage {
+    pub backlog: Backlog,
+    /// Its branches with intents waiting (the first [`BRANCHES_LISTED`]) and how many in all.
+    pub branches: (Vec<BranchBacklog>, u64),
+    /// Its parked branches.
+    pub parked: Vec<ParkedBranch>,
+    /// Per group: the tenant's dead letters among the first [`TENANT_LETTERS_READ`] read, and
+    /// the queue's depth (or why they are unknown).
+    pub dead: Vec<(String, Result<TenantLetters, String>)>,
+}
+
+/// A tenant's dead letters in one group.
+pub struct TenantLetters {
+    /// The tenant's, among those read.
+    pub letters: Vec<DeadLetter>,
+    /// What the group's dead-letter queue holds in all.
+    pub depth: u32,
+}
+
+pub fn tenant(data: &TenantPage, csrf: &str, now: std::time::SystemTime) -> Markup {
+    let tenant = &data.backlog.tenant;
+    let (branches, branch_count) = &data.branches;
+    html! {
+        (as_of(now, &format!("/tenant/{tenant}")))
+        section #tenant-backlog {
+            h2 { "Backlog" }
+            @if data.backlog.pending == 0 {
+                p { "Nothing waits: every intent of " (tenant) " was confirmed by the broker." }
+            } @else {
+                p {
+                    b { (data.backlog.pending) } " intent(s) wait on " (branch_count) " branch(es); the oldest for "
+                    b { (age(data.backlog.oldest_age)) } " (the tenant's lag)."
+                }
+                table #branches {
+                    thead { tr {
+                        th { "run" } th { "branch" } th { "waiting" } th { "lsns waiting" } th { "oldest waits for" }
+                    } }
+                    tbody {
+                        @for branch in branches {
+                            tr {
+                                td .run { (branch.branch.run) } td { (branch.branch.branch) }
+                                td .num { (branch.pending) }
+                                td { (branch.first.get()) "–" (branch.last.get()) }
+                                td { (age(branch.oldest_age)) }
+                            }
+                        }
+                    }
+                }
+                @if *branch_count > branches.len() as u64 {
+                    p .note { "The " (branches.len()) " oldest waits of " (branch_count) " branches." }
+                }
+            }
+        }
+        section #tenant-parked {
+            h2 { "Parked branches" }
+            @if data.parked.is_empty() {
+                p { "None." }
+            } @else {
+                (parked_table(&data.parked, csrf))
+            }
+        }
+        section #tenant-dead {
+            h2 { "Dead letters" }
+            @if data.dead.is_empty() {
+                p { "No broker configured." }
+            }
+            @for (group, letters) in &data.dead {
+                h3 { "Group " a href={ "/dead/" (group) } { (group) } }
+                @match letters {
+                    Err(err) => p { "Unknown: " (err) },
+                    Ok(TenantLetters { letters, depth }) => {
+                        p {
+                            (letters.len()) " of the group's " (depth) " dead letter(s) are " (tenant) "'s"
+                            @if u64::from(*depth) > TENANT_LETTERS_READ { " (among the first " (TENANT_LETTERS_READ) " read)" }
+                            "."
+                        }
+                        @if !letters.is_empty() {
+                            (letters_table(group, &letters[..letters.len().min(LETTERS_LISTED as usize)], csrf))
+                            form method="post" action={ "/dead/" (group) "/act" } .tenant-actions {
+                                (csrf_field(csrf))
+                                input type="hidden" name="select" value="tenant";
+                                input type="hidden" name="tenant" value=(tenant);
+                                button name="action" value="replay" { "Replay " (tenant) "'s…" }
+                                button name="action" value="purge" class="danger" { "Purge " (tenant) "'s…" }
+                            }
+                        }
+                    }
                 }
             }
         }
@@ -340,8 +547,10 @@ pub fn dead_list(
     depth: u32,
     letters: &[DeadLetter],
     csrf: &str,
+    now: std::time::SystemTime,
 ) -> Markup {
     html! {
+        (as_of(now, &format!("/dead/{group}")))
         p {
             (depth) " dead letter(s) in " code { (queue) }
             @if u64::from(depth) > LETTERS_LISTED { " (the first " (LETTERS_LISTED) " below)" }
@@ -350,28 +559,35 @@ pub fn dead_list(
         }
         (selection_form(group, csrf))
         @if !letters.is_empty() {
-            table #letters {
-                thead { tr { th { "#" } th { "message id" } th { "kind" } th { "why" } th {} } }
-                tbody {
-                    @for letter in letters {
-                        tr {
-                            td .num { (letter.position) }
-                            td {
-                                @if let Some(id) = &letter.message_id {
-                                    a href={ "/dead/" (group) "/show?id=" (urlencode(id)) } { (id) }
-                                } @else { "(no message id)" }
-                            }
-                            td { (letter.kind()) }
-                            td .reason { (letter.reason.as_deref().unwrap_or("(no reason)")) }
-                            td .actions {
-                                @if let Some(id) = &letter.message_id {
-                                    form method="post" action={ "/dead/" (group) "/act" } {
-                                        (csrf_field(csrf))
-                                        input type="hidden" name="select" value="message";
-                                        input type="hidden" name="message_id" value=(id);
-                                        button name="action" value="replay" { "Replay…" }
-                                        button name="action" value="purge" class="danger" { "Purge…" }
-                                    }
+            div #letters { (letters_table(group, letters, csrf)) }
+        }
+    }
+}
+
+/// Dead letters, each with a link to its page and its own Replay and Purge (each asks first).
+fn letters_table(group: &str, letters: &[DeadLetter], csrf: &str) -> Markup {
+    html! {
+        table .letters {
+            thead { tr { th { "#" } th { "message id" } th { "kind" } th { "why" } th {} } }
+            tbody {
+                @for letter in letters {
+                    tr {
+                        td .num { (letter.position) }
+                        td {
+                            @if let Some(id) = &letter.message_id {
+                                a href={ "/dead/" (group) "/show?id=" (urlencode(id)) } { (id) }
+                            } @else { "(no message id)" }
+                        }
+                        td { (letter.kind()) }
+                        td .reason { (letter.reason.as_deref().unwrap_or("(no reason)")) }
+                        td .actions {
+                            @if let Some(id) = &letter.message_id {
+                                form method="post" action={ "/dead/" (group) "/act" } {
+                                    (csrf_field(csrf))
+                                    input type="hidden" name="select" value="message";
+                                    input type="hidden" name="message_id" value=(id);
+                                    button name="action" value="replay" { "Replay…" }
+                                    button name="action" value="purge" class="danger" { "Purge…" }
                                 }
                             }
                         }
@@ -509,6 +725,9 @@ td.reason, dd.reason { font-family: ui-monospace, monospace; font-size: 90%; }
 button { margin-right: .3em; } button.danger { color: #c53030; }
 pre#body { background: #fff; border: 1px solid #dde1e6; padding: .6em; white-space: pre-wrap; word-break: break-all; }
 p#error { color: #c53030; font-weight: 600; }
+p.asof { color: #5a6572; margin: 0 0 .6em; } p#attention { margin: 0 0 .8em; }
+details { margin-top: .6em; } summary { cursor: pointer; color: #2b6cb0; }
+td.num a { color: #fff; } svg.lag circle { fill: #2b6cb0; } p.readout { margin: .2em 0; }
 svg.lag { background: #fff; } svg.lag polyline { fill: none; stroke: #2b6cb0; stroke-width: 2; }
 svg.lag text { font-size: 11px; fill: #5a6572; } svg.lag line { stroke: #dde1e6; }
 ";
@@ -552,6 +771,124 @@ mod tests {
         assert!(!page.contains("<script>"));
         let page = done("\"><img src=x onerror=alert(1)>", "/parked").into_string();
         assert!(!page.contains("<img"), "{page}");
+    }
+
+    fn branch(tenant: &str, run: &str) -> distribution::store::BranchKey {
+        use distribution::store::{BranchId, BranchKey, RunId};
+        BranchKey::new(
+            TenantId::new(tenant).unwrap(),
+            RunId::new(run).unwrap(),
+            BranchId::new("main").unwrap(),
+        )
+    }
+
+    #[test]
+    fn a_group_names_its_missing_queues_and_partitions_nobody_reads() {
+        use distribution::broker::Counted;
+        let queue = |name: &str, counted| QueueCount {
+            queue: name.into(),
+            counted,
+        };
+        let cells = partition_cells(&Ok(vec![
+            queue(
+                "o.p0",
+                Some(Counted {
+                    messages: 5,
+                    consumers: 1,
+                }),
+            ),
+            queue(
+                "o.p1",
+                Some(Counted {
+                    messages: 7,
+                    consumers: 0,
+                }),
+            ),
+            queue("o.p2", None),
+        ]))
+        .into_string();
+        assert_eq!(
+            cells,
+            "<td class=\"num bad\">2 of 3</td><td class=\"num\">12</td>\
+             <td class=\"num bad\">1 (1 partition(s) without one)</td>"
+        );
+    }
+
+    #[test]
+    fn a_tenants_page_shows_its_branches_parked_and_dead_letters() {
+        use distribution::store::Lsn;
+        let acme = TenantId::new("acme").unwrap();
+        let data = TenantPage {
+            backlog: Backlog {
+                tenant: acme,
+                pending: 5,
+                oldest_age: Duration::from_secs(90),
+            },
+            branches: (
+                vec![BranchBacklog {
+                    branch: branch("acme", "r1"),
+                    pending: 5,
+                    first: Lsn::new(4),
+                    last: Lsn::new(8),
+                    oldest_age: Duration::from_secs(90),
+                }],
+                3,
+            ),
+            parked: vec![ParkedBranch {
+                branch: branch("acme", "r1"),
+                cause: ParkCause::Unreadable,
+                reason: "unreadable: lsn 4: bad meta".into(),
+                attempts: 2,
+                failing_for: Duration::from_secs(60),
+                retry_in: Duration::from_secs(5),
+                pending: 5,
+            }],
+            dead: vec![
+                (
+                    "default".into(),
+                    Ok(TenantLetters {
+                        letters: Vec::new(),
+                        depth: 4,
+                    }),
+                ),
+                ("audit".into(), Err("no such queue".into())),
+            ],
+        };
+        let now = std::time::SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        let page = tenant_page_text(&tenant(&data, "t0k", now));
+        for expected in [
+            "As of 2027-01-15 08:00:00 UTC. Refresh",
+            "5 intent(s) wait on 3 branch(es); the oldest for 1 min 30 s (the tenant's lag).",
+            "r1 main 5 4–8 1 min 30 s",
+            "The 1 oldest waits of 3 branches.",
+            "unreadable: lsn 4: bad meta",
+            "0 of the group's 4 dead letter(s) are acme's.",
+            "Unknown: no such queue",
+        ] {
+            assert!(page.contains(expected), "{expected:?} in {page}");
+        }
+    }
+
+    /// A page's text as a browser shows it, roughly: tags dropped, whitespace collapsed.
+    fn tenant_page_text(page: &Markup) -> String {
+        let html = page.clone().into_string();
+        let mut text = String::new();
+        let mut in_tag = false;
+        for c in html.chars() {
+            match c {
+                '<' => {
+                    in_tag = true;
+                    text.push(' ');
+                }
+                '>' => in_tag = false,
+                c if !in_tag => text.push(c),
+                _ => {}
+            }
+        }
+        text.replace("&#39;", "'")
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ")
     }
 
     #[test]

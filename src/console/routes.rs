@@ -67,30 +67,33 @@ pub(super) async fn overview(
             .map_err(|err| err.to_string());
         Some((console.broker_shown.clone(), checkup))
     };
-    let dead =
+    let groups =
         futures_util::future::join_all(console.brokers.iter().map(|(group, rabbit)| async move {
-            let depth = async { DeadLetters::open(rabbit).await?.depth().await }
-                .await
-                .map_err(|err| match err.to_string() {
-                    text if text.contains("NOT_FOUND") => {
-                        "no such queue: no consumer of the group declared it".to_owned()
-                    }
-                    text => text,
-                });
-            (
-                group.clone(),
-                rabbit.topology.dead_letter_queue().to_string(),
-                depth,
-            )
+            let queue_missing = |err: broker::Error| match err.to_string() {
+                text if text.contains("NOT_FOUND") => {
+                    "no such queue: no consumer of the group declared it".to_owned()
+                }
+                text => text,
+            };
+            let (dead, partitions) = tokio::join!(
+                async { DeadLetters::open(rabbit).await?.depth().await },
+                broker::partition_queues(rabbit),
+            );
+            page::GroupQueues {
+                group: group.clone(),
+                dead_queue: rabbit.topology.dead_letter_queue().to_string(),
+                dead: dead.map_err(queue_missing),
+                partitions: partitions.map_err(|err| err.to_string()),
+            }
         }));
-    let (relays, backlog, parked, broker, dead) = tokio::join!(
+    let (relays, backlog, parked, broker, groups) = tokio::join!(
         console.outbox.relays(),
         console
             .outbox
             .backlog_worst_first(offset, page::TENANTS_PER_PAGE),
         console.outbox.parked_branches(),
         broker,
-        dead,
+        groups,
     );
     let (backlog, tenants) = backlog?;
     let data = page::Overview {
@@ -100,7 +103,7 @@ pub(super) async fn overview(
         page,
         parked: parked?.len(),
         broker,
-        dead,
+        groups,
     };
     let lag = console.lag.lock().expect("lag history");
     Ok(console.page(
@@ -115,7 +118,7 @@ pub(super) async fn parked(State(console): Shared) -> Page {
     Ok(console.page(
         "Parked branches",
         Section::Parked,
-        page::parked(&branches, &console.csrf),
+        page::parked(&branches, &console.csrf, SystemTime::now()),
     ))
 }
 
@@ -212,7 +215,56 @@ pub(super) async fn dead_list(State(console): Shared, Path(group): Path<String>)
             depth,
             &letters,
             &console.csrf,
+            SystemTime::now(),
         ),
+    ))
+}
+
+/// A tenant's page: its waiting branches, parked branches and dead letters, from the
+/// database and every group's dead-letter queue at once.
+pub(super) async fn tenant(State(console): Shared, Path(tenant): Path<String>) -> Page {
+    let tenant = TenantId::new(tenant).map_err(Failure::bad)?;
+    let dead = futures_util::future::join_all(console.brokers.iter().map(|(group, rabbit)| {
+        let tenant = tenant.clone();
+        async move {
+            let read = async {
+                let dead = DeadLetters::open(rabbit).await?;
+                let depth = dead.depth().await?;
+                let filter = DeadFilter::Tenant(tenant, None);
+                let letters = dead.list(page::TENANT_LETTERS_READ).await?;
+                let theirs = letters
+                    .into_iter()
+                    .filter(|letter| filter.matches(letter))
+                    .collect();
+                Ok::<_, broker::Error>(page::TenantLetters {
+                    letters: theirs,
+                    depth,
+                })
+            };
+            (group.clone(), read.await.map_err(|err| err.to_string()))
+        }
+    }));
+    let (backlog, branches, parked, dead) = tokio::join!(
+        console.outbox.tenant_backlog(&tenant),
+        console
+            .outbox
+            .tenant_branches(&tenant, page::BRANCHES_LISTED),
+        console.outbox.parked_branches(),
+        dead,
+    );
+    let data = page::TenantPage {
+        backlog: backlog?,
+        branches: branches?,
+        parked: parked?
+            .into_iter()
+            .filter(|parked| parked.branch.tenant == tenant)
+            .collect(),
+        dead,
+    };
+    Ok(console.page(
+        &format!("Tenant {tenant}"),
+        Section::None,
+        page::tenant(&data, &console.csrf, SystemTime::now()),
     ))
 }
 

@@ -79,6 +79,7 @@ pub use offset::reset_fold;
 pub use offset::save_stream_offset;
 pub use offset::stream_offset;
 pub use outbox::Backlog;
+pub use outbox::BranchBacklog;
 pub use outbox::Discarded;
 pub use outbox::DrainLimit;
 pub use outbox::Epoch;
@@ -197,6 +198,7 @@ const REQUIRED_OBJECTS: &[(&str, &str)] = &[
     ("function", "relay_current_epoch"),
     ("function", "relay_fold_adopt"),
     ("function", "relay_wait_replicated"),
+    ("relation", "relay_branch_status"),
 ];
 
 /// Checks that the schema the relay needs is there, without changing anything: for a relay

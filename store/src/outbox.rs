@@ -153,6 +153,21 @@ impl Backlog {
     }
 }
 
+/// Backlog of one branch: what waits on it, from which Lsn to which.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BranchBacklog {
+    /// The branch.
+    pub branch: crate::BranchKey,
+    /// Pending intents.
+    pub pending: u64,
+    /// The first waiting Lsn (the next to ship).
+    pub first: Lsn,
+    /// The last waiting Lsn.
+    pub last: Lsn,
+    /// Age of the oldest pending intent.
+    pub oldest_age: Duration,
+}
+
 /// How much one drain may return: at most `events` rows holding at most `bytes` of payload in
 /// all; the first row always comes, however large (so a drain never stalls on a big payload).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

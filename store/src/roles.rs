@@ -15,7 +15,7 @@
 //!
 //! - the **operator** role (the console's, or a person's with `distribution status`,
 //!   `release` and `discard`) may read the status views (`relay_backlog_status`,
-//!   `relay_oldest_wait`, `relay_parked_status`, `relay_relays_status`) and call
+//!   `relay_oldest_wait`, `relay_parked_status`, `relay_relays_status`, `relay_branch_status`) and call
 //!   `relay_release` and `relay_discard_branch`: it sees counts, ages and reasons, never a payload, and changes
 //!   nothing but parked branches.
 //!
@@ -64,6 +64,7 @@ const OPERATOR_VIEWS: &[&str] = &[
     "relay_oldest_wait",
     "relay_parked_status",
     "relay_relays_status",
+    "relay_branch_status",
 ];
 const CONSUMER_FUNCTIONS: &[&str] = &[
     "relay_fold",
@@ -230,7 +231,7 @@ mod tests {
             operator,
             [
                 "GRANT EXECUTE ON FUNCTION relay_release, relay_discard_branch TO relay_ops;",
-                "GRANT SELECT ON relay_backlog_status, relay_oldest_wait, relay_parked_status, relay_relays_status TO relay_ops;"
+                "GRANT SELECT ON relay_backlog_status, relay_oldest_wait, relay_parked_status, relay_relays_status, relay_branch_status TO relay_ops;"
             ]
         );
 

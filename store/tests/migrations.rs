@@ -201,6 +201,7 @@ async fn an_upgrade_keeps_the_roles_grants() {
             (&operator, "relay_oldest_wait", true),
             (&operator, "relay_parked_status", true),
             (&operator, "relay_relays_status", true),
+            (&operator, "relay_branch_status", true),
             (&operator, "relay_outbox", false),
             (&operator, "relay_parked_branch", false),
             (&other, "relay_backlog_status", false),

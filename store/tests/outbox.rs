@@ -526,6 +526,58 @@ async fn backlog_reports_pending_and_age_per_tenant(pool: PgPool) {
         .await
         .unwrap();
     assert_eq!((idle.pending, idle.oldest_age), (0, Duration::ZERO));
+    let busy = outbox
+        .tenant_backlog(&TenantId::new("t2").unwrap())
+        .await
+        .unwrap();
+    assert_eq!(busy.pending, 5);
+    assert!(busy.oldest_age > Duration::ZERO);
+    // A tenant's page: its waiting branches, the oldest waits first, with the Lsns waiting and
+    // the count of them all past the limit.
+    let second = key("t2", "r0", "b");
+    writer
+        .open_run(&mut pool.acquire().await.unwrap(), &second)
+        .await
+        .unwrap();
+    writer
+        .append(
+            &mut pool.acquire().await.unwrap(),
+            &second,
+            Lsn::new(1),
+            b"x",
+        )
+        .await
+        .unwrap();
+    let t2 = TenantId::new("t2").unwrap();
+    let (branches, total) = outbox.tenant_branches(&t2, 10).await.unwrap();
+    let shown: Vec<_> = branches
+        .iter()
+        .map(|b| {
+            (
+                b.branch.run.as_str().to_owned(),
+                b.pending,
+                b.first.get(),
+                b.last.get(),
+            )
+        })
+        .collect();
+    assert_eq!(shown, [("r".into(), 5, 1, 5), ("r0".into(), 1, 1, 1)]);
+    assert_eq!(total, 2);
+    assert!(branches[0].oldest_age >= branches[1].oldest_age);
+    let (first, total) = outbox.tenant_branches(&t2, 1).await.unwrap();
+    assert_eq!((first.len(), total), (1, 2));
+    assert_eq!(
+        outbox
+            .tenant_branches(&TenantId::new("t3").unwrap(), 10)
+            .await
+            .unwrap(),
+        (Vec::new(), 0)
+    );
+    // Taken out again: what follows counts t2's five.
+    sqlx::query("DELETE FROM relay_outbox WHERE tenant_id = 't2' AND run_id = 'r0'")
+        .execute(&pool)
+        .await
+        .unwrap();
     // The gauges' bounded read: the same figures up to its cap, and a tenant without intents
     // reads as zero.
     let asked: Vec<TenantId> = ["t1", "t2", "t3"]

@@ -1124,3 +1124,169 @@ async fn readiness_says_the_broker_is_down_through_a_restart() {
 async fn readiness_says_the_broker_is_down_through_a_restart_on_rabbitmq_4_0() {
     readiness_through_a_restart(crate::node::Rabbit::V4_0).await;
 }
+
+/// `distribution tail` watches events arrive without taking them from anyone: one line each
+/// with the key, kind and metadata, the payload only when asked; `--tenant` and `--run` keep
+/// that run's events alone (in Lsn order), `--json` writes one object per line, and every
+/// event is still in the group's partition queues afterwards.
+#[test]
+fn tail_shows_each_event_once_and_takes_nothing_from_the_consumers() {
+    use std::io::{BufRead, BufReader};
+
+    host_runtime().block_on(async {
+        let (pool, url) = fresh_database("cli_tail").await;
+        let config = relay_config(&url, &amqp_url(), &unique("relay-tail"));
+        let rabbit = config.rabbit_config().unwrap();
+        declare_topology(&rabbit.topology).await;
+        let test = async {
+            // A tail of everything with payloads, and a JSON tail of one run without them;
+            // each says on stderr when it watches.
+            let tail = |args: &[&str]| {
+                let mut child = relay_command()
+                    .arg("tail")
+                    .args(args)
+                    .env("AMQP_URL", amqp_url())
+                    .env("RELAY_TOPOLOGY", rabbit.topology.exchange().as_str())
+                    .env("RELAY_PARTITIONS", rabbit.topology.partitions().to_string())
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .unwrap();
+                let mut said = String::new();
+                BufReader::new(child.stderr.take().unwrap())
+                    .read_line(&mut said)
+                    .unwrap();
+                assert!(said.starts_with("watching exchange"), "{said}");
+                child
+            };
+            let everything = tail(&["--payload", "--count", "5"]);
+            let one_run = tail(&[
+                "--json", "--tenant", "tail-a", "--run", "r1", "--count", "3",
+            ]);
+
+            let writer = distribution::store::IntentWriter::default();
+            let mut conn = pool.acquire().await.unwrap();
+            let key = |tenant: &str, run: &str| {
+                distribution::store::BranchKey::new(
+                    distribution::store::TenantId::new(tenant).unwrap(),
+                    distribution::store::RunId::new(run).unwrap(),
+                    distribution::store::BranchId::new("main").unwrap(),
+                )
+            };
+            let (watched, other, other_tenant) = (
+                key("tail-a", "r1"),
+                key("tail-a", "r2"),
+                key("tail-b", "r1"),
+            );
+            for branch in [&watched, &other, &other_tenant] {
+                writer.open_run(&mut conn, branch).await.unwrap();
+            }
+            for lsn in 1..=3u64 {
+                let payload = format!("secret {lsn}");
+                let intent = distribution::store::Intent::new(payload.as_bytes())
+                    .event_type(distribution::store::EventType::new("order.placed").unwrap())
+                    .header("region", "eu");
+                writer
+                    .append_intent(
+                        &mut conn,
+                        &watched,
+                        distribution::store::Lsn::new(lsn),
+                        intent,
+                    )
+                    .await
+                    .unwrap();
+            }
+            for branch in [&other, &other_tenant] {
+                writer
+                    .append(
+                        &mut conn,
+                        branch,
+                        distribution::store::Lsn::new(1),
+                        b"other",
+                    )
+                    .await
+                    .unwrap();
+            }
+            let relay = distribution::Relay::start(config.clone()).await.unwrap();
+            let finished = |child: std::process::Child| {
+                let output = child.wait_with_output().unwrap();
+                assert!(output.status.success(), "{output:?}");
+                String::from_utf8(output.stdout).unwrap()
+            };
+            let (everything, one_run) =
+                tokio::task::spawn_blocking(move || (finished(everything), finished(one_run)))
+                    .await
+                    .unwrap();
+            relay.shutdown().await;
+
+            // One run's events, in Lsn order, with their metadata and no payload.
+            let lines: Vec<serde_json::Value> = one_run
+                .lines()
+                .map(|line| serde_json::from_str(line).unwrap())
+                .collect();
+            let lsns: Vec<u64> = lines
+                .iter()
+                .map(|line| line["lsn"].as_u64().unwrap())
+                .collect();
+            assert_eq!(lsns, [1, 2, 3], "{one_run}");
+            for line in &lines {
+                assert_eq!(line["tenant"], "tail-a", "{line}");
+                assert_eq!(line["run"], "r1", "{line}");
+                assert_eq!(line["kind"], "intent", "{line}");
+                assert_eq!(line["type"], "order.placed", "{line}");
+                assert_eq!(line["headers"]["region"], "eu", "{line}");
+                assert!(
+                    line["written_at"].as_str().unwrap().ends_with('Z'),
+                    "{line}"
+                );
+            }
+            assert!(
+                !one_run.contains("secret"),
+                "no payload unless asked: {one_run}"
+            );
+            // Everything, each once, with payloads.
+            for id in [
+                format!("{watched}/1"),
+                format!("{watched}/3"),
+                format!("{other}/1"),
+                format!("{other_tenant}/1"),
+            ] {
+                assert_eq!(
+                    everything.matches(&format!(" {id} intent ")).count(),
+                    1,
+                    "{id} once in {everything}"
+                );
+            }
+            assert!(
+                everything.contains("payload (text): secret 2"),
+                "{everything}"
+            );
+
+            // The consumers' copies are all still there.
+            let connection =
+                lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default())
+                    .await
+                    .unwrap();
+            let channel = connection.create_channel().await.unwrap();
+            let mut queued = 0;
+            for partition in 0..rabbit.topology.partitions() {
+                let queue = channel
+                    .queue_declare(
+                        rabbit
+                            .topology
+                            .queue(distribution::broker::Partition(partition)),
+                        lapin::options::QueueDeclareOptions {
+                            passive: true,
+                            ..Default::default()
+                        },
+                        Default::default(),
+                    )
+                    .await
+                    .unwrap();
+                queued += queue.message_count();
+            }
+            assert_eq!(queued, 5);
+        };
+        then_clean_up(test, drop_topology(&rabbit.topology)).await;
+    });
+}

@@ -139,19 +139,61 @@ impl Outbox {
             .collect())
     }
 
-    /// Backlog of one tenant (zero pending if it has none).
+    /// Backlog of one tenant (zero pending if it has none), through `relay_backlog_status`
+    /// (which an operator's role may read).
     pub async fn tenant_backlog(&self, tenant: &TenantId) -> Result<Backlog, Error> {
-        let (pending, age_secs): (i64, Option<f64>) = sqlx::query_as(
-            "SELECT count(*), extract(epoch FROM clock_timestamp() - min(created_at))::float8
-               FROM relay_outbox WHERE tenant_id = $1",
+        let row: Option<(i64, f64)> = sqlx::query_as(
+            "SELECT pending, oldest_age_secs FROM relay_backlog_status WHERE tenant_id = $1",
         )
         .bind(tenant.as_str())
-        .fetch_one(&self.pool)
+        .fetch_optional(&self.pool)
         .await?;
+        let (pending, age_secs) = row.unwrap_or((0, 0.0));
         Ok(Backlog {
             tenant: tenant.clone(),
             pending: pending.max(0) as u64,
-            oldest_age: Duration::from_secs_f64(age_secs.unwrap_or(0.0).max(0.0)),
+            oldest_age: Duration::from_secs_f64(age_secs.max(0.0)),
         })
+    }
+
+    /// The branches of `tenant` with intents waiting, the oldest waits first, at most `limit`
+    /// of them, and how many there are in all (`relay_branch_status`, which an operator's role
+    /// may read).
+    pub async fn tenant_branches(
+        &self,
+        tenant: &TenantId,
+        limit: u32,
+    ) -> Result<(Vec<BranchBacklog>, u64), Error> {
+        type Row = (String, String, i64, i64, i64, f64, i64);
+        let rows: Vec<Row> = sqlx::query_as(
+            "SELECT run_id, branch_id, pending, first_lsn, last_lsn, oldest_age_secs,
+                    count(*) OVER ()
+               FROM relay_branch_status
+              WHERE tenant_id = $1
+              ORDER BY oldest_age_secs DESC, run_id, branch_id
+              LIMIT $2",
+        )
+        .bind(tenant.as_str())
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?;
+        let total = rows.first().map_or(0, |row| row.6.max(0) as u64);
+        let branches = rows
+            .into_iter()
+            .map(|(run, branch, pending, first, last, age_secs, _)| {
+                Ok(BranchBacklog {
+                    branch: crate::BranchKey::new(
+                        tenant.clone(),
+                        crate::RunId::new(run)?,
+                        crate::BranchId::new(branch)?,
+                    ),
+                    pending: pending.max(0) as u64,
+                    first: crate::Lsn::from_db(first),
+                    last: crate::Lsn::from_db(last),
+                    oldest_age: Duration::from_secs_f64(age_secs.max(0.0)),
+                })
+            })
+            .collect::<Result<_, Error>>()?;
+        Ok((branches, total))
     }
 }

@@ -1,0 +1,174 @@
+//! `distribution tail`: watch events arrive, one line each (key, kind, metadata), over
+//! `broker::Tail`; the payload only when asked.
+use std::io::Write;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use distribution::RelayConfig;
+use distribution::broker::{Tail, TailFilter, Tailed};
+use distribution::store::{RunId, TenantId};
+
+/// `distribution tail`'s settings.
+#[derive(Debug, Args)]
+pub struct TailSettings {
+    /// RabbitMQ (`amqps://` for TLS).
+    #[arg(long, env = "AMQP_URL", hide_env_values = true)]
+    amqp_url: String,
+    /// Exchange name (as the relay's).
+    #[arg(long, env = "RELAY_TOPOLOGY", default_value = "outbox")]
+    topology: String,
+    /// Broker partitions (as the relay's: with --run, only the run's partition is watched).
+    #[arg(long, env = "RELAY_PARTITIONS", default_value_t = 8,
+          value_parser = clap::value_parser!(u16).range(1..=1024))]
+    partitions: u16,
+    /// Only this tenant's events.
+    #[arg(long)]
+    tenant: Option<String>,
+    /// Only this run of the tenant.
+    #[arg(long, requires = "tenant")]
+    run: Option<String>,
+    /// Print each payload too (as text, or as hex when it is not UTF-8).
+    #[arg(long)]
+    payload: bool,
+    /// One JSON object per line instead of text.
+    #[arg(long)]
+    json: bool,
+    /// Stop after this many events (default: until Ctrl-C).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    count: Option<u64>,
+    /// Most messages the watcher's queue keeps while this terminal is behind; beyond, the
+    /// oldest are dropped (never the relay's or a consumer's).
+    #[arg(long, default_value_t = 10_000,
+          value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    keep: u32,
+}
+
+pub async fn run(settings: TailSettings) -> Result<()> {
+    let mut config = RelayConfig::new("", settings.amqp_url.clone());
+    config.topology = settings.topology.clone();
+    config.partitions = settings.partitions;
+    let rabbit = config.rabbit_config()?;
+    let filter = TailFilter {
+        tenant: settings
+            .tenant
+            .clone()
+            .map(TenantId::new)
+            .transpose()
+            .context("--tenant")?,
+        run: settings
+            .run
+            .clone()
+            .map(RunId::new)
+            .transpose()
+            .context("--run")?,
+    };
+    let mut tail = Tail::open(&rabbit, filter, settings.keep)
+        .await
+        .with_context(|| {
+            format!(
+                "cannot watch exchange {} (is AMQP_URL right, and has a relay or consumer declared the topology?)",
+                settings.topology
+            )
+        })?;
+    // Said on stderr: what follows on stdout is the events alone.
+    eprintln!(
+        "watching exchange {} through {} (Ctrl-C to stop)",
+        settings.topology,
+        tail.queue()
+    );
+    let mut stdout = std::io::stdout().lock();
+    let mut seen = 0u64;
+    while settings.count.is_none_or(|count| seen < count) {
+        let next = tokio::select! {
+            next = tail.next() => next?,
+            _ = crate::run_cli::shutdown_signal() => break,
+        };
+        let Some(tailed) = next else {
+            anyhow::bail!("the broker ended the watch (the connection closed)");
+        };
+        let line = if settings.json {
+            json_line(&tailed, settings.payload).to_string()
+        } else {
+            text_line(&tailed, settings.payload)
+        };
+        match writeln!(stdout, "{line}").and_then(|()| stdout.flush()) {
+            Ok(()) => {}
+            // `distribution tail | head`: the reader is gone, so is the watch.
+            Err(err) if err.kind() == std::io::ErrorKind::BrokenPipe => break,
+            Err(err) => return Err(err).context("writing to stdout"),
+        }
+        seen += 1;
+    }
+    Ok(())
+}
+
+/// The payload as shown: UTF-8 text, else hex.
+fn payload_text(body: &[u8]) -> (&'static str, String) {
+    match std::str::from_utf8(body) {
+        Ok(text) => ("text", text.to_owned()),
+        Err(_) => ("hex", body.iter().map(|b| format!("{b:02x}")).collect()),
+    }
+}
+
+/// `p3 acme/run-1/main/7 intent written at=... type=... 42 B`, and the payload on the next line
+/// if asked.
+fn text_line(tailed: &Tailed, payload: bool) -> String {
+    let mut line = format!(
+        "{} {} {}",
+        tailed.routing_key,
+        tailed.message_id.as_deref().unwrap_or("(no message id)"),
+        tailed.kind()
+    );
+    match &tailed.event {
+        Ok(event) => {
+            for (name, value) in tailed.properties() {
+                line.push_str(&format!(" {}={value}", name.replace(' ', "_")));
+            }
+            for (name, value) in &event.meta.headers {
+                line.push_str(&format!(" header.{name}={value}"));
+            }
+        }
+        Err(err) => line.push_str(&format!(" ({err})")),
+    }
+    line.push_str(&format!(" {} B", tailed.body.len()));
+    if payload {
+        let (kind, shown) = payload_text(&tailed.body);
+        line.push_str(&format!("\n  payload ({kind}): {shown}"));
+    }
+    line
+}
+
+/// One JSON object: the key, kind, properties and the host's headers; the payload if asked.
+fn json_line(tailed: &Tailed, payload: bool) -> serde_json::Value {
+    let mut object = serde_json::Map::new();
+    object.insert("routing_key".into(), tailed.routing_key.clone().into());
+    object.insert("message_id".into(), tailed.message_id.clone().into());
+    object.insert("kind".into(), tailed.kind().into());
+    match &tailed.event {
+        Ok(event) => {
+            let branch = &event.key.branch;
+            object.insert("tenant".into(), branch.tenant.as_str().into());
+            object.insert("run".into(), branch.run.as_str().into());
+            object.insert("branch".into(), branch.branch.as_str().into());
+            object.insert("lsn".into(), event.key.lsn.get().into());
+            for (name, value) in tailed.properties() {
+                object.insert(name.replace(' ', "_"), value.into());
+            }
+            if !event.meta.headers.is_empty() {
+                object.insert(
+                    "headers".into(),
+                    serde_json::to_value(&event.meta.headers).unwrap_or_default(),
+                );
+            }
+        }
+        Err(err) => {
+            object.insert("not_an_event".into(), err.to_string().into());
+        }
+    }
+    object.insert("bytes".into(), tailed.body.len().into());
+    if payload {
+        let (kind, shown) = payload_text(&tailed.body);
+        object.insert(format!("payload_{kind}"), shown.into());
+    }
+    object.into()
+}

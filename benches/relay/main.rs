@@ -13,11 +13,13 @@
 //! 13. classic, quorum and stream queues on one node and on a private 3-node cluster, and a
 //!     consumer group replaying a stream (`BENCH_ONLY=queues` runs this section alone); 13b:
 //!     on RabbitMQ 4.0, streams written with and without a shard per partition
-//!     (`BENCH_ONLY=streamshards` runs it alone).
+//!     (`BENCH_ONLY=streamshards` runs it alone);
+//! 14. the consumer's pace: folding in batches against one transaction per delivery, a group
+//!     replaying a stream and a live group on classic and quorum queues (`BENCH_ONLY=fold`).
 //!
 //! This file holds the modes, the order of the sections and the report; each section lives
 //! in a module of its own (`ceiling`, `sizes` and its hand-written `bound`, `latency` and
-//! `host`, `drain`, `footprint`, `queues`), beside the harness (`env`) and what is read from
+//! `host`, `drain`, `footprint`, `queues`, `fold`), beside the harness (`env`) and what is read from
 //! /proc (`measure`).
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -41,6 +43,7 @@ mod bound;
 mod ceiling;
 mod drain;
 mod env;
+mod fold;
 mod footprint;
 mod host;
 mod latency;
@@ -181,6 +184,11 @@ async fn run(mode: &Mode) -> Result<String> {
     if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "queues") {
         queue_types(&mut env, mode, &mut row).await?;
         stream_shards(&mut env, mode, &mut row).await?;
+        env.cleanup().await;
+        return Ok(table);
+    }
+    if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "fold") {
+        fold::fold_pace(&mut env, mode, &mut row).await?;
         env.cleanup().await;
         return Ok(table);
     }
@@ -338,6 +346,7 @@ async fn run(mode: &Mode) -> Result<String> {
     metadata_and_groups(&mut env, mode, &mut row).await?;
     queue_types(&mut env, mode, &mut row).await?;
     stream_shards(&mut env, mode, &mut row).await?;
+    fold::fold_pace(&mut env, mode, &mut row).await?;
 
     let (qps, cpu) = idle(&mut env, mode.idle_tenants, mode.idle_secs).await?;
     let tenants = mode.idle_tenants;

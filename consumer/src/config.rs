@@ -7,6 +7,8 @@ use store::EventType;
 
 use broker::{Partition, RabbitConfig, RetryPolicy};
 
+use crate::FoldBatch;
+
 /// How a [`Consumer`] runs.
 #[derive(Clone, Debug)]
 pub struct ConsumerConfig {
@@ -17,9 +19,12 @@ pub struct ConsumerConfig {
     pub partitions: Option<Vec<Partition>>,
     /// Deliveries the broker may push ahead per partition. Default 256.
     pub prefetch: u16,
+    /// How many deliveries one transaction folds: batches of what the broker pushed ahead,
+    /// committed once and acked at once ([`FoldBatch`]; default up to 128, no linger).
+    pub batch: FoldBatch,
     /// Delays between reconnects and between retries of a failing delivery.
     pub retry: RetryPolicy,
-    /// Longest one fold (begin, your projection, commit) may take before it is abandoned
+    /// Longest one batch's fold (begin, your projection for each delivery, commit) may take before it is abandoned
     /// (rolled back, or committed unknown to us: the retry is then a no-op) and retried. A
     /// database connection lost mid-call without a reset would otherwise hold its partition
     /// until the kernel gives up on the socket (about 15 minutes). The fold's transaction also
@@ -88,6 +93,7 @@ impl ConsumerConfig {
             rabbit,
             partitions: None,
             prefetch: 256,
+            batch: FoldBatch::default(),
             retry: RetryPolicy::default(),
             fold_timeout: Duration::from_secs(60),
             retention: None,

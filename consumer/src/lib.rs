@@ -1,19 +1,21 @@
 //! The consumer: folds deliveries into the user's own tables, exactly once, in order.
 //!
 //! [`Consumer`] serves every partition of a topology (or a chosen subset, to scale out over
-//! several consumer processes), one task per partition. Each delivery is folded with
-//! [`store::fold`] into the user's [`Projection`] inside one database transaction, committed
-//! before the delivery is acked: a crash anywhere means a redelivery, which the fold turns into
-//! a no-op. Exactly once at the fold, at least once in transport.
+//! several consumer processes), one task per partition. Deliveries are folded in batches (what
+//! the broker pushed ahead, up to [`FoldBatch`]'s bounds), each delivery with [`store::fold`]
+//! into the user's [`Projection`], the batch inside one database transaction, committed before
+//! its deliveries are acked: a crash anywhere means a redelivery, which the fold turns into a
+//! no-op. Exactly once at the fold, at least once in transport.
 //!
 //! Failures, by kind:
 //! - broker or database gone: the partition reconnects with backoff (the delivery in hand is
 //!   not acked, so it comes back);
 //! - the projection fails with a transient error ([`Projection::is_permanent`] false): the same
-//!   delivery is retried with backoff;
+//!   batch is retried with backoff;
 //! - a permanent projection error, a message that breaks the wire contract, or a
 //!   [`store::Error::BrokenChain`]: the message goes to the dead-letter queue (`<topology>.dead`)
-//!   with the reason in header `x-relay-dead-letter-reason`, and the partition keeps flowing.
+//!   with the reason in header `x-relay-dead-letter-reason` (confirmed before the batch
+//!   commits), the rest of its batch is folded without it, and the partition keeps flowing.
 //!   Later intents of that branch wait (parked) behind it: re-publish it to the exchange once
 //!   the cause is fixed and the branch resumes in order.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
@@ -28,6 +30,7 @@ use tokio::sync::watch;
 
 use broker::{Error, Partition};
 
+mod batch;
 mod config;
 mod fold_consumer;
 mod serve;
@@ -36,6 +39,7 @@ mod stream;
 mod verdict;
 
 pub use broker::DEAD_LETTER_REASON;
+pub use batch::FoldBatch;
 pub use config::{ConsumerConfig, StreamStart};
 pub use fold_consumer::FoldConsumer;
 pub use stats::{ConsumerProgress, FoldStats};

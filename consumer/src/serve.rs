@@ -1,8 +1,8 @@
-//! One partition's loop: subscribe, fold each delivery in its transaction, ack, dead-letter,
-//! reconnect.
+//! One partition's loop: subscribe, fold each batch of deliveries in its transaction,
+//! dead-letter what is refused, ack, reconnect.
 use std::sync::{Arc, Mutex};
 
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
 use lapin::message::Delivery;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
@@ -20,9 +20,55 @@ use broker::{Backoff, Error, Partition, QueueType, open, within};
 mod fold;
 pub(crate) use fold::{Subscribed, fold_span};
 
+use crate::batch::{BatchPlan, Slot};
 use crate::stream::{StreamStep, delivery_offset, stream_step, subscribe_at};
 use crate::verdict::{DeadReason, Verdict, verdict};
 use crate::{ConsumerConfig, DEAD_LETTER_REASON, FoldStats, Observer};
+
+/// One delivery of a batch: on a stream its offset, and the event it carries (`None`: a
+/// stream message folded before, acked only).
+pub(crate) struct Incoming {
+    delivery: Delivery,
+    offset: Option<u64>,
+    event: Option<Result<OutboxEvent, broker::WireError>>,
+}
+
+impl Incoming {
+    /// What the batch first makes of it: folded, skipped, or (not an event) dead-lettered.
+    fn slot(&self) -> Slot {
+        match &self.event {
+            None => Slot::Skip,
+            Some(Ok(_)) => Slot::Fold,
+            Some(Err(err)) => match DeadReason::Contract.because(err) {
+                Verdict::DeadLetter(why, reason) => Slot::Dead {
+                    why,
+                    reason,
+                    sent: false,
+                },
+                _ => unreachable!("`because` makes a dead letter"),
+            },
+        }
+    }
+
+    fn message_id(&self) -> Option<String> {
+        self.delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|id| id.to_string())
+    }
+}
+
+/// How one attempt at a batch ended.
+enum Attempt {
+    /// Done: what each folded delivery (by its index) came to, and whether a transaction was
+    /// committed (none for a batch with nothing to fold, dead-letter or store).
+    Committed(Vec<(usize, FoldOutcome)>, bool),
+    /// The delivery at this index is refused for good: fold the batch again without it.
+    Refused(usize, DeadReason, String),
+    /// Rolled back by something that may pass: try the batch again after a delay.
+    Failed(String),
+}
 
 /// One partition's loop.
 pub(crate) struct Serve<P> {
@@ -216,142 +262,259 @@ where
                 quiet.as_mut().reset(tokio::time::Instant::now() + silence);
             }
             backoff.reset();
-            let offset = match &self.stream {
-                None => None,
-                Some(cursor) => {
-                    let Some(offset) = delivery_offset(&delivery) else {
-                        return Err(Error::Refused(format!(
-                            "stream {} delivered a message without x-stream-offset",
-                            cursor.queue
-                        )));
-                    };
-                    match stream_step(cursor.expected, offset) {
-                        StreamStep::Fold => Some(offset),
-                        StreamStep::Skip => {
-                            let limit = self.config.rabbit.connect_timeout;
-                            within("basic.ack", limit, delivery.ack(BasicAckOptions::default()))
-                                .await?;
-                            continue;
-                        }
-                        StreamStep::Lost => {
-                            let (queue, expected) =
-                                (cursor.queue.clone(), cursor.expected.unwrap_or(0));
-                            metrics::counter!("relay_consumer_offset_lost_total", "queue" => queue.clone())
-                                .increment(1);
-                            self.record(|stats| stats.gaps += 1);
-                            return Err(Error::OffsetLost {
-                                queue,
-                                expected,
-                                first: offset,
-                            });
-                        }
+            // A batch: this delivery and what else the broker has pushed ahead (up to the
+            // batch's bounds, after waiting at most its linger). Whatever ends the session
+            // on the way ends it after the batch taken so far is folded and acked.
+            let mut expected = self.stream.as_ref().and_then(|cursor| cursor.expected);
+            let mut batch = vec![self.admit(delivery, &mut expected)?];
+            let mut bytes = batch[0].delivery.data.len();
+            let mut ended = None;
+            let bounds = self.config.batch;
+            let linger_until = tokio::time::Instant::now() + bounds.linger;
+            while !bounds.full(batch.len(), bytes) {
+                let next = match deliveries.next().now_or_never() {
+                    Some(next) => next,
+                    None if bounds.linger.is_zero() => break,
+                    None => match tokio::time::timeout_at(linger_until, deliveries.next()).await {
+                        Ok(next) => next,
+                        Err(_) => break,
+                    },
+                };
+                let admitted = match next {
+                    Some(Ok(delivery)) => self.admit(delivery, &mut expected),
+                    Some(Err(err)) => Err(err.into()),
+                    None => Err(Error::Unreachable(
+                        "the broker cancelled the consumer".into(),
+                    )),
+                };
+                match admitted {
+                    Ok(incoming) => {
+                        bytes += incoming.delivery.data.len();
+                        batch.push(incoming);
+                    }
+                    Err(err) => {
+                        ended = Some(err);
+                        break;
                     }
                 }
-            };
-            self.handle(&session, delivery, offset, stop).await?;
+            }
+            self.handle_batch(&session, batch, stop).await?;
+            if let Some(err) = ended {
+                return Err(err);
+            }
         }
     }
 
-    /// Folds one delivery, retrying transient failures with backoff; then acks it, or
-    /// dead-letters it and acks it. A broker failure returns (the delivery comes back).
-    async fn handle(
+    /// A delivery as a batch takes it: on a stream, checked against the offset expected next
+    /// (`expected`, moved past it); a stream that lost messages to retention ends the session.
+    fn admit(&self, delivery: Delivery, expected: &mut Option<u64>) -> Result<Incoming, Error> {
+        let offset = match &self.stream {
+            None => None,
+            Some(cursor) => {
+                let Some(offset) = delivery_offset(&delivery) else {
+                    return Err(Error::Refused(format!(
+                        "stream {} delivered a message without x-stream-offset",
+                        cursor.queue
+                    )));
+                };
+                match stream_step(*expected, offset) {
+                    StreamStep::Fold => {
+                        *expected = Some(offset + 1);
+                        Some(offset)
+                    }
+                    StreamStep::Skip => {
+                        return Ok(Incoming {
+                            delivery,
+                            offset: None,
+                            event: None,
+                        });
+                    }
+                    StreamStep::Lost => {
+                        let queue = cursor.queue.clone();
+                        metrics::counter!("relay_consumer_offset_lost_total", "queue" => queue.clone())
+                            .increment(1);
+                        self.record(|stats| stats.gaps += 1);
+                        return Err(Error::OffsetLost {
+                            queue,
+                            expected: expected.unwrap_or(0),
+                            first: offset,
+                        });
+                    }
+                }
+            }
+        };
+        let event = broker::decode(&delivery.properties, &delivery.data);
+        Ok(Incoming {
+            delivery,
+            offset,
+            event: Some(event),
+        })
+    }
+
+    /// Folds a batch in one transaction (a delivery refused for good is taken out and the rest
+    /// folded again; anything that may pass later is retried with backoff: see `batch`), then
+    /// acks every delivery of it at once. A broker failure returns (the batch comes back).
+    async fn handle_batch(
         &mut self,
         session: &Session,
-        delivery: Delivery,
-        offset: Option<u64>,
+        batch: Vec<Incoming>,
         stop: &watch::Receiver<bool>,
     ) -> Result<(), Error> {
         let limit = self.config.rabbit.connect_timeout;
         let partition = self.partition.0;
+        let mut plan = BatchPlan::new(batch.iter().map(Incoming::slot).collect());
+        // On a stream, where to resume: past the batch's last message.
+        let offset = batch.iter().filter_map(|incoming| incoming.offset).max();
         let mut retry = Backoff::new(self.config.retry);
-        let verdict = match broker::decode(&delivery.properties, &delivery.data) {
-            Err(err) => DeadReason::Contract.because(err),
-            Ok(event) => loop {
-                let topology = &self.config.rabbit.topology;
-                let span = fold_span(
-                    &event,
-                    topology.queue(self.partition).as_str(),
-                    topology.group().name(),
-                );
-                let verdict = self.fold(&event, offset).instrument(span.clone()).await;
-                if let Some(failed) = verdict.error_type() {
-                    span.record("error.type", failed);
-                    span.record("otel.status_code", "error");
-                }
-                drop(span);
-                match verdict {
-                    Verdict::Retry(why) => {
-                        let delay = retry.next_delay();
-                        if retry.failures().is_power_of_two() {
-                            tracing::warn!(partition, event = %event.key, failures = retry.failures(), reason = %why, "fold failed; retrying the delivery");
-                        }
-                        metrics::counter!("relay_consumer_retries_total").increment(1);
-                        if *stop.borrow() {
-                            // Not acked: redelivered to whoever consumes next.
-                            return Ok(());
-                        }
-                        tokio::time::sleep(delay).await;
+        let (outcomes, committed) = loop {
+            let timeout = self.config.fold_timeout;
+            let attempt = tokio::time::timeout(
+                timeout,
+                self.fold_batch(session, &batch, &mut plan, offset),
+            )
+            .await
+            .unwrap_or_else(|_| {
+                Ok(Attempt::Failed(format!(
+                    "database: no answer within {timeout:?}"
+                )))
+            })?;
+            match attempt {
+                Attempt::Committed(outcomes, committed) => break (outcomes, committed),
+                Attempt::Refused(at, why, reason) => plan.refuse(at, why, reason),
+                Attempt::Failed(why) => {
+                    let delay = retry.next_delay();
+                    if retry.failures().is_power_of_two() {
+                        let first = batch[plan.to_fold().first().copied().unwrap_or(0)]
+                            .message_id();
+                        tracing::warn!(partition, first = first.as_deref().unwrap_or("?"), deliveries = batch.len(), failures = retry.failures(), reason = %why, "fold failed; retrying the batch");
                     }
-                    verdict => break verdict,
-                }
-            },
-        };
-        match verdict {
-            Verdict::Folded(outcome) => {
-                match outcome {
-                    FoldOutcome::Superseded => {
-                        metrics::counter!("relay_consumer_superseded_total").increment(1);
+                    metrics::counter!("relay_consumer_retries_total").increment(1);
+                    if *stop.borrow() {
+                        // Not acked: redelivered to whoever consumes next.
+                        return Ok(());
                     }
-                    FoldOutcome::Adopted { undone, .. } => {
-                        let message = delivery
-                            .properties
-                            .message_id()
-                            .as_ref()
-                            .map(|id| id.to_string());
-                        tracing::warn!(
-                            partition,
-                            message = message.as_deref().unwrap_or("?"),
-                            undone,
-                            "adopted the database's history: what a failover lost was undone"
-                        );
-                        metrics::counter!("relay_consumer_adopted_total").increment(1);
-                    }
-                    _ => {}
+                    tokio::time::sleep(delay).await;
                 }
-                self.record(|stats| stats.add(outcome));
             }
-            Verdict::DeadLetter(why, reason) => {
-                // Logged without the body: a payload never reaches a log line.
-                tracing::error!(partition, reason = %reason, bytes = delivery.data.len(), "dead-lettering a message");
-                let label = why.label();
-                self.dead_letter(session, &delivery, &reason).await?;
-                if let Some(offset) = offset {
-                    self.save_offset_alone(offset).await?;
+        };
+        if committed {
+            self.record(|stats| stats.batches += 1);
+            metrics::histogram!("relay_consumer_batch_deliveries").record(batch.len() as f64);
+        }
+        for (at, outcome) in outcomes {
+            match outcome {
+                FoldOutcome::Superseded => {
+                    metrics::counter!("relay_consumer_superseded_total").increment(1);
                 }
-                metrics::counter!("relay_consumer_dead_letters_total", "reason" => label)
+                FoldOutcome::Adopted { undone, .. } => {
+                    let message = batch[at].message_id();
+                    tracing::warn!(
+                        partition,
+                        message = message.as_deref().unwrap_or("?"),
+                        undone,
+                        "adopted the database's history: what a failover lost was undone"
+                    );
+                    metrics::counter!("relay_consumer_adopted_total").increment(1);
+                }
+                _ => {}
+            }
+            self.record(|stats| stats.add(outcome));
+        }
+        for at in 0..batch.len() {
+            if let Slot::Dead { why, .. } = plan.slot(at) {
+                metrics::counter!("relay_consumer_dead_letters_total", "reason" => why.label())
                     .increment(1);
                 self.record(|stats| stats.rejected += 1);
             }
-            Verdict::Retry(_) => unreachable!("retries loop above"),
         }
-        // Invariant: acked only after the fold committed (or the dead letter was confirmed).
-        within("basic.ack", limit, delivery.ack(BasicAckOptions::default())).await?;
+        // Invariant: acked only after the fold committed (and every dead letter was
+        // confirmed): the whole batch at once, every delivery on this channel up to its last.
+        if let Some(last) = batch.last() {
+            within(
+                "basic.ack",
+                limit,
+                last.delivery.ack(BasicAckOptions { multiple: true }),
+            )
+            .await?;
+        }
         if let (Some(cursor), Some(offset)) = (&mut self.stream, offset) {
             cursor.expected = Some(offset + 1);
         }
         Ok(())
     }
 
-    /// Stores a stream offset past a dead-lettered message (its dead letter is confirmed), in
-    /// a transaction of its own; a failure ends the session, and the message is dead-lettered
-    /// again after the reconnect (a duplicate in the dead-letter queue, never a loss).
-    async fn save_offset_alone(&self, offset: u64) -> Result<(), Error> {
-        let Some(cursor) = &self.stream else {
-            return Ok(());
+    /// One attempt at a batch: its foldable deliveries in order in one transaction, stopping
+    /// at the first refused for good or failing; then the dead letters not yet confirmed are
+    /// published (and confirmed: a broker failure ends the session), the stream offset stored,
+    /// and the transaction committed.
+    async fn fold_batch(
+        &mut self,
+        session: &Session,
+        batch: &[Incoming],
+        plan: &mut BatchPlan,
+        offset: Option<u64>,
+    ) -> Result<Attempt, Error> {
+        let to_fold = plan.to_fold();
+        let unsent = plan.unsent();
+        if to_fold.is_empty() && unsent.is_empty() && offset.is_none() {
+            return Ok(Attempt::Committed(Vec::new(), false));
+        }
+        // Should this connection vanish mid-fold (a network losing it without a reset),
+        // PostgreSQL ends the orphaned transaction after the same limit and releases the
+        // branch's cursor lock; else every retry would wait on that lock until the server
+        // noticed the dead client (hours, with default TCP keepalives).
+        let idle_ms = self.config.fold_timeout.as_millis().max(1);
+        let begin = format!("BEGIN; SET LOCAL idle_in_transaction_session_timeout = {idle_ms}");
+        let mut tx = match self.pool.begin_with(sqlx::AssertSqlSafe(begin)).await {
+            Ok(tx) => tx,
+            Err(err) => return Ok(Attempt::Failed(format!("database: {err}"))),
         };
-        let mut conn = self.pool.acquire().await.map_err(store::Error::from)?;
-        store::save_stream_offset(&mut conn, &cursor.queue, offset + 1).await?;
-        Ok(())
+        let topology = &self.config.rabbit.topology;
+        let queue = topology.queue(self.partition);
+        let mut outcomes = Vec::with_capacity(to_fold.len());
+        for at in to_fold {
+            let Some(Ok(event)) = &batch[at].event else {
+                continue;
+            };
+            let span = fold_span(event, queue.as_str(), topology.group().name());
+            let mut projection = Subscribed {
+                inner: &mut self.projection,
+                types: self.config.event_types.as_ref(),
+            };
+            let folded = store::fold(&mut tx, event, &mut projection)
+                .instrument(span.clone())
+                .await;
+            let verdict = verdict(folded, P::is_permanent);
+            if let Some(failed) = verdict.error_type() {
+                span.record("error.type", failed);
+                span.record("otel.status_code", "error");
+            }
+            match verdict {
+                Verdict::Folded(outcome) => outcomes.push((at, outcome)),
+                Verdict::DeadLetter(why, reason) => return Ok(Attempt::Refused(at, why, reason)),
+                Verdict::Retry(why) => return Ok(Attempt::Failed(why)),
+            }
+        }
+        for at in unsent {
+            let Slot::Dead { reason, .. } = plan.slot(at) else {
+                continue;
+            };
+            let delivery = &batch[at].delivery;
+            // Logged without the body: a payload never reaches a log line.
+            tracing::error!(partition = self.partition.0, reason = %reason, bytes = delivery.data.len(), "dead-lettering a message");
+            self.dead_letter(session, delivery, reason).await?;
+            plan.sent(at);
+        }
+        // On a stream, where to resume is part of what this transaction commits.
+        if let (Some(cursor), Some(offset)) = (&self.stream, offset)
+            && let Err(err) = store::save_stream_offset(&mut tx, &cursor.queue, offset + 1).await
+        {
+            return Ok(Attempt::Failed(format!("database: {err}")));
+        }
+        Ok(match tx.commit().await {
+            Ok(()) => Attempt::Committed(outcomes, true),
+            Err(err) => Attempt::Failed(format!("commit: {err}")),
+        })
     }
 
     fn record(&self, change: impl FnOnce(&mut FoldStats)) {
@@ -365,47 +528,6 @@ where
         };
         if let Some(observer) = &self.observer {
             observer(self.partition, stats);
-        }
-    }
-
-    async fn fold(&mut self, event: &OutboxEvent, offset: Option<u64>) -> Verdict {
-        let limit = self.config.fold_timeout;
-        tokio::time::timeout(limit, self.fold_once(event, offset))
-            .await
-            .unwrap_or_else(|_| Verdict::Retry(format!("database: no answer within {limit:?}")))
-    }
-
-    async fn fold_once(&mut self, event: &OutboxEvent, offset: Option<u64>) -> Verdict {
-        // Should this connection vanish mid-fold (a network losing it without a reset),
-        // PostgreSQL ends the orphaned transaction after the same limit and releases the
-        // branch's cursor lock; else every retry would wait on that lock until the server
-        // noticed the dead client (hours, with default TCP keepalives).
-        let idle_ms = self.config.fold_timeout.as_millis().max(1);
-        let begin = format!("BEGIN; SET LOCAL idle_in_transaction_session_timeout = {idle_ms}");
-        let mut tx = match self.pool.begin_with(sqlx::AssertSqlSafe(begin)).await {
-            Ok(tx) => tx,
-            Err(err) => return Verdict::Retry(format!("database: {err}")),
-        };
-        let mut projection = Subscribed {
-            inner: &mut self.projection,
-            types: self.config.event_types.as_ref(),
-        };
-        let folded = store::fold(&mut tx, event, &mut projection).await;
-        match verdict(folded, P::is_permanent) {
-            Verdict::Folded(outcome) => {
-                // On a stream, where to resume is part of what this transaction commits.
-                if let (Some(cursor), Some(offset)) = (&self.stream, offset)
-                    && let Err(err) =
-                        store::save_stream_offset(&mut tx, &cursor.queue, offset + 1).await
-                {
-                    return Verdict::Retry(format!("database: {err}"));
-                }
-                match tx.commit().await {
-                    Ok(()) => Verdict::Folded(outcome),
-                    Err(err) => Verdict::Retry(format!("commit: {err}")),
-                }
-            }
-            refused => refused,
         }
     }
 

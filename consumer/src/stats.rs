@@ -34,6 +34,9 @@ pub struct FoldStats {
     /// Diverged deliveries adopted after an operator armed their branch: the history the
     /// database lost was undone, then they were folded (metric `relay_consumer_adopted_total`).
     pub adopted: u64,
+    /// Transactions committed: each folded one batch of deliveries (`applied / batches` is
+    /// about the mean batch; [`crate::FoldBatch`]).
+    pub batches: u64,
 }
 
 impl FoldStats {
@@ -69,6 +72,7 @@ impl FoldStats {
             resubscribes: self.resubscribes + other.resubscribes,
             superseded: self.superseded + other.superseded,
             adopted: self.adopted + other.adopted,
+            batches: self.batches + other.batches,
         }
     }
 }

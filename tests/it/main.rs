@@ -10,6 +10,7 @@
 //! - `retention`: closed runs retired by the relay and the consumer while open runs go on;
 //! - `dead_letters`: the dead-letter queue listed, replayed through the fold, purged;
 //! - `streams`: replay by a group created later, resume at a stored offset, reset, retention;
+//! - `batches`: the consumer's batches, a poison inside one, kills inside and between them;
 //! - `consumer`, `poison`, `fairness`, `database_faults`, `schema`, `tls`, `cli`, `publisher`:
 //!   one surface each.
 //!
@@ -28,6 +29,7 @@ mod harness;
 mod node;
 mod recorder;
 
+mod batches;
 mod broker_faults;
 mod cli;
 mod consumer;

@@ -80,7 +80,11 @@ impl BatchPlan {
 
     /// The fold refused delivery `at` for good: the next attempt folds the batch without it.
     pub(crate) fn refuse(&mut self, at: usize, why: DeadReason, reason: String) {
-        debug_assert_eq!(self.slots[at], Slot::Fold, "only a folded delivery is refused");
+        debug_assert_eq!(
+            self.slots[at],
+            Slot::Fold,
+            "only a folded delivery is refused"
+        );
         self.slots[at] = Slot::Dead {
             why,
             reason,
@@ -152,10 +156,7 @@ mod tests {
         assert!(batch.full(3, 0));
         assert!(batch.full(1, 100));
         // Zero events would never fold: it means one.
-        let one = FoldBatch {
-            events: 0,
-            ..batch
-        };
+        let one = FoldBatch { events: 0, ..batch };
         assert!(one.full(1, 0));
     }
 

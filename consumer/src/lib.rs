@@ -38,8 +38,8 @@ mod stats;
 mod stream;
 mod verdict;
 
-pub use broker::DEAD_LETTER_REASON;
 pub use batch::FoldBatch;
+pub use broker::DEAD_LETTER_REASON;
 pub use config::{ConsumerConfig, StreamStart};
 pub use fold_consumer::FoldConsumer;
 pub use stats::{ConsumerProgress, FoldStats};
@@ -122,7 +122,7 @@ where
         ConsumerProgress(self.progress.clone())
     }
 
-    /// Serves the partitions until `stop` completes; each delivery in hand is finished first.
+    /// Serves the partitions until `stop` completes; each batch in hand is finished first.
     /// Never returns early on a broker or database failure: it reconnects with backoff.
     pub async fn run(
         self,

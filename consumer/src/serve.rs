@@ -368,24 +368,22 @@ where
         let mut retry = Backoff::new(self.config.retry);
         let (outcomes, committed) = loop {
             let timeout = self.config.fold_timeout;
-            let attempt = tokio::time::timeout(
-                timeout,
-                self.fold_batch(session, &batch, &mut plan, offset),
-            )
-            .await
-            .unwrap_or_else(|_| {
-                Ok(Attempt::Failed(format!(
-                    "database: no answer within {timeout:?}"
-                )))
-            })?;
+            let attempt =
+                tokio::time::timeout(timeout, self.fold_batch(session, &batch, &mut plan, offset))
+                    .await
+                    .unwrap_or_else(|_| {
+                        Ok(Attempt::Failed(format!(
+                            "database: no answer within {timeout:?}"
+                        )))
+                    })?;
             match attempt {
                 Attempt::Committed(outcomes, committed) => break (outcomes, committed),
                 Attempt::Refused(at, why, reason) => plan.refuse(at, why, reason),
                 Attempt::Failed(why) => {
                     let delay = retry.next_delay();
                     if retry.failures().is_power_of_two() {
-                        let first = batch[plan.to_fold().first().copied().unwrap_or(0)]
-                            .message_id();
+                        let first =
+                            batch[plan.to_fold().first().copied().unwrap_or(0)].message_id();
                         tracing::warn!(partition, first = first.as_deref().unwrap_or("?"), deliveries = batch.len(), failures = retry.failures(), reason = %why, "fold failed; retrying the batch");
                     }
                     metrics::counter!("relay_consumer_retries_total").increment(1);

@@ -84,7 +84,8 @@ pub struct RewindNotice {
 /// What a consumer does with events: writes in the fold's open transaction, so the writes
 /// commit atomically with the fold's cursor (or not at all).
 pub trait Projection: Send {
-    /// The projection's own error. Any error rolls the whole delivery back.
+    /// The projection's own error. Any error rolls the delivery's transaction back (with the
+    /// consumer's batches, the batch's: the others of it are folded again).
     type Error: std::error::Error + Send + Sync + 'static;
 
     /// Applies one intent of live history, in Lsn order per branch.

@@ -291,13 +291,17 @@ async fn batches_killed_inside_and_between_leave_the_fold_exact() {
             drop(stop);
         }
         let (stop, task, _) = start(&consumer, &fold, Log::default());
-        wait_until("the whole history folded", Duration::from_secs(60), || async {
-            let logged: i64 = sqlx::query_scalar("SELECT count(*) FROM batch_log")
-                .fetch_one(&fold)
-                .await
-                .unwrap();
-            logged >= 1000
-        })
+        wait_until(
+            "the whole history folded",
+            Duration::from_secs(60),
+            || async {
+                let logged: i64 = sqlx::query_scalar("SELECT count(*) FROM batch_log")
+                    .fetch_one(&fold)
+                    .await
+                    .unwrap();
+                logged >= 1000
+            },
+        )
         .await;
         let _ = stop.send(true);
         task.await.unwrap();

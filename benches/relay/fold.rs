@@ -5,8 +5,13 @@ use super::*;
 
 use distribution::consumer::{Consumer, ConsumerConfig, FoldBatch};
 
-/// One transaction per delivery (what the consumer did before batches), then the defaults.
+/// One transaction per delivery (what the consumer did before batches), then the defaults
+/// (`BENCH_FOLD_EVENTS` and `BENCH_FOLD_PREFETCH` try others).
 fn batches() -> [(&'static str, FoldBatch); 2] {
+    let events = std::env::var("BENCH_FOLD_EVENTS")
+        .ok()
+        .and_then(|events| events.parse().ok())
+        .unwrap_or(FoldBatch::default().events);
     [
         (
             "one transaction per delivery",
@@ -15,7 +20,13 @@ fn batches() -> [(&'static str, FoldBatch); 2] {
                 ..FoldBatch::default()
             },
         ),
-        ("batches", FoldBatch::default()),
+        (
+            "batches",
+            FoldBatch {
+                events,
+                ..FoldBatch::default()
+            },
+        ),
     ]
 }
 
@@ -33,6 +44,12 @@ async fn start_consumer(
     let (fold_pool, _) = env.database("foldpace").await?;
     let mut config = ConsumerConfig::new(rabbit.clone());
     config.batch = batch;
+    if let Some(prefetch) = std::env::var("BENCH_FOLD_PREFETCH")
+        .ok()
+        .and_then(|prefetch| prefetch.parse().ok())
+    {
+        config.prefetch = prefetch;
+    }
     let consumer = Consumer::new(config, fold_pool, store::EventTable);
     let progress = consumer.progress();
     let (stop, mut stopped) = tokio::sync::watch::channel(false);
@@ -76,6 +93,7 @@ pub(crate) async fn fold_pace(
         let drain = written as f64 / started.elapsed().as_secs_f64();
         relay.shutdown().await;
         let mut rates = Vec::new();
+        let mut cpu = Vec::new();
         let mut groups = Vec::new();
         for (_, batch) in batches() {
             let mut group = rabbit.clone();
@@ -85,8 +103,20 @@ pub(crate) async fn fold_pace(
             env.checkpoint().await?;
             let (progress, stop, running) = start_consumer(env, &group, batch).await?;
             let started = Instant::now();
+            let before = (
+                cpu_ticks_named("beam"),
+                cpu_ticks_named("postgres"),
+                cpu_ticks(std::process::id())?,
+            );
             wait_applied(&progress, written).await?;
             rates.push(written as f64 / started.elapsed().as_secs_f64());
+            // CPU ms per 1,000 events (ticks are 10 ms): RabbitMQ, PostgreSQL, the consumer.
+            let per_thousand = |ticks: u64| ticks as f64 * 10.0 * 1000.0 / written as f64;
+            cpu.push((
+                per_thousand(cpu_ticks_named("beam") - before.0),
+                per_thousand(cpu_ticks_named("postgres") - before.1),
+                per_thousand(cpu_ticks(std::process::id())? - before.2),
+            ));
             let _ = stop.send(true);
             running.await??;
             groups.push(group);
@@ -95,9 +125,10 @@ pub(crate) async fn fold_pace(
             "14. stream: a group replaying from the first offset, one transaction per delivery -> batches",
             format!("{:.0} -> {:.0} ev/s", rates[0], rates[1]),
             &format!(
-                "{written} events into the fold's event table, 8 partitions; {:.1}x; the relay drained them at {drain:.0} ev/s: the batched replay is {:.2} of the drain",
+                "{written} events into the fold's event table, 8 partitions; {:.1}x; the relay drained them at {drain:.0} ev/s: the batched replay is {:.2} of the drain; CPU ms per 1,000 events (RabbitMQ + PostgreSQL + consumer) {:.0} + {:.0} + {:.0} -> {:.0} + {:.0} + {:.0}",
                 rates[1] / rates[0],
-                rates[1] / drain
+                rates[1] / drain,
+                cpu[0].0, cpu[0].1, cpu[0].2, cpu[1].0, cpu[1].1, cpu[1].2,
             ),
         );
         drop_topology(&env.amqp, &rabbit.topology).await?;

@@ -122,7 +122,11 @@ pub fn describe_metrics(publishers: u16) {
     );
     describe_counter!(
         "relay_consumer_retries_total",
-        "Deliveries a consumer retried after a transient failure."
+        "Batches of deliveries a consumer retried after a transient failure."
+    );
+    describe_histogram!(
+        "relay_consumer_batch_deliveries",
+        "Deliveries per committed batch of a consumer (one transaction, one ack)."
     );
     describe_counter!(
         "relay_broker_refusals_total",

@@ -284,4 +284,140 @@ mod outbox {
         );
         drop_topology(&config.rabbit_config().unwrap().topology).await;
     }
+
+    /// A relay run as the binary; on drop (the test failing too) woken if stopped, then killed.
+    struct Process(std::process::Child);
+
+    impl Process {
+        fn signal(&self, signal: &str) {
+            let sent = std::process::Command::new("kill")
+                .args([signal, &self.0.id().to_string()])
+                .status()
+                .unwrap();
+            assert!(sent.success(), "kill {signal}");
+        }
+    }
+
+    impl Drop for Process {
+        fn drop(&mut self) {
+            self.signal("-CONT");
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    /// Lease buckets held by relays other than `relay` (read from the status view; -1 while
+    /// its tree restarts).
+    async fn held_by_others(pool: &PgPool, relay: &RelayHandle) -> i64 {
+        let Some(tree) = relay.snapshot().await else {
+            return -1;
+        };
+        let mine = tree.relay_id.to_string();
+        sqlx::query_scalar(
+            "SELECT coalesce(sum(buckets), 0)::bigint FROM relay_relays_status WHERE relay_id <> $1",
+        )
+        .bind(mine)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+    }
+
+    /// A relay stopped (SIGSTOP, as a VM or GC pause would) for three times its lease TTL
+    /// while a host writes on: the other relay takes its buckets once they expire and ships
+    /// its tenants; resumed (SIGCONT), the paused relay finds its leases gone, acks nothing it
+    /// no longer holds and rejoins for an even share. Nothing is lost, the fold of every
+    /// delivery is the host's history, and what went out twice is at most the paused relay's
+    /// in-flight budget (what it had sent before the pause). The takeover time is printed and
+    /// bounded by the TTL plus two heartbeats and a margin for this 2-core machine.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_relay_paused_past_its_lease_loses_nothing_and_resends_at_most_its_in_flight() {
+        let (pool, url) = fresh_database("handoverpause").await;
+        let topology = unique("pause");
+        let mut config = handover_config(&url, &topology);
+        config.supervisor.max_in_flight = 200;
+        let recorder = Recorder::start(&config.rabbit_config().unwrap()).await;
+        let ttl = config.supervisor.lease.ttl;
+        let paused = Process(
+            run_command(&url, &amqp_url(), &topology, &free_addr())
+                .env("RELAY_LEASE_TTL_MS", ttl.as_millis().to_string())
+                .env(
+                    "RELAY_LEASE_HEARTBEAT_MS",
+                    config.supervisor.lease.heartbeat.as_millis().to_string(),
+                )
+                .env("RELAY_BATCH_SIZE", "20")
+                .env("RELAY_MAX_IN_FLIGHT", "200")
+                .spawn()
+                .unwrap(),
+        );
+        let other = Relay::start(config.clone()).await.unwrap();
+        wait_until("even shares of two", Duration::from_secs(30), || async {
+            buckets(&other).await == 64 && held_by_others(&pool, &other).await == 64
+        })
+        .await;
+        let workload = Workload::new(&unique("ps"), 8, 2, 2);
+        let ran = workload.run(&pool).await;
+        let stop = Arc::new(AtomicBool::new(false));
+        let writer = keep_writing(pool.clone(), workload, ran, stop.clone());
+        wait_until("both relays ship", Duration::from_secs(30), || async {
+            recorder.deliveries().len() > 200
+        })
+        .await;
+
+        paused.signal("-STOP");
+        let paused_at = std::time::Instant::now();
+        wait_until(
+            "the other relay holds every bucket",
+            Duration::from_secs(30),
+            || async { buckets(&other).await == 128 },
+        )
+        .await;
+        let took_over = paused_at.elapsed();
+        // The pause lasts three TTLs whatever the takeover took: the fault, not a wait for
+        // anything.
+        tokio::time::sleep_until((paused_at + ttl * 3).into()).await;
+        paused.signal("-CONT");
+        wait_until(
+            "the resumed relay rejoins for an even share",
+            Duration::from_secs(30),
+            || async { buckets(&other).await == 64 && held_by_others(&pool, &other).await == 64 },
+        )
+        .await;
+        stop.store(true, Ordering::Release);
+        let expected = writer.await.unwrap();
+        let deliveries = all_delivered(&pool, &recorder, count(&expected)).await;
+        other.shutdown().await;
+        drop(paused);
+        recorder.stop().await;
+
+        let (extra, twice) = Recorder::duplicates(&deliveries);
+        println!(
+            "paused relay: buckets taken over {} ms after the pause (TTL {} ms); {extra} deliveries twice (in-flight budget 200)",
+            took_over.as_millis(),
+            ttl.as_millis()
+        );
+        assert!(
+            extra <= 200,
+            "{extra} duplicates, more than the paused relay had in flight: {twice:?}"
+        );
+        assert!(
+            took_over <= ttl + config.supervisor.lease.heartbeat * 2 + Duration::from_secs(3),
+            "took {took_over:?} to take over (TTL {ttl:?})"
+        );
+        let mut model = FoldModel::new();
+        for event in &deliveries {
+            model.deliver(event).unwrap();
+        }
+        let mut got: BTreeMap<BranchKey, Vec<(distribution::store::Lsn, Vec<u8>)>> =
+            BTreeMap::new();
+        for (key, payload) in model.projection() {
+            got.entry(key.branch.clone())
+                .or_default()
+                .push((key.lsn, payload.clone()));
+        }
+        assert_eq!(
+            got, expected,
+            "the fold of what was delivered is the host's history"
+        );
+        drop_topology(&config.rabbit_config().unwrap().topology).await;
+    }
 }

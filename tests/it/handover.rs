@@ -82,6 +82,25 @@ mod outbox {
         recorder.deliveries()
     }
 
+    /// The fold (WIRE.md's rules, in memory) of every delivery is the host's history.
+    fn assert_folds_to(deliveries: &[OutboxEvent], expected: &Expected) {
+        let mut model = FoldModel::new();
+        for event in deliveries {
+            model.deliver(event).unwrap();
+        }
+        let mut got: BTreeMap<BranchKey, Vec<(distribution::store::Lsn, Vec<u8>)>> =
+            BTreeMap::new();
+        for (key, payload) in model.projection() {
+            got.entry(key.branch.clone())
+                .or_default()
+                .push((key.lsn, payload.clone()));
+        }
+        assert_eq!(
+            &got, expected,
+            "the fold of what was delivered is the host's history"
+        );
+    }
+
     /// A relay's first heartbeat claims half the buckets (room for a relay starting beside
     /// it, `LeasePlan::first_step`), and its second comes a quarter heartbeat later: a lone
     /// relay holds every bucket then, not a whole heartbeat (here 16 s) after it started.
@@ -239,21 +258,7 @@ mod outbox {
         recorder.stop().await;
         let (extra, twice) = Recorder::duplicates(&deliveries);
         assert_eq!(extra, 0, "delivered twice: {twice:?}");
-        let mut model = FoldModel::new();
-        for event in &deliveries {
-            model.deliver(event).unwrap();
-        }
-        let mut got: BTreeMap<BranchKey, Vec<(distribution::store::Lsn, Vec<u8>)>> =
-            BTreeMap::new();
-        for (key, payload) in model.projection() {
-            got.entry(key.branch.clone())
-                .or_default()
-                .push((key.lsn, payload.clone()));
-        }
-        assert_eq!(
-            got, expected,
-            "the fold of what was delivered is the host's history"
-        );
+        assert_folds_to(&deliveries, &expected);
         drop_topology(&config.rabbit_config().unwrap().topology).await;
     }
 
@@ -403,21 +408,85 @@ mod outbox {
             took_over <= ttl + config.supervisor.lease.heartbeat * 2 + Duration::from_secs(3),
             "took {took_over:?} to take over (TTL {ttl:?})"
         );
-        let mut model = FoldModel::new();
-        for event in &deliveries {
-            model.deliver(event).unwrap();
-        }
-        let mut got: BTreeMap<BranchKey, Vec<(distribution::store::Lsn, Vec<u8>)>> =
-            BTreeMap::new();
-        for (key, payload) in model.projection() {
-            got.entry(key.branch.clone())
-                .or_default()
-                .push((key.lsn, payload.clone()));
-        }
-        assert_eq!(
-            got, expected,
-            "the fold of what was delivered is the host's history"
+        assert_folds_to(&deliveries, &expected);
+        drop_topology(&config.rabbit_config().unwrap().topology).await;
+    }
+
+    /// A relay whose every packet to and from PostgreSQL stops without a reset (its network
+    /// to the database silent, both ways; what it sends meanwhile is held and arrives late, as
+    /// TCP retransmits it), while another relay reaches the database and a host writes on:
+    /// for a third of the lease TTL (leases kept, nothing moves) and for three TTLs (its
+    /// buckets expire, the other relay takes them and ships; its late renewals and acks are
+    /// refused by their epochs). Nothing is lost, the fold of every delivery is the host's
+    /// history, what went out twice is at most its in-flight budget, and once the network is
+    /// back it rejoins for an even share.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_relay_cut_off_from_its_database_without_a_reset_loses_nothing() {
+        let (pool, url) = fresh_database("handovercut").await;
+        let topology = unique("dbcut");
+        let mut config = handover_config(&url, &topology);
+        config.supervisor.max_in_flight = 200;
+        let ttl = config.supervisor.lease.ttl;
+        let recorder = Recorder::start(&config.rabbit_config().unwrap()).await;
+        let network = distribution::testing::BrokerProxy::start(&url).unwrap();
+        let mut cut_off = config.clone();
+        cut_off.database_url = network.url();
+        let cut = Relay::start(cut_off).await.unwrap();
+        let other = Relay::start(config.clone()).await.unwrap();
+        even_shares(&[&cut, &other], "even shares of two").await;
+        let workload = Workload::new(&unique("dc"), 8, 2, 2);
+        let ran = workload.run(&pool).await;
+        let stop = Arc::new(AtomicBool::new(false));
+        let writer = keep_writing(pool.clone(), workload, ran, stop.clone());
+        wait_until("both relays ship", Duration::from_secs(30), || async {
+            recorder.deliveries().len() > 200
+        })
+        .await;
+
+        // Shorter than the TTL: the fault, for its length.
+        network.silence();
+        tokio::time::sleep(ttl / 3).await;
+        network.restore();
+        let before = recorder.deliveries().len();
+        wait_until("both ship again", Duration::from_secs(30), || async {
+            recorder.deliveries().len() > before + 100
+        })
+        .await;
+
+        // Longer than the TTL.
+        network.silence();
+        let silenced_at = std::time::Instant::now();
+        wait_until(
+            "the other relay holds every bucket",
+            Duration::from_secs(30),
+            || async { buckets(&other).await == 128 },
+        )
+        .await;
+        let took_over = silenced_at.elapsed();
+        tokio::time::sleep_until((silenced_at + ttl * 3).into()).await;
+        network.restore();
+        let restored_at = std::time::Instant::now();
+        even_shares(&[&cut, &other], "even shares once the network is back").await;
+        let rejoined = restored_at.elapsed();
+        stop.store(true, Ordering::Release);
+        let expected = writer.await.unwrap();
+        let deliveries = all_delivered(&pool, &recorder, count(&expected)).await;
+        cut.shutdown().await;
+        other.shutdown().await;
+        recorder.stop().await;
+
+        let (extra, twice) = Recorder::duplicates(&deliveries);
+        println!(
+            "database cut without a reset: buckets taken over {} ms after the cut (TTL {} ms), even shares {} ms after the network came back; {extra} deliveries twice (in-flight budget 200)",
+            took_over.as_millis(),
+            ttl.as_millis(),
+            rejoined.as_millis()
         );
+        assert!(
+            extra <= 200,
+            "{extra} duplicates, more than the cut-off relay had in flight: {twice:?}"
+        );
+        assert_folds_to(&deliveries, &expected);
         drop_topology(&config.rabbit_config().unwrap().topology).await;
     }
 }

@@ -217,7 +217,9 @@ async fn a_poison_delivery_in_a_batch_is_dead_lettered_alone_and_the_rest_commit
             assert_eq!(logged(&fold, branch).await, want, "{branch}");
         }
         // Every batch was acked whole (one `multiple` ack each): nothing is left to come again.
-        let queues = distribution::broker::partition_queues(&rabbit).await.unwrap();
+        let queues = distribution::broker::partition_queues(&rabbit)
+            .await
+            .unwrap();
         assert!(
             queues
                 .iter()

@@ -39,13 +39,10 @@ impl Incoming {
         match &self.event {
             None => Slot::Skip,
             Some(Ok(_)) => Slot::Fold,
-            Some(Err(err)) => match DeadReason::Contract.because(err) {
-                Verdict::DeadLetter(why, reason) => Slot::Dead {
-                    why,
-                    reason,
-                    sent: false,
-                },
-                _ => unreachable!("`because` makes a dead letter"),
+            Some(Err(err)) => Slot::Dead {
+                why: DeadReason::Contract,
+                reason: DeadReason::Contract.reason(err),
+                sent: false,
             },
         }
     }

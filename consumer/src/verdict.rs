@@ -38,9 +38,14 @@ impl DeadReason {
         }
     }
 
-    /// The dead letter's reason: `<label>: <why>`.
+    /// The dead letter's reason text: `<label>: <why>`.
+    pub(crate) fn reason(self, why: impl std::fmt::Display) -> String {
+        format!("{}: {why}", self.label())
+    }
+
+    /// The dead letter's verdict, with its [`DeadReason::reason`].
     pub(crate) fn because(self, why: impl std::fmt::Display) -> Verdict {
-        Verdict::DeadLetter(self, format!("{}: {why}", self.label()))
+        Verdict::DeadLetter(self, self.reason(why))
     }
 }
 

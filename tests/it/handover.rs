@@ -327,6 +327,22 @@ mod outbox {
         .unwrap()
     }
 
+    /// A fault that began just now on the relay beside `other`: waits until `other` holds
+    /// every bucket (returns how long that took), then lets the fault last three TTLs from
+    /// its start whatever the takeover took (the fault's length, not a wait for anything).
+    async fn taken_over_within_the_fault(other: &RelayHandle, ttl: Duration) -> Duration {
+        let began = std::time::Instant::now();
+        wait_until(
+            "the other relay holds every bucket",
+            Duration::from_secs(30),
+            || async { buckets(other).await == 128 },
+        )
+        .await;
+        let took_over = began.elapsed();
+        tokio::time::sleep_until((began + ttl * 3).into()).await;
+        took_over
+    }
+
     /// A relay stopped (SIGSTOP, as a VM or GC pause would) for three times its lease TTL
     /// while a host writes on: the other relay takes its buckets once they expire and ships
     /// its tenants; resumed (SIGCONT), the paused relay finds its leases gone, acks nothing it
@@ -369,17 +385,7 @@ mod outbox {
         .await;
 
         paused.signal("-STOP");
-        let paused_at = std::time::Instant::now();
-        wait_until(
-            "the other relay holds every bucket",
-            Duration::from_secs(30),
-            || async { buckets(&other).await == 128 },
-        )
-        .await;
-        let took_over = paused_at.elapsed();
-        // The pause lasts three TTLs whatever the takeover took: the fault, not a wait for
-        // anything.
-        tokio::time::sleep_until((paused_at + ttl * 3).into()).await;
+        let took_over = taken_over_within_the_fault(&other, ttl).await;
         paused.signal("-CONT");
         wait_until(
             "the resumed relay rejoins for an even share",
@@ -455,15 +461,7 @@ mod outbox {
 
         // Longer than the TTL.
         network.silence();
-        let silenced_at = std::time::Instant::now();
-        wait_until(
-            "the other relay holds every bucket",
-            Duration::from_secs(30),
-            || async { buckets(&other).await == 128 },
-        )
-        .await;
-        let took_over = silenced_at.elapsed();
-        tokio::time::sleep_until((silenced_at + ttl * 3).into()).await;
+        let took_over = taken_over_within_the_fault(&other, ttl).await;
         network.restore();
         let restored_at = std::time::Instant::now();
         even_shares(&[&cut, &other], "even shares once the network is back").await;

@@ -71,30 +71,98 @@ pub const DEFAULT_FRAME_MAX: u32 = 32 * 1024;
 /// are doing: a session abandoned at any await (a task aborted, a step timed out) leaves
 /// nothing open on the broker.
 ///
-/// lapin 4.12.3 closes a dropped connection only once every handle on its channels is gone,
-/// and a `basic.consume` whose future is dropped before its `consume-ok` arrives breaks that:
-/// lapin then registers the consumer with a handle on its channel and without the canceller
-/// a returned consumer gets (`channel.rs`, `on_basic_consume_ok_received`; `consumer.rs`,
-/// `external`). The channel, and with it the connection, stays open for the life of the
-/// process, and the broker keeps delivering to that subscription up to its prefetch, messages
-/// nobody will ever ack or give back.
-#[derive(Debug)]
-pub struct ClosingConnection(Connection);
+/// Two defects of lapin 4.12.3 (the newest release) decide its shape:
+/// - lapin closes a dropped connection only once every handle on its channels is gone, and a
+///   `basic.consume` whose future is dropped before its `consume-ok` arrives breaks that:
+///   lapin then registers the consumer with a handle on its channel and without the canceller
+///   a returned consumer gets (`channel.rs`, `on_basic_consume_ok_received`; `consumer.rs`,
+///   `external`). So the connection is closed explicitly, never left to its handles.
+/// - a lock-order deadlock. lapin's I/O thread handles a delivery's body holding the channel's
+///   status lock and then takes the consumers' lock (`channel_status.rs`, `receive`;
+///   `consumers.rs`, `handle_body_frame`); its RPC task drains the consumers holding their
+///   lock (`consumers.rs`, `error`), and when the drained consumer was the last handle on its
+///   channel, dropping it takes the channel's status lock (`channel_closer.rs`). A consumer
+///   dropped while deliveries stream in (its `basic.cancel` then fails on the closing
+///   connection and errors it) deadlocks both: the connection stays open with its prefetch of
+///   unacked messages, and two runtime threads block for good. Seen about 1 kill in 4 (gdb:
+///   the I/O thread in `Consumers::read`, a worker in `ChannelCloser::drop` under
+///   `Consumers::error`). Hence [`ClosingConnection::hold`]: the connection keeps handles on
+///   its channels and consumers, and drops them only after its close has completed, when
+///   lapin has drained its consumers and reads no more frames; lapin's own drops are then
+///   never the last.
+pub struct ClosingConnection {
+    /// `None` only while it is dropped.
+    connection: Option<Connection>,
+    /// Handles on the connection's channels and consumers, by name (see `hold`).
+    held: Vec<(&'static str, Box<dyn Send + Sync>)>,
+}
+
+impl std::fmt::Debug for ClosingConnection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let held: Vec<&str> = self.held.iter().map(|(name, _)| *name).collect();
+        f.debug_struct("ClosingConnection")
+            .field("connection", &self.connection)
+            .field("held", &held)
+            .finish()
+    }
+}
 
 impl std::ops::Deref for ClosingConnection {
     type Target = Connection;
 
     fn deref(&self) -> &Connection {
-        &self.0
+        self.connection
+            .as_ref()
+            .expect("a connection is taken only by its drop")
+    }
+}
+
+impl ClosingConnection {
+    fn new(connection: Connection) -> Self {
+        Self {
+            connection: Some(connection),
+            held: Vec::new(),
+        }
+    }
+
+    /// Keeps `handle` (a clone of one of this connection's channels or consumers) until the
+    /// connection has closed; a handle held under the same `name` before is dropped now (hold
+    /// a replaced channel's handles only while it is open). Hold every consumer a session
+    /// makes, and its channel: see the type's documentation.
+    pub fn hold(&mut self, name: &'static str, handle: impl Send + Sync + 'static) {
+        let handle: Box<dyn Send + Sync> = Box::new(handle);
+        match self.held.iter_mut().find(|(held, _)| *held == name) {
+            Some(slot) => slot.1 = handle,
+            None => self.held.push((name, handle)),
+        }
     }
 }
 
 impl Drop for ClosingConnection {
     fn drop(&mut self) {
         use futures_util::FutureExt;
-        // `close` hands `connection.close` to lapin's I/O thread on its first poll (it fails
-        // at once if the connection is no longer open); the close-ok is not awaited.
-        let _ = self.0.close(200, "closed".into()).now_or_never();
+        let Some(connection) = self.connection.take() else {
+            return;
+        };
+        let held = std::mem::take(&mut self.held);
+        match tokio::runtime::Handle::try_current() {
+            // The close is awaited on a task of its own (bounded by the connection's heartbeat:
+            // a silent broker fails the connection, which completes the close), and only then
+            // are the handles dropped.
+            Ok(runtime) => {
+                runtime.spawn(async move {
+                    let _ = connection.close(200, "closed".into()).await;
+                    drop(held);
+                });
+            }
+            // Outside a runtime (a process ending): the close is handed to lapin's I/O thread
+            // on the first poll (it fails at once if the connection is no longer open), not
+            // awaited.
+            Err(_) => {
+                let _ = connection.close(200, "closed".into()).now_or_never();
+                drop(held);
+            }
+        }
     }
 }
 
@@ -125,7 +193,7 @@ pub(crate) async fn connect(
         properties,
     )
     .await
-    .map(ClosingConnection)
+    .map(ClosingConnection::new)
 }
 
 thread_local! {

@@ -97,7 +97,7 @@ impl Tail {
         capacity: u32,
     ) -> Result<Self, Error> {
         let limit = config.connect_timeout;
-        let connection = config.connect_named("outbox-relay-tail").await?;
+        let mut connection = config.connect_named("outbox-relay-tail").await?;
         let channel = within("channel.open", limit, connection.create_channel()).await?;
         let mut arguments = FieldTable::default();
         arguments.insert(
@@ -152,6 +152,8 @@ impl Tail {
             ),
         )
         .await?;
+        connection.hold("channel", channel.clone());
+        connection.hold("deliveries", deliveries.clone());
         Ok(Self {
             _connection: connection,
             deliveries,

@@ -130,10 +130,10 @@ where
     ) -> Result<FoldStats, Error> {
         let (stop_tx, stop_rx) = watch::channel(false);
         // Dropping `run` (a killed consumer) aborts every partition task with it: their
-        // connections close and the broker redelivers whatever they had not acked. Known
-        // defect: about 1 drop in 4 mid-stream leaves one subscription open on the broker
-        // (`batches::batches_killed_inside_and_between_leave_the_fold_exact`, ignored in CI);
-        // a process that exits closes its sockets and is not affected.
+        // connections close (`broker::ClosingConnection`, which also holds each
+        // subscription's handles until then: lapin 4.12.3 can deadlock otherwise) and the
+        // broker redelivers whatever they had not acked
+        // (`batches::batches_killed_inside_and_between_leave_the_fold_exact`).
         let mut tasks = tokio::task::JoinSet::new();
         for (index, partition) in self.config.partitions().into_iter().enumerate() {
             let serve = Serve {

@@ -11,7 +11,7 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Channel, Confirmation};
 use sqlx::PgPool;
-use store::{FoldOutcome, OutboxEvent, Projection};
+use store::{FoldError, FoldOutcome, OutboxEvent, Projection};
 use tokio::sync::watch;
 use tracing::Instrument;
 
@@ -126,14 +126,16 @@ where
     async fn open(&self) -> Result<Session, Error> {
         let rabbit = &self.config.rabbit;
         let limit = rabbit.connect_timeout;
-        let (connection, channel) = open(rabbit, "outbox-consumer").await?;
+        let (mut connection, channel) = open(rabbit, "outbox-consumer").await?;
         within(
             "basic.qos",
             limit,
             channel.basic_qos(self.config.prefetch, BasicQosOptions::default()),
         )
         .await?;
+        connection.hold("channel", channel.clone());
         let dead = within("channel.open", limit, connection.create_channel()).await?;
+        connection.hold("dead", dead.clone());
         within(
             "confirm.select",
             limit,
@@ -175,13 +177,14 @@ where
                 fresh.basic_qos(self.config.prefetch, BasicQosOptions::default()),
             )
             .await?;
-            let old = std::mem::replace(&mut session.channel, fresh);
+            let old = std::mem::replace(&mut session.channel, fresh.clone());
             within(
                 "channel.close",
                 limit,
                 old.close(200, "subscribing again".into()),
             )
             .await?;
+            session.connection.hold("channel", fresh);
         }
         let deliveries = within(
             "basic.consume",
@@ -194,6 +197,8 @@ where
             ),
         )
         .await?;
+        // Held until the connection has closed (see `broker::ClosingConnection`).
+        session.connection.hold("deliveries", deliveries.clone());
         Ok(Some(deliveries))
     }
 
@@ -466,28 +471,62 @@ where
         };
         let topology = &self.config.rabbit.topology;
         let queue = topology.queue(self.partition);
-        let mut outcomes = Vec::with_capacity(to_fold.len());
-        for at in to_fold {
-            let Some(Ok(event)) = &batch[at].event else {
-                continue;
+        // The fold's verdicts on the whole batch in one call (`relay_fold_batch`), then each
+        // delivery's application through the projection, in order, each in its own span.
+        let folded: Vec<(usize, &OutboxEvent)> = to_fold
+            .iter()
+            .filter_map(|&at| match &batch[at].event {
+                Some(Ok(event)) => Some((at, event)),
+                _ => None,
+            })
+            .collect();
+        let mut outcomes = Vec::with_capacity(folded.len());
+        if !folded.is_empty() {
+            let events: Vec<&OutboxEvent> = folded.iter().map(|(_, event)| *event).collect();
+            let answers = match store::fold_verdicts(&mut tx, &events).await {
+                Ok(answers) => answers,
+                Err((refused, err)) => {
+                    let verdict = verdict::<P::Error>(Err(FoldError::Store(err)), P::is_permanent);
+                    if let (Some(at), Some(failed)) = (refused, verdict.error_type()) {
+                        let (_, event) = folded[at];
+                        let span = fold_span(event, queue.as_str(), topology.group().name());
+                        span.record("error.type", failed);
+                        span.record("otel.status_code", "error");
+                    }
+                    return Ok(match (verdict, refused) {
+                        (Verdict::DeadLetter(why, reason), Some(at)) => {
+                            Attempt::Refused(folded[at].0, why, reason)
+                        }
+                        (Verdict::DeadLetter(_, why) | Verdict::Retry(why), _) => {
+                            Attempt::Failed(why)
+                        }
+                        (Verdict::Folded(_), _) => {
+                            Attempt::Failed("the batched fold failed without an error".into())
+                        }
+                    });
+                }
             };
-            let span = fold_span(event, queue.as_str(), topology.group().name());
-            let mut projection = Subscribed {
-                inner: &mut self.projection,
-                types: self.config.event_types.as_ref(),
-            };
-            let folded = store::fold(&mut tx, event, &mut projection)
-                .instrument(span.clone())
-                .await;
-            let verdict = verdict(folded, P::is_permanent);
-            if let Some(failed) = verdict.error_type() {
-                span.record("error.type", failed);
-                span.record("otel.status_code", "error");
-            }
-            match verdict {
-                Verdict::Folded(outcome) => outcomes.push((at, outcome)),
-                Verdict::DeadLetter(why, reason) => return Ok(Attempt::Refused(at, why, reason)),
-                Verdict::Retry(why) => return Ok(Attempt::Failed(why)),
+            for (&(at, event), steps) in folded.iter().zip(answers) {
+                let span = fold_span(event, queue.as_str(), topology.group().name());
+                let mut projection = Subscribed {
+                    inner: &mut self.projection,
+                    types: self.config.event_types.as_ref(),
+                };
+                let applied = store::apply_fold(&mut tx, event, steps, &mut projection)
+                    .instrument(span.clone())
+                    .await;
+                let verdict = verdict(applied, P::is_permanent);
+                if let Some(failed) = verdict.error_type() {
+                    span.record("error.type", failed);
+                    span.record("otel.status_code", "error");
+                }
+                match verdict {
+                    Verdict::Folded(outcome) => outcomes.push((at, outcome)),
+                    Verdict::DeadLetter(why, reason) => {
+                        return Ok(Attempt::Refused(at, why, reason));
+                    }
+                    Verdict::Retry(why) => return Ok(Attempt::Failed(why)),
+                }
             }
         }
         for at in unsent {

@@ -1,19 +1,22 @@
 """A consumer in Python: projects the relay's events into its own table, exactly once and in
-live-history order, through the fold's SQL function `relay_fold` (see broker/WIRE.md). It
-re-implements none of the fold's rules: per delivery, in one transaction, it calls `relay_fold`
-with the message's headers, body and metadata (WIRE.md, version 4), applies what it returns ("apply" rows in order, "undo" for a
-rewind or for history a failover lost, "end" once a closed run is complete), commits, and only
-then acks. A delivery the fold refuses (a broken chain, a malformed message, a retired run, a
-history that diverged after a failover) is published to the group's dead-letter queue with the
-reason, confirmed by the broker, and only then acked: it is never dropped.
+live-history order, through the fold's SQL function `relay_fold_batch` (see broker/WIRE.md). It
+re-implements none of the fold's rules: it takes what the broker has pushed (up to BATCH_EVENTS
+deliveries, 128 by default), and in one transaction calls `relay_fold_batch` once with each
+message's headers, body and metadata (WIRE.md, version 4), applies what it returns in order
+("apply" rows, "undo" for a rewind or for history a failover lost, "end" once a closed run is
+complete), commits, and only then acks the whole batch with one `multiple` ack. A delivery the
+fold refuses (a broken chain, a malformed message, a retired run, a history that diverged after
+a failover) fails the call with a hint naming it: the transaction is rolled back, that delivery
+alone is published to the group's dead-letter queue with the reason, confirmed by the broker,
+and acked, and the rest of the batch is folded again. It is never dropped.
 
     AMQP_URL=amqp://guest:guest@127.0.0.1:5672/%2f DATABASE_URL=postgres://... \
       TOPOLOGY=outbox PARTITIONS=4 python3 consumer.py
 
-Its database needs the fold's tables and function (`distribution migrate --fold`, or
+Its database needs the fold's tables and functions (`distribution migrate --fold`, or
 `store::migrate_fold`). It reads the default group's queues (`<TOPOLOGY>.p<N>`) and dead-letters
-to `<TOPOLOGY>.dead`. CRASH_AFTER_WRITES=N makes it exit hard after writing its N-th delivery
-and before committing it: the write is rolled back, the delivery redelivered.
+to `<TOPOLOGY>.dead`. CRASH_AFTER_WRITES=N makes it exit hard once a batch brings its writes to
+N or more, before committing it: the batch is rolled back and redelivered.
 """
 
 import datetime
@@ -24,8 +27,12 @@ import pika
 import psycopg
 from psycopg.types.json import Jsonb
 
-FOLD = """SELECT action, branch_id, lsn, prev_lsn, rewound_to, payload, meta
-            FROM relay_fold(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"""
+FOLD_BATCH = """SELECT delivery, action, branch_id, lsn, prev_lsn, rewound_to, payload, meta
+                  FROM relay_fold_batch(%s::text[], %s::text[], %s::text[], %s::text[],
+                                        %s::bigint[], %s::bigint[], %s::bigint[], %s::text[],
+                                        %s::text[], %s::timestamptz[], %s::bytea[], %s::jsonb[],
+                                        %s::bigint[], %s::bigint[])
+                 ORDER BY delivery, step"""
 
 # The fold's refusals (docs/sql-api.md, "Refusals"): they fail again however often the
 # delivery comes, so the delivery is dead-lettered.
@@ -98,71 +105,96 @@ def main():
     db.execute(
         "CREATE TABLE IF NOT EXISTS py_runs_done (tenant text, run text, PRIMARY KEY (tenant, run))"
     )
+    batch_events = int(setting("BATCH_EVENTS", "128"))
     writes = 0
+    pending = []  # (method, properties, body) pushed by the broker, not folded yet
 
-    def handle(channel, method, properties, body):
+    def on_message(_channel, method, properties, body):
+        pending.append((method, properties, body))
+
+    def arguments(batch):
+        """relay_fold_batch's arrays: one element per delivery, in delivery order."""
+        columns = [[] for _ in range(14)]
+        for _method, properties, body in batch:
+            h = properties.headers or {}
+            created = h.get("created_at_us")
+            created_at = (
+                datetime.datetime.fromtimestamp(created / 1e6, tz=datetime.timezone.utc)
+                if created is not None
+                else None
+            )
+            meta = metadata(properties, h)
+            row = (
+                text(h.get("tenant")), text(h.get("run")), text(h.get("branch")),
+                text(h.get("kind")), h.get("lsn"), h.get("prev_lsn"), h.get("base_lsn"),
+                text(h.get("parent_branch")), text(h.get("rewound_to")), created_at, body,
+                meta and Jsonb(meta), h.get("epoch"), h.get("prev_epoch"),
+            )
+            for column, value in zip(columns, row):
+                column.append(value)
+        return columns
+
+    def fold(batch):
+        """Folds `batch` in one transaction; a refusal raises (rolled back)."""
         nonlocal writes
-        h = properties.headers or {}
-        created = h.get("created_at_us")
-        created_at = (
-            datetime.datetime.fromtimestamp(created / 1e6, tz=datetime.timezone.utc)
-            if created is not None
-            else None
-        )
-        tenant, run = text(h.get("tenant")), text(h.get("run"))
-        meta = metadata(properties, h)
-        try:
-            with db.transaction():
-                rows = db.execute(
-                    FOLD,
-                    (
-                        tenant, run, text(h.get("branch")), text(h.get("kind")),
-                        h.get("lsn"), h.get("prev_lsn"), h.get("base_lsn"),
-                        text(h.get("parent_branch")), text(h.get("rewound_to")),
-                        created_at, body, meta and Jsonb(meta), h.get("epoch"), h.get("prev_epoch"),
-                    ),
-                ).fetchall()
-                # Also 'hold', 'duplicate', 'abandoned' and 'superseded' (a copy of history
-                # the database replaced after a failover): nothing to apply. 'adopt' comes
-                # first when an operator adopted a failover's history: the 'undo' rows after it
-                # remove what the failover lost.
-                for action, branch, lsn, _prev, _to, payload, row_meta in rows:
-                    if action == "apply":
-                        # Each row brings its body and metadata (those of a held-back intent
-                        # as relay_fold kept them). A plain INSERT: a second apply of one (branch, lsn) would fail here.
-                        db.execute(
-                            "INSERT INTO py_projection (tenant, run, branch, lsn, body, meta)"
-                            " VALUES (%s, %s, %s, %s, %s, %s)",
-                            (tenant, run, branch, lsn, payload, row_meta and Jsonb(row_meta)),
-                        )
-                    elif action == "undo":
-                        db.execute(
-                            "DELETE FROM py_projection"
-                            " WHERE tenant = %s AND run = %s AND branch = %s AND lsn > %s",
-                            (tenant, run, branch, lsn),
-                        )
-                    elif action == "end":
-                        # The run is complete: everything of it is applied. Once per run.
-                        db.execute(
-                            "INSERT INTO py_runs_done (tenant, run) VALUES (%s, %s)",
-                            (tenant, run),
-                        )
-                writes += 1
-                if crash_after and writes >= crash_after:
-                    print(f"crashing before commit, after {writes} writes", flush=True)
-                    os._exit(3)
-        except psycopg.Error as error:
-            if error.sqlstate in REFUSED:
+        with db.transaction():
+            rows = db.execute(FOLD_BATCH, arguments(batch)).fetchall()
+            # Also 'hold', 'duplicate', 'abandoned' and 'superseded' (a copy of history the
+            # database replaced after a failover): nothing to apply. 'adopt' comes first when
+            # an operator adopted a failover's history: the 'undo' rows after it remove what
+            # the failover lost.
+            for delivery, action, branch, lsn, _prev, _to, payload, row_meta in rows:
+                h = batch[delivery - 1][1].headers or {}
+                tenant, run = text(h.get("tenant")), text(h.get("run"))
+                if action == "apply":
+                    # Each row brings its body and metadata (those of a held-back intent as
+                    # relay_fold kept them). A plain INSERT: a second apply of one (branch,
+                    # lsn) would fail here.
+                    db.execute(
+                        "INSERT INTO py_projection (tenant, run, branch, lsn, body, meta)"
+                        " VALUES (%s, %s, %s, %s, %s, %s)",
+                        (tenant, run, branch, lsn, payload, row_meta and Jsonb(row_meta)),
+                    )
+                elif action == "undo":
+                    db.execute(
+                        "DELETE FROM py_projection"
+                        " WHERE tenant = %s AND run = %s AND branch = %s AND lsn > %s",
+                        (tenant, run, branch, lsn),
+                    )
+                elif action == "end":
+                    # The run is complete: everything of it is applied. Once per run.
+                    db.execute(
+                        "INSERT INTO py_runs_done (tenant, run) VALUES (%s, %s)",
+                        (tenant, run),
+                    )
+            writes += len(batch)
+            if crash_after and writes >= crash_after:
+                print(f"crashing before commit, after {writes} writes", flush=True)
+                os._exit(3)
+
+    def handle(batch):
+        """Folds `batch`, dead-letters what the fold refuses, then acks all of it."""
+        while batch:
+            try:
+                fold(batch)
+                break
+            except psycopg.Error as error:
+                if error.sqlstate not in REFUSED:
+                    raise
                 # A broken producer, a malformed message, a run retired after its retention,
                 # a history that diverged after a failover: it will fail again. Into the
-                # dead-letter queue with its reason, confirmed, and only then acked.
+                # dead-letter queue with its reason, confirmed, and only then acked; the
+                # others are folded again without it. The hint is "delivery N of the batch".
+                index = int(error.diag.message_hint.split()[1]) - 1
+                method, properties, body = batch.pop(index)
                 reason = f"{error.sqlstate}: {error.diag.message_primary}"
                 print(f"dead-lettering {properties.message_id}: {reason}", flush=True)
                 dead_letter(body, properties, reason)
                 channel.basic_ack(method.delivery_tag)
-                return
-            raise
-        channel.basic_ack(method.delivery_tag)
+        # One ack for what was folded: every delivery up to its last (those before were acked
+        # with earlier batches, a dead-lettered one on its own).
+        if batch:
+            channel.basic_ack(batch[-1][0].delivery_tag, multiple=True)
 
     connection = pika.BlockingConnection(pika.URLParameters(setting("AMQP_URL")))
     # Dead letters go out on a channel of their own, with publisher confirms: basic_publish
@@ -193,15 +225,21 @@ def main():
         )
 
     channel = connection.channel()
-    channel.basic_qos(prefetch_count=32)
+    # Room for a full batch while the previous one is folded.
+    channel.basic_qos(prefetch_count=2 * batch_events)
     for partition in range(partitions):
-        channel.basic_consume(f"{topology}.p{partition}", handle)
+        channel.basic_consume(f"{topology}.p{partition}", on_message)
     print("consuming", flush=True)
     try:
-        channel.start_consuming()
+        while True:
+            # Wait for a delivery, then fold what the broker has pushed, a batch at a time.
+            connection.process_data_events(time_limit=None if not pending else 0)
+            while pending:
+                batch = pending[:batch_events]
+                del pending[:batch_events]
+                handle(batch)
     except KeyboardInterrupt:
         pass
-
 
 if __name__ == "__main__":
     main()

@@ -19,48 +19,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use sqlx::{Connection, PgConnection, PgPool};
+use sqlx::PgPool;
 use store::Retention;
 use tokio::sync::mpsc;
 
-fn setting(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|value| value.parse().ok())
-        .unwrap_or(default)
-}
-
-async fn database(label: &str, fold_only: bool) -> (PgPool, String) {
-    let url = std::env::var("DATABASE_URL").expect("DATABASE_URL (set in .cargo/config.toml)");
-    let name = format!("relay_bench_{label}_{}", std::process::id());
-    let mut admin = PgConnection::connect(&url).await.expect("PostgreSQL");
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-        .execute(&mut admin)
-        .await
-        .expect("create database");
-    let base = url.rsplit_once('/').expect("a database in the URL").0;
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(24)
-        .connect(&format!("{base}/{name}"))
-        .await
-        .expect("bench database");
-    if fold_only {
-        store::migrate_fold(&pool).await.expect("migrate fold");
-    } else {
-        store::migrate(&pool).await.expect("migrate");
-    }
-    (pool, name)
-}
-
-async fn drop_database(name: &str) {
-    let url = std::env::var("DATABASE_URL").expect("DATABASE_URL");
-    let mut admin = PgConnection::connect(&url).await.expect("PostgreSQL");
-    let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
-    )))
-    .execute(&mut admin)
-    .await;
-}
+mod support;
+use support::{database, drop_database, setting};
 
 /// One drained row, as a delivery.
 type Delivery = (

@@ -82,7 +82,10 @@ pub struct RewindNotice {
 }
 
 /// What a consumer does with events: writes in the fold's open transaction, so the writes
-/// commit atomically with the fold's cursor (or not at all).
+/// commit atomically with the fold's cursor (or not at all). `consumer::Consumer` asks the fold
+/// for its verdicts on a whole batch first ([`verdicts`]), then calls the projection for each
+/// delivery in order: a projection writes its own tables and never reads the fold's
+/// (`relay_fold_*`).
 pub trait Projection: Send {
     /// The projection's own error. Any error rolls the delivery's transaction back (with the
     /// consumer's batches, the batch's: the others of it are folded again).
@@ -135,8 +138,8 @@ pub enum FoldError<E> {
 }
 
 /// One row of `relay_fold`'s answer.
-#[derive(sqlx::FromRow)]
-struct Step {
+#[derive(Debug, sqlx::FromRow)]
+pub(crate) struct Step {
     action: String,
     branch_id: String,
     lsn: i64,
@@ -158,11 +161,7 @@ pub async fn fold<P: Projection>(
     projection: &mut P,
 ) -> Result<FoldOutcome, FoldError<P::Error>> {
     let key = &event.key.branch;
-    let (kind, rewound_to) = match &event.kind {
-        EventKind::Intent => ("intent", None),
-        EventKind::Rewind { to } => ("rewind", Some(to.as_str())),
-        EventKind::End => ("end", None),
-    };
+    let (kind, rewound_to) = kind_argument(event);
     // The verdict's row is the delivery itself: its body is not sent back (n = 1).
     let steps: Vec<Step> = sqlx::query_as(
         "SELECT action, branch_id, lsn, prev_lsn, base_lsn, parent_branch, rewound_to, created_at,
@@ -190,6 +189,143 @@ pub async fn fold<P: Projection>(
     .fetch_all(&mut *tx)
     .await
     .map_err(|err| fold_refusal(err, event))?;
+    apply(tx, event, FoldSteps(steps), projection).await
+}
+
+/// What `relay_fold` answered for one delivery (its rows, in order), to be applied with
+/// [`apply`]; from [`verdicts`].
+#[derive(Debug)]
+pub struct FoldSteps(Vec<Step>);
+
+/// The fold's answers for a batch of deliveries, in one `relay_fold_batch` call (one round
+/// trip; `relay_fold` for each, in order, so the same answers as one call per delivery): each
+/// delivery's steps, in order. Apply each with [`apply`], in order, in the same transaction.
+/// A refusal names the delivery refused (its index in `events`): roll back, dead-letter it,
+/// and fold the others again.
+pub async fn verdicts(
+    tx: &mut PgConnection,
+    events: &[&OutboxEvent],
+) -> Result<Vec<FoldSteps>, (Option<usize>, Error)> {
+    let mut tenant = Vec::with_capacity(events.len());
+    let mut run = Vec::with_capacity(events.len());
+    let mut branch = Vec::with_capacity(events.len());
+    let mut kind = Vec::with_capacity(events.len());
+    let mut lsn = Vec::with_capacity(events.len());
+    let mut prev_lsn = Vec::with_capacity(events.len());
+    let mut base_lsn = Vec::with_capacity(events.len());
+    let mut parent = Vec::with_capacity(events.len());
+    let mut rewound_to = Vec::with_capacity(events.len());
+    let mut created_at = Vec::with_capacity(events.len());
+    let mut payload = Vec::with_capacity(events.len());
+    let mut meta = Vec::with_capacity(events.len());
+    let mut epoch = Vec::with_capacity(events.len());
+    let mut prev_epoch = Vec::with_capacity(events.len());
+    for (at, event) in events.iter().enumerate() {
+        let key = &event.key.branch;
+        let (this_kind, to) = kind_argument(event);
+        let db = |lsn: Lsn| lsn.to_db().map_err(|err| (Some(at), err));
+        tenant.push(key.tenant.as_str());
+        run.push(key.run.as_str());
+        branch.push(key.branch.as_str());
+        kind.push(this_kind);
+        lsn.push(db(event.key.lsn)?);
+        prev_lsn.push(db(event.prev_lsn)?);
+        base_lsn.push(db(event.base_lsn)?);
+        parent.push(event.parent.as_ref().map(BranchId::as_str));
+        rewound_to.push(to);
+        created_at.push(event.created_at);
+        payload.push(event.payload.as_slice());
+        meta.push((!event.meta.is_empty()).then_some(sqlx::types::Json(&event.meta)));
+        epoch.push(event.epochs.epoch.map(crate::Epoch::to_db));
+        prev_epoch.push(event.epochs.prev.map(crate::Epoch::to_db));
+    }
+    // Each delivery's own row (step 1) is not sent back with its body.
+    let rows: Vec<(i32, Step)> = sqlx::query_as::<_, NumberedStep>(
+        "SELECT delivery, action, branch_id, lsn, prev_lsn, base_lsn, parent_branch, rewound_to,
+                created_at, CASE WHEN step > 1 THEN payload END AS payload,
+                CASE WHEN step > 1 THEN meta END AS meta
+           FROM relay_fold_batch($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
+          ORDER BY delivery, step",
+    )
+    .bind(tenant)
+    .bind(run)
+    .bind(branch)
+    .bind(kind)
+    .bind(lsn)
+    .bind(prev_lsn)
+    .bind(base_lsn)
+    .bind(parent)
+    .bind(rewound_to)
+    .bind(created_at)
+    .bind(payload)
+    .bind(meta)
+    .bind(epoch)
+    .bind(prev_epoch)
+    .fetch_all(&mut *tx)
+    .await
+    .map_err(|err| match refused_delivery(&err, events.len()) {
+        Some(at) => (Some(at), fold_refusal(err, events[at])),
+        None => (None, Error::Database(err)),
+    })?
+    .into_iter()
+    .map(|NumberedStep { delivery, step }| (delivery, step))
+    .collect();
+    let mut answers: Vec<FoldSteps> = events.iter().map(|_| FoldSteps(Vec::new())).collect();
+    for (delivery, step) in rows {
+        let at = usize::try_from(delivery - 1)
+            .ok()
+            .filter(|at| *at < answers.len())
+            .ok_or_else(|| {
+                let text = format!("relay_fold_batch answered for delivery {delivery}");
+                (None, Error::Database(sqlx::Error::Protocol(text)))
+            })?;
+        answers[at].0.push(step);
+    }
+    Ok(answers)
+}
+
+/// The delivery a `relay_fold_batch` refusal names (its hint: `delivery N of the batch`).
+fn refused_delivery(err: &sqlx::Error, deliveries: usize) -> Option<usize> {
+    let sqlx::Error::Database(db) = err else {
+        return None;
+    };
+    let hint = db
+        .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()?
+        .hint()?;
+    let n: usize = hint
+        .strip_prefix("delivery ")?
+        .strip_suffix(" of the batch")?
+        .parse()
+        .ok()?;
+    (1..=deliveries).contains(&n).then(|| n - 1)
+}
+
+/// A row of `relay_fold_batch`'s answer: the delivery it answers, then `relay_fold`'s columns.
+#[derive(sqlx::FromRow)]
+struct NumberedStep {
+    delivery: i32,
+    #[sqlx(flatten)]
+    step: Step,
+}
+
+/// `relay_fold`'s `p_kind` and `p_rewound_to` for `event`.
+fn kind_argument(event: &OutboxEvent) -> (&'static str, Option<&str>) {
+    match &event.kind {
+        EventKind::Intent => ("intent", None),
+        EventKind::Rewind { to } => ("rewind", Some(to.as_str())),
+        EventKind::End => ("end", None),
+    }
+}
+
+/// Applies what the fold answered for `event` (see [`fold`]) through `projection`, in order.
+pub async fn apply<P: Projection>(
+    tx: &mut PgConnection,
+    event: &OutboxEvent,
+    steps: FoldSteps,
+    projection: &mut P,
+) -> Result<FoldOutcome, FoldError<P::Error>> {
+    let key = &event.key.branch;
+    let steps = steps.0;
     let mut steps = steps.into_iter().peekable();
     let no_verdict = || {
         Error::Database(sqlx::Error::Protocol(

@@ -47,6 +47,7 @@ pub use fold::FoldedEvent;
 pub use fold::Projection;
 pub use fold::RewindNotice;
 pub use fold::fold;
+pub use fold::{FoldSteps, apply as apply_fold, verdicts as fold_verdicts};
 pub use fold_model::FoldModel;
 pub use key::BranchId;
 pub use key::BranchKey;
@@ -118,11 +119,12 @@ pub const MIGRATIONS_TABLE: &str = "relay_migrations";
 /// Tracked in [`MIGRATIONS_TABLE`]. Hosts with another migration tool can apply the same SQL
 /// (`MIGRATOR.iter()` or `distribution sql`, in version order).
 ///
-/// Versions 4, 6, 9, 10 and 13 are the fold's SQL (`relay_fold`, end markers and
-/// `relay_fold_retire`, metadata, stream offsets, epochs), the very files the fold migrations of
-/// a consumer's own database apply, so a database with the outbox folds too. The next file in
-/// `store/migrations` after `0008_*` is `0011_*` (versions 9 and 10 are the fold's), and after
-/// `0012_*` it is `0014_*` (13 is the fold's).
+/// Versions 4, 6, 9, 10, 13 and 16 are the fold's SQL (`relay_fold`, end markers and
+/// `relay_fold_retire`, metadata, stream offsets, epochs, `relay_fold_batch`), the very files
+/// the fold migrations of a consumer's own database apply, so a database with the outbox folds
+/// too. The next file in `store/migrations` after `0008_*` is `0011_*` (versions 9 and 10 are
+/// the fold's), after `0012_*` it is `0014_*` (13 is the fold's), and after `0015_*` it will be
+/// `0017_*` (16 is the fold's).
 pub static MIGRATOR: std::sync::LazyLock<sqlx::migrate::Migrator> =
     std::sync::LazyLock::new(|| {
         let mut migrator = sqlx::migrate!("./migrations");
@@ -143,8 +145,9 @@ pub static MIGRATOR: std::sync::LazyLock<sqlx::migrate::Migrator> =
     });
 
 /// The fold's SQL in the outbox's migrations: (outbox version, description, the fold file).
-/// `relay_fold` is what a consumer in any language calls once per delivery (see WIRE.md).
-const FOLD_IN_OUTBOX: [(i64, &str, &str); 5] = [
+/// `relay_fold` is what a consumer in any language calls once per delivery, `relay_fold_batch`
+/// once per batch (see WIRE.md).
+const FOLD_IN_OUTBOX: [(i64, &str, &str); 6] = [
     (
         4,
         "fold function",
@@ -169,6 +172,11 @@ const FOLD_IN_OUTBOX: [(i64, &str, &str); 5] = [
         13,
         "fold epochs",
         include_str!("../fold_migrations/0006_epochs.sql"),
+    ),
+    (
+        16,
+        "fold batch",
+        include_str!("../fold_migrations/0007_fold_batch.sql"),
     ),
 ];
 
@@ -197,6 +205,7 @@ const REQUIRED_OBJECTS: &[(&str, &str)] = &[
     ("function", "relay_discard_branch"),
     ("function", "relay_current_epoch"),
     ("function", "relay_fold_adopt"),
+    ("function", "relay_fold_batch"),
     ("function", "relay_wait_replicated"),
     ("relation", "relay_branch_status"),
 ];

@@ -9,9 +9,9 @@
 //!   nothing else: it cannot write intents or change branches, and needs neither superuser nor
 //!   owner rights (run it with `RELAY_SKIP_MIGRATE=true`; the owner migrates);
 //! - the **consumer** role may only call `relay_fold`, `relay_fold_retire`, the stream
-//!   offset functions (`relay_fold_offset`, `relay_fold_save_offset`, `relay_fold_reset`) and
-//!   `relay_fold_adopt` (the way out of a divergence after a failover) (and own its projection's
-//!   tables).
+//!   offset functions (`relay_fold_offset`, `relay_fold_save_offset`, `relay_fold_reset`),
+//!   `relay_fold_adopt` (the way out of a divergence after a failover) and `relay_fold_batch`
+//!   (and own its projection's tables).
 //!
 //! - the **operator** role (the console's, or a person's with `distribution status`,
 //!   `release` and `discard`) may read the status views (`relay_backlog_status`,
@@ -73,6 +73,7 @@ const CONSUMER_FUNCTIONS: &[&str] = &[
     "relay_fold_save_offset",
     "relay_fold_reset",
     "relay_fold_adopt",
+    "relay_fold_batch",
 ];
 
 fn role(kind: &'static str, name: &str) -> Result<String, Error> {
@@ -139,6 +140,7 @@ pub fn roles_sql(roles: &Roles, on: RolesFor, schema: Option<&Schema>) -> Result
             "relay_fold_save_offset",
             "relay_fold_reset",
             "relay_fold_adopt",
+            "relay_fold_batch",
         ],
         RolesFor::Fold => CONSUMER_FUNCTIONS,
     };
@@ -242,10 +244,10 @@ mod tests {
         };
         let sql = roles_sql(&fold, RolesFor::Fold, Some(&schema)).unwrap();
         assert!(sql.contains(
-            "REVOKE EXECUTE ON FUNCTION ops.relay_fold, ops.relay_fold_retire, ops.relay_fold_offset, ops.relay_fold_save_offset, ops.relay_fold_reset, ops.relay_fold_adopt FROM PUBLIC;"
+            "REVOKE EXECUTE ON FUNCTION ops.relay_fold, ops.relay_fold_retire, ops.relay_fold_offset, ops.relay_fold_save_offset, ops.relay_fold_reset, ops.relay_fold_adopt, ops.relay_fold_batch FROM PUBLIC;"
         ));
         assert!(sql.contains(
-            "GRANT EXECUTE ON FUNCTION ops.relay_fold, ops.relay_fold_retire, ops.relay_fold_offset, ops.relay_fold_save_offset, ops.relay_fold_reset, ops.relay_fold_adopt TO relay_projector;"
+            "GRANT EXECUTE ON FUNCTION ops.relay_fold, ops.relay_fold_retire, ops.relay_fold_offset, ops.relay_fold_save_offset, ops.relay_fold_reset, ops.relay_fold_adopt, ops.relay_fold_batch TO relay_projector;"
         ));
         assert!(sql.contains("GRANT USAGE ON SCHEMA ops TO relay_projector;"));
         assert!(!sql.contains("relay_append"));

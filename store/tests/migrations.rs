@@ -113,6 +113,7 @@ async fn an_upgrade_keeps_the_roles_grants() {
         .replace("relay_current_epoch, ", "")
         .replace(", relay_wait_replicated", "")
         .replace(", relay_fold_adopt", "")
+        .replace(", relay_fold_batch", "")
         .replace("relay_release, ", "")
         .replace(
             ", relay_fold_offset, relay_fold_save_offset, relay_fold_reset",
@@ -166,6 +167,7 @@ async fn an_upgrade_keeps_the_roles_grants() {
     let append = "relay_append(text, text, text, bigint, bytea, boolean, bigint, jsonb)";
     let drain = "relay_ack_and_drain(integer, text, bigint, text, text[], text[], bigint[], bigint, bigint, text[], text[], bigint[])";
     let fold = "relay_fold(text, text, text, text, bigint, bigint, bigint, text, text, timestamptz, bytea, jsonb, bigint, bigint)";
+    let fold_batch = "relay_fold_batch(text[], text[], text[], text[], bigint[], bigint[], bigint[], text[], text[], timestamptz[], bytea[], jsonb[], bigint[], bigint[])";
     let outcome = async {
         for (role, function, expected) in [
             (&host, append, true),
@@ -181,6 +183,9 @@ async fn an_upgrade_keeps_the_roles_grants() {
             (&consumer, "relay_fold_save_offset(text, bigint)", true),
             (&host, "relay_fold_reset()", false),
             (&other, "relay_fold_offset(text)", false),
+            (&consumer, fold_batch, true),
+            (&host, fold_batch, false),
+            (&other, fold_batch, false),
             (&operator, "relay_release(text, text, text)", true),
             (
                 &operator,

@@ -506,3 +506,231 @@ fn the_fold_and_the_wire_rules_agree_on_every_delivery_of_any_sequence() {
         });
     });
 }
+
+/// One row of a fold's answer, as `relay_fold` returns it.
+type FoldRow = (
+    String,
+    String,
+    i64,
+    i64,
+    i64,
+    Option<String>,
+    Option<String>,
+    Option<chrono::DateTime<chrono::Utc>>,
+    Option<Vec<u8>>,
+    Option<serde_json::Value>,
+);
+
+/// `relay_fold`'s arguments for `event`, as a consumer maps a delivery (store::fold's mapping).
+struct FoldArgs {
+    tenant: String,
+    run: String,
+    branch: String,
+    kind: &'static str,
+    lsn: i64,
+    prev_lsn: i64,
+    base_lsn: i64,
+    parent: Option<String>,
+    rewound_to: Option<String>,
+    created_at: chrono::DateTime<chrono::Utc>,
+    payload: Vec<u8>,
+    meta: Option<serde_json::Value>,
+    epoch: Option<i64>,
+    prev_epoch: Option<i64>,
+}
+
+fn fold_args(event: &OutboxEvent) -> FoldArgs {
+    let key = &event.key.branch;
+    let (kind, rewound_to) = match &event.kind {
+        EventKind::Intent => ("intent", None),
+        EventKind::Rewind { to } => ("rewind", Some(to.to_string())),
+        EventKind::End => ("end", None),
+    };
+    FoldArgs {
+        tenant: key.tenant.to_string(),
+        run: key.run.to_string(),
+        branch: key.branch.to_string(),
+        kind,
+        lsn: event.key.lsn.get() as i64,
+        prev_lsn: event.prev_lsn.get() as i64,
+        base_lsn: event.base_lsn.get() as i64,
+        parent: event.parent.as_ref().map(ToString::to_string),
+        rewound_to,
+        created_at: event.created_at,
+        payload: event.payload.clone(),
+        meta: (!event.meta.is_empty()).then(|| serde_json::to_value(&event.meta).unwrap()),
+        epoch: event.epochs.epoch.map(store::Epoch::to_db),
+        prev_epoch: event.epochs.prev.map(store::Epoch::to_db),
+    }
+}
+
+const FOLD_COLUMNS: &str = "action, branch_id, lsn, prev_lsn, base_lsn, parent_branch, \
+                            rewound_to, created_at, payload, meta";
+
+/// One `relay_fold` call, in a transaction of its own: its rows in order.
+async fn fold_single(pool: &PgPool, event: &OutboxEvent) -> Vec<FoldRow> {
+    let a = fold_args(event);
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {FOLD_COLUMNS} FROM relay_fold($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
+              WITH ORDINALITY AS f({FOLD_COLUMNS}, n) ORDER BY n"
+    )))
+    .bind(a.tenant)
+    .bind(a.run)
+    .bind(a.branch)
+    .bind(a.kind)
+    .bind(a.lsn)
+    .bind(a.prev_lsn)
+    .bind(a.base_lsn)
+    .bind(a.parent)
+    .bind(a.rewound_to)
+    .bind(a.created_at)
+    .bind(a.payload)
+    .bind(a.meta)
+    .bind(a.epoch)
+    .bind(a.prev_epoch)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// One `relay_fold_batch` call for `events`: each delivery's rows, in order.
+async fn fold_batched(
+    pool: &PgPool,
+    events: &[&OutboxEvent],
+) -> Result<Vec<Vec<FoldRow>>, sqlx::Error> {
+    fold_batched_args(pool, events.iter().map(|event| fold_args(event)).collect()).await
+}
+
+async fn fold_batched_args(
+    pool: &PgPool,
+    args: Vec<FoldArgs>,
+) -> Result<Vec<Vec<FoldRow>>, sqlx::Error> {
+    macro_rules! column {
+        ($field:ident) => {
+            args.iter().map(|a| a.$field.clone()).collect::<Vec<_>>()
+        };
+    }
+    type Numbered = (
+        i32,
+        String,
+        String,
+        i64,
+        i64,
+        i64,
+        Option<String>,
+        Option<String>,
+        Option<chrono::DateTime<chrono::Utc>>,
+        Option<Vec<u8>>,
+        Option<serde_json::Value>,
+    );
+    let rows: Vec<Numbered> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT delivery, {FOLD_COLUMNS}
+           FROM relay_fold_batch($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
+          ORDER BY delivery, step"
+    )))
+    .bind(column!(tenant))
+    .bind(column!(run))
+    .bind(column!(branch))
+    .bind(column!(kind))
+    .bind(column!(lsn))
+    .bind(column!(prev_lsn))
+    .bind(column!(base_lsn))
+    .bind(column!(parent))
+    .bind(column!(rewound_to))
+    .bind(column!(created_at))
+    .bind(column!(payload))
+    .bind(column!(meta))
+    .bind(column!(epoch))
+    .bind(column!(prev_epoch))
+    .fetch_all(pool)
+    .await?;
+    let mut answers = vec![Vec::new(); args.len()];
+    for (delivery, action, branch, lsn, prev, base, parent, to, at, payload, meta) in rows {
+        answers[delivery as usize - 1].push((
+            action, branch, lsn, prev, base, parent, to, at, payload, meta,
+        ));
+    }
+    Ok(answers)
+}
+
+/// `relay_fold_batch`, the batched form for consumers in other languages, answers exactly what
+/// one `relay_fold` call per delivery answers, delivery by delivery, wherever the batches are
+/// cut: any delivery sequence (duplicates, reorders, rewinds, ends) folded both ways, for two
+/// tenants, compared row for row (verdicts, released intents with their bodies, undo rows).
+#[test]
+fn the_batched_fold_answers_what_one_call_per_delivery_answers() {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let pool = runtime.block_on(fresh_database("foldbatch"));
+    let case = AtomicU64::new(0);
+    proptest!(cases(300), |((h1, h2, order) in deliveries(), cuts in prop::collection::vec(1usize..=12, 1..20))| {
+        let n = case.fetch_add(1, Ordering::SeqCst);
+        let fold_both = |tenant: &TenantId| {
+            let (mut all, _) = messages(tenant, "r1", &h1);
+            all.extend(messages(tenant, "r2", &h2).0);
+            all
+        };
+        let single_events = fold_both(&TenantId::new(format!("one{n}")).unwrap());
+        // The same messages (bodies, times) under another tenant.
+        let other = TenantId::new(format!("batch{n}")).unwrap();
+        let batched_events: Vec<OutboxEvent> = single_events
+            .iter()
+            .map(|event| {
+                let mut event = event.clone();
+                let branch = &event.key.branch;
+                event.key.branch = BranchKey::new(other.clone(), branch.run.clone(), branch.branch.clone());
+                event
+            })
+            .collect();
+        runtime.block_on(async {
+            let mut single = Vec::new();
+            for index in &order {
+                single.push(fold_single(&pool, &single_events[*index]).await);
+            }
+            let mut batched = Vec::new();
+            let mut sizes = cuts.iter().cycle();
+            let mut at = 0;
+            while at < order.len() {
+                let size = (*sizes.next().unwrap()).min(order.len() - at);
+                let events: Vec<&OutboxEvent> =
+                    order[at..at + size].iter().map(|index| &batched_events[*index]).collect();
+                batched.extend(fold_batched(&pool, &events).await.unwrap());
+                at += size;
+            }
+            assert_eq!(batched, single, "the batched answers are one call's each");
+        });
+    });
+}
+
+/// A refusal inside a batch fails the whole call with the refusal's own SQLSTATE and a hint
+/// naming the delivery, and leaves nothing of the batch folded; arrays of unequal lengths are
+/// refused with one readable line.
+#[tokio::test]
+async fn a_refusal_in_a_batch_names_its_delivery_and_folds_nothing() {
+    let pool = fresh_database("foldbatchrefusal").await;
+    let tenant = TenantId::new("t").unwrap();
+    let events = testkit::intents(&key(&tenant, "r", "main"), &[1, 2, 3]);
+    let mut args: Vec<FoldArgs> = events.iter().map(fold_args).collect();
+    // A malformed message (an id the contract forbids): refused with RL100.
+    args[1].branch = "not an id".into();
+    let err = fold_batched_args(&pool, args).await.unwrap_err();
+    let db = err.as_database_error().expect("a database error");
+    assert_eq!(db.code().as_deref(), Some("RL100"), "{db}");
+    let hint = db
+        .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+        .and_then(|pg| pg.hint().map(str::to_owned));
+    assert_eq!(hint.as_deref(), Some("delivery 2 of the batch"), "{db}");
+    let cursors: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM relay_fold_cursor WHERE tenant_id = 't'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(cursors, 0, "nothing of the batch folded");
+
+    let err = sqlx::query("SELECT * FROM relay_fold_batch(ARRAY['t'], ARRAY[]::text[], ARRAY['b'], ARRAY['intent'], ARRAY[1::bigint], ARRAY[0::bigint], ARRAY[0::bigint], ARRAY[NULL::text], ARRAY[NULL::text], ARRAY[now()], ARRAY['x'::bytea])")
+        .execute(&pool)
+        .await
+        .unwrap_err();
+    let db = err.as_database_error().expect("a database error");
+    assert_eq!(db.code().as_deref(), Some("22023"));
+    assert!(db.message().contains("one element per delivery"), "{db}");
+}

@@ -377,7 +377,7 @@ fn the_printed_fold_sql_folds_and_roles_refuse_bad_names() {
         output(relay_command().args(["roles", "--consumer", "app_fold", "--fold-database"]));
     assert_eq!(code, 0, "{stderr}");
     assert!(
-        grants.contains("GRANT EXECUTE ON FUNCTION relay_fold, relay_fold_retire, relay_fold_offset, relay_fold_save_offset, relay_fold_reset, relay_fold_adopt TO app_fold;"),
+        grants.contains("GRANT EXECUTE ON FUNCTION relay_fold, relay_fold_retire, relay_fold_offset, relay_fold_save_offset, relay_fold_reset, relay_fold_adopt, relay_fold_batch TO app_fold;"),
         "{grants}"
     );
     let (code, _, stderr) = output(relay_command().arg("roles"));

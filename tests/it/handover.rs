@@ -27,6 +27,24 @@ mod outbox {
         config
     }
 
+    /// A host writing on (8 tenants x 2 runs x 2 branches, `label` their prefix) until `stop`,
+    /// once more than 200 deliveries reached `recorder`; the writer returns what it wrote.
+    async fn writing_while_both_ship(
+        pool: &PgPool,
+        recorder: &Recorder,
+        label: &str,
+    ) -> (Arc<AtomicBool>, tokio::task::JoinHandle<Expected>) {
+        let workload = Workload::new(&unique(label), 8, 2, 2);
+        let ran = workload.run(pool).await;
+        let stop = Arc::new(AtomicBool::new(false));
+        let writer = keep_writing(pool.clone(), workload, ran, stop.clone());
+        wait_until("both relays ship", Duration::from_secs(30), || async {
+            recorder.deliveries().len() > 200
+        })
+        .await;
+        (stop, writer)
+    }
+
     async fn even_shares(relays: &[&RelayHandle], what: &str) {
         let share = 128usize.div_ceil(relays.len());
         wait_until(what, Duration::from_secs(30), || async {
@@ -375,14 +393,7 @@ mod outbox {
             buckets(&other).await == 64 && held_by_others(&pool, &other).await == 64
         })
         .await;
-        let workload = Workload::new(&unique("ps"), 8, 2, 2);
-        let ran = workload.run(&pool).await;
-        let stop = Arc::new(AtomicBool::new(false));
-        let writer = keep_writing(pool.clone(), workload, ran, stop.clone());
-        wait_until("both relays ship", Duration::from_secs(30), || async {
-            recorder.deliveries().len() > 200
-        })
-        .await;
+        let (stop, writer) = writing_while_both_ship(&pool, &recorder, "ps").await;
 
         paused.signal("-STOP");
         let took_over = taken_over_within_the_fault(&other, ttl).await;
@@ -440,14 +451,7 @@ mod outbox {
         let cut = Relay::start(cut_off).await.unwrap();
         let other = Relay::start(config.clone()).await.unwrap();
         even_shares(&[&cut, &other], "even shares of two").await;
-        let workload = Workload::new(&unique("dc"), 8, 2, 2);
-        let ran = workload.run(&pool).await;
-        let stop = Arc::new(AtomicBool::new(false));
-        let writer = keep_writing(pool.clone(), workload, ran, stop.clone());
-        wait_until("both relays ship", Duration::from_secs(30), || async {
-            recorder.deliveries().len() > 200
-        })
-        .await;
+        let (stop, writer) = writing_while_both_ship(&pool, &recorder, "dc").await;
 
         // Shorter than the TTL: the fault, for its length.
         network.silence();

@@ -1,6 +1,8 @@
-//! The failover tests (`it/failover.rs`), alone in their binary: each runs two private
-//! PostgreSQL servers (`it/pg_pair.rs`), which would starve the timing-sensitive tests of
-//! `tests/it` running beside them.
+//! The failover tests (`it/failover.rs`) and the clock steps (`it/clocks.rs`), alone in their
+//! binary: each runs two private PostgreSQL servers (`it/pg_pair.rs`), which would starve the
+//! timing-sensitive tests of `tests/it` running beside them.
+#[path = "it/clocks.rs"]
+mod clocks;
 #[path = "it/double.rs"]
 mod double;
 #[path = "it/failover.rs"]
@@ -11,6 +13,8 @@ mod harness;
 mod node;
 #[path = "it/pg_pair.rs"]
 mod pg_pair;
+#[path = "it/recorder.rs"]
+mod recorder;
 
 /// This process's metrics (a Prometheus recorder, installed on the first call), rendered.
 pub fn metrics_now() -> String {

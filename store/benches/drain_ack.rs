@@ -160,8 +160,11 @@ async fn main() {
     let ttl = Duration::from_secs(3600);
     let mut book = LeaseBook::new(ttl);
     let sent = Instant::now();
-    let claimed = LeaseStore::new(pool.clone())
-        .claim(&me, ttl, LEASE_BUCKETS)
+    let leases = LeaseStore::new(pool.clone());
+    let mut seen = store::Sightings::new(ttl);
+    seen.saw_leases(&leases.survey().await.expect("survey"), sent);
+    let claimed = leases
+        .claim(&me, ttl, LEASE_BUCKETS, &seen.claimable(sent))
         .await
         .expect("claim");
     let fences: std::collections::BTreeMap<Bucket, Lease> = book

@@ -1,21 +1,24 @@
 //! Ownership of tenants across relays: lease buckets with epochs and expiry, in a table.
 //!
 //! Tenants hash into [`LEASE_BUCKETS`] buckets (FNV-1a 64 of the tenant id). A relay owns a
-//! bucket while its row in `relay_lease` names it and has not expired; it renews every
-//! heartbeat. Each change of owner increments the bucket's epoch. Nothing here is held in
-//! PostgreSQL's shared lock table, so the number of tenants never touches the host.
+//! bucket while its row in `relay_lease` names it at its epoch; it renews every heartbeat
+//! (bumping the row's beat). Another relay claims the bucket only once it has seen the row
+//! unchanged for a TTL on its own monotonic clock ([`Sightings`]), so no step of PostgreSQL's
+//! clock moves a lease. Each change of owner increments the bucket's epoch. Nothing here is
+//! held in PostgreSQL's shared lock table, so the number of tenants never touches the host.
 //!
 //! Fencing, two ways:
 //! - **In PostgreSQL**: every ack and drain of the relay presents `(bucket, owner, epoch)`;
 //!   `relay_ack_and_drain` refuses it ([`crate::Error::Fenced`]) once the lease is not current.
 //! - **In time**: a relay's own view of a lease ([`Fence`]) is valid until the instant it sent
-//!   its last successful renewal plus 90% of the TTL; PostgreSQL expires the row no earlier
-//!   than the renewal's arrival plus the TTL. Publishers check the fence before every write,
-//!   so a relay stops publishing a tenant before any other relay may claim it.
+//!   its last successful renewal plus 90% of the TTL; another relay claims it no earlier than
+//!   a TTL after it first read the row that renewal wrote ([`Sightings`]). Publishers check the
+//!   fence before every write, so a relay stops publishing a tenant before any other relay may
+//!   claim it.
 //!
 //! Sharing: each relay registers in `relay_member`; its share is `ceil(buckets / members)`. A
 //! relay above its share revokes its fences first and then releases the surplus; one below it
-//! claims free or expired buckets ([`LeasePlan`], pure and unit-tested). Which leases a relay
+//! claims free or stale buckets ([`LeasePlan`], pure and unit-tested). Which leases a relay
 //! holds, and when their fences open, extend and close, is decided by one pure [`LeaseBook`]
 //! (the supervisor's core owns it); [`LeaseStore`] only runs the SQL.
 use std::collections::BTreeMap;
@@ -25,7 +28,9 @@ use std::time::{Duration, Instant};
 
 use crate::TenantId;
 
+mod sightings;
 mod sql;
+pub use sightings::{Claimable, LeaseRow, MemberRow, Sightings};
 pub use sql::{BucketHolder, LeaseStore};
 
 /// Number of lease buckets (rows of `relay_lease`, fixed by the migration).

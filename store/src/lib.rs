@@ -58,15 +58,19 @@ pub use key::RunId;
 pub use key::TenantId;
 pub use lease::Bucket;
 pub use lease::BucketHolder;
+pub use lease::Claimable;
 pub use lease::Fence;
 pub use lease::Held;
 pub use lease::LEASE_BUCKETS;
 pub use lease::Lease;
 pub use lease::LeaseBook;
 pub use lease::LeasePlan;
+pub use lease::LeaseRow;
 pub use lease::LeaseStep;
 pub use lease::LeaseStore;
+pub use lease::MemberRow;
 pub use lease::RelayId;
+pub use lease::Sightings;
 pub use lease::bucket_of;
 pub use meta::EventType;
 pub use meta::Intent;
@@ -123,7 +127,7 @@ pub const MIGRATIONS_TABLE: &str = "relay_migrations";
 /// `relay_fold_retire`, metadata, stream offsets, epochs, `relay_fold_batch`), the very files
 /// the fold migrations of a consumer's own database apply, so a database with the outbox folds
 /// too. The next file in `store/migrations` after `0008_*` is `0011_*` (versions 9 and 10 are
-/// the fold's), after `0012_*` it is `0014_*` (13 is the fold's), and after `0015_*` it will be
+/// the fold's), after `0012_*` it is `0014_*` (13 is the fold's), after `0015_*` it is
 /// `0017_*` (16 is the fold's).
 pub static MIGRATOR: std::sync::LazyLock<sqlx::migrate::Migrator> =
     std::sync::LazyLock::new(|| {
@@ -188,8 +192,8 @@ pub async fn migrate(pool: &sqlx::PgPool) -> Result<(), Error> {
 }
 
 /// What the relay needs from the schema, one object per migration that added something it
-/// uses (extend it with each new migration): `to_regclass`/`to_regproc` names, resolved on the
-/// connection's `search_path`.
+/// uses (extend it with each new migration): `to_regclass`/`to_regproc` names (a column as
+/// `table.column`), resolved on the connection's `search_path`.
 const REQUIRED_OBJECTS: &[(&str, &str)] = &[
     ("relation", "relay_outbox"),
     ("relation", "relay_branch"),
@@ -208,6 +212,8 @@ const REQUIRED_OBJECTS: &[(&str, &str)] = &[
     ("function", "relay_fold_batch"),
     ("function", "relay_wait_replicated"),
     ("relation", "relay_branch_status"),
+    ("column", "relay_lease.beat"),
+    ("column", "relay_member.beat"),
 ];
 
 /// Checks that the schema the relay needs is there, without changing anything: for a relay
@@ -217,6 +223,11 @@ pub async fn check_schema(pool: &sqlx::PgPool) -> Result<(), Error> {
     let (kinds, names): (Vec<&str>, Vec<&str>) = REQUIRED_OBJECTS.iter().copied().unzip();
     let found: Vec<bool> = sqlx::query_scalar(
         "SELECT CASE k.kind WHEN 'relation' THEN to_regclass(k.name) IS NOT NULL
+                            WHEN 'column' THEN EXISTS (
+                                SELECT 1 FROM pg_attribute a
+                                 WHERE a.attrelid = to_regclass(split_part(k.name, '.', 1))
+                                   AND a.attname = split_part(k.name, '.', 2)
+                                   AND NOT a.attisdropped)
                             ELSE to_regproc(k.name) IS NOT NULL END
            FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS k(kind, name, n)
           ORDER BY k.n",

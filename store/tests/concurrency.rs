@@ -5,8 +5,9 @@ use std::time::{Duration, Instant};
 
 use sqlx::{Connection, PgConnection, PgPool};
 use store::{
-    BranchId, BranchKey, Error, EventKey, Fence, IntentWriter, LEASE_BUCKETS, Lease, LeaseBook,
-    LeasePlan, LeaseStep, LeaseStore, Lsn, Outbox, RelayId, RunId, TenantId, bucket_of,
+    BranchId, BranchKey, Bucket, Error, EventKey, Fence, IntentWriter, LEASE_BUCKETS, Lease,
+    LeaseBook, LeasePlan, LeaseStep, LeaseStore, Lsn, Outbox, RelayId, RunId, Sightings, TenantId,
+    bucket_of,
 };
 
 fn key(tenant: &str, run: &str, branch: &str) -> BranchKey {
@@ -15,6 +16,40 @@ fn key(tenant: &str, run: &str, branch: &str) -> BranchKey {
         RunId::new(run).unwrap(),
         BranchId::new(branch).unwrap(),
     )
+}
+
+/// Claims for `relay` up to `n` buckets free now (what its keeper's [`Sightings`] offer at
+/// once, read from the table now).
+async fn claim_free(
+    leases: &LeaseStore,
+    relay: &RelayId,
+    ttl: Duration,
+    n: u16,
+) -> Vec<(Bucket, i64)> {
+    let mut seen = Sightings::new(ttl);
+    let now = Instant::now();
+    seen.saw_leases(&leases.survey().await.unwrap(), now);
+    leases
+        .claim(relay, ttl, n, &seen.claimable(now))
+        .await
+        .unwrap()
+}
+
+/// Claims for `relay` up to `n` buckets it has seen unchanged for a TTL: the rows read now, and
+/// the TTL passed on the sightings' clock (as if no renewal had come meanwhile), not waited.
+async fn claim_stale(
+    leases: &LeaseStore,
+    relay: &RelayId,
+    ttl: Duration,
+    n: u16,
+) -> Vec<(Bucket, i64)> {
+    let mut seen = Sightings::new(ttl);
+    let now = Instant::now();
+    seen.saw_leases(&leases.survey().await.unwrap(), now);
+    leases
+        .claim(relay, ttl, n, &seen.claimable(now + ttl))
+        .await
+        .unwrap()
 }
 
 async fn connect(connect: &sqlx::postgres::PgConnectOptions) -> PgConnection {
@@ -184,7 +219,7 @@ async fn a_takeover_fences_the_former_owner_in_postgres(pool: PgPool) {
     let (first, second) = (RelayId::generate(), RelayId::generate());
     let mut first_book = LeaseBook::new(ttl);
     let sent = Instant::now();
-    let claimed = leases.claim(&first, ttl, LEASE_BUCKETS).await.unwrap();
+    let claimed = claim_free(&leases, &first, ttl, LEASE_BUCKETS).await;
     assert_eq!(claimed.len(), usize::from(LEASE_BUCKETS));
     first_book.claimed(&claimed, sent);
     let bucket = bucket_of(&branch.tenant);
@@ -192,17 +227,23 @@ async fn a_takeover_fences_the_former_owner_in_postgres(pool: PgPool) {
     let held = first_book.get(bucket).unwrap();
     let stale = Lease::new(bucket, first.clone(), held.epoch, held.until).fence();
 
-    // Nothing is free while the first relay's leases are current.
-    assert!(leases.claim(&second, ttl, 1).await.unwrap().is_empty());
-    // The first relay stalls past its lease (forced here), the second takes the bucket over.
-    sqlx::query(
-        "UPDATE relay_lease SET expires_at = now() - interval '1 second' WHERE bucket = $1",
-    )
-    .bind(i32::from(bucket.0))
-    .execute(&pool)
-    .await
-    .unwrap();
-    let taken = leases.claim(&second, ttl, 1).await.unwrap();
+    // Nothing is free while the first relay holds its leases.
+    assert!(claim_free(&leases, &second, ttl, 1).await.is_empty());
+    // The first relay stalls past its lease (no renewal for a TTL), the second takes a bucket
+    // over: the tenant's.
+    let tenants_bucket: Vec<_> = {
+        let mut seen = Sightings::new(ttl);
+        let now = Instant::now();
+        seen.saw_leases(&leases.survey().await.unwrap(), now);
+        seen.claimable(now + ttl)
+            .into_iter()
+            .filter(|claimable| claimable.bucket == bucket)
+            .collect()
+    };
+    let taken = leases
+        .claim(&second, ttl, 1, &tenants_bucket)
+        .await
+        .unwrap();
     assert_eq!(taken.len(), 1);
     assert_eq!(taken[0].0, bucket);
     let old_epoch = stale.lease().unwrap().2;
@@ -256,7 +297,7 @@ async fn a_fence_closed_in_the_relay_acks_what_postgres_still_fences_and_drains_
     let ttl = Duration::from_secs(60);
     let (first, second) = (RelayId::generate(), RelayId::generate());
     let bucket = bucket_of(&branch.tenant);
-    let claimed = leases.claim(&first, ttl, LEASE_BUCKETS).await.unwrap();
+    let claimed = claim_free(&leases, &first, ttl, LEASE_BUCKETS).await;
     let epoch = claimed.iter().find(|(b, _)| *b == bucket).unwrap().1;
     // Closed in the process (as by time; a fence's clock has millisecond steps, so the test
     // closes it outright).
@@ -280,14 +321,12 @@ async fn a_fence_closed_in_the_relay_acks_what_postgres_still_fences_and_drains_
     assert!(matches!(nothing, Err(Error::Fenced { .. })), "{nothing:?}");
 
     // Taken over: the same relay's ack is refused by PostgreSQL.
-    sqlx::query(
-        "UPDATE relay_lease SET expires_at = now() - interval '1 second' WHERE bucket = $1",
-    )
-    .bind(i32::from(bucket.0))
-    .execute(&pool)
-    .await
-    .unwrap();
-    assert_eq!(leases.claim(&second, ttl, 1).await.unwrap().len(), 1);
+    assert_eq!(
+        claim_stale(&leases, &second, ttl, LEASE_BUCKETS)
+            .await
+            .len(),
+        128
+    );
     let refused = outbox
         .ack_fenced(&lapsed, &branch.tenant, &[at(&branch, 2)])
         .await;
@@ -312,7 +351,7 @@ async fn an_ack_in_progress_holds_off_a_takeover(
     let ttl = Duration::from_secs(60);
     let (first, second) = (RelayId::generate(), RelayId::generate());
     let bucket = bucket_of(&branch.tenant);
-    let claimed = leases.claim(&first, ttl, LEASE_BUCKETS).await.unwrap();
+    let claimed = claim_free(&leases, &first, ttl, LEASE_BUCKETS).await;
     let epoch = claimed.iter().find(|(b, _)| *b == bucket).unwrap().1;
 
     // The first relay's ack, inside a transaction held open: the exact function the relay calls.
@@ -331,20 +370,24 @@ async fn an_ack_in_progress_holds_off_a_takeover(
     .fetch_one(&mut *ack_tx)
     .await
     .unwrap();
-    // Meanwhile its lease lapses (its row says so), and another relay tries to take it.
-    sqlx::query(
-        "UPDATE relay_lease SET expires_at = now() - interval '1 second' WHERE bucket = $1",
-    )
-    .bind(i32::from(bucket.0))
-    .execute(&pool)
-    .await
-    .unwrap();
+    // Meanwhile another relay, which saw the first's rows unchanged for a TTL, tries to take
+    // them all.
+    let taken = claim_stale(&leases, &second, ttl, LEASE_BUCKETS).await;
+    assert_eq!(taken.len(), 127);
     assert!(
-        leases.claim(&second, ttl, 1).await.unwrap().is_empty(),
+        taken.iter().all(|(taken, _)| *taken != bucket),
         "a takeover overlapped an ack in progress"
     );
     ack_tx.commit().await.unwrap();
-    let taken = leases.claim(&second, ttl, 1).await.unwrap();
+    let mut seen = Sightings::new(ttl);
+    let now = Instant::now();
+    seen.saw_leases(&leases.survey().await.unwrap(), now);
+    let skipped: Vec<_> = seen
+        .claimable(now + ttl)
+        .into_iter()
+        .filter(|claimable| claimable.bucket == bucket)
+        .collect();
+    let taken = leases.claim(&second, ttl, 1, &skipped).await.unwrap();
     assert_eq!(taken, vec![(bucket, epoch + 1)]);
 }
 
@@ -363,14 +406,14 @@ async fn relays_share_buckets_evenly(pool: PgPool) {
         // A few heartbeats of every joined relay, in turn, as their keepers would run them.
         for _ in 0..3 {
             for (relay, book) in relays.iter().zip(books.iter_mut()).take(joined) {
-                let members = leases.heartbeat(relay, ttl).await.unwrap();
+                let members = leases.heartbeat(relay, ttl).await.unwrap().len() as u32;
                 assert_eq!(members as usize, joined);
                 let sent = Instant::now();
                 let held = leases.renew(relay, ttl, &book.held()).await.unwrap();
                 assert!(book.renewed(&held, sent).1.is_empty());
                 match plan.step(book.len(), members) {
                     LeaseStep::Claim(n) => {
-                        let claimed = leases.claim(relay, ttl, n).await.unwrap();
+                        let claimed = claim_free(&leases, relay, ttl, n).await;
                         book.claimed(&claimed, sent);
                     }
                     LeaseStep::Shed(n) => {
@@ -404,52 +447,131 @@ async fn relays_share_buckets_evenly(pool: PgPool) {
     let gone = books[2].revoke_all();
     leases.release(&relays[2], &gone).await.unwrap();
     leases.leave(&relays[2]).await.unwrap();
-    let members = leases.heartbeat(&relays[0], ttl).await.unwrap();
+    let members = leases.heartbeat(&relays[0], ttl).await.unwrap().len() as u32;
     assert_eq!(members, 2);
     let step = plan.step(books[0].len(), members);
     let LeaseStep::Claim(n) = step else {
         panic!("expected a claim, got {step:?}");
     };
-    let claimed = leases.claim(&relays[0], ttl, n).await.unwrap();
+    let claimed = claim_free(&leases, &relays[0], ttl, n).await;
     assert_eq!(claimed.len(), usize::from(n));
 }
 
 /// Only the leases a relay still holds are renewed: one it dropped (its fence lapsed while
-/// renewals were slow) expires and can be claimed again, instead of being kept alive forever
-/// by the next renewal with nobody draining it.
+/// renewals were slow) stands still and becomes claimable a TTL after another relay first saw
+/// it, instead of being kept alive forever by the next renewal with nobody draining it; the
+/// one renewed meanwhile does not.
 #[sqlx::test(migrator = "store::MIGRATOR")]
 async fn a_lapsed_lease_is_not_renewed_and_becomes_claimable(pool: PgPool) {
     let leases = LeaseStore::new(pool.clone());
-    let me = RelayId::generate();
-    let claimed = leases.claim(&me, Duration::from_secs(2), 2).await.unwrap();
+    let ttl = Duration::from_secs(60);
+    let (me, other) = (RelayId::generate(), RelayId::generate());
+    let claimed = claim_free(&leases, &me, ttl, 2).await;
     assert_eq!(claimed.len(), 2);
-    // The relay still holds the first only; renewing must not extend the second.
-    let renewed = leases
-        .renew(&me, Duration::from_secs(60), &claimed[..1])
+    let mut seen = Sightings::new(ttl);
+    let t0 = Instant::now();
+    seen.saw_leases(&leases.survey().await.unwrap(), t0);
+    // The relay still holds the first only; renewing must not touch the second.
+    let renewed = leases.renew(&me, ttl, &claimed[..1]).await.unwrap();
+    assert_eq!(renewed, claimed[..1].to_vec());
+    seen.saw_leases(&leases.survey().await.unwrap(), t0 + ttl / 2);
+    let stale: Vec<_> = seen
+        .claimable(t0 + ttl)
+        .into_iter()
+        .filter(|claimable| {
+            claimed
+                .iter()
+                .any(|(bucket, _)| *bucket == claimable.bucket)
+        })
+        .collect();
+    assert_eq!(stale.len(), 1, "{stale:?}");
+    assert_eq!(stale[0].bucket, claimed[1].0);
+    let taken = leases.claim(&other, ttl, 2, &stale).await.unwrap();
+    assert_eq!(taken, vec![(claimed[1].0, claimed[1].1 + 1)]);
+}
+
+/// A claim presents what its relay saw: a renewal committed since (the beat moved), or
+/// another claim, makes it take nothing, however long ago the rows were read.
+#[sqlx::test(migrator = "store::MIGRATOR")]
+async fn a_claim_takes_nothing_whose_row_moved_since_it_was_seen(pool: PgPool) {
+    let leases = LeaseStore::new(pool.clone());
+    let ttl = Duration::from_secs(60);
+    let relays: Vec<RelayId> = (0..3).map(|_| RelayId::generate()).collect();
+    let claimed = claim_free(&leases, &relays[0], ttl, LEASE_BUCKETS).await;
+    let mut seen = Sightings::new(ttl);
+    let t0 = Instant::now();
+    seen.saw_leases(&leases.survey().await.unwrap(), t0);
+    let stale = seen.claimable(t0 + ttl * 10);
+    assert_eq!(stale.len(), 128);
+    leases.renew(&relays[0], ttl, &claimed[..64]).await.unwrap();
+    let taken = leases
+        .claim(&relays[1], ttl, LEASE_BUCKETS, &stale)
         .await
         .unwrap();
-    assert_eq!(renewed, claimed[..1].to_vec());
-    let left: f64 = sqlx::query_scalar(
-        "SELECT extract(epoch FROM expires_at - now())::float8 FROM relay_lease WHERE bucket = $1",
-    )
-    .bind(i32::from(claimed[1].0.0))
-    .fetch_one(&pool)
-    .await
-    .unwrap();
-    assert!(
-        left < 10.0,
-        "the dropped lease was kept alive ({left:.1} s left)"
+    assert_eq!(
+        taken,
+        claimed[64..]
+            .iter()
+            .map(|(b, e)| (*b, e + 1))
+            .collect::<Vec<_>>()
     );
-    // When it runs out (forced here) anyone may claim it, this relay included, at a new epoch.
-    sqlx::query(
-        "UPDATE relay_lease SET expires_at = now() - interval '1 second' WHERE bucket = $1",
-    )
-    .bind(i32::from(claimed[1].0.0))
-    .execute(&pool)
-    .await
-    .unwrap();
-    let again = leases.claim(&me, Duration::from_secs(60), 1).await.unwrap();
-    assert_eq!(again, vec![(claimed[1].0, claimed[1].1 + 1)]);
+    let again = leases
+        .claim(&relays[2], ttl, LEASE_BUCKETS, &stale)
+        .await
+        .unwrap();
+    assert!(again.is_empty(), "{again:?}");
+}
+
+/// No lease statement reads the clock to decide: with every row's expires_at in the past (as
+/// a step of PostgreSQL's clock forward makes it look) the owner still renews, acks and
+/// drains, and nothing is free to claim; with every expires_at far ahead (a step back) a
+/// relay that stood still for a TTL is still taken over.
+#[sqlx::test(migrator = "store::MIGRATOR")]
+async fn leases_ignore_a_step_of_the_database_clock(pool: PgPool) {
+    let branch = key("t", "r", "main");
+    appended(&pool, &branch, 1..=3).await;
+    let outbox = Outbox::new(pool.clone());
+    let leases = LeaseStore::new(pool.clone());
+    let ttl = Duration::from_secs(60);
+    let (first, second) = (RelayId::generate(), RelayId::generate());
+    let claimed = claim_free(&leases, &first, ttl, LEASE_BUCKETS).await;
+    let bucket = bucket_of(&branch.tenant);
+    let epoch = claimed.iter().find(|(b, _)| *b == bucket).unwrap().1;
+    let fence = Lease::new(bucket, first.clone(), epoch, Instant::now() + ttl).fence();
+
+    sqlx::query("UPDATE relay_lease SET expires_at = now() - interval '1 day'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert!(
+        claim_free(&leases, &second, ttl, LEASE_BUCKETS)
+            .await
+            .is_empty()
+    );
+    assert_eq!(
+        leases.renew(&first, ttl, &claimed).await.unwrap().len(),
+        128
+    );
+    sqlx::query("UPDATE relay_lease SET expires_at = now() - interval '1 day'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let next = outbox
+        .ack_and_drain(&fence, &[at(&branch, 1)], &branch.tenant, 10, &[])
+        .await
+        .unwrap();
+    assert_eq!(next.len(), 2);
+
+    sqlx::query("UPDATE relay_lease SET expires_at = now() + interval '1 day'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        claim_stale(&leases, &second, ttl, LEASE_BUCKETS)
+            .await
+            .len(),
+        128
+    );
 }
 
 /// An append holds its branch's lock while a rewind of that branch waits for it: once the append

@@ -818,3 +818,49 @@ async fn a_drain_stops_at_its_byte_cap_but_always_takes_the_first_event(pool: Pg
     let lsns: Vec<u64> = rest.iter().map(|e| e.key.lsn.get()).collect();
     assert_eq!(lsns, vec![2, 3]);
 }
+
+/// A parked branch waits its delay; one whose parked_at lies in the future (PostgreSQL's clock
+/// stepped back past the parking) is drained again at once rather than held for the length of
+/// the step.
+#[sqlx::test(migrator = "store::MIGRATOR")]
+async fn a_parked_branch_is_held_its_delay_and_not_the_length_of_a_step_back(pool: PgPool) {
+    let outbox = Outbox::new(pool.clone());
+    let writer = IntentWriter::default().with_notify(false);
+    let parked = key("parked", "r", "b");
+    let mut conn = pool.acquire().await.unwrap();
+    writer.open_run(&mut conn, &parked).await.unwrap();
+    writer
+        .append(&mut conn, &parked, Lsn::new(1), b"x")
+        .await
+        .unwrap();
+    let delay = Duration::from_secs(600);
+    outbox
+        .park_branch(&parked, "nacked", 5, Duration::from_secs(1), delay)
+        .await
+        .unwrap();
+    async fn drained(outbox: &Outbox, tenant: &TenantId) -> usize {
+        outbox
+            .ack_and_drain(&Fence::open(), &[], tenant, 10, &[])
+            .await
+            .unwrap()
+            .len()
+    }
+    assert_eq!(
+        drained(&outbox, &parked.tenant).await,
+        0,
+        "held for its delay"
+    );
+    // The clock stepped back by an hour since: parked an hour from now, retry in 70 minutes.
+    sqlx::query(
+        "UPDATE relay_parked_branch
+            SET parked_at = now() + interval '1 hour', retry_at = now() + interval '70 minutes'",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        drained(&outbox, &parked.tenant).await,
+        1,
+        "not held for the step"
+    );
+}

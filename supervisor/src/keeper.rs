@@ -4,7 +4,9 @@
 //! The keeper decides nothing: the core's [`store::LeaseBook`] (in `core/leases.rs`) owns which
 //! buckets this relay holds and when to renew, claim, hand over and release; the keeper runs each
 //! [`LeaseCall`] it is given under a timeout, and casts the answer back, with the instant the
-//! renewal or claim was sent (the fences' deadlines count from it). No database call ever runs
+//! renewal or claim was sent (the fences' deadlines count from it). What it reads of the lease
+//! rows and members goes into its [`store::Sightings`] (pure), which say, on this relay's own
+//! clock, how many relays live and which buckets a claim may take. No database call ever runs
 //! on the supervisor's mailbox. A failed call is logged (rate-limited) and answered as failed;
 //! the core tries again at the next heartbeat, and leases that could not be renewed in time
 //! close their fences on their own.
@@ -20,7 +22,7 @@ use std::time::{Duration, Instant};
 use ractor::ActorRef;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use store::{LeaseStore, Outbox, RelayId};
+use store::{LeaseStore, Outbox, RelayId, Sightings};
 
 use tokio::sync::{Notify, mpsc};
 
@@ -101,6 +103,9 @@ pub(crate) struct Keeper {
     pub(crate) leases: LeaseStore,
     pub(crate) me: RelayId,
     pub(crate) config: LeaseConfig,
+    /// The lease rows and members as this relay saw them, on its own clock: what it may
+    /// claim and how many relays live ([`store::Sightings`]).
+    pub(crate) sightings: Sightings,
 }
 
 /// What the keeper is told.
@@ -116,7 +121,7 @@ impl Keeper {
     /// Runs `calls` in order until told to leave, or until the supervisor is gone (then it
     /// leaves too, as far as the database answers: the fences close on their own).
     pub(crate) async fn run(
-        self,
+        mut self,
         supervisor: ActorRef<SupervisorMessage>,
         mut calls: mpsc::UnboundedReceiver<KeeperCall>,
     ) {
@@ -124,6 +129,7 @@ impl Keeper {
         let mut membership = Failures::new("relay membership");
         let mut renewal = Failures::new("lease renewal");
         let mut claims = Failures::new("lease claim");
+        let mut survey = Failures::new("lease survey");
         let mut queue = VecDeque::new();
         loop {
             if queue.is_empty() {
@@ -141,17 +147,27 @@ impl Keeper {
             let answer = match call {
                 KeeperCall::Lease(LeaseCall::Beat { held }) => {
                     let beat = self.leases.heartbeat(&self.me, self.config.ttl);
-                    let members = membership.seen(within(limit, beat).await);
+                    let members = membership.seen(within(limit, beat).await).map(|rows| {
+                        let now = Instant::now();
+                        self.sightings.saw_members(&rows, now);
+                        self.sightings.members(&self.me, now)
+                    });
                     let sent = Instant::now();
                     let renew = self.leases.renew(&self.me, self.config.ttl, &held);
                     let renewed = renewal
                         .seen(within(limit, renew).await)
                         .map(|leases| LeasesAt { leases, sent });
+                    // What a claim may take, read after the renewal (this relay's own rows
+                    // move with it).
+                    if let Some(rows) = survey.seen(within(limit, self.leases.survey()).await) {
+                        self.sightings.saw_leases(&rows, Instant::now());
+                    }
                     SupervisorMessage::LeaseBeaten { members, renewed }
                 }
                 KeeperCall::Lease(LeaseCall::Claim(n)) => {
+                    let candidates = self.sightings.claimable(Instant::now());
                     let sent = Instant::now();
-                    let claim = self.leases.claim(&self.me, self.config.ttl, n);
+                    let claim = self.leases.claim(&self.me, self.config.ttl, n, &candidates);
                     let claimed = claims
                         .seen(within(limit, claim).await)
                         .map(|leases| LeasesAt { leases, sent });

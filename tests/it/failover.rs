@@ -30,7 +30,7 @@ use crate::harness::{
 use crate::pg_pair::{PgPair, Postgres};
 
 /// One at a time: each test runs two PostgreSQL servers of its own on two cores.
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+pub(crate) static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// The host: its own table of what it wrote (its state, in the same transaction as each
 /// intent), written through the proxy.

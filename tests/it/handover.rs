@@ -3,18 +3,17 @@
 //! delivers nothing twice; a crash duplicates at most what the dead relay had in flight.
 
 mod outbox {
-    use std::collections::{BTreeMap, HashSet};
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::time::Duration;
 
-    use distribution::store::{BranchKey, FoldModel, Outbox, OutboxEvent, fixtures};
+    use distribution::store::{Outbox, fixtures};
     use distribution::{Relay, RelayConfig, RelayHandle};
     use sqlx::PgPool;
 
     use crate::harness::*;
     use crate::node::{PrivateNode, Rabbit};
-    use crate::recorder::{Recorder, keep_writing};
+    use crate::recorder::{Recorder, all_delivered, assert_folds_to, keep_writing};
 
     /// Leases on a quick clock, and a drain slow enough that a backlog is still being drained
     /// when the next relay joins (a few tenants at a time, small batches).
@@ -74,49 +73,6 @@ mod outbox {
             .await
             .unwrap();
         (recorder, written)
-    }
-
-    /// Waits until the outbox is empty and the broker delivered `events` distinct events;
-    /// returns every delivery.
-    async fn all_delivered(pool: &PgPool, recorder: &Recorder, events: usize) -> Vec<OutboxEvent> {
-        let outbox = Outbox::new(pool.clone());
-        wait_until("the outbox is empty", Duration::from_secs(120), || async {
-            pending(&outbox).await == 0
-        })
-        .await;
-        wait_until(
-            "every event is delivered",
-            Duration::from_secs(30),
-            || async {
-                let deliveries = recorder.deliveries();
-                let distinct: HashSet<String> = deliveries
-                    .iter()
-                    .map(|event| event.key.to_string())
-                    .collect();
-                distinct.len() == events
-            },
-        )
-        .await;
-        recorder.deliveries()
-    }
-
-    /// The fold (WIRE.md's rules, in memory) of every delivery is the host's history.
-    fn assert_folds_to(deliveries: &[OutboxEvent], expected: &Expected) {
-        let mut model = FoldModel::new();
-        for event in deliveries {
-            model.deliver(event).unwrap();
-        }
-        let mut got: BTreeMap<BranchKey, Vec<(distribution::store::Lsn, Vec<u8>)>> =
-            BTreeMap::new();
-        for (key, payload) in model.projection() {
-            got.entry(key.branch.clone())
-                .or_default()
-                .push((key.lsn, payload.clone()));
-        }
-        assert_eq!(
-            &got, expected,
-            "the fold of what was delivered is the host's history"
-        );
     }
 
     /// A relay's first heartbeat claims half the buckets (room for a relay starting beside
@@ -306,27 +262,6 @@ mod outbox {
             "{extra} duplicates, more than the dead relay could have had in flight"
         );
         drop_topology(&config.rabbit_config().unwrap().topology).await;
-    }
-
-    /// A relay run as the binary; on drop (the test failing too) woken if stopped, then killed.
-    struct Process(std::process::Child);
-
-    impl Process {
-        fn signal(&self, signal: &str) {
-            let sent = std::process::Command::new("kill")
-                .args([signal, &self.0.id().to_string()])
-                .status()
-                .unwrap();
-            assert!(sent.success(), "kill {signal}");
-        }
-    }
-
-    impl Drop for Process {
-        fn drop(&mut self) {
-            self.signal("-CONT");
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
     }
 
     /// Lease buckets held by relays other than `relay` (read from the status view; -1 while

@@ -179,11 +179,16 @@ pub async fn bare_database(label: &str) -> PgPool {
 /// A fresh, migrated database with a host state table; returns its pool and URL.
 pub async fn fresh_database(label: &str) -> (PgPool, String) {
     let (pool, url) = testkit::migrated_database(label).await;
+    host_state(&pool).await;
+    (pool, url)
+}
+
+/// The host's own state table, which [`Workload`] writes beside its intents.
+pub async fn host_state(pool: &PgPool) {
     sqlx::query("CREATE TABLE host_state (tenant text, run text, step bigint, note text)")
-        .execute(&pool)
+        .execute(pool)
         .await
         .unwrap();
-    (pool, url)
 }
 
 /// A relay configuration with test-speed timings.
@@ -630,5 +635,26 @@ impl PickyConsumer {
     pub async fn stop(self) {
         let _ = self.stop.send(());
         self.consuming.await.unwrap().unwrap();
+    }
+}
+
+/// A relay run as the binary; on drop (the test failing too) woken if stopped, then killed.
+pub struct Process(pub std::process::Child);
+
+impl Process {
+    pub fn signal(&self, signal: &str) {
+        let sent = std::process::Command::new("kill")
+            .args([signal, &self.0.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(sent.success(), "kill {signal}");
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        self.signal("-CONT");
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }

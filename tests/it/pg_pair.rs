@@ -106,6 +106,52 @@ fn run(mut command: Command, what: &str) -> String {
     String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
+/// libfaketime's preload (Debian's `libfaketime`, which `.ci/run` installs).
+const FAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1";
+
+/// The wall clock of the servers started with it (libfaketime, `../shared/docs/FAULTS.md`,
+/// "Clock steps"): an offset in a file the servers read at every clock call, so a step
+/// reaches open sessions at once. Their monotonic clock is left alone, as a real step (an
+/// operator's `date -s`, a VM restored, NTP stepping) leaves it. Removed when dropped.
+pub struct FakedClock {
+    path: PathBuf,
+}
+
+impl FakedClock {
+    /// A clock at the real time.
+    pub fn new(label: &str) -> Self {
+        let path = PathBuf::from(format!("/tmp/relay-clock-{}-{label}", std::process::id()));
+        let clock = Self { path };
+        clock.set("+0");
+        clock
+    }
+
+    /// Steps the clock to `offset` from the real time (libfaketime's syntax: `+2h`, `-1h`,
+    /// `+0`).
+    pub fn set(&self, offset: &str) {
+        let next = self.path.with_extension("next");
+        std::fs::write(&next, format!("{offset}\n")).unwrap();
+        // Renamed over the old one: a server never reads a half-written offset.
+        std::fs::rename(&next, &self.path).unwrap();
+    }
+
+    /// The environment that makes a server's clock this one.
+    fn env(&self) -> Vec<String> {
+        vec![
+            format!("LD_PRELOAD={FAKETIME}"),
+            format!("FAKETIME_TIMESTAMP_FILE={}", self.path.display()),
+            "FAKETIME_NO_CACHE=1".into(),
+            "FAKETIME_DONT_FAKE_MONOTONIC=1".into(),
+        ]
+    }
+}
+
+impl Drop for FakedClock {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
 /// One server of the pair.
 #[derive(Debug)]
 struct Server {
@@ -126,6 +172,8 @@ pub struct PgPair {
     dead: Vec<Server>,
     servers: u32,
     synchronous: bool,
+    /// The environment each server starts with (a faked clock's).
+    env: Vec<String>,
 }
 
 static PAIRS: AtomicU32 = AtomicU32::new(0);
@@ -134,6 +182,21 @@ impl PgPair {
     /// A primary (database `relay`, streaming replication allowed) and an asynchronous standby
     /// that caught up with it.
     pub fn start(version: Postgres, label: &str) -> Self {
+        Self::start_with(version, label, Vec::new())
+    }
+
+    /// [`PgPair::start`], each server's wall clock `clock` (PostgreSQL 15 only: libfaketime is
+    /// installed on this machine, not in the Debian 13 root).
+    pub fn start_with_clock(version: Postgres, label: &str, clock: &FakedClock) -> Self {
+        assert_eq!(
+            version,
+            Postgres::V15,
+            "libfaketime is installed for 15 only"
+        );
+        Self::start_with(version, label, clock.env())
+    }
+
+    fn start_with(version: Postgres, label: &str, env: Vec<String>) -> Self {
         let n = PAIRS.fetch_add(1, Ordering::SeqCst);
         let dir = format!("/var/tmp/relay-pgpair-{}-{n}-{label}", std::process::id());
         let host_dir = version.host_path(&dir);
@@ -180,6 +243,7 @@ impl PgPair {
             dead: Vec::new(),
             servers: 1,
             synchronous: false,
+            env,
         };
         pair.start_server(&pair.primary.data.clone());
         pair.psql(pair.primary.port, "CREATE DATABASE relay");
@@ -189,13 +253,21 @@ impl PgPair {
 
     fn start_server(&self, data: &str) {
         let log = format!("{data}/server.log");
-        run(
-            self.version.command(
-                "pg_ctl",
-                &["-D", data, "-l", &log, "-w", "-t", "60", "start"],
-            ),
-            "pg_ctl start",
-        );
+        let args = ["-D", data, "-l", &log, "-w", "-t", "60", "start"];
+        let command = if self.env.is_empty() {
+            self.version.command("pg_ctl", &args)
+        } else {
+            // `env` after runuser: the preload reaches pg_ctl and the server it forks.
+            let pg_ctl = format!("{}/pg_ctl", self.version.bin());
+            let mut command = Command::new("runuser");
+            command
+                .args(["-u", "postgres", "--", "env"])
+                .args(&self.env)
+                .arg(pg_ctl)
+                .args(args);
+            command
+        };
+        run(command, "pg_ctl start");
     }
 
     /// A new standby cloned from the primary, streaming from it through a slot of its own.

@@ -7,12 +7,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use distribution::broker::{self, Partition, RabbitConfig};
-use distribution::store::OutboxEvent;
+use distribution::store::{BranchKey, FoldModel, Outbox, OutboxEvent};
 use futures_util::StreamExt;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
 use sqlx::PgPool;
 
-use crate::harness::{Expected, Ran, Workload, merge};
+use crate::harness::{Expected, Ran, Workload, merge, pending, wait_until};
 
 /// Every message of the topology as the broker delivered it, per queue in delivery order
 /// (a raw consumer: no fold, every delivery counted).
@@ -131,4 +131,47 @@ pub fn keep_writing(
         }
         expected
     })
+}
+
+/// Waits until the outbox is empty and the broker delivered `events` distinct events;
+/// returns every delivery.
+pub async fn all_delivered(pool: &PgPool, recorder: &Recorder, events: usize) -> Vec<OutboxEvent> {
+    let outbox = Outbox::new(pool.clone());
+    wait_until("the outbox is empty", Duration::from_secs(120), || async {
+        pending(&outbox).await == 0
+    })
+    .await;
+    wait_until(
+        "every event is delivered",
+        Duration::from_secs(30),
+        || async {
+            let deliveries = recorder.deliveries();
+            let distinct: std::collections::HashSet<String> = deliveries
+                .iter()
+                .map(|event| event.key.to_string())
+                .collect();
+            distinct.len() == events
+        },
+    )
+    .await;
+    recorder.deliveries()
+}
+
+/// The fold (WIRE.md's rules, in memory) of every delivery is the host's history.
+pub fn assert_folds_to(deliveries: &[OutboxEvent], expected: &Expected) {
+    let mut model = FoldModel::new();
+    for event in deliveries {
+        model.deliver(event).unwrap();
+    }
+    let mut got: std::collections::BTreeMap<BranchKey, Vec<(distribution::store::Lsn, Vec<u8>)>> =
+        std::collections::BTreeMap::new();
+    for (key, payload) in model.projection() {
+        got.entry(key.branch.clone())
+            .or_default()
+            .push((key.lsn, payload.clone()));
+    }
+    assert_eq!(
+        &got, expected,
+        "the fold of what was delivered is the host's history"
+    );
 }

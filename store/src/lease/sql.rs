@@ -40,30 +40,56 @@ impl LeaseStore {
         Self { pool }
     }
 
-    /// Registers (or renews) relay `me` as a member for `ttl`; returns the live members,
-    /// itself included.
-    pub async fn heartbeat(&self, me: &RelayId, ttl: Duration) -> Result<u32, Error> {
-        let others: i64 = sqlx::query_scalar(
+    /// Registers (or renews) relay `me` as a member, bumping its beat (`ttl` sets the row's
+    /// `expires_at`, which only the status views read); returns every member row, its own
+    /// included. Rows an hour past their expiry (by PostgreSQL's clock) are deleted; one
+    /// deleted while its relay lives is written again at its next heartbeat.
+    pub async fn heartbeat(&self, me: &RelayId, ttl: Duration) -> Result<Vec<MemberRow>, Error> {
+        let rows: Vec<(String, i64)> = sqlx::query_as(
             "WITH up AS (
                  INSERT INTO relay_member (relay_id, expires_at)
                  VALUES ($1, now() + $2 * interval '1 millisecond')
-                 ON CONFLICT (relay_id) DO UPDATE SET expires_at = EXCLUDED.expires_at
-                 RETURNING 1
+                 ON CONFLICT (relay_id) DO UPDATE
+                    SET expires_at = EXCLUDED.expires_at, beat = relay_member.beat + 1
+                 RETURNING relay_id, beat
              ), gone AS (
-                 DELETE FROM relay_member WHERE expires_at < now() - interval '1 hour'
+                 DELETE FROM relay_member
+                  WHERE expires_at < now() - interval '1 hour' AND relay_id <> $1
              )
-             SELECT count(*) FROM relay_member, up WHERE relay_id <> $1 AND expires_at > now()",
+             SELECT relay_id, beat FROM relay_member WHERE relay_id <> $1
+             UNION ALL SELECT relay_id, beat FROM up",
         )
         .bind(me.as_str())
         .bind(ms(ttl))
-        .fetch_one(&self.pool)
+        .fetch_all(&self.pool)
         .await?;
-        Ok(others.max(0) as u32 + 1)
+        Ok(rows
+            .into_iter()
+            .map(|(relay, beat)| MemberRow { relay, beat })
+            .collect())
     }
 
-    /// Renews, for `ttl`, exactly the leases `held` (bucket, epoch) of `me` that are still
-    /// current; returns those. Only what the caller still holds is renewed: a lease it dropped
-    /// (its fence lapsed) must expire, or nobody could ever claim that bucket again.
+    /// Every lease row, for [`Sightings::saw_leases`].
+    pub async fn survey(&self) -> Result<Vec<LeaseRow>, Error> {
+        let rows: Vec<(i32, Option<String>, i64, i64)> =
+            sqlx::query_as("SELECT bucket, owner, epoch, beat FROM relay_lease ORDER BY bucket")
+                .fetch_all(&self.pool)
+                .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(bucket, owner, epoch, beat)| LeaseRow {
+                bucket: Bucket(bucket.clamp(0, i32::from(u16::MAX)) as u16),
+                owner,
+                epoch,
+                beat,
+            })
+            .collect())
+    }
+
+    /// Renews exactly the leases `held` (bucket, epoch) that `me` still owns at those epochs,
+    /// bumping their beats; returns those. Only what the caller still holds is renewed: a
+    /// lease it dropped (its fence lapsed) must go stale, or nobody could ever claim that
+    /// bucket again. No clock is read: a lease nobody claimed is still the caller's.
     pub async fn renew(
         &self,
         me: &RelayId,
@@ -73,10 +99,10 @@ impl LeaseStore {
         let buckets_held: Vec<i32> = held.iter().map(|(b, _)| i32::from(b.0)).collect();
         let epochs: Vec<i64> = held.iter().map(|(_, e)| *e).collect();
         let rows: Vec<(i32, i64)> = sqlx::query_as(
-            "UPDATE relay_lease l SET expires_at = now() + $2 * interval '1 millisecond'
+            "UPDATE relay_lease l
+                SET expires_at = now() + $2 * interval '1 millisecond', beat = l.beat + 1
                FROM unnest($3::int[], $4::bigint[]) AS h(bucket, epoch)
-              WHERE l.bucket = h.bucket AND l.epoch = h.epoch
-                AND l.owner = $1 AND l.expires_at > now()
+              WHERE l.bucket = h.bucket AND l.epoch = h.epoch AND l.owner = $1
              RETURNING l.bucket, l.epoch",
         )
         .bind(me.as_str())
@@ -88,7 +114,8 @@ impl LeaseStore {
         Ok(buckets(rows))
     }
 
-    /// Claims up to `n` free or expired buckets for `me`, each with a new epoch. Buckets that
+    /// Claims for `me`, each with a new epoch, up to `n` of the `candidates` (from
+    /// [`Sightings::claimable`]) whose rows still have the epoch and beat seen. Buckets that
     /// another relay is claiming, or whose old owner is acking right now, are skipped (taken
     /// on a later heartbeat). FOR UPDATE waits for no one and conflicts with the FOR KEY SHARE
     /// of a fenced ack, so an ack and a takeover never overlap.
@@ -97,17 +124,22 @@ impl LeaseStore {
         me: &RelayId,
         ttl: Duration,
         n: u16,
+        candidates: &[Claimable],
     ) -> Result<Vec<(Bucket, i64)>, Error> {
-        if n == 0 {
+        if n == 0 || candidates.is_empty() {
             return Ok(Vec::new());
         }
+        let wanted: Vec<i32> = candidates.iter().map(|c| i32::from(c.bucket.0)).collect();
+        let epochs: Vec<i64> = candidates.iter().map(|c| c.epoch).collect();
+        let beats: Vec<i64> = candidates.iter().map(|c| c.beat).collect();
         let rows: Vec<(i32, i64)> = sqlx::query_as(
             "UPDATE relay_lease l
-                SET owner = $1, epoch = l.epoch + 1,
+                SET owner = $1, epoch = l.epoch + 1, beat = l.beat + 1,
                     expires_at = now() + $2 * interval '1 millisecond'
-               FROM (SELECT bucket FROM relay_lease
-                      WHERE expires_at <= now()
-                      ORDER BY bucket
+               FROM (SELECT r.bucket FROM relay_lease r
+                      WHERE (r.bucket, r.epoch, r.beat) IN (
+                                SELECT * FROM unnest($4::int[], $5::bigint[], $6::bigint[]))
+                      ORDER BY r.bucket
                       LIMIT $3
                       FOR UPDATE SKIP LOCKED) free
               WHERE l.bucket = free.bucket
@@ -116,12 +148,16 @@ impl LeaseStore {
         .bind(me.as_str())
         .bind(ms(ttl))
         .bind(i64::from(n))
+        .bind(&wanted)
+        .bind(&epochs)
+        .bind(&beats)
         .fetch_all(&self.pool)
         .await?;
         Ok(buckets(rows))
     }
 
-    /// Releases `leases` of `me` (already revoked locally) so others may claim them at once.
+    /// Releases `leases` of `me` (already revoked locally) so others may claim them at once
+    /// (a free row is claimable without waiting for it to go stale).
     pub async fn release(&self, me: &RelayId, leases: &[(Bucket, i64)]) -> Result<(), Error> {
         if leases.is_empty() {
             return Ok(());

@@ -23,10 +23,11 @@ pub(crate) enum LeaseCall {
     /// Renew this relay's membership and the leases `held`; answer with
     /// [`Core::lease_beaten`].
     Beat { held: Vec<(Bucket, i64)> },
-    /// Claim up to this many free or expired buckets; answer with [`Core::lease_claimed`].
+    /// Claim up to this many free or stale buckets (`store::Sightings`); answer with
+    /// [`Core::lease_claimed`].
     Claim(u16),
     /// Release these leases (their fences are closed already). No answer: a release that
-    /// fails leaves the rows to expire.
+    /// fails leaves the rows to go stale.
     Release(Vec<(Bucket, i64)>),
 }
 

@@ -48,5 +48,5 @@ pub use telemetry::prometheus_builder;
 /// Tools for tests of a host or consumer (feature `test-tools`; not for production).
 #[cfg(feature = "test-tools")]
 pub mod testing {
-    pub use crate::proxy::BrokerProxy;
+    pub use crate::proxy::{BrokerProxy, Direction};
 }

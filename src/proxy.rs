@@ -12,6 +12,15 @@ use std::sync::{Arc, Mutex};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
+/// One direction through a [`BrokerProxy`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Direction {
+    /// From the client (the relay) to the server.
+    ToServer,
+    /// From the server back to the client.
+    ToClient,
+}
+
 /// A TCP proxy to a broker.
 #[derive(Debug)]
 pub struct BrokerProxy {
@@ -20,8 +29,10 @@ pub struct BrokerProxy {
     /// Where new connections go (`host:port`).
     upstream: Arc<Mutex<String>>,
     up: Arc<AtomicBool>,
-    /// Connections stay open but nothing passes either way (a broker dropping packets).
-    silent: Arc<AtomicBool>,
+    /// Connections stay open but nothing passes toward the server (packets dropped one way).
+    silent_up: Arc<AtomicBool>,
+    /// Nothing passes toward the client.
+    silent_down: Arc<AtomicBool>,
     links: Arc<Mutex<Vec<JoinHandle<()>>>>,
     /// One flag per connection opened so far: set, that connection drops every byte for good.
     frozen: Arc<Mutex<Vec<Arc<AtomicBool>>>>,
@@ -51,10 +62,12 @@ impl BrokerProxy {
         std_listener.set_nonblocking(true)?;
         let addr = std_listener.local_addr()?;
         let up = Arc::new(AtomicBool::new(true));
-        let silent = Arc::new(AtomicBool::new(false));
+        let silent_up = Arc::new(AtomicBool::new(false));
+        let silent_down = Arc::new(AtomicBool::new(false));
         let links: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
         let frozen: Arc<Mutex<Vec<Arc<AtomicBool>>>> = Arc::default();
-        let (accept_up, accept_links, accept_silent) = (up.clone(), links.clone(), silent.clone());
+        let (accept_up, accept_links) = (up.clone(), links.clone());
+        let accept_silent = (silent_up.clone(), silent_down.clone());
         let accept_frozen = frozen.clone();
         let handle = runtime.handle().clone();
         runtime.spawn(async move {
@@ -69,7 +82,7 @@ impl BrokerProxy {
                     .lock()
                     .unwrap_or_else(|poison| poison.into_inner())
                     .clone();
-                let silent = accept_silent.clone();
+                let (silent_up, silent_down) = accept_silent.clone();
                 let lost = Arc::new(AtomicBool::new(false));
                 {
                     let mut frozen = accept_frozen
@@ -79,8 +92,9 @@ impl BrokerProxy {
                     frozen.push(lost.clone());
                 }
                 let link = handle.spawn(async move {
-                    if silent.load(Ordering::SeqCst) {
-                        // Accept, then swallow everything: no handshake ever completes.
+                    if silent_up.load(Ordering::SeqCst) || silent_down.load(Ordering::SeqCst) {
+                        // Accept, then swallow everything: no handshake ever completes (one
+                        // way lost is enough for that).
                         let mut sink = tokio::io::sink();
                         let _ = tokio::io::copy(&mut client, &mut sink).await;
                         return;
@@ -89,8 +103,8 @@ impl BrokerProxy {
                         let (client_read, client_write) = client.into_split();
                         let (server_read, server_write) = server.into_split();
                         tokio::join!(
-                            forward(client_read, server_write, silent.clone(), lost.clone()),
-                            forward(server_read, client_write, silent, lost),
+                            forward(client_read, server_write, silent_up, lost.clone()),
+                            forward(server_read, client_write, silent_down, lost),
                         );
                     }
                 });
@@ -107,7 +121,8 @@ impl BrokerProxy {
             upstream_url,
             upstream,
             up,
-            silent,
+            silent_up,
+            silent_down,
             links,
             frozen,
             runtime: Some(runtime),
@@ -121,7 +136,19 @@ impl BrokerProxy {
     /// mid-stream made the broker number the publishes after the gap as the ones lost in it,
     /// so their acks confirmed messages it never had: a loss no real network can cause.)
     pub fn silence(&self) {
-        self.silent.store(true, Ordering::SeqCst);
+        self.silent_up.store(true, Ordering::SeqCst);
+        self.silent_down.store(true, Ordering::SeqCst);
+    }
+
+    /// [`BrokerProxy::silence`] in one `direction` only: what the client sends still arrives
+    /// ([`Direction::ToClient`] silent: the server acts on requests whose answers never come
+    /// back), or the answers to what arrived before still come back ([`Direction::ToServer`]).
+    /// New connections are accepted and never answered, as a handshake needs both ways.
+    pub fn silence_one_way(&self, direction: Direction) {
+        match direction {
+            Direction::ToServer => self.silent_up.store(true, Ordering::SeqCst),
+            Direction::ToClient => self.silent_down.store(true, Ordering::SeqCst),
+        }
     }
 
     /// Every connection open now goes silent for good, both ways, while new ones pass: a
@@ -197,7 +224,8 @@ impl BrokerProxy {
 
     /// Brings the broker back (from a cut or from silence).
     pub fn restore(&self) {
-        self.silent.store(false, Ordering::SeqCst);
+        self.silent_up.store(false, Ordering::SeqCst);
+        self.silent_down.store(false, Ordering::SeqCst);
         self.up.store(true, Ordering::SeqCst);
     }
 }

@@ -1,8 +1,11 @@
-//! The failover tests (`it/failover.rs`) and the clock steps (`it/clocks.rs`), alone in their
-//! binary: each runs two private PostgreSQL servers (`it/pg_pair.rs`), which would starve the
-//! timing-sensitive tests of `tests/it` running beside them.
+//! The failover tests (`it/failover.rs`), the clock steps (`it/clocks.rs`) and the database's
+//! pauses (`it/db_pause.rs`), alone in their binary: each runs two private PostgreSQL servers
+//! (`it/pg_pair.rs`), which would starve the timing-sensitive tests of `tests/it` running
+//! beside them.
 #[path = "it/clocks.rs"]
 mod clocks;
+#[path = "it/db_pause.rs"]
+mod db_pause;
 #[path = "it/double.rs"]
 mod double;
 #[path = "it/failover.rs"]

@@ -491,6 +491,18 @@ impl PgPair {
     }
 
     /// Kills the primary (SIGKILL of its postmaster); it is never started again.
+    /// Stops the primary (SIGSTOP to its postmaster, then to every process it forked: a VM
+    /// frozen, or a host stalled): connections stay open and new ones are accepted by the
+    /// kernel, but nothing answers until [`PgPair::resume_primary`].
+    pub fn pause_primary(&self) {
+        signal_server(self.postmaster_pid(&self.primary.data), "-STOP");
+    }
+
+    /// Resumes a paused primary.
+    pub fn resume_primary(&self) {
+        signal_server(self.postmaster_pid(&self.primary.data), "-CONT");
+    }
+
     pub fn kill_primary(&self) {
         if let Some(pid) = self.postmaster_pid(&self.primary.data) {
             let _ = Command::new("kill")
@@ -530,12 +542,34 @@ impl PgPair {
     }
 }
 
+/// Sends `signal` to the postmaster `pid` and then to every process it forked (a STOP never
+/// races a fork: the postmaster is stopped first).
+fn signal_server(pid: Option<i32>, signal: &str) {
+    let Some(pid) = pid else {
+        return;
+    };
+    let _ = Command::new("kill")
+        .args([signal, &pid.to_string()])
+        .status();
+    let children = Command::new("pgrep")
+        .args(["-P", &pid.to_string()])
+        .output()
+        .map(|output| String::from_utf8_lossy(&output.stdout).into_owned())
+        .unwrap_or_default();
+    for child in children.split_whitespace() {
+        let _ = Command::new("kill").args([signal, child]).status();
+    }
+}
+
 impl Drop for PgPair {
     fn drop(&mut self) {
         let mut servers: Vec<&Server> = self.dead.iter().collect();
         servers.push(&self.primary);
         servers.extend(self.standby.as_ref());
         for server in servers {
+            // A paused server's processes are woken first: a stopped backend would outlive
+            // its postmaster's kill.
+            signal_server(self.postmaster_pid(&server.data), "-CONT");
             if let Some(pid) = self.postmaster_pid(&server.data) {
                 let _ = Command::new("kill")
                     .args(["-KILL", &pid.to_string()])

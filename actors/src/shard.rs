@@ -42,18 +42,6 @@ pub enum Sharding {
 
 /// The shard of a branch: FNV-1a 64 over `tenant 0x00 run 0x00 branch`, modulo `shards`.
 pub(crate) fn shard_of(key: &BranchKey, shards: u16) -> ShardId {
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    let bytes = key
-        .tenant
-        .as_str()
-        .bytes()
-        .chain([0])
-        .chain(key.run.as_str().bytes())
-        .chain([0])
-        .chain(key.branch.as_str().bytes());
-    for byte in bytes {
-        hash ^= u64::from(byte);
-        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
-    }
+    let hash = store::fnv1a(&[key.tenant.as_str(), key.run.as_str(), key.branch.as_str()]);
     ShardId((hash % u64::from(shards.max(1))) as u16)
 }

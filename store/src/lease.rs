@@ -42,12 +42,7 @@ pub struct Bucket(pub u16);
 
 /// The bucket of a tenant: FNV-1a 64 over the tenant id's bytes, modulo [`LEASE_BUCKETS`].
 pub fn bucket_of(tenant: &TenantId) -> Bucket {
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for byte in tenant.as_str().bytes() {
-        hash ^= u64::from(byte);
-        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    Bucket((hash % u64::from(LEASE_BUCKETS)) as u16)
+    Bucket((crate::fnv1a(&[tenant.as_str()]) % u64::from(LEASE_BUCKETS)) as u16)
 }
 
 /// The identity of one relay process (host, pid, start time): unique per start.

@@ -18,38 +18,41 @@ fn key(tenant: &str, run: &str, branch: &str) -> BranchKey {
     )
 }
 
-/// Claims for `relay` up to `n` buckets free now (what its keeper's [`Sightings`] offer at
-/// once, read from the table now).
+/// Claims for `relay` up to `n` buckets, as its keeper would once it has seen the rows (read
+/// now) unchanged for `seen_for` on its [`Sightings`]' clock (passed there, not waited):
+/// `Duration::ZERO` takes only free buckets, the TTL stale ones too.
+async fn claim_seen_for(
+    leases: &LeaseStore,
+    relay: &RelayId,
+    ttl: Duration,
+    n: u16,
+    seen_for: Duration,
+) -> Vec<(Bucket, i64)> {
+    let mut seen = Sightings::new(ttl);
+    let now = Instant::now();
+    seen.saw_leases(&leases.survey().await.unwrap(), now);
+    leases
+        .claim(relay, ttl, n, &seen.claimable(now + seen_for))
+        .await
+        .unwrap()
+}
+
 async fn claim_free(
     leases: &LeaseStore,
     relay: &RelayId,
     ttl: Duration,
     n: u16,
 ) -> Vec<(Bucket, i64)> {
-    let mut seen = Sightings::new(ttl);
-    let now = Instant::now();
-    seen.saw_leases(&leases.survey().await.unwrap(), now);
-    leases
-        .claim(relay, ttl, n, &seen.claimable(now))
-        .await
-        .unwrap()
+    claim_seen_for(leases, relay, ttl, n, Duration::ZERO).await
 }
 
-/// Claims for `relay` up to `n` buckets it has seen unchanged for a TTL: the rows read now, and
-/// the TTL passed on the sightings' clock (as if no renewal had come meanwhile), not waited.
 async fn claim_stale(
     leases: &LeaseStore,
     relay: &RelayId,
     ttl: Duration,
     n: u16,
 ) -> Vec<(Bucket, i64)> {
-    let mut seen = Sightings::new(ttl);
-    let now = Instant::now();
-    seen.saw_leases(&leases.survey().await.unwrap(), now);
-    leases
-        .claim(relay, ttl, n, &seen.claimable(now + ttl))
-        .await
-        .unwrap()
+    claim_seen_for(leases, relay, ttl, n, ttl).await
 }
 
 async fn connect(connect: &sqlx::postgres::PgConnectOptions) -> PgConnection {

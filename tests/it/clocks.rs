@@ -58,15 +58,8 @@ async fn steps_of_the_database_clock_move_no_lease_and_hold_no_dead_relays_bucke
     let pair =
         tokio::task::block_in_place(|| PgPair::start_with_clock(Postgres::V15, "clocks", &clock));
     let url = pair.url(pair.primary_port());
-    let pool = PgPool::connect(&url).await.unwrap();
-    distribution::store::migrate(&pool).await.unwrap();
-    host_state(&pool).await;
-    let topology = unique("clocks");
-    let mut config = relay_config(&url, &amqp_url(), &topology);
-    config.supervisor.lease.ttl = Duration::from_millis(1500);
-    config.supervisor.lease.heartbeat = Duration::from_millis(250);
-    config.supervisor.drainer.batch_size = 20;
-    config.supervisor.max_in_flight = 200;
+    let (pool, config) = quick_leases_on(&url, "clocks").await;
+    let topology = config.topology.clone();
     let ttl = config.supervisor.lease.ttl;
     let heartbeat = config.supervisor.lease.heartbeat;
     let recorder = Recorder::start(&config.rabbit_config().unwrap()).await;

@@ -7,7 +7,6 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use distribution::Relay;
-use sqlx::PgPool;
 
 use crate::harness::*;
 use crate::pg_pair::{PgPair, Postgres};
@@ -21,15 +20,7 @@ async fn a_paused_database_stalls_the_relays_and_they_ship_within_seconds_of_its
     let _serial = crate::failover::SERIAL.lock().await;
     let pair = tokio::task::block_in_place(|| PgPair::start(Postgres::V15, "pause"));
     let url = pair.url(pair.primary_port());
-    let pool = PgPool::connect(&url).await.unwrap();
-    distribution::store::migrate(&pool).await.unwrap();
-    host_state(&pool).await;
-    let topology = unique("dbpause");
-    let mut config = relay_config(&url, &amqp_url(), &topology);
-    config.supervisor.lease.ttl = Duration::from_millis(1500);
-    config.supervisor.lease.heartbeat = Duration::from_millis(250);
-    config.supervisor.drainer.batch_size = 20;
-    config.supervisor.max_in_flight = 200;
+    let (pool, config) = quick_leases_on(&url, "dbpause").await;
     let ttl = config.supervisor.lease.ttl;
     let recorder = Recorder::start(&config.rabbit_config().unwrap()).await;
     let first = Relay::start(config.clone()).await.unwrap();

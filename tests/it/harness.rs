@@ -183,6 +183,21 @@ pub async fn fresh_database(label: &str) -> (PgPool, String) {
     (pool, url)
 }
 
+/// The outbox migrated on `url` (a private server's) with the host's state table, and a relay
+/// configuration for it with leases on a quick clock (TTL 1.5 s, heartbeat 250 ms), batches of
+/// 20 and an in-flight budget of 200, on a topology of its own.
+pub async fn quick_leases_on(url: &str, label: &str) -> (PgPool, RelayConfig) {
+    let pool = PgPool::connect(url).await.unwrap();
+    distribution::store::migrate(&pool).await.unwrap();
+    host_state(&pool).await;
+    let mut config = relay_config(url, &amqp_url(), &unique(label));
+    config.supervisor.lease.ttl = Duration::from_millis(1500);
+    config.supervisor.lease.heartbeat = Duration::from_millis(250);
+    config.supervisor.drainer.batch_size = 20;
+    config.supervisor.max_in_flight = 200;
+    (pool, config)
+}
+
 /// The host's own state table, which [`Workload`] writes beside its intents.
 pub async fn host_state(pool: &PgPool) {
     sqlx::query("CREATE TABLE host_state (tenant text, run text, step bigint, note text)")

@@ -12,7 +12,7 @@ use sqlx::PgPool;
 
 use crate::harness::*;
 use crate::pg_pair::{FakedClock, PgPair, Postgres};
-use crate::recorder::{Recorder, all_delivered, assert_folds_to, keep_writing};
+use crate::recorder::{Recorder, all_delivered, assert_folds_to, writing_while_both_ship};
 
 /// Every bucket's owner and epoch.
 async fn leases(pool: &PgPool) -> BTreeMap<i32, (Option<String>, i64)> {
@@ -86,14 +86,7 @@ async fn steps_of_the_database_clock_move_no_lease_and_hold_no_dead_relays_bucke
                 == 128
     })
     .await;
-    let workload = Workload::new(&unique("ck"), 8, 2, 2);
-    let ran = workload.run(&pool).await;
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let writer = keep_writing(pool.clone(), workload, ran, stop.clone());
-    wait_until("both relays ship", Duration::from_secs(30), || async {
-        recorder.deliveries().len() > 200
-    })
-    .await;
+    let (stop, writer) = writing_while_both_ship(&pool, &recorder, "ck").await;
 
     for (step, ahead) in [("+2h", 7200.0), ("+0", 0.0)] {
         let before = leases(&pool).await;

@@ -10,7 +10,7 @@ use distribution::Relay;
 
 use crate::harness::*;
 use crate::pg_pair::{PgPair, Postgres};
-use crate::recorder::{Recorder, all_delivered, assert_folds_to, keep_writing};
+use crate::recorder::{Recorder, all_delivered, assert_folds_to, writing_while_both_ship};
 
 /// The outbox's database paused for three lease TTLs, twice: both relays stop (their fences
 /// close), and within 10 s of its return they ship again and hold even shares (measured). Nothing is lost, the fold of every delivery is the host's history, and what went
@@ -27,14 +27,7 @@ async fn a_paused_database_stalls_the_relays_and_they_ship_within_seconds_of_its
     let second = Relay::start(config.clone()).await.unwrap();
     let even = || async { buckets(&first).await == 64 && buckets(&second).await == 64 };
     wait_until("even shares of two", Duration::from_secs(30), even).await;
-    let workload = Workload::new(&unique("dp"), 8, 2, 2);
-    let ran = workload.run(&pool).await;
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let writer = keep_writing(pool.clone(), workload, ran, stop.clone());
-    wait_until("both relays ship", Duration::from_secs(30), || async {
-        recorder.deliveries().len() > 200
-    })
-    .await;
+    let (stop, writer) = writing_while_both_ship(&pool, &recorder, "dp").await;
 
     let mut report = Vec::new();
     for _ in 0..2 {

@@ -13,7 +13,9 @@ mod outbox {
 
     use crate::harness::*;
     use crate::node::{PrivateNode, Rabbit};
-    use crate::recorder::{Recorder, all_delivered, assert_folds_to, keep_writing};
+    use crate::recorder::{
+        Recorder, all_delivered, assert_folds_to, keep_writing, writing_while_both_ship,
+    };
 
     /// Leases on a quick clock, and a drain slow enough that a backlog is still being drained
     /// when the next relay joins (a few tenants at a time, small batches).
@@ -24,24 +26,6 @@ mod outbox {
         config.supervisor.drainer.batch_size = 20;
         config.supervisor.max_drainers = 8;
         config
-    }
-
-    /// A host writing on (8 tenants x 2 runs x 2 branches, `label` their prefix) until `stop`,
-    /// once more than 200 deliveries reached `recorder`; the writer returns what it wrote.
-    async fn writing_while_both_ship(
-        pool: &PgPool,
-        recorder: &Recorder,
-        label: &str,
-    ) -> (Arc<AtomicBool>, tokio::task::JoinHandle<Expected>) {
-        let workload = Workload::new(&unique(label), 8, 2, 2);
-        let ran = workload.run(pool).await;
-        let stop = Arc::new(AtomicBool::new(false));
-        let writer = keep_writing(pool.clone(), workload, ran, stop.clone());
-        wait_until("both relays ship", Duration::from_secs(30), || async {
-            recorder.deliveries().len() > 200
-        })
-        .await;
-        (stop, writer)
     }
 
     async fn even_shares(relays: &[&RelayHandle], what: &str) {

@@ -12,7 +12,7 @@ use futures_util::StreamExt;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
 use sqlx::PgPool;
 
-use crate::harness::{Expected, Ran, Workload, merge, pending, wait_until};
+use crate::harness::{Expected, Ran, Workload, merge, pending, unique, wait_until};
 
 /// Every message of the topology as the broker delivered it, per queue in delivery order
 /// (a raw consumer: no fold, every delivery counted).
@@ -174,4 +174,24 @@ pub fn assert_folds_to(deliveries: &[OutboxEvent], expected: &Expected) {
         &got, expected,
         "the fold of what was delivered is the host's history"
     );
+}
+
+/// A host writing on (8 tenants x 2 runs x 2 branches, `label` their prefix) until `stop`,
+/// once more than 200 deliveries reached `recorder`; the writer returns what it wrote.
+pub async fn writing_while_both_ship(
+    pool: &PgPool,
+    recorder: &Recorder,
+    label: &str,
+) -> (Arc<AtomicBool>, tokio::task::JoinHandle<Expected>) {
+    let workload = Workload::new(&unique(label), 8, 2, 2);
+    let ran = workload.run(pool).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = keep_writing(pool.clone(), workload, ran, stop.clone());
+    wait_until(
+        "both relays ship",
+        std::time::Duration::from_secs(30),
+        || async { recorder.deliveries().len() > 200 },
+    )
+    .await;
+    (stop, writer)
 }

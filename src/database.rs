@@ -95,10 +95,13 @@ pub(crate) fn lazy_pool(
     acquire_timeout: Duration,
     schema: Option<&Schema>,
 ) -> Result<PgPool, String> {
+    // Leases commit durably whatever the server's or role's default: a renewal a crash took
+    // back would have extended a fence on a beat another relay may already have seen stand
+    // still (`store::Sightings`).
     Ok(PgPoolOptions::new()
         .max_connections(size)
         .acquire_timeout(acquire_timeout)
-        .connect_lazy_with(options(url, schema)?))
+        .connect_lazy_with(options(url, schema)?.options([("synchronous_commit", "on")])))
 }
 
 /// The relay's own commits (acks, parks) do not wait for the WAL flush

@@ -1,26 +1,62 @@
 -- Leases and parked branches that a step of PostgreSQL's clock cannot break
 -- (docs/operations.md, "Clocks").
 --
--- A lease no longer expires by PostgreSQL's clock. Each renewal bumps the row's beat; another
--- relay may claim a bucket only after it saw the row's (epoch, beat) unchanged for a whole TTL
--- on its own monotonic clock, and only if both are still the same when it claims (the relay's
--- `Sightings`). The holder's fence closes 0.9 TTL after it sent the renewal that wrote that beat,
--- which committed before the row was read: the fence is closed before any claim, whatever the
--- database's wall clock did. So a fenced ack checks the owner and the epoch alone, and a
--- renewal renews whatever the caller still owns at its epoch. expires_at stays, written on
--- PostgreSQL's clock, for the status views and for relays of earlier versions.
--- Membership likewise: relay_member's beat is bumped by every heartbeat, and a relay counts
+-- A lease no longer expires by PostgreSQL's clock. Every change of a lease row draws it a new
+-- beat (a random number, so a history a failover or crash took back never brings an old beat
+-- round again) and records the TTL its writer gave it (ttl_ms, from expires_at). Another relay
+-- may claim a bucket only after it saw the row's (owner, epoch, beat) unchanged for the longer
+-- of its own TTL and the row's on its own monotonic clock, and only if epoch and beat are still
+-- the same when it claims (the relay's `Sightings`). The holder's fence closes 0.9 of its TTL
+-- after it sent the renewal that wrote that beat, which committed before the row was read: the
+-- fence is closed before any claim, whatever the database's wall clock did. So a fenced ack
+-- checks the owner and the epoch alone, and a renewal renews whatever the caller still owns at
+-- its epoch. expires_at stays, written on PostgreSQL's clock, for the status views and for
+-- relays of earlier versions, whose writes draw beats too (the trigger), so they can run beside
+-- newer ones during a rolling upgrade (they alone still claim by expires_at, and a step of the
+-- clock reaches what they decide).
+-- Membership likewise: every heartbeat draws the member row a new beat, and a relay counts
 -- another live while its beat moved within a TTL of its own clock.
 --
 -- A parked branch whose parked_at lies in the future (PostgreSQL's clock stepped back past it)
--- is drained again rather than held for the step: a step back of D holds a parked branch at
--- most its delay plus D, and no longer than twice its delay when D is under the delay.
+-- is drained again rather than held for the step: a step back holds a parked branch at most
+-- twice its delay.
 
 ALTER TABLE relay_lease ADD COLUMN beat bigint NOT NULL DEFAULT 0;
-COMMENT ON COLUMN relay_lease.beat IS 'Bumped by every renewal and claim: a claim presents the (epoch, beat) it saw unchanged for a TTL on its own clock.';
-COMMENT ON COLUMN relay_lease.expires_at IS 'When the lease lapses on PostgreSQL''s clock, for the status views; claims go by the beat (unchanged for a TTL on the claimant''s clock), never by this.';
+ALTER TABLE relay_lease ADD COLUMN ttl_ms bigint NOT NULL DEFAULT 0;
+COMMENT ON COLUMN relay_lease.beat IS 'Drawn anew by every change of the row: a claim presents the (epoch, beat) it saw unchanged for a TTL on its own clock.';
+COMMENT ON COLUMN relay_lease.ttl_ms IS 'The TTL its last writer gave the lease: a claimant waits at least this long too.';
+COMMENT ON COLUMN relay_lease.expires_at IS 'When the lease lapses on PostgreSQL''s clock, for the status views (and relays before this migration); claims go by the beat, never by this.';
+COMMENT ON TABLE relay_lease IS 'One row per lease bucket; the relay named in owner drains the tenants hashed to it while its renewals keep drawing the row new beats.';
 ALTER TABLE relay_member ADD COLUMN beat bigint NOT NULL DEFAULT 0;
-COMMENT ON COLUMN relay_member.beat IS 'Bumped by every heartbeat: a relay counts another live while its beat moved within a TTL of its own clock.';
+COMMENT ON COLUMN relay_member.beat IS 'Drawn anew by every heartbeat: a relay counts another live while its beat moved within a TTL of its own clock.';
+
+CREATE FUNCTION relay_lease_beat() RETURNS trigger
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    NEW.beat := (random() * 9007199254740991)::bigint;
+    IF NEW.expires_at IS DISTINCT FROM OLD.expires_at AND isfinite(NEW.expires_at)
+       AND NEW.expires_at > now() THEN
+        NEW.ttl_ms := ceil(extract(epoch FROM NEW.expires_at - now()) * 1000)::bigint;
+    END IF;
+    RETURN NEW;
+END
+$$;
+COMMENT ON FUNCTION relay_lease_beat IS 'Draws a lease row a new beat at every change, and records its TTL from expires_at (now() is the writer''s transaction start, as in its expires_at).';
+CREATE TRIGGER relay_lease_beat BEFORE UPDATE ON relay_lease
+    FOR EACH ROW EXECUTE FUNCTION relay_lease_beat();
+
+CREATE FUNCTION relay_member_beat() RETURNS trigger
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    NEW.beat := (random() * 9007199254740991)::bigint;
+    RETURN NEW;
+END
+$$;
+COMMENT ON FUNCTION relay_member_beat IS 'Draws a member row a new beat at every heartbeat.';
+CREATE TRIGGER relay_member_beat BEFORE UPDATE ON relay_member
+    FOR EACH ROW EXECUTE FUNCTION relay_member_beat();
 
 CREATE OR REPLACE FUNCTION relay_ack_and_drain(
     p_bucket integer, p_owner text, p_epoch bigint,

@@ -179,7 +179,7 @@ impl Lease {
 /// What a keeper should do next with its leases. Pure: no clock, no database.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LeaseStep {
-    /// Claim up to this many free or expired buckets.
+    /// Claim up to this many free or stale buckets.
     Claim(u16),
     /// Give up this many buckets (revoke, then release).
     Shed(u16),
@@ -381,7 +381,8 @@ impl LeaseBook {
     }
 
     /// The local deadline of a renewal sent at `sent`: 90% of the TTL, so clock-rate
-    /// differences between this host and PostgreSQL's cannot let the fence outlive the row.
+    /// differences between this host and a claimant's cannot let the fence outlive the wait of
+    /// a claimant that saw the renewal's beat stand still a TTL ([`Sightings`]).
     fn deadline(&self, sent: Instant) -> Instant {
         sent + self.ttl.mul_f64(0.9)
     }
@@ -500,11 +501,12 @@ mod tests {
     }
 
     #[test]
-    fn a_fence_closes_before_the_row_can_expire() {
+    fn a_fence_closes_before_the_row_can_be_claimed() {
         let mut book = book(10_000);
         let sent = Instant::now();
         let gained = book.claimed(&[(Bucket(0), 1)], sent);
-        // PostgreSQL expires the row at (arrival >= sent) + 10 s; the fence closes at sent + 9 s.
+        // A claimant waits 10 s from its first read of the row (after the commit, so after
+        // `sent`); the fence closes at sent + 9 s.
         assert_eq!(gained[0].1.until, sent + Duration::from_millis(9_000));
         // Without renewals the book drops it and reports it lost.
         assert!(book.expire(sent + Duration::from_secs(5)).is_empty());

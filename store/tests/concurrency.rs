@@ -525,6 +525,24 @@ async fn a_claim_takes_nothing_whose_row_moved_since_it_was_seen(pool: PgPool) {
     assert!(again.is_empty(), "{again:?}");
 }
 
+/// Every lease row's expires_at moved by `shift` (`"+ interval '1 day'"`), as a step of the
+/// database's clock makes it look: written with the beat trigger off, since a step changes no
+/// row.
+async fn as_if_the_clock_stepped(pool: &PgPool, shift: &str) {
+    let mut tx = pool.begin().await.unwrap();
+    for statement in [
+        "ALTER TABLE relay_lease DISABLE TRIGGER relay_lease_beat".to_owned(),
+        format!("UPDATE relay_lease SET expires_at = now() {shift}"),
+        "ALTER TABLE relay_lease ENABLE TRIGGER relay_lease_beat".to_owned(),
+    ] {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(statement))
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+}
+
 /// No lease statement reads the clock to decide: with every row's expires_at in the past (as
 /// a step of PostgreSQL's clock forward makes it look) the owner still renews, acks and
 /// drains, and nothing is free to claim; with every expires_at far ahead (a step back) a
@@ -542,10 +560,7 @@ async fn leases_ignore_a_step_of_the_database_clock(pool: PgPool) {
     let epoch = claimed.iter().find(|(b, _)| *b == bucket).unwrap().1;
     let fence = Lease::new(bucket, first.clone(), epoch, Instant::now() + ttl).fence();
 
-    sqlx::query("UPDATE relay_lease SET expires_at = now() - interval '1 day'")
-        .execute(&pool)
-        .await
-        .unwrap();
+    as_if_the_clock_stepped(&pool, "- interval '1 day'").await;
     assert!(
         claim_free(&leases, &second, ttl, LEASE_BUCKETS)
             .await
@@ -555,20 +570,14 @@ async fn leases_ignore_a_step_of_the_database_clock(pool: PgPool) {
         leases.renew(&first, ttl, &claimed).await.unwrap().len(),
         128
     );
-    sqlx::query("UPDATE relay_lease SET expires_at = now() - interval '1 day'")
-        .execute(&pool)
-        .await
-        .unwrap();
+    as_if_the_clock_stepped(&pool, "- interval '1 day'").await;
     let next = outbox
         .ack_and_drain(&fence, &[at(&branch, 1)], &branch.tenant, 10, &[])
         .await
         .unwrap();
     assert_eq!(next.len(), 2);
 
-    sqlx::query("UPDATE relay_lease SET expires_at = now() + interval '1 day'")
-        .execute(&pool)
-        .await
-        .unwrap();
+    as_if_the_clock_stepped(&pool, "+ interval '1 day'").await;
     assert_eq!(
         claim_stale(&leases, &second, ttl, LEASE_BUCKETS)
             .await
@@ -817,5 +826,56 @@ async fn a_drain_under_replication_returns_only_what_is_flushed_where_asked(pool
             .len(),
         3,
         "nothing was retired"
+    );
+}
+
+/// A relay of an earlier version renews with `expires_at` alone: its rows still draw new beats
+/// (the trigger) and record the TTL it gave, so newer relays beside it in a rolling upgrade
+/// never take its live leases for dead ones.
+#[sqlx::test(migrator = "store::MIGRATOR")]
+async fn a_renewal_that_sets_no_beat_still_draws_one_and_records_its_ttl(pool: PgPool) {
+    let leases = LeaseStore::new(pool.clone());
+    let ttl = Duration::from_secs(60);
+    let old = RelayId::generate();
+    let claimed = claim_free(&leases, &old, ttl, 1).await;
+    let bucket = claimed[0].0;
+    let row = |rows: Vec<store::LeaseRow>| rows.into_iter().find(|r| r.bucket == bucket).unwrap();
+    let before = row(leases.survey().await.unwrap());
+    assert_eq!(before.ttl, ttl);
+    sqlx::query(
+        "UPDATE relay_lease SET expires_at = now() + interval '90 seconds' WHERE bucket = $1",
+    )
+    .bind(i32::from(bucket.0))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let after = row(leases.survey().await.unwrap());
+    assert_ne!(after.beat, before.beat, "the beat stood still");
+    assert_eq!(after.ttl, Duration::from_secs(90));
+    async fn member(pool: &PgPool, relay: &RelayId) -> i64 {
+        sqlx::query_scalar("SELECT beat FROM relay_member WHERE relay_id = $1")
+            .bind(relay.as_str())
+            .fetch_one(pool)
+            .await
+            .unwrap()
+    }
+    leases.heartbeat(&RelayId::generate(), ttl).await.unwrap();
+    sqlx::query("INSERT INTO relay_member (relay_id, expires_at) VALUES ($1, now())")
+        .bind(old.as_str())
+        .execute(&pool)
+        .await
+        .unwrap();
+    let first = member(&pool, &old).await;
+    sqlx::query(
+        "UPDATE relay_member SET expires_at = now() + interval '1 minute' WHERE relay_id = $1",
+    )
+    .bind(old.as_str())
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert_ne!(
+        member(&pool, &old).await,
+        first,
+        "the member's beat stood still"
     );
 }

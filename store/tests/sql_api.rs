@@ -19,6 +19,9 @@ const INTERNAL: &[&str] = &[
     "relay_require_meta",
     "relay_fold_epoch_at",
     "relay_wait_replicated",
+    // Triggers (lease and member beats): nobody calls them.
+    "relay_lease_beat",
+    "relay_member_beat",
 ];
 
 /// A documented signature: `name(arguments)` and, unless the function returns `void`,

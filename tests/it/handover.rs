@@ -363,10 +363,12 @@ mod outbox {
 
     /// The same, one way at a time, each for three TTLs: what the relay sends is lost (held)
     /// while the database's answers to what it sent before still arrive; then what it sends
-    /// arrives and is carried out (renewals, acks and releases commit) while no answer comes
-    /// back. Either way the other relay takes its buckets over (stale rows, or released ones),
-    /// nothing is lost, what went out twice is at most its in-flight budget per fault, and it
-    /// rejoins for an even share once the network heals.
+    /// arrives while no answer comes back. (Measured and printed: in the second, too, its
+    /// heartbeats stop committing at once, as the pool probes a connection before each use and
+    /// the first unanswered probe holds everything behind it; so far it acts as a full cut.)
+    /// Either way the other relay takes its buckets over, nothing is lost, what went out twice
+    /// is at most its in-flight budget per fault, and it rejoins for an even share once the
+    /// network heals.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_relay_cut_off_from_its_database_one_way_loses_nothing() {
         cut_off_from_the_database("dbway", &[Silence::Requests, Silence::Answers]).await;
@@ -413,17 +415,30 @@ mod outbox {
                 .await;
             }
             // Longer than the TTL.
+            let cut_id = cut.snapshot().await.unwrap().relay_id.to_string();
+            let member_beat = || async {
+                sqlx::query_scalar::<_, i64>("SELECT beat FROM relay_member WHERE relay_id = $1")
+                    .bind(&cut_id)
+                    .fetch_optional(&pool)
+                    .await
+                    .unwrap()
+            };
+            let beat_before = member_beat().await;
             match fault {
                 Silence::Both => network.silence(),
                 Silence::Requests => network.silence_one_way(Direction::ToServer),
                 Silence::Answers => network.silence_one_way(Direction::ToClient),
             }
             let took_over = taken_over_within_the_fault(&other, ttl).await;
+            // What the cut-off relay sent that the database carried out during the fault (its
+            // heartbeats: the member row's beat moves with each).
+            let committed = member_beat().await != beat_before;
             network.restore();
             let restored_at = std::time::Instant::now();
             even_shares(&[&cut, &other], "even shares once the network is back").await;
             report.push(format!(
-                "{fault:?}: buckets taken over {} ms after the cut, even shares {} ms after the network came back",
+                "{fault:?}: its heartbeats {} during the fault, buckets taken over {} ms after the cut, even shares {} ms after the network came back",
+                if committed { "committed" } else { "did not commit" },
                 took_over.as_millis(),
                 restored_at.elapsed().as_millis()
             ));

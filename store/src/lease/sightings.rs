@@ -2,16 +2,19 @@
 //! the rule that keeps leases safe and live whatever PostgreSQL's wall clock does.
 //!
 //! A bucket is claimable from another relay only once this relay has seen its row unchanged
-//! (the same owner, epoch and beat, the counter every renewal bumps) for a whole TTL on its
-//! own clock, counted from the first time it saw those values; a free (released) bucket is
-//! claimable at once. The claim presents the epoch and beat seen, and PostgreSQL takes the
+//! (the same owner, epoch and beat, a number every change of the row draws anew) for the
+//! longer of its own TTL and the one the row's writer gave it, on its own clock, counted from
+//! the first time it saw those values; a free (released) bucket is claimable at once. The claim presents the epoch and beat seen, and PostgreSQL takes the
 //! bucket only if both are still the same. Why that is safe: the holder's fence closes 0.9 TTL
 //! after it sent the renewal that wrote that beat ([`crate::LeaseBook`]), that renewal
 //! committed before the row was read, and the row was read before this relay first saw it: so
 //! the holder's fence is closed before the claim. No wall clock takes part, so a step of
 //! PostgreSQL's clock (forward or back, by any amount) neither lets a bucket be claimed early
 //! nor holds a dead relay's buckets for the length of the step. What remains is the rate of
-//! the two relays' monotonic clocks, which the 10% margin covers.
+//! the two relays' monotonic clocks, which the 10% margin covers. What it assumes of the
+//! database: a commit it reported is never taken back (the lease pool commits synchronously;
+//! an asynchronous failover can break that, docs/operations.md), and a beat once replaced never
+//! comes back (beats are random, so even a history taken back draws new ones).
 //!
 //! Membership likewise: another relay counts as live while its member row's beat moved within
 //! a TTL of this relay's clock (a relay seen for the first time counts as live).
@@ -29,8 +32,10 @@ pub struct LeaseRow {
     pub owner: Option<String>,
     /// Its epoch.
     pub epoch: i64,
-    /// Its beat: bumped by every renewal and claim.
+    /// Its beat: drawn anew by every change of the row.
     pub beat: i64,
+    /// The TTL its last writer gave it.
+    pub ttl: Duration,
 }
 
 /// One row of `relay_member` as read.
@@ -38,7 +43,7 @@ pub struct LeaseRow {
 pub struct MemberRow {
     /// The member.
     pub relay: String,
-    /// Its beat: bumped by every heartbeat.
+    /// Its beat: drawn anew by every heartbeat.
     pub beat: i64,
 }
 
@@ -66,6 +71,8 @@ struct Seen<T> {
 pub struct Sightings {
     ttl: Duration,
     buckets: BTreeMap<Bucket, Seen<(Option<String>, i64, i64)>>,
+    /// The TTL each bucket's writer gave it, last read.
+    row_ttls: BTreeMap<Bucket, Duration>,
     members: HashMap<String, Seen<i64>>,
 }
 
@@ -75,6 +82,7 @@ impl Sightings {
         Self {
             ttl,
             buckets: BTreeMap::new(),
+            row_ttls: BTreeMap::new(),
             members: HashMap::new(),
         }
     }
@@ -82,7 +90,9 @@ impl Sightings {
     /// The lease table read (every row), had at `now`.
     pub fn saw_leases(&mut self, rows: &[LeaseRow], now: Instant) {
         let mut buckets = BTreeMap::new();
+        self.row_ttls.clear();
         for row in rows {
+            self.row_ttls.insert(row.bucket, row.ttl);
             let value = (row.owner.clone(), row.epoch, row.beat);
             let since = match self.buckets.get(&row.bucket) {
                 Some(seen) if seen.value == value => seen.since,
@@ -124,11 +134,17 @@ impl Sightings {
     }
 
     /// The buckets claimable at `now`, in bucket order: free ones, and those seen unchanged for
-    /// a whole TTL.
+    /// the longer of this relay's TTL and the row's.
     pub fn claimable(&self, now: Instant) -> Vec<Claimable> {
         self.buckets
             .iter()
-            .filter(|(_, seen)| seen.value.0.is_none() || now >= seen.since + self.ttl)
+            .filter(|(bucket, seen)| {
+                let ttl = self
+                    .row_ttls
+                    .get(bucket)
+                    .map_or(self.ttl, |row| self.ttl.max(*row));
+                seen.value.0.is_none() || now >= seen.since + ttl
+            })
             .map(|(bucket, seen)| Claimable {
                 bucket: *bucket,
                 epoch: seen.value.1,
@@ -152,7 +168,22 @@ mod tests {
             owner: owner.map(str::to_owned),
             epoch,
             beat,
+            ttl: TTL,
         }
+    }
+
+    /// A holder with a longer TTL than this relay's is waited for as long as its own TTL.
+    #[test]
+    fn a_holder_with_a_longer_ttl_is_waited_for_its_ttl() {
+        let t0 = Instant::now();
+        let mut seen = Sightings::new(TTL);
+        let long = LeaseRow {
+            ttl: TTL * 3,
+            ..row(1, Some("a"), 2, 9)
+        };
+        seen.saw_leases(&[long], t0);
+        assert!(seen.claimable(t0 + TTL * 2).is_empty());
+        assert_eq!(buckets(&seen.claimable(t0 + TTL * 3)), vec![1]);
     }
 
     fn buckets(claimable: &[Claimable]) -> Vec<u16> {
@@ -241,8 +272,8 @@ mod tests {
         assert_eq!(seen.members(&me, t0 + TTL * 4), 2, "b beats again");
     }
 
-    /// One holder renewing on its own schedule (fences from `LeaseBook`: 0.9 TTL after each
-    /// renewal it sent), PostgreSQL committing each renewal some time after it was sent and
+    /// One holder renewing on its own schedule with a TTL of its own (fences from `LeaseBook`:
+    /// 0.9 of it after each renewal it sent), PostgreSQL committing each renewal some time after it was sent and
     /// a claimant reading the row at arbitrary instants, possibly after the holder stopped:
     /// whenever the claimant finds the bucket claimable and the claim's (epoch, beat) is still
     /// the row's, the holder's fence is closed. No wall clock is involved, so nothing a step
@@ -267,6 +298,8 @@ mod tests {
 
     /// The row as PostgreSQL has it, and the holder's fence.
     struct Holder {
+        /// Its TTL (its own setting, not necessarily the claimant's).
+        ttl: Duration,
         beat: i64,
         /// Renewals sent and not committed yet: (sent, commits at).
         pending: Vec<(Instant, Instant)>,
@@ -283,7 +316,7 @@ mod tests {
                 .partition(|(_, commits)| *commits <= now);
             for (sent, _) in done {
                 self.beat += 1;
-                self.fence_until = self.fence_until.max(sent + TTL.mul_f64(0.9));
+                self.fence_until = self.fence_until.max(sent + self.ttl.mul_f64(0.9));
             }
             self.pending = waiting;
         }
@@ -291,18 +324,27 @@ mod tests {
 
     proptest! {
         #[test]
-        fn a_claim_never_meets_an_open_fence(events in proptest::collection::vec(event(), 1..80)) {
+        fn a_claim_never_meets_an_open_fence(
+            holder_ttl_ms in 300u64..3000,
+            events in proptest::collection::vec(event(), 1..80),
+        ) {
+            let holder_ttl = Duration::from_millis(holder_ttl_ms);
             let t0 = Instant::now();
             let ms = |ms: u16| Duration::from_millis(u64::from(ms));
             let mut now = t0;
             let mut seen = Sightings::new(TTL);
-            let mut holder = Holder { beat: 0, pending: Vec::new(), fence_until: t0 + TTL.mul_f64(0.9) };
+            let mut holder = Holder {
+                ttl: holder_ttl,
+                beat: 0,
+                pending: Vec::new(),
+                fence_until: t0 + holder_ttl.mul_f64(0.9),
+            };
             for event in events {
                 holder.settle(now);
                 match event {
                     Event::Renew { delay_ms } => holder.pending.push((now, now + ms(delay_ms))),
                     Event::Read { lag_ms } => {
-                        let read = row(0, Some("holder"), 1, holder.beat);
+                        let read = LeaseRow { ttl: holder.ttl, ..row(0, Some("holder"), 1, holder.beat) };
                         now += ms(lag_ms);
                         seen.saw_leases(&[read], now);
                         // The claim commits now, and only if the row still has the beat seen.

@@ -40,7 +40,7 @@ impl LeaseStore {
         Self { pool }
     }
 
-    /// Registers (or renews) relay `me` as a member, bumping its beat (`ttl` sets the row's
+    /// Registers (or renews) relay `me` as a member (a renewal draws its row a new beat) (`ttl` sets the row's
     /// `expires_at`, which only the status views read); returns every member row, its own
     /// included. Rows an hour past their expiry (by PostgreSQL's clock) are deleted; one
     /// deleted while its relay lives is written again at its next heartbeat.
@@ -49,8 +49,7 @@ impl LeaseStore {
             "WITH up AS (
                  INSERT INTO relay_member (relay_id, expires_at)
                  VALUES ($1, now() + $2 * interval '1 millisecond')
-                 ON CONFLICT (relay_id) DO UPDATE
-                    SET expires_at = EXCLUDED.expires_at, beat = relay_member.beat + 1
+                 ON CONFLICT (relay_id) DO UPDATE SET expires_at = EXCLUDED.expires_at
                  RETURNING relay_id, beat
              ), gone AS (
                  DELETE FROM relay_member
@@ -71,23 +70,25 @@ impl LeaseStore {
 
     /// Every lease row, for [`Sightings::saw_leases`].
     pub async fn survey(&self) -> Result<Vec<LeaseRow>, Error> {
-        let rows: Vec<(i32, Option<String>, i64, i64)> =
-            sqlx::query_as("SELECT bucket, owner, epoch, beat FROM relay_lease ORDER BY bucket")
-                .fetch_all(&self.pool)
-                .await?;
+        let rows: Vec<(i32, Option<String>, i64, i64, i64)> = sqlx::query_as(
+            "SELECT bucket, owner, epoch, beat, ttl_ms FROM relay_lease ORDER BY bucket",
+        )
+        .fetch_all(&self.pool)
+        .await?;
         Ok(rows
             .into_iter()
-            .map(|(bucket, owner, epoch, beat)| LeaseRow {
+            .map(|(bucket, owner, epoch, beat, ttl_ms)| LeaseRow {
                 bucket: Bucket(bucket.clamp(0, i32::from(u16::MAX)) as u16),
                 owner,
                 epoch,
                 beat,
+                ttl: Duration::from_millis(ttl_ms.max(0) as u64),
             })
             .collect())
     }
 
-    /// Renews exactly the leases `held` (bucket, epoch) that `me` still owns at those epochs,
-    /// bumping their beats; returns those. Only what the caller still holds is renewed: a
+    /// Renews exactly the leases `held` (bucket, epoch) that `me` still owns at those epochs
+    /// (each draws a new beat and records `ttl`); returns those. Only what the caller still holds is renewed: a
     /// lease it dropped (its fence lapsed) must go stale, or nobody could ever claim that
     /// bucket again. No clock is read: a lease nobody claimed is still the caller's.
     pub async fn renew(
@@ -99,8 +100,7 @@ impl LeaseStore {
         let buckets_held: Vec<i32> = held.iter().map(|(b, _)| i32::from(b.0)).collect();
         let epochs: Vec<i64> = held.iter().map(|(_, e)| *e).collect();
         let rows: Vec<(i32, i64)> = sqlx::query_as(
-            "UPDATE relay_lease l
-                SET expires_at = now() + $2 * interval '1 millisecond', beat = l.beat + 1
+            "UPDATE relay_lease l SET expires_at = now() + $2 * interval '1 millisecond'
                FROM unnest($3::int[], $4::bigint[]) AS h(bucket, epoch)
               WHERE l.bucket = h.bucket AND l.epoch = h.epoch AND l.owner = $1
              RETURNING l.bucket, l.epoch",
@@ -134,7 +134,7 @@ impl LeaseStore {
         let beats: Vec<i64> = candidates.iter().map(|c| c.beat).collect();
         let rows: Vec<(i32, i64)> = sqlx::query_as(
             "UPDATE relay_lease l
-                SET owner = $1, epoch = l.epoch + 1, beat = l.beat + 1,
+                SET owner = $1, epoch = l.epoch + 1,
                     expires_at = now() + $2 * interval '1 millisecond'
                FROM (SELECT r.bucket FROM relay_lease r
                       WHERE (r.bucket, r.epoch, r.beat) IN (

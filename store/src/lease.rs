@@ -2,9 +2,9 @@
 //!
 //! Tenants hash into [`LEASE_BUCKETS`] buckets (FNV-1a 64 of the tenant id). A relay owns a
 //! bucket while its row in `relay_lease` names it at its epoch; it renews every heartbeat
-//! (bumping the row's beat). Another relay claims the bucket only once it has seen the row
-//! unchanged for a TTL on its own monotonic clock ([`Sightings`]), so no step of PostgreSQL's
-//! clock moves a lease. Each change of owner increments the bucket's epoch. Nothing here is
+//! (each change of the row draws it a new beat). Another relay claims the bucket only once it
+//! has seen the row unchanged for the longer of its TTL and the holder's, on its own monotonic
+//! clock ([`Sightings`]), so no step of PostgreSQL's clock moves a lease. Each change of owner increments the bucket's epoch. Nothing here is
 //! held in PostgreSQL's shared lock table, so the number of tenants never touches the host.
 //!
 //! Fencing, two ways:

@@ -37,6 +37,18 @@ async fn claim_seen_for(
         .unwrap()
 }
 
+/// What `relay`'s [`Sightings`] offer of `bucket` alone once it has seen the rows (read now)
+/// unchanged for a TTL (passed on the sightings' clock, not waited).
+async fn stale_bucket(leases: &LeaseStore, ttl: Duration, bucket: Bucket) -> Vec<store::Claimable> {
+    let mut seen = Sightings::new(ttl);
+    let now = Instant::now();
+    seen.saw_leases(&leases.survey().await.unwrap(), now);
+    seen.claimable(now + ttl)
+        .into_iter()
+        .filter(|claimable| claimable.bucket == bucket)
+        .collect()
+}
+
 async fn claim_free(
     leases: &LeaseStore,
     relay: &RelayId,
@@ -234,15 +246,7 @@ async fn a_takeover_fences_the_former_owner_in_postgres(pool: PgPool) {
     assert!(claim_free(&leases, &second, ttl, 1).await.is_empty());
     // The first relay stalls past its lease (no renewal for a TTL), the second takes a bucket
     // over: the tenant's.
-    let tenants_bucket: Vec<_> = {
-        let mut seen = Sightings::new(ttl);
-        let now = Instant::now();
-        seen.saw_leases(&leases.survey().await.unwrap(), now);
-        seen.claimable(now + ttl)
-            .into_iter()
-            .filter(|claimable| claimable.bucket == bucket)
-            .collect()
-    };
+    let tenants_bucket = stale_bucket(&leases, ttl, bucket).await;
     let taken = leases
         .claim(&second, ttl, 1, &tenants_bucket)
         .await
@@ -382,14 +386,7 @@ async fn an_ack_in_progress_holds_off_a_takeover(
         "a takeover overlapped an ack in progress"
     );
     ack_tx.commit().await.unwrap();
-    let mut seen = Sightings::new(ttl);
-    let now = Instant::now();
-    seen.saw_leases(&leases.survey().await.unwrap(), now);
-    let skipped: Vec<_> = seen
-        .claimable(now + ttl)
-        .into_iter()
-        .filter(|claimable| claimable.bucket == bucket)
-        .collect();
+    let skipped = stale_bucket(&leases, ttl, bucket).await;
     let taken = leases.claim(&second, ttl, 1, &skipped).await.unwrap();
     assert_eq!(taken, vec![(bucket, epoch + 1)]);
 }

@@ -70,9 +70,9 @@ struct Seen<T> {
 #[derive(Clone, Debug)]
 pub struct Sightings {
     ttl: Duration,
-    buckets: BTreeMap<Bucket, Seen<(Option<String>, i64, i64)>>,
-    /// The TTL each bucket's writer gave it, last read.
-    row_ttls: BTreeMap<Bucket, Duration>,
+    /// Each lease row as last read (every change of a row draws a new beat, so a row equal to
+    /// the one seen before has not changed since).
+    buckets: BTreeMap<Bucket, Seen<LeaseRow>>,
     members: HashMap<String, Seen<i64>>,
 }
 
@@ -82,7 +82,6 @@ impl Sightings {
         Self {
             ttl,
             buckets: BTreeMap::new(),
-            row_ttls: BTreeMap::new(),
             members: HashMap::new(),
         }
     }
@@ -90,15 +89,18 @@ impl Sightings {
     /// The lease table read (every row), had at `now`.
     pub fn saw_leases(&mut self, rows: &[LeaseRow], now: Instant) {
         let mut buckets = BTreeMap::new();
-        self.row_ttls.clear();
         for row in rows {
-            self.row_ttls.insert(row.bucket, row.ttl);
-            let value = (row.owner.clone(), row.epoch, row.beat);
             let since = match self.buckets.get(&row.bucket) {
-                Some(seen) if seen.value == value => seen.since,
+                Some(seen) if seen.value == *row => seen.since,
                 _ => now,
             };
-            buckets.insert(row.bucket, Seen { value, since });
+            buckets.insert(
+                row.bucket,
+                Seen {
+                    value: row.clone(),
+                    since,
+                },
+            );
         }
         self.buckets = buckets;
     }
@@ -137,18 +139,13 @@ impl Sightings {
     /// the longer of this relay's TTL and the row's.
     pub fn claimable(&self, now: Instant) -> Vec<Claimable> {
         self.buckets
-            .iter()
-            .filter(|(bucket, seen)| {
-                let ttl = self
-                    .row_ttls
-                    .get(bucket)
-                    .map_or(self.ttl, |row| self.ttl.max(*row));
-                seen.value.0.is_none() || now >= seen.since + ttl
-            })
-            .map(|(bucket, seen)| Claimable {
-                bucket: *bucket,
-                epoch: seen.value.1,
-                beat: seen.value.2,
+            .values()
+            .map(|seen| (&seen.value, seen.since))
+            .filter(|(row, since)| row.owner.is_none() || now >= *since + self.ttl.max(row.ttl))
+            .map(|(row, _)| Claimable {
+                bucket: row.bucket,
+                epoch: row.epoch,
+                beat: row.beat,
             })
             .collect()
     }

@@ -11,3 +11,5 @@ mod harness;
 mod node;
 #[path = "it/recorder.rs"]
 mod recorder;
+#[path = "it/under_load.rs"]
+mod under_load;

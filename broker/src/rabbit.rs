@@ -38,7 +38,7 @@ use crate::port::{BoxFuture, OnReport, Outcome, PublishReport, Publisher};
 use crate::{BrokerHealth, CallProbe, Error, QueueType, Topology, wire};
 use confirms::{PendingBatch, Writer, confirm_pump};
 use flow::{Flow, QUEUED_AHEAD_BYTES, follow_flow, written};
-use session::refused_at_run_time;
+use session::{open_at, refused_at_run_time};
 
 mod config;
 mod confirms;
@@ -126,7 +126,7 @@ impl RabbitPublisher {
 
     async fn session(&mut self) -> Result<&Session, Error> {
         if self.session.is_none() {
-            let (connection, channel) = open(&self.config, "outbox-relay-publisher")
+            let (connection, channel, address) = open_at(&self.config, "outbox-relay-publisher")
                 .await
                 .inspect_err(|err| {
                     self.health.report(false);
@@ -164,6 +164,10 @@ impl RabbitPublisher {
                 self.config.confirm_timeout,
                 flow.clone(),
                 self.health.clone(),
+                {
+                    let config = self.config.clone();
+                    Box::new(move || config.pass_over(address))
+                },
             )));
             self.session = Some(Session {
                 _connection: connection,

@@ -97,6 +97,17 @@ pub struct PrivateNode {
 /// other nodes.
 fn sweep_stale_nodes(rabbit: Rabbit) {
     static SWEPT: [std::sync::Once; 2] = [std::sync::Once::new(), std::sync::Once::new()];
+    static SWEPT_NETS: std::sync::Once = std::sync::Once::new();
+    // Partitionable clusters (their namespaces, bridges and nodes) of processes gone.
+    SWEPT_NETS.call_once(|| {
+        let _ = Command::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/scripts/rabbitmq-cluster"
+        ))
+        .arg("sweep")
+        .stdin(std::process::Stdio::null())
+        .status();
+    });
     SWEPT[rabbit as usize].call_once(|| {
         let mut epmd = rabbit.command("epmd");
         if rabbit == Rabbit::V4_0 {
@@ -379,6 +390,17 @@ impl PrivateCluster {
 
     /// Starts three nodes of `rabbit`'s version and joins them.
     pub fn start_on(rabbit: Rabbit, label: &str) -> Self {
+        Self::start_with(rabbit, label, false)
+    }
+
+    /// Starts three nodes of `rabbit`'s version, each in a network namespace of its own (on a
+    /// bridge of the cluster's own, `net_ticktime` 10, `pause_minority`), and joins them: a
+    /// cluster whose links [`PrivateCluster::cut`] can drop without a reset.
+    pub fn start_partitionable(rabbit: Rabbit, label: &str) -> Self {
+        Self::start_with(rabbit, label, true)
+    }
+
+    fn start_with(rabbit: Rabbit, label: &str, namespaces: bool) -> Self {
         static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         // One cluster boots at a time: six nodes booting at once on two cores can outlast the
         // script's 120 s wait for a node.
@@ -396,15 +418,29 @@ impl PrivateCluster {
             dir,
             urls: String::new(),
         };
-        cluster.urls = cluster
-            .script_with(&["start"], Some(&format!("relaynode_{pid}_cluster{n}")))
+        let mut start = cluster.script_command();
+        start.env(
+            "RABBITMQ_CLUSTER_PREFIX",
+            format!("relaynode_{pid}_cluster{n}"),
+        );
+        if namespaces {
+            start
+                .env("RABBITMQ_CLUSTER_NET", "netns")
+                .env("RABBITMQ_CLUSTER_OWNER", pid.to_string());
+        }
+        cluster.urls = run_script(start.arg("start").arg(&cluster.dir))
             .trim()
             .to_owned();
         cluster
     }
 
     fn script(&self, args: &[&str]) -> String {
-        self.script_with(args, None)
+        run_script(
+            self.script_command()
+                .arg(args[0])
+                .arg(&self.dir)
+                .args(&args[1..]),
+        )
     }
 
     /// `scripts/rabbitmq-cluster`, pointed at the cluster's RabbitMQ (its root, if any).
@@ -419,26 +455,6 @@ impl PrivateCluster {
                 .env("RABBITMQ_EPMD_PORT", EPMD_4.to_string());
         }
         command
-    }
-
-    fn script_with(&self, args: &[&str], prefix: Option<&str>) -> String {
-        let mut command = self.script_command();
-        if let Some(prefix) = prefix {
-            command.env("RABBITMQ_CLUSTER_PREFIX", prefix);
-        }
-        let output = command
-            .arg(args[0])
-            .arg(&self.dir)
-            .args(&args[1..])
-            .stdin(std::process::Stdio::null())
-            .output()
-            .expect("scripts/rabbitmq-cluster runs");
-        assert!(
-            output.status.success(),
-            "rabbitmq-cluster {args:?}: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        String::from_utf8_lossy(&output.stdout).into_owned()
     }
 
     /// Every node's AMQP URL, comma-separated (what `AMQP_URL` takes).
@@ -481,19 +497,64 @@ impl PrivateCluster {
         kept
     }
 
-    /// `rabbitmqctl -n <node n> args...`.
+    /// `rabbitmqctl -n <node n> args...` (in the node's namespace, if it has one); its
+    /// output, empty if it failed.
     pub fn ctl(&self, n: u8, args: &[&str]) -> String {
         let output = self
-            .rabbit
-            .command("rabbitmqctl")
-            .arg("-n")
-            .arg(self.node(n))
+            .script_command()
+            .arg("ctl")
+            .arg(&self.dir)
+            .arg(n.to_string())
             .args(args)
             .stdin(std::process::Stdio::null())
             .output()
             .unwrap();
         String::from_utf8_lossy(&output.stdout).into_owned()
     }
+
+    /// Drops every packet between `a` and `b`, both ways, without a reset (a cluster started
+    /// by [`PrivateCluster::start_partitionable`]); cuts add up until [`PrivateCluster::heal`].
+    pub fn cut(&self, a: End, b: End) {
+        self.script(&["cut", &a.to_string(), &b.to_string()]);
+    }
+
+    /// Lifts every cut. A connection whose packets were dropped resumes at its next
+    /// retransmission (5-7 s after a drop of 6-8 s here), not at once.
+    pub fn heal(&self) {
+        self.script(&["heal"]);
+    }
+}
+
+/// One end of a cut: a node of a partitionable cluster, or this machine's own namespace, where
+/// the test, its relays and its consumers run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum End {
+    Host,
+    Node(u8),
+}
+
+impl std::fmt::Display for End {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            End::Host => f.write_str("host"),
+            End::Node(n) => write!(f, "{n}"),
+        }
+    }
+}
+
+/// Runs `scripts/rabbitmq-cluster` as `command` says; its output, or a panic with its errors.
+fn run_script(command: &mut Command) -> String {
+    let output = command
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("scripts/rabbitmq-cluster runs");
+    assert!(
+        output.status.success(),
+        "rabbitmq-cluster {:?}: {}",
+        command.get_args().collect::<Vec<_>>(),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
 impl Drop for PrivateCluster {

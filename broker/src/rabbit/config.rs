@@ -12,7 +12,10 @@ use crate::{AmqpTls, Error, Topology};
 pub struct RabbitConfig {
     /// AMQP URI, e.g. `amqp://guest:guest@127.0.0.1:5672/%2f?heartbeat=10`; or the URIs of
     /// several nodes of one cluster, separated by commas: a connection goes to the node that
-    /// answered last, and to the next one when it fails (percent-encode a comma in a password).
+    /// answered last, and to the next one when it fails or when a publisher's session on it
+    /// had a batch unconfirmed for `confirm_timeout` (a node cut off from its cluster's
+    /// majority takes connections and publishes but confirms nothing). Percent-encode a comma
+    /// in a password.
     pub uri: String,
     /// Exchange and partition queues.
     pub topology: Topology,
@@ -90,7 +93,7 @@ impl RabbitConfig {
     pub(crate) async fn connect_named(&self, name: &str) -> Result<ClosingConnection, Error> {
         let properties = ConnectionProperties::default().with_connection_name(name.into());
         match self.connect(properties).await {
-            Ok(connection) => Ok(connection),
+            Ok((connection, _)) => Ok(connection),
             Err(ConnectFailure::Failed(err)) => Err(err.into()),
             Err(ConnectFailure::TimedOut) => Err(Error::Unreachable(format!(
                 "no connection within {} ms",
@@ -99,10 +102,11 @@ impl RabbitConfig {
         }
     }
 
+    /// A connection, and the index of the address that gave it.
     pub(crate) async fn connect(
         &self,
         properties: ConnectionProperties,
-    ) -> Result<ClosingConnection, ConnectFailure> {
+    ) -> Result<(ClosingConnection, usize), ConnectFailure> {
         use std::sync::atomic::Ordering;
         let addresses = self.addresses();
         let first = self.next_address.load(Ordering::Relaxed) % addresses.len();
@@ -124,7 +128,7 @@ impl RabbitConfig {
                             "connected to another broker address"
                         );
                     }
-                    return Ok(connection);
+                    return Ok((connection, index));
                 }
                 Ok(Err(err)) => failure = ConnectFailure::Failed(err),
                 Err(_) => failure = ConnectFailure::TimedOut,
@@ -133,6 +137,20 @@ impl RabbitConfig {
         self.next_address
             .store((first + 1) % addresses.len(), Ordering::Relaxed);
         Err(failure)
+    }
+
+    /// The next connection tries the address after `address` first, unless a connection since
+    /// moved on already: a session on `address` had a batch unconfirmed for `confirm_timeout`.
+    /// A node cut off from its cluster's majority (not yet paused by `pause_minority`, or never
+    /// under `ignore`) still takes connections and publishes, and confirms none: without this
+    /// every restart connected to it again, and a partition of one node stalled the relays
+    /// connected to it for as long as it lasted.
+    pub(crate) fn pass_over(&self, address: usize) {
+        use std::sync::atomic::Ordering;
+        let next = (address + 1) % self.addresses().len();
+        let _ =
+            self.next_address
+                .compare_exchange(address, next, Ordering::Relaxed, Ordering::Relaxed);
     }
 }
 
@@ -143,4 +161,38 @@ pub(crate) enum ConnectFailure {
     Failed(lapin::Error),
     /// It did not answer within the connect timeout.
     TimedOut,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::Ordering;
+
+    fn three_nodes() -> RabbitConfig {
+        let uri = "amqp://a:5672/%2f,amqp://b:5672/%2f,amqp://c:5672/%2f";
+        RabbitConfig::new(uri, Topology::new("t", 2).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn an_unconfirmed_session_sends_the_next_connection_to_the_next_address() {
+        let config = three_nodes();
+        let clone = config.clone();
+        config.pass_over(0);
+        assert_eq!(clone.next_address.load(Ordering::Relaxed), 1);
+        // A second publisher of the same node reporting late moves it no further.
+        config.pass_over(0);
+        assert_eq!(clone.next_address.load(Ordering::Relaxed), 1);
+        // Past the last address, back to the first.
+        config.pass_over(1);
+        config.pass_over(2);
+        assert_eq!(clone.next_address.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn one_address_stays_the_one() {
+        let config =
+            RabbitConfig::new("amqp://a:5672/%2f", Topology::new("t", 2).unwrap()).unwrap();
+        config.pass_over(0);
+        assert_eq!(config.next_address.load(Ordering::Relaxed), 0);
+    }
 }

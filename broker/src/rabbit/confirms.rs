@@ -138,7 +138,8 @@ pub(crate) fn attribute(
 /// batch N resolved, each return of N is attached to some confirm already resolved. So, before
 /// deciding N, the pump waits until every batch whose writing began has been handed over, and
 /// notes the returns of every already-resolved confirm of later batches too. Outcomes are then
-/// decided by message id against the channel-wide set of returned ids.
+/// decided by message id against the channel-wide set of returned ids. `unconfirmed` is called
+/// when a batch's confirms time out.
 pub(crate) async fn confirm_pump(
     mut batches: tokio::sync::mpsc::UnboundedReceiver<PendingBatch>,
     mut writer: Writer,
@@ -146,6 +147,7 @@ pub(crate) async fn confirm_pump(
     confirm_timeout: Duration,
     flow: watch::Receiver<Flow>,
     health: BrokerHealth,
+    unconfirmed: Box<dyn Fn() + Send>,
 ) {
     let mut returned: HashSet<ShortString> = HashSet::new();
     let mut ahead: VecDeque<Tracked> = VecDeque::new();
@@ -203,6 +205,7 @@ pub(crate) async fn confirm_pump(
             }
         }
         if timed_out {
+            unconfirmed();
             fault.get_or_insert(Error::Timeout {
                 operation: "publisher confirm",
                 timeout_ms: confirm_timeout.as_millis() as u64,

@@ -28,8 +28,18 @@ pub async fn open(
     config: &RabbitConfig,
     name: &str,
 ) -> Result<(ClosingConnection, Channel), Error> {
+    open_at(config, name)
+        .await
+        .map(|(connection, channel, _)| (connection, channel))
+}
+
+/// [`open`], with the index of the address the connection went to.
+pub(crate) async fn open_at(
+    config: &RabbitConfig,
+    name: &str,
+) -> Result<(ClosingConnection, Channel, usize), Error> {
     let properties = ConnectionProperties::default().with_connection_name(name.into());
-    let connection = match config.connect(properties).await {
+    let (connection, address) = match config.connect(properties).await {
         Ok(connection) => connection,
         Err(ConnectFailure::Failed(err)) => return Err(refused_or(err, Error::Unreachable)),
         Err(ConnectFailure::TimedOut) => {
@@ -55,7 +65,7 @@ pub async fn open(
             }),
             other => other,
         })?;
-    Ok((connection, channel))
+    Ok((connection, channel, address))
 }
 
 /// A refusal by the broker (an AMQP error it sent: access refused, not allowed, precondition

@@ -1,0 +1,328 @@
+//! Network partitions of a real RabbitMQ cluster: three private nodes, each in a network
+//! namespace of its own (`PrivateCluster::start_partitionable`: `net_ticktime` 10,
+//! `pause_minority`), with a host writing on, two relays and a consumer in this machine's own
+//! namespace reaching every node over the cluster's bridge. Each cut drops packets without a
+//! reset (nftables on the bridge), holds for its length, and is lifted; the shapes, after
+//! RabbitMQ's own Jepsen tests of quorum queues:
+//!
+//! - the node leading most queues cut off from the other two (a minority holding the leaders);
+//! - a node leading the fewest cut off from the other two;
+//! - a bridge: the leader and one follower cut from each other, the third node seeing both;
+//! - the relays and the consumer cut off from the leader's node, the nodes whole.
+//!
+//! Each at 10 s (below `net_ticktime`'s detection, which still partitions the cluster: the
+//! nodes see it 1-2 s after the heal) and 30 s (the minority pauses about 11.5 s in). What must
+//! hold, as for the node failures (`under_load::Scene::finish`): nothing lost, no branch's
+//! first copies out of order in its queue (events the broker refused aside), the fold exactly
+//! the live history, every branch reaching the consumer; and after each heal, every intent
+//! written before it acked within 10 s. Each cut's worst lag and heal time are printed.
+//!
+//! A dropped packet is retransmitted with backoff: after a drop of 6-8 s, TCP resumes 5-7 s
+//! after the rule is lifted (../shared/docs/FAULTS.md), which the 10 s bound after a heal has
+//! to absorb.
+use std::time::{Duration, Instant};
+
+use distribution::broker::QueueType;
+
+use crate::harness::{oldest_pending, wait_until};
+use crate::node::{End, PrivateCluster, Rabbit};
+use crate::under_load::{Scene, worst_lag};
+
+/// Where a cut falls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Shape {
+    /// The node leading most queues, alone.
+    LeaderAlone,
+    /// The node leading the fewest queues, alone.
+    FollowerAlone,
+    /// The leader and a follower cut from each other; the third node sees both.
+    Bridge,
+    /// This machine (relays, consumer) cut off from the leader's node.
+    ClientsFromLeader,
+}
+
+const SHAPES: [Shape; 4] = [
+    Shape::LeaderAlone,
+    Shape::FollowerAlone,
+    Shape::Bridge,
+    Shape::ClientsFromLeader,
+];
+
+/// What one cut cost.
+struct Cost {
+    shape: Shape,
+    length: Duration,
+    /// The node the shape was drawn around (the leader, or the lone follower).
+    around: u8,
+    /// The worst lag while the cut held.
+    during: Duration,
+    /// Intents the consumer applied while the cut held.
+    applied_during: u64,
+    /// From the heal until every intent written before it was acked.
+    heal: Duration,
+    /// From then until the cluster was whole again (every node running, seeing the others,
+    /// no partition on record).
+    whole: Duration,
+    /// The nodes restarted by hand to get there (see [`await_whole`]).
+    restarted: Vec<u8>,
+}
+
+impl std::fmt::Display for Cost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:?} for {:?} around node {}: worst lag {:.1?}, {} applied meanwhile, heal {:.1?}, whole again {:.1?} later (nodes restarted by hand: {:?})",
+            self.shape,
+            self.length,
+            self.around,
+            self.during,
+            self.applied_during,
+            self.heal,
+            self.whole,
+            self.restarted
+        )
+    }
+}
+
+/// The node leading the most (`most`) or the fewest queues, asked of a node that answers.
+/// (`rabbitmqctl list_queues` does not answer within its 60 s on these nodes: an `eval`.)
+fn leading_node(cluster: &PrivateCluster, most: bool) -> u8 {
+    let leaders = (1..=3)
+        .map(|n| {
+            cluster.ctl(
+                n,
+                &[
+                    "eval",
+                    "[case amqqueue:get_pid(Q) of {_, N} -> N; P when is_pid(P) -> node(P); \
+                     _ -> none end || Q <- rabbit_amqqueue:list()].",
+                ],
+            )
+        })
+        .find(|leaders| leaders.trim_start().starts_with('['))
+        .expect("a node lists the queues' leaders");
+    let led: Vec<usize> = (1..=3)
+        .map(|n| leaders.matches(&format!("'{}'", cluster.node(n))).count())
+        .collect();
+    let chosen = (0..3).max_by_key(|&n| {
+        let count = led[n] as isize;
+        if most { count } else { -count }
+    });
+    chosen.unwrap() as u8 + 1
+}
+
+/// Each node's `cluster_status` (JSON), `None` for a node that does not answer.
+fn statuses(cluster: &PrivateCluster) -> Vec<Option<serde_json::Value>> {
+    (1..=3)
+        .map(|n| {
+            serde_json::from_str(&cluster.ctl(n, &["cluster_status", "--formatter", "json"])).ok()
+        })
+        .collect()
+}
+
+/// Whether every node runs, sees the other two and records no partition.
+fn whole(statuses: &[Option<serde_json::Value>]) -> bool {
+    statuses.iter().all(|status| {
+        status.as_ref().is_some_and(|status| {
+            status["running_nodes"].as_array().map(Vec::len) == Some(3)
+                && status["partitions"]
+                    .as_object()
+                    .is_none_or(serde_json::Map::is_empty)
+        })
+    })
+}
+
+/// The nodes an operator restarts to end a partition, as RabbitMQ's documentation says:
+/// trust the view that sees the most nodes running (the last such node on a tie), and restart
+/// every node it does not count as running or records a partition with.
+fn untrusted(statuses: &[Option<serde_json::Value>], names: &[String]) -> Vec<u8> {
+    let running = |status: &serde_json::Value| -> Vec<String> {
+        status["running_nodes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|node| node.as_str().map(str::to_owned))
+            .collect()
+    };
+    let Some(trusted) = statuses
+        .iter()
+        .flatten()
+        .max_by_key(|status| running(status).len())
+    else {
+        return Vec::new();
+    };
+    let counted = running(trusted);
+    let parted: Vec<String> = trusted["partitions"]
+        .as_object()
+        .into_iter()
+        .flat_map(|partitions| partitions.values())
+        .filter_map(serde_json::Value::as_array)
+        .flatten()
+        .filter_map(|node| node.as_str().map(str::to_owned))
+        .collect();
+    (1..=3u8)
+        .zip(names)
+        .filter(|(_, name)| !counted.contains(name) || parted.contains(name))
+        .map(|(n, _)| n)
+        .collect()
+}
+
+/// Waits until the cluster is whole again; returns the nodes it had to restart. A node paused
+/// by `pause_minority` restarts itself once it sees the majority again; but under load a cut
+/// shorter than `net_ticktime`'s detection is seen only after the heal, and then RabbitMQ can
+/// leave a partition on record for minutes (seen here with 3.10: over 120 s). After 30 s this
+/// does what RabbitMQ's documentation tells an operator to do ([`untrusted`]).
+fn await_whole(cluster: &PrivateCluster) -> Vec<u8> {
+    let names: Vec<String> = (1..=3).map(|n| cluster.node(n)).collect();
+    let mut restarted = Vec::new();
+    let mut deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let statuses = statuses(cluster);
+        if whole(&statuses) {
+            return restarted;
+        }
+        if Instant::now() >= deadline {
+            let untrusted = untrusted(&statuses, &names);
+            assert!(
+                restarted.is_empty() && !untrusted.is_empty(),
+                "the cluster was not whole again (nodes restarted: {restarted:?}): {statuses:?}"
+            );
+            for &n in &untrusted {
+                cluster.ctl(n, &["stop_app"]);
+                cluster.ctl(n, &["start_app"]);
+            }
+            restarted = untrusted;
+            deadline = Instant::now() + Duration::from_secs(90);
+        }
+        // Polling pace of a command-line tool, not synchronisation.
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+/// Cuts the cluster as `shape` says for `length`, heals it, and measures.
+async fn partition(
+    cluster: &PrivateCluster,
+    scene: &Scene,
+    shape: Shape,
+    length: Duration,
+) -> Cost {
+    let pool = &scene.pool;
+    let leader = tokio::task::block_in_place(|| leading_node(cluster, true));
+    let around = match shape {
+        Shape::FollowerAlone => tokio::task::block_in_place(|| leading_node(cluster, false)),
+        _ => leader,
+    };
+    let others: Vec<u8> = (1..=3).filter(|&n| n != around).collect();
+    let cuts: Vec<(End, End)> = match shape {
+        Shape::LeaderAlone | Shape::FollowerAlone => others
+            .iter()
+            .map(|&other| (End::Node(around), End::Node(other)))
+            .collect(),
+        Shape::Bridge => vec![(End::Node(around), End::Node(others[0]))],
+        Shape::ClientsFromLeader => vec![(End::Host, End::Node(around))],
+    };
+    let (cut_at, _) = oldest_pending(pool).await;
+    let applied = scene.folding.totals().applied;
+    tokio::task::block_in_place(|| {
+        for (a, b) in &cuts {
+            cluster.cut(*a, *b);
+        }
+    });
+    // The cut's length: the fault's own duration, sampled for the lag meanwhile.
+    let during = worst_lag(pool, cut_at, length).await;
+    let applied_during = scene.folding.totals().applied - applied;
+    tokio::task::block_in_place(|| cluster.heal());
+    let healed = Instant::now();
+    let (heal_at, _) = oldest_pending(pool).await;
+    wait_until(
+        "every intent written before the heal acked",
+        Duration::from_secs(120),
+        || async {
+            oldest_pending(pool)
+                .await
+                .1
+                .is_none_or(|oldest| oldest >= heal_at)
+        },
+    )
+    .await;
+    let heal = healed.elapsed();
+    let whole = Instant::now();
+    let restarted = tokio::task::block_in_place(|| await_whole(cluster));
+    let whole = whole.elapsed();
+    Cost {
+        shape,
+        length,
+        around,
+        during,
+        applied_during,
+        heal,
+        whole,
+        restarted,
+    }
+}
+
+/// Every shape at `length` on a partitionable cluster of `rabbit`, under load; prints each
+/// cut's cost and checks the run and the heals.
+async fn partitions(rabbit: Rabbit, queue_type: QueueType, length: Duration) {
+    // One cluster at a time: partitions are timed against `net_ticktime`, and two clusters
+    // booting or healing at once on two cores would blur that.
+    static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    let _alone = ONE_AT_A_TIME.lock().await;
+    crate::harness::capture_logs();
+    let cluster =
+        tokio::task::block_in_place(|| PrivateCluster::start_partitionable(rabbit, "partitions"));
+    let scene = Scene::start(&cluster, queue_type).await;
+    let mut costs = Vec::new();
+    for shape in SHAPES {
+        let cost = partition(&cluster, &scene, shape, length).await;
+        println!("{rabbit:?} {queue_type:?}: {cost}");
+        costs.push(cost);
+    }
+    scene.finish(&cluster, 1).await;
+    for cost in &costs {
+        assert!(
+            cost.heal < Duration::from_secs(10),
+            "{rabbit:?} {queue_type:?}: intents written before the heal waited {:?} after it ({cost})",
+            cost.heal
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn partitions_of_10_s_on_quorum_queues() {
+    partitions(Rabbit::V3_10, QueueType::Quorum, Duration::from_secs(10)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn partitions_of_30_s_on_quorum_queues() {
+    partitions(Rabbit::V3_10, QueueType::Quorum, Duration::from_secs(30)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn partitions_of_10_s_on_quorum_queues_on_rabbitmq_4_0() {
+    partitions(Rabbit::V4_0, QueueType::Quorum, Duration::from_secs(10)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn partitions_of_30_s_on_quorum_queues_on_rabbitmq_4_0() {
+    partitions(Rabbit::V4_0, QueueType::Quorum, Duration::from_secs(30)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn partitions_of_10_s_on_streams() {
+    partitions(Rabbit::V3_10, QueueType::Stream, Duration::from_secs(10)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn partitions_of_30_s_on_streams() {
+    partitions(Rabbit::V3_10, QueueType::Stream, Duration::from_secs(30)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn partitions_of_10_s_on_streams_on_rabbitmq_4_0() {
+    partitions(Rabbit::V4_0, QueueType::Stream, Duration::from_secs(10)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn partitions_of_30_s_on_streams_on_rabbitmq_4_0() {
+    partitions(Rabbit::V4_0, QueueType::Stream, Duration::from_secs(30)).await;
+}

@@ -498,10 +498,19 @@ impl PrivateCluster {
     }
 
     /// `rabbitmqctl -n <node n> args...` (in the node's namespace, if it has one); its
-    /// output, empty if it failed.
+    /// output, empty if it failed or took over 60 s.
     pub fn ctl(&self, n: u8, args: &[&str]) -> String {
-        let output = self
-            .script_command()
+        // Bounded: a node stuck in its boot holds `stop_app` for ever (seen on 4.0 after a
+        // partition).
+        let script = self.script_command();
+        let output = Command::new("timeout")
+            .arg("60")
+            .arg(script.get_program())
+            .envs(
+                script
+                    .get_envs()
+                    .filter_map(|(key, value)| Some((key, value?))),
+            )
             .arg("ctl")
             .arg(&self.dir)
             .arg(n.to_string())
@@ -516,6 +525,15 @@ impl PrivateCluster {
     /// by [`PrivateCluster::start_partitionable`]); cuts add up until [`PrivateCluster::heal`].
     pub fn cut(&self, a: End, b: End) {
         self.script(&["cut", &a.to_string(), &b.to_string()]);
+    }
+
+    /// How many AMQP connections node `n` of a partitionable cluster holds.
+    pub fn clients(&self, n: u8) -> usize {
+        let count = self.script(&["clients", &n.to_string()]);
+        count
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("a count of connections: {count:?}"))
     }
 
     /// Lifts every cut. A connection whose packets were dropped resumes at its next

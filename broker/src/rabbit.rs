@@ -36,7 +36,7 @@ use store::{Fence, OutboxEvent};
 
 use crate::port::{BoxFuture, OnReport, Outcome, PublishReport, Publisher};
 use crate::{BrokerHealth, CallProbe, Error, QueueType, Topology, wire};
-use confirms::{PendingBatch, Writer, confirm_pump};
+use confirms::{PendingBatch, SessionFate, Writer, confirm_pump};
 use flow::{Flow, QUEUED_AHEAD_BYTES, follow_flow, written};
 use session::{open_at, refused_at_run_time};
 
@@ -126,15 +126,18 @@ impl RabbitPublisher {
 
     async fn session(&mut self) -> Result<&Session, Error> {
         if self.session.is_none() {
-            let (connection, channel, address) = open_at(&self.config, "outbox-relay-publisher")
-                .await
-                .inspect_err(|err| {
-                    self.health.report(false);
-                    if let Error::Refused(why) = err {
-                        refused_at_run_time(why);
-                    }
-                })?;
+            let declare = !self.config.declared();
+            let (connection, channel, address) =
+                open_at(&self.config, "outbox-relay-publisher", declare)
+                    .await
+                    .inspect_err(|err| {
+                        self.health.report(false);
+                        if let Error::Refused(why) = err {
+                            refused_at_run_time(why);
+                        }
+                    })?;
             self.health.report(true);
+            self.config.mark_declared();
             within(
                 "confirm.select",
                 self.config.connect_timeout,
@@ -164,9 +167,9 @@ impl RabbitPublisher {
                 self.config.confirm_timeout,
                 flow.clone(),
                 self.health.clone(),
-                {
-                    let config = self.config.clone();
-                    Box::new(move || config.pass_over(address))
+                SessionFate {
+                    config: self.config.clone(),
+                    address,
                 },
             )));
             self.session = Some(Session {

@@ -156,7 +156,7 @@ impl std::fmt::Display for Group {
 }
 
 /// Names and shape of the broker topology.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Topology {
     exchange: ShortString,
     partitions: u16,

@@ -35,6 +35,9 @@ pub struct RabbitConfig {
     /// Which of the addresses in `uri` to try first (the last that answered); shared by the
     /// clones of this configuration.
     next_address: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    /// The topology a publisher's session of this configuration (or a clone) declared, unless a
+    /// fault since may mean part of it is gone ([`RabbitConfig::forget_declared`]).
+    declared: std::sync::Arc<std::sync::Mutex<Option<Topology>>>,
 }
 
 impl RabbitConfig {
@@ -78,6 +81,7 @@ impl RabbitConfig {
             tls: AmqpTls::default(),
             wire_mode: crate::WireMode::Plain,
             next_address: std::sync::Arc::default(),
+            declared: std::sync::Arc::default(),
         })
     }
 
@@ -143,14 +147,45 @@ impl RabbitConfig {
     /// moved on already: a session on `address` had a batch unconfirmed for `confirm_timeout`.
     /// A node cut off from its cluster's majority (not yet paused by `pause_minority`, or never
     /// under `ignore`) still takes connections and publishes, and confirms none: without this
-    /// every restart connected to it again, and a partition of one node stalled the relays
-    /// connected to it for as long as it lasted.
+    /// every restart connected to it again (the address that answered last).
     pub(crate) fn pass_over(&self, address: usize) {
         use std::sync::atomic::Ordering;
         let next = (address + 1) % self.addresses().len();
         let _ =
             self.next_address
                 .compare_exchange(address, next, Ordering::Relaxed, Ordering::Relaxed);
+    }
+
+    /// Whether a publisher's session already declared this configuration's topology, so a new
+    /// one need not. Declaring binds queues, and a binding is a metadata transaction that
+    /// waits for every node: while a node is cut off and not yet seen down (`net_ticktime`),
+    /// a `queue.bind` through any node waits (10 s of a 10 s cut, measured), and a publisher
+    /// restarting then would stall for the whole cut though the queues take publishes.
+    pub(crate) fn declared(&self) -> bool {
+        self.declared
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .as_ref()
+            == Some(&self.topology)
+    }
+
+    /// Notes that a session declared the topology.
+    pub(crate) fn mark_declared(&self) {
+        *self
+            .declared
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(self.topology.clone());
+    }
+
+    /// The next session declares the topology again: a session failed in a way that may mean
+    /// part of it is gone (anything but a confirm's timeout or a failed connect). A deleted
+    /// queue also makes the broker return what is routed to it, and the session then declares
+    /// again on its own (`redeclare_on_return`).
+    pub(crate) fn forget_declared(&self) {
+        *self
+            .declared
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
     }
 }
 
@@ -186,6 +221,20 @@ mod tests {
         config.pass_over(1);
         config.pass_over(2);
         assert_eq!(clone.next_address.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn a_declared_topology_is_declared_again_only_after_a_fault_or_for_another_topology() {
+        let config = three_nodes();
+        let clone = config.clone();
+        assert!(!clone.declared());
+        config.mark_declared();
+        assert!(clone.declared(), "clones share what was declared");
+        let mut other = config.clone();
+        other.topology = other.topology.clone().with_group(crate::Group::parse("g").unwrap());
+        assert!(!other.declared(), "another topology is not declared by this one's session");
+        clone.forget_declared();
+        assert!(!config.declared());
     }
 
     #[test]

@@ -129,6 +129,27 @@ pub(crate) fn attribute(
     (outcomes, any_returned)
 }
 
+/// What a session's faults tell its configuration: a batch unconfirmed for the timeout sends
+/// the next connection to the next address ([`RabbitConfig::pass_over`]); any other fault (a
+/// refusal, a closed channel, a failed write) makes the next session declare the topology
+/// again ([`RabbitConfig::forget_declared`]).
+pub(crate) struct SessionFate {
+    pub(crate) config: crate::RabbitConfig,
+    /// The index of the address the session's connection went to.
+    pub(crate) address: usize,
+}
+
+impl SessionFate {
+    fn judge(&self, timed_out: bool, fault: Option<&Error>) {
+        if timed_out {
+            self.config.pass_over(self.address);
+        }
+        if fault.is_some() {
+            self.config.forget_declared();
+        }
+    }
+}
+
 /// Awaits a channel's confirms strictly in write order and decides each event's outcome from
 /// everything the broker said, not from which confirm lapin attached a return to.
 ///
@@ -138,8 +159,8 @@ pub(crate) fn attribute(
 /// batch N resolved, each return of N is attached to some confirm already resolved. So, before
 /// deciding N, the pump waits until every batch whose writing began has been handed over, and
 /// notes the returns of every already-resolved confirm of later batches too. Outcomes are then
-/// decided by message id against the channel-wide set of returned ids. `unconfirmed` is called
-/// when a batch's confirms time out.
+/// decided by message id against the channel-wide set of returned ids. `fate` hears of every
+/// batch's faults.
 pub(crate) async fn confirm_pump(
     mut batches: tokio::sync::mpsc::UnboundedReceiver<PendingBatch>,
     mut writer: Writer,
@@ -147,7 +168,7 @@ pub(crate) async fn confirm_pump(
     confirm_timeout: Duration,
     flow: watch::Receiver<Flow>,
     health: BrokerHealth,
-    unconfirmed: Box<dyn Fn() + Send>,
+    fate: SessionFate,
 ) {
     let mut returned: HashSet<ShortString> = HashSet::new();
     let mut ahead: VecDeque<Tracked> = VecDeque::new();
@@ -204,8 +225,8 @@ pub(crate) async fn confirm_pump(
                 }
             }
         }
+        fate.judge(timed_out, fault.as_ref());
         if timed_out {
-            unconfirmed();
             fault.get_or_insert(Error::Timeout {
                 operation: "publisher confirm",
                 timeout_ms: confirm_timeout.as_millis() as u64,

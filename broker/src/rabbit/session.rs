@@ -28,15 +28,17 @@ pub async fn open(
     config: &RabbitConfig,
     name: &str,
 ) -> Result<(ClosingConnection, Channel), Error> {
-    open_at(config, name)
+    open_at(config, name, true)
         .await
         .map(|(connection, channel, _)| (connection, channel))
 }
 
-/// [`open`], with the index of the address the connection went to.
+/// [`open`], declaring the topology only if `declare`; with the index of the address the
+/// connection went to.
 pub(crate) async fn open_at(
     config: &RabbitConfig,
     name: &str,
+    declare: bool,
 ) -> Result<(ClosingConnection, Channel, usize), Error> {
     let properties = ConnectionProperties::default().with_connection_name(name.into());
     let (connection, address) = match config.connect(properties).await {
@@ -55,6 +57,9 @@ pub(crate) async fn open_at(
         connection.create_channel(),
     )
     .await?;
+    if !declare {
+        return Ok((connection, channel, address));
+    }
     // Under the timeout too: a broker that goes silent mid-declare would otherwise hold this
     // publisher forever (it would never fault, so never restart).
     within_topology(&config.topology, &channel, config.connect_timeout)

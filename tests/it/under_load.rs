@@ -220,16 +220,27 @@ impl FirstDeliveries {
     }
 }
 
-/// Every event the broker refused (nacked or returned) at least once, as `(branch, lsn)`: its
-/// first copy in a queue is the one the relay sent again.
+/// Every event the broker did not take at a send, at least once (nacked, returned, or never
+/// confirmed within the timeout), as `(branch, lsn)` with what the broker said: its first
+/// copy in a queue may be the one the relay sent again, after later events the broker took.
+/// (RabbitMQ 3.10 nacks a new channel's first publishes to a quorum queue while it looks for
+/// its leader and takes the rest. Across a partition, `partitions_of_10_s_on_quorum_queues`
+/// once saw one event's first copy after 97 later ones, the event neither nacked nor
+/// returned; outcomes other than those were not recorded then, so whether the broker had left
+/// it unconfirmed is not known: an out-of-order event is now printed with what the broker
+/// said of it, and one it had taken still fails the check.)
 #[derive(Default)]
 pub struct Refusals {
     calls: std::sync::Mutex<Vec<Vec<EventKey>>>,
-    refused: std::sync::Mutex<std::collections::HashSet<(distribution::store::BranchKey, u64)>>,
+    refused: std::sync::Mutex<
+        std::collections::HashMap<(distribution::store::BranchKey, u64), &'static str>,
+    >,
 }
 
 impl Refusals {
-    pub fn events(&self) -> std::collections::HashSet<(distribution::store::BranchKey, u64)> {
+    pub fn events(
+        &self,
+    ) -> std::collections::HashMap<(distribution::store::BranchKey, u64), &'static str> {
         self.refused.lock().unwrap().clone()
     }
 }
@@ -247,8 +258,10 @@ impl Observer for Refusals {
         let calls = self.calls.lock().unwrap();
         let mut refused = self.refused.lock().unwrap();
         for (key, outcome) in calls[call].iter().zip(&report.outcomes) {
-            if matches!(outcome, broker::Outcome::Nacked | broker::Outcome::Returned) {
-                refused.insert((key.branch.clone(), key.lsn.get()));
+            if !outcome.is_accepted() {
+                refused
+                    .entry((key.branch.clone(), key.lsn.get()))
+                    .or_insert(outcome.label());
             }
         }
     }
@@ -482,19 +495,32 @@ impl Scene {
             .await
             .expect("the recorder stops within 60 s");
         let refused = refusals.events();
-        println!(
-            "{queue_type:?}: the broker refused {} event(s) once at least",
-            refused.len()
-        );
+        let mut kinds = std::collections::BTreeMap::<&str, usize>::new();
+        for kind in refused.values() {
+            *kinds.entry(kind).or_default() += 1;
+        }
+        println!("{queue_type:?}: events the broker did not take at a send: {kinds:?}");
         for (branch, lsns) in &first {
             let taken: Vec<u64> = lsns
                 .iter()
                 .copied()
-                .filter(|lsn| !refused.contains(&(branch.clone(), *lsn)))
+                .filter(|lsn| !refused.contains_key(&(branch.clone(), *lsn)))
                 .collect();
+            // Shown either way: which events came late, and what the broker had said of them.
+            let late: Vec<(u64, &str)> = lsns
+                .windows(2)
+                .filter(|pair| pair[0] > pair[1])
+                .map(|pair| {
+                    let said = refused.get(&(branch.clone(), pair[1])).copied();
+                    (pair[1], said.unwrap_or("taken"))
+                })
+                .collect();
+            if !late.is_empty() {
+                println!("{queue_type:?}: {branch}: first copies after later events: {late:?}");
+            }
             assert!(
                 taken.windows(2).all(|pair| pair[0] < pair[1]),
-                "{queue_type:?}: {branch}'s first copies reached the queue out of order (events the broker refused aside): {lsns:?}"
+                "{queue_type:?}: {branch}'s first copies reached the queue out of order (events the broker did not take at a send aside): {lsns:?}"
             );
         }
         assert_eq!(

@@ -231,8 +231,14 @@ mod tests {
         config.mark_declared();
         assert!(clone.declared(), "clones share what was declared");
         let mut other = config.clone();
-        other.topology = other.topology.clone().with_group(crate::Group::parse("g").unwrap());
-        assert!(!other.declared(), "another topology is not declared by this one's session");
+        other.topology = other
+            .topology
+            .clone()
+            .with_group(crate::Group::parse("g").unwrap());
+        assert!(
+            !other.declared(),
+            "another topology is not declared by this one's session"
+        );
         clone.forget_declared();
         assert!(!config.declared());
     }

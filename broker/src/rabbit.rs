@@ -278,6 +278,8 @@ impl RabbitPublisher {
                 .is_some_and(|session| session.redeclare.load(Ordering::Acquire))
         {
             self.session = None;
+            // The fresh session is the one that declares.
+            self.config.forget_declared();
         }
         if let Err(fault) = self.session().await {
             return done(PublishReport::not_sent(n_events, fault));
@@ -290,6 +292,7 @@ impl RabbitPublisher {
             && let Err(fault) = within_topology(&topology, &session.channel, connect_timeout).await
         {
             self.session = None;
+            self.config.forget_declared();
             self.health.report(false);
             return done(PublishReport::not_sent(n_events, fault));
         }

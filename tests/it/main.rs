@@ -18,7 +18,9 @@
 //! the process-wide metrics recorder, and a process has only one. The cluster test
 //! (`tests/cluster.rs`, from `cluster.rs` here) has its own too: three RabbitMQ VMs on a 2-core
 //! machine starve the timing-sensitive tests that would run beside it (a planned handover sent
-//! events twice under that load), and cargo runs test binaries one after another.
+//! events twice under that load), and cargo runs test binaries one after another. So do the
+//! partitions (`tests/partitions.rs`, from `partitions.rs` here: nodes in network namespaces).
+//! `under_load` is what the two share: a cluster under load and its checks.
 //!
 //! Shared tools: `harness` (fresh databases, unique names, workloads, the fold, `wait_until`),
 //! `double` (the fault-injecting publisher), `node` (private RabbitMQ nodes), `recorder` (a raw

@@ -2,7 +2,9 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use broker::{CallProbe, QueueType, RabbitConfig, StreamRetention, Topology};
+use broker::CallProbe;
+
+use rabbit::{QueueType, RabbitConfig, StreamRetention, Topology};
 use supervisor::SupervisorConfig;
 
 mod settings;
@@ -88,7 +90,7 @@ pub struct RelayConfig {
     /// Extra TLS trust (a private CA) and a client certificate for `amqps://`. Env
     /// `RELAY_AMQP_CA_FILE`, `RELAY_AMQP_CLIENT_CERT_FILE` and `RELAY_AMQP_CLIENT_KEY_FILE`
     /// (PEM files, read at start); default none.
-    pub amqp_tls: broker::AmqpTls,
+    pub amqp_tls: rabbit::AmqpTls,
     /// PostgreSQL schema of the relay's tables (created on migrate); the host's writer names
     /// it with `IntentWriter::with_schema`. Env `RELAY_SCHEMA`; default none (the connection's
     /// `search_path`, normally `public`).
@@ -174,12 +176,12 @@ impl RelayConfig {
             probe: None,
             queue_type: QueueType::Classic,
             stream_retention: StreamRetention::default(),
-            delivery_limit: broker::DEFAULT_DELIVERY_LIMIT,
+            delivery_limit: rabbit::DEFAULT_DELIVERY_LIMIT,
             replicas: None,
             groups: vec![broker::Group::Default],
             wire_mode: broker::WireMode::Plain,
             ready_max_parked: 100,
-            amqp_tls: broker::AmqpTls::default(),
+            amqp_tls: rabbit::AmqpTls::default(),
             schema: None,
             skip_migrate: false,
             schema_wait: Duration::ZERO,

@@ -1,9 +1,10 @@
 //! `distribution dead`: the dead-letter queue read back (list, show, replay, purge), over
-//! `broker::DeadLetters`.
+//! `rabbit::DeadLetters`.
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 use distribution::RelayConfig;
-use distribution::broker::{DeadFilter, DeadLetters, Group, RabbitConfig};
+use distribution::broker::Group;
+use distribution::rabbit::{DeadFilter, DeadLetters, RabbitConfig};
 use distribution::store::{RunId, TenantId};
 
 /// The broker and topology whose dead letters are read.

@@ -153,7 +153,7 @@ async fn remove_topology(amqp_url: &str, topology: &str) -> Result<()> {
     config.topology = topology.to_owned();
     config.partitions = PARTITIONS;
     let rabbit = config.rabbit_config()?;
-    let (_connection, channel) = distribution::broker::open(&rabbit, "outbox-relay-demo-cleanup")
+    let (_connection, channel) = distribution::rabbit::open(&rabbit, "outbox-relay-demo-cleanup")
         .await
         .context("cannot reach RabbitMQ to remove the demo's queues")?;
     rabbit

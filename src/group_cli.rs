@@ -77,7 +77,7 @@ pub async fn run(action: GroupAction) -> Result<()> {
             let mut rabbit = broker.rabbit()?;
             rabbit.topology = rabbit.topology.with_group(group.clone());
             // Opening declares the exchange and exactly this group's queues.
-            let (connection, _channel) = broker::open(&rabbit, "outbox-group")
+            let (connection, _channel) = rabbit::open(&rabbit, "outbox-group")
                 .await
                 .context("declaring the group's queues")?;
             let _ = connection.close(200, "done".into()).await;
@@ -94,7 +94,7 @@ pub async fn run(action: GroupAction) -> Result<()> {
             let group = Group::parse(&name).context("group name")?;
             let mut rabbit = broker.rabbit()?;
             rabbit.topology = rabbit.topology.declaring(Vec::new());
-            let (connection, channel) = broker::open(&rabbit, "outbox-group")
+            let (connection, channel) = rabbit::open(&rabbit, "outbox-group")
                 .await
                 .context("connecting to the broker")?;
             let messages = rabbit

@@ -29,6 +29,7 @@ pub use config::unknown_relay_variables;
 pub use consumer;
 pub use database::connect_options;
 pub use database::{APPLICATION_NAME, connect_database};
+pub use rabbit;
 pub use relay::Relay;
 pub use relay::RelayError;
 pub use relay::RelayHandle;

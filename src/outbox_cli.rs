@@ -191,7 +191,7 @@ pub(crate) async fn status(
         let rabbit = broker.rabbit()?;
         let queue = rabbit.topology.dead_letter_queue();
         let depth = async {
-            distribution::broker::DeadLetters::open(&rabbit)
+            distribution::rabbit::DeadLetters::open(&rabbit)
                 .await?
                 .depth()
                 .await

@@ -10,7 +10,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use actors::{PublisherFactory, ShardId};
-use broker::{Backoff, BrokerHealth, Publisher, RabbitPublisher};
+use broker::{Backoff, BrokerHealth, Publisher};
+use rabbit::RabbitPublisher;
 use ractor::rpc::CallResult;
 use ractor::{Actor, ActorRef};
 use store::{LeaseStore, Outbox};
@@ -120,8 +121,8 @@ impl Relay {
             let rabbit = checked.clone();
             Box::pin(async move {
                 matches!(
-                    broker::preflight(&rabbit).await,
-                    Ok(broker::Preflight::Ready)
+                    rabbit::preflight(&rabbit).await,
+                    Ok(rabbit::Preflight::Ready)
                 )
             })
         });
@@ -162,7 +163,7 @@ impl Relay {
             .thread_name(format!("outbox-relay-{number}"))
             // lapin logs frames (payloads) at TRACE on the threads that publish; keep them
             // from the host's subscriber on the relay's threads too.
-            .on_thread_start(broker::quiet_lapin_payload_logs_on_this_thread)
+            .on_thread_start(rabbit::quiet_lapin_payload_logs_on_this_thread)
             .enable_all()
             .build()?;
         std::thread::Builder::new()

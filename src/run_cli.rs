@@ -21,11 +21,11 @@ pub(crate) async fn run(config: RelayConfig) -> Result<()> {
     }
     // One connection to the broker: a refusal is fatal here (no retry fixes it); a broker that
     // is simply down is normal (everything waits in the outbox until it is back).
-    match distribution::broker::preflight(&config.rabbit_config()?).await {
-        Ok(distribution::broker::Preflight::Ready) => {
+    match distribution::rabbit::preflight(&config.rabbit_config()?).await {
+        Ok(distribution::rabbit::Preflight::Ready) => {
             log_broker_version(&config).await;
         }
-        Ok(distribution::broker::Preflight::Unreachable(why)) => {
+        Ok(distribution::rabbit::Preflight::Unreachable(why)) => {
             tracing::warn!(reason = %why, "broker unreachable at start; intents wait in the outbox");
             eprintln!("warning: broker unreachable at start ({why}); the relay keeps trying");
         }
@@ -92,16 +92,16 @@ pub(crate) async fn log_broker_version(config: &RelayConfig) {
     let Ok(rabbit) = config.rabbit_config() else {
         return;
     };
-    match distribution::broker::server_version(&rabbit).await {
+    match distribution::rabbit::server_version(&rabbit).await {
         Ok(version) => {
             tracing::info!(broker = %version, "broker");
-            let streams = config.queue_type == distribution::broker::QueueType::Stream;
+            let streams = config.queue_type == distribution::rabbit::QueueType::Stream;
             for note in version.notes(streams) {
                 tracing::warn!(broker = %version, "{note}");
             }
             // The same on every version: the fixes behind them are not verified here.
             let workarounds = if streams {
-                distribution::broker::STREAM_WORKAROUNDS
+                distribution::rabbit::STREAM_WORKAROUNDS
             } else {
                 &[]
             };

@@ -1,11 +1,11 @@
 //! `distribution tail`: watch events arrive, one line each (key, kind, metadata), over
-//! `broker::Tail`; the payload only when asked.
+//! `rabbit::Tail`; the payload only when asked.
 use std::io::Write;
 
 use anyhow::{Context, Result};
 use clap::Args;
 use distribution::RelayConfig;
-use distribution::broker::{Tail, TailFilter, Tailed};
+use distribution::rabbit::{Tail, TailFilter, Tailed};
 use distribution::store::{RunId, TenantId};
 
 /// `distribution tail`'s settings.

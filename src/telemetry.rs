@@ -235,6 +235,7 @@ mod tests {
             "actors/src",
             "supervisor/src",
             "broker/src",
+            "rabbit/src",
             "consumer/src",
             "store/src",
         ]

@@ -167,7 +167,7 @@ mod alerts {
             )
             .await;
             // A message the consumer cannot fold (no headers): dead-lettered, counted by reason.
-            let (connection, channel) = distribution::broker::open(&rabbit, "alerts-forger")
+            let (connection, channel) = distribution::rabbit::open(&rabbit, "alerts-forger")
                 .await
                 .unwrap();
             channel

@@ -13,7 +13,7 @@ mod console {
     use std::time::Duration;
 
     use distribution::Relay;
-    use distribution::broker::{DeadLetters, RabbitConfig};
+    use distribution::rabbit::{DeadLetters, RabbitConfig};
     use distribution::store::{self, BranchKey, IntentWriter, Lsn, Outbox};
     use fantoccini::{ClientBuilder, Locator};
     use hyper_util::client::legacy::connect::HttpConnector;

@@ -79,7 +79,6 @@ impl PublisherDirectory {
 
 #[cfg(test)]
 mod tests {
-    use broker::Topology;
     use proptest::prelude::*;
     use store::{BranchId, BranchKey, RunId, TenantId};
 
@@ -99,10 +98,9 @@ mod tests {
                 RunId::new(run).unwrap(),
                 BranchId::new(branch).unwrap(),
             );
-            let topology = Topology::new("t", partitions).unwrap();
             let directory = PublisherDirectory::new(partitions, true, Sharding::Partition);
             let shard = directory.shard_of(&key);
-            prop_assert_eq!(shard.0, topology.partition_of(&key.tenant, &key.run).0);
+            prop_assert_eq!(shard.0, broker::partition_of(&key.tenant, &key.run, partitions).0);
             prop_assert_eq!(directory.slot(shard, Lane::Express).0, partitions + shard.0);
             let by_branch = PublisherDirectory::new(partitions, true, Sharding::Branch);
             prop_assert_eq!(by_branch.shard_of(&key), shard_of(&key, partitions));

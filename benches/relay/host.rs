@@ -23,12 +23,12 @@ pub(crate) fn full_metadata(step: u64) -> Metadata {
         .clone()
 }
 
-/// The properties the relay writes for an intent (`broker::encode`), with `meta`'s fields or
+/// The properties the relay writes for an intent (`rabbit::encode`), with `meta`'s fields or
 /// without.
 pub(crate) fn wire_like_properties(meta: Option<&Metadata>) -> lapin::BasicProperties {
     let mut event = synthetic_events(1).remove(0);
     event.meta = meta.cloned().unwrap_or_default();
-    distribution::broker::encode(&event, distribution::broker::WireMode::Plain)
+    distribution::rabbit::encode(&event, distribution::broker::WireMode::Plain)
 }
 
 /// Section 4a: the host's commits/s at 8 unpaced writers (one intent per transaction) for each

@@ -27,10 +27,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use distribution::broker::{
-    BoxFuture, Group, OnReport, Partition, Publisher, QueueType, RabbitConfig, RabbitPublisher,
-    Topology,
-};
+use distribution::broker::{BoxFuture, Group, OnReport, Partition, Publisher};
+use distribution::rabbit::{QueueType, RabbitConfig, RabbitPublisher, Topology};
 use distribution::store::{
     self, BranchId, BranchKey, EventKey, EventType, Fence, Intent, IntentWriter, Lsn, Metadata,
     Outbox, OutboxEvent, RunId, TenantId,

@@ -15,9 +15,10 @@ pub enum Error {
         /// The timeout, in milliseconds.
         timeout_ms: u64,
     },
-    /// The connection or channel failed mid-use; it is closed and will be reopened.
+    /// The connection or channel failed mid-use; it is closed and will be reopened. The
+    /// source is the broker client's own error (an adapter may look into it).
     #[error("broker channel failed: {0}")]
-    Channel(#[from] lapin::Error),
+    Channel(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// The configuration is unusable.
     #[error("invalid broker configuration: {0}")]
     InvalidConfig(String),
@@ -47,6 +48,11 @@ pub enum Error {
 }
 
 impl Error {
+    /// A client's error of a failed connection or channel ([`Error::Channel`]).
+    pub fn channel(err: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Error::Channel(Box::new(err))
+    }
+
     /// Whether retrying later may succeed.
     pub fn is_transient(&self) -> bool {
         match self {

@@ -46,14 +46,15 @@ impl BrokerHealth {
         self.0.blocked.load(Ordering::Acquire) > 0
     }
 
-    pub(crate) fn report(&self, up: bool) {
+    /// Records what an adapter's session or batch just learned: up, or down.
+    pub fn report(&self, up: bool) {
         self.0
             .state
             .store(if up { 1 } else { 2 }, Ordering::Release);
     }
 
     /// A mark for one connection's flow state, counted here while it says blocked.
-    pub(crate) fn flow_mark(&self) -> BlockedMark {
+    pub fn flow_mark(&self) -> BlockedMark {
         BlockedMark {
             health: self.clone(),
             blocked: AtomicBool::new(false),
@@ -73,13 +74,14 @@ impl BrokerHealth {
 /// One connection's share of [`BrokerHealth::blocked`]: counted once while blocked, and
 /// uncounted when unblocked or dropped (the connection is gone).
 #[derive(Debug)]
-pub(crate) struct BlockedMark {
+pub struct BlockedMark {
     health: BrokerHealth,
     blocked: AtomicBool,
 }
 
 impl BlockedMark {
-    pub(crate) fn set(&self, blocked: bool) {
+    /// Says whether the connection is blocked now (repeating a state changes nothing).
+    pub fn set(&self, blocked: bool) {
         if self.blocked.swap(blocked, Ordering::AcqRel) != blocked {
             self.health.count_blocked(if blocked { 1 } else { -1 });
         }

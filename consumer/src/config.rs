@@ -5,7 +5,9 @@ use std::time::Duration;
 use lapin::types::AMQPValue;
 use store::EventType;
 
-use broker::{Partition, RabbitConfig, RetryPolicy};
+use broker::{Partition, RetryPolicy};
+
+use rabbit::RabbitConfig;
 
 use crate::FoldBatch;
 

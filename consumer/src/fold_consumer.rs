@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use store::{EventTable, FoldStore};
 
-use broker::{Error, Partition, RabbitConfig, RetryPolicy};
+use broker::{Error, Partition, RetryPolicy};
+
+use rabbit::RabbitConfig;
 
 use crate::{Consumer, ConsumerConfig, FoldStats};
 

@@ -39,9 +39,9 @@ mod stream;
 mod verdict;
 
 pub use batch::FoldBatch;
-pub use broker::DEAD_LETTER_REASON;
 pub use config::{ConsumerConfig, StreamStart};
 pub use fold_consumer::FoldConsumer;
+pub use rabbit::DEAD_LETTER_REASON;
 pub use stats::{ConsumerProgress, FoldStats};
 
 use serve::Serve;
@@ -50,7 +50,7 @@ use stats::totals;
 /// Folds the relay's messages into a user's [`Projection`], exactly once, in order.
 ///
 /// ```no_run
-/// # async fn example(pool: sqlx::PgPool, rabbit: broker::RabbitConfig) -> Result<(), broker::Error> {
+/// # async fn example(pool: sqlx::PgPool, rabbit: rabbit::RabbitConfig) -> Result<(), broker::Error> {
 /// use consumer::{Consumer, ConsumerConfig};
 ///
 /// // `EventTable` keeps every event; implement `store::Projection` to write your own tables.
@@ -130,7 +130,7 @@ where
     ) -> Result<FoldStats, Error> {
         let (stop_tx, stop_rx) = watch::channel(false);
         // Dropping `run` (a killed consumer) aborts every partition task with it: their
-        // connections close (`broker::ClosingConnection`, which also holds each
+        // connections close (`rabbit::ClosingConnection`, which also holds each
         // subscription's handles until then: lapin 4.12.3 can deadlock otherwise) and the
         // broker redelivers whatever they had not acked
         // (`batches::batches_killed_inside_and_between_leave_the_fold_exact`).
@@ -186,18 +186,18 @@ const DEAD_DEPTH_EVERY: Duration = Duration::from_secs(10);
 
 /// Sets `relay_dead_letters{queue}` to the dead-letter queue's depth every 10 s until `stop`
 /// (on a connection of its own, opened again after a failure).
-async fn dead_letter_depth(rabbit: broker::RabbitConfig, mut stop: watch::Receiver<bool>) {
+async fn dead_letter_depth(rabbit: rabbit::RabbitConfig, mut stop: watch::Receiver<bool>) {
     let queue = rabbit.topology.dead_letter_queue().to_string();
     let mut ticks = tokio::time::interval(DEAD_DEPTH_EVERY);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut session: Option<broker::DeadLetters> = None;
+    let mut session: Option<rabbit::DeadLetters> = None;
     loop {
         tokio::select! {
             _ = ticks.tick() => {}
             _ = stop.wait_for(|stopped| *stopped) => return,
         }
         if session.is_none() {
-            session = broker::DeadLetters::open(&rabbit).await.ok();
+            session = rabbit::DeadLetters::open(&rabbit).await.ok();
         }
         let Some(dead) = &session else { continue };
         match dead.depth().await {

@@ -15,7 +15,9 @@ use store::{FoldError, FoldOutcome, OutboxEvent, Projection};
 use tokio::sync::watch;
 use tracing::Instrument;
 
-use broker::{Backoff, Error, Partition, QueueType, open, within};
+use broker::{Backoff, Error, Partition};
+
+use rabbit::{QueueType, open, within};
 
 mod fold;
 pub(crate) use fold::{Subscribed, fold_span};
@@ -88,7 +90,7 @@ pub(crate) struct StreamCursor {
 }
 
 pub(crate) struct Session {
-    connection: broker::ClosingConnection,
+    connection: rabbit::ClosingConnection,
     channel: Channel,
     /// A confirming channel for dead letters: a message is acked only once its dead letter is
     /// confirmed.
@@ -197,7 +199,7 @@ where
             ),
         )
         .await?;
-        // Held until the connection has closed (see `broker::ClosingConnection`).
+        // Held until the connection has closed (see `rabbit::ClosingConnection`).
         session.connection.hold("deliveries", deliveries.clone());
         Ok(Some(deliveries))
     }
@@ -253,7 +255,7 @@ where
                     quiet.as_mut().reset(tokio::time::Instant::now() + silence);
                     continue;
                 }
-                Some(Some(delivery)) => delivery?,
+                Some(Some(delivery)) => delivery.map_err(Error::channel)?,
                 Some(None) => {
                     return Err(Error::Unreachable(
                         "the broker cancelled the consumer".into(),
@@ -284,7 +286,7 @@ where
                 };
                 let admitted = match next {
                     Some(Ok(delivery)) => self.admit(delivery, &mut expected),
-                    Some(Err(err)) => Err(err.into()),
+                    Some(Err(err)) => Err(Error::channel(err)),
                     None => Err(Error::Unreachable(
                         "the broker cancelled the consumer".into(),
                     )),
@@ -345,7 +347,7 @@ where
                 }
             }
         };
-        let event = broker::decode(&delivery.properties, &delivery.data);
+        let event = rabbit::decode(&delivery.properties, &delivery.data);
         Ok(Incoming {
             delivery,
             offset,
@@ -581,7 +583,7 @@ where
                 headers
                     .inner()
                     .iter()
-                    .filter(|(name, _)| !broker::BROKER_HEADERS.contains(&name.as_str()))
+                    .filter(|(name, _)| !rabbit::BROKER_HEADERS.contains(&name.as_str()))
                     .map(|(name, value)| (name.clone(), value.clone()))
                     .collect::<std::collections::BTreeMap<_, _>>()
                     .into()

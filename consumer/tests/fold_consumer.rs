@@ -1,12 +1,14 @@
 //! The fold consumer on the real broker and PostgreSQL, each test on its own names.
 use std::time::Duration;
 
-use broker::{Partition, Publisher, RabbitConfig, RabbitPublisher};
+use broker::{Partition, Publisher};
+
 use consumer::FoldConsumer;
+use rabbit::{RabbitConfig, RabbitPublisher};
 use sqlx::PgPool;
 use store::{FoldStore, TenantId};
 
-#[path = "../../broker/tests/support/mod.rs"]
+#[path = "../../rabbit/tests/support/mod.rs"]
 mod support;
 use support::*;
 

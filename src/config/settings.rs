@@ -2,7 +2,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use broker::{QueueType, StreamRetention};
+use rabbit::{QueueType, StreamRetention};
 
 use super::{ConfigError, RelayConfig, pem_file};
 
@@ -209,7 +209,7 @@ pub struct QueueSettings {
     pub stream_segment_bytes: Option<u64>,
     /// Quorum queues: redeliveries of one message before the broker dead-letters it to the
     /// group's dead-letter queue (never dropped).
-    #[arg(long, env = "RELAY_DELIVERY_LIMIT", default_value_t = broker::DEFAULT_DELIVERY_LIMIT,
+    #[arg(long, env = "RELAY_DELIVERY_LIMIT", default_value_t = rabbit::DEFAULT_DELIVERY_LIMIT,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub delivery_limit: u32,
     /// Quorum queues and streams: members each starts with (default: every node).
@@ -225,7 +225,7 @@ impl Default for QueueSettings {
             stream_max_age: None,
             stream_max_bytes: None,
             stream_segment_bytes: None,
-            delivery_limit: broker::DEFAULT_DELIVERY_LIMIT,
+            delivery_limit: rabbit::DEFAULT_DELIVERY_LIMIT,
             queue_replicas: None,
         }
     }

@@ -16,7 +16,7 @@ use axum::http::header;
 use axum::middleware;
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
-use distribution::broker::RabbitConfig;
+use distribution::rabbit::RabbitConfig;
 use distribution::store::Outbox;
 
 use crate::dead_cli::Broker;

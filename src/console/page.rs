@@ -2,7 +2,7 @@
 //! bodies are cut and shown as text or hex, and every form carries the CSRF token.
 use std::time::Duration;
 
-use distribution::broker::{Checkup, DeadLetter, QueueCount};
+use distribution::rabbit::{Checkup, DeadLetter, QueueCount};
 use distribution::store::{Backlog, BranchBacklog, ParkCause, ParkedBranch, RelayShare, TenantId};
 use maud::{DOCTYPE, Markup, html};
 
@@ -784,7 +784,7 @@ mod tests {
 
     #[test]
     fn a_group_names_its_missing_queues_and_partitions_nobody_reads() {
-        use distribution::broker::Counted;
+        use distribution::rabbit::Counted;
         let queue = |name: &str, counted| QueueCount {
             queue: name.into(),
             counted,

@@ -5,7 +5,8 @@ use std::time::{Duration, SystemTime};
 use axum::extract::rejection::{FormRejection, QueryRejection};
 use axum::extract::{Form, Path, Query, State};
 use axum::http::StatusCode;
-use distribution::broker::{self, DeadFilter, DeadLetters, RabbitConfig};
+use distribution::broker;
+use distribution::rabbit::{self, DeadFilter, DeadLetters, RabbitConfig};
 use distribution::store::{BranchId, BranchKey, RunId, TenantId};
 use maud::Markup;
 use serde::Deserialize;
@@ -62,7 +63,7 @@ pub(super) async fn overview(
         .ok_or_else(|| Failure::bad("no such page"))?;
     let broker = async {
         let (_, rabbit) = console.brokers.first()?;
-        let checkup = broker::checkup(rabbit, Duration::from_secs(2))
+        let checkup = rabbit::checkup(rabbit, Duration::from_secs(2))
             .await
             .map_err(|err| err.to_string());
         Some((console.broker_shown.clone(), checkup))
@@ -77,7 +78,7 @@ pub(super) async fn overview(
             };
             let (dead, partitions) = tokio::join!(
                 async { DeadLetters::open(rabbit).await?.depth().await },
-                broker::partition_queues(rabbit),
+                rabbit::partition_queues(rabbit),
             );
             page::GroupQueues {
                 group: group.clone(),

@@ -236,15 +236,14 @@ fn failovers() -> impl Strategy<Value = Failover> {
         })
 }
 
+/// A history as rows: branch, Lsn, payload.
+type History = Vec<(String, u64, Vec<u8>)>;
+
 /// The messages of `failover` on `run`, in the order the relay publishes them, and the history
 /// the database ends with. Epoch 1's rows written by the first `shipped` ops were published
 /// before the failover (those deleted by a later rewind too: they were in flight); what the
 /// database kept and had not shipped goes out after it, then epoch 2's rows.
-fn published(
-    tenant: &TenantId,
-    run: &str,
-    failover: &Failover,
-) -> (Vec<OutboxEvent>, Vec<(String, u64, Vec<u8>)>) {
+fn published(tenant: &TenantId, run: &str, failover: &Failover) -> (Vec<OutboxEvent>, History) {
     let mut all = Database::new(tenant, run);
     for (n, op) in failover.before.iter().enumerate() {
         all.write(*op, n);

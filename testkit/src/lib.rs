@@ -5,7 +5,7 @@
 //! A dev-dependency only: nothing here is compiled into the relay.
 use std::time::{Duration, Instant};
 
-use broker::Topology;
+use rabbit::Topology;
 use sqlx::PgPool;
 use store::{BranchId, BranchKey, EventKey, EventKind, Lsn, OutboxEvent, RunId, TenantId};
 
@@ -16,7 +16,7 @@ pub fn amqp_url() -> String {
 
 /// A name no other test of any run uses; a topology so named is deleted at this process's exit
 /// if its test does not delete it.
-pub use broker::scratch::unique;
+pub use rabbit::scratch::unique;
 
 /// A topology of `partitions` named by [`unique`] (`relay-test-<label>_...`).
 pub fn unique_topology(label: &str, partitions: u16) -> Topology {

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use distribution::broker::DeadLetters;
 use distribution::consumer::{Consumer, ConsumerConfig, FoldBatch, FoldStats};
+use distribution::rabbit::DeadLetters;
 use distribution::store::{
     BranchId, BranchKey, IntentWriter, Lsn, OutboxEvent, Projection, RewindNotice, RunId, TenantId,
 };
@@ -217,7 +217,7 @@ async fn a_poison_delivery_in_a_batch_is_dead_lettered_alone_and_the_rest_commit
             assert_eq!(logged(&fold, branch).await, want, "{branch}");
         }
         // Every batch was acked whole (one `multiple` ack each): nothing is left to come again.
-        let queues = distribution::broker::partition_queues(&rabbit)
+        let queues = distribution::rabbit::partition_queues(&rabbit)
             .await
             .unwrap();
         assert!(
@@ -253,7 +253,7 @@ impl Lcg {
 
 /// Each kill also checks that the killed consumer left nothing open: its subscriptions are
 /// gone within 10 s. This test found lapin 4.12.3's deadlock on a consumer dropped while
-/// deliveries stream in (see `broker::ClosingConnection`): in about 1 run in 3, a killed
+/// deliveries stream in (see `rabbit::ClosingConnection`): in about 1 run in 3, a killed
 /// consumer's subscription stayed open, holding its prefetch (256 unacked) as the queue's
 /// single active consumer, and the next consumer never got that partition.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -314,7 +314,7 @@ async fn batches_killed_inside_and_between_leave_the_fold_exact() {
             own.close().await;
             // Nothing of it left on the broker (a subscription would hold its prefetch).
             let left = holds_within(Duration::from_secs(10), || async {
-                let queues = distribution::broker::partition_queues(&rabbit)
+                let queues = distribution::rabbit::partition_queues(&rabbit)
                     .await
                     .unwrap();
                 queues

@@ -10,7 +10,7 @@ mod outbox {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::time::Duration;
 
-    use distribution::broker::QueueType;
+    use distribution::rabbit::QueueType;
     use distribution::store::{
         BranchId, BranchKey, EventKind, FoldModel, FoldStore, IntentWriter, Lsn, Outbox,
         OutboxEvent, RunId,
@@ -464,7 +464,7 @@ mod outbox {
         config.supervisor.drainer.park_retry = Duration::from_secs(600);
         let rabbit_config = config.rabbit_config().unwrap();
         // The version the broker says, and the default the relay's version rules give it.
-        let version = distribution::broker::server_version(&rabbit_config)
+        let version = distribution::rabbit::server_version(&rabbit_config)
             .await
             .unwrap();
         assert_eq!(
@@ -579,7 +579,7 @@ mod scratch {
             return;
         }
         let url = std::env::var("AMQP_URL").unwrap();
-        let name = distribution::broker::scratch::leave_a_topology(&url, "relay-test-away")
+        let name = distribution::rabbit::scratch::leave_a_topology(&url, "relay-test-away")
             .await
             .unwrap();
         println!("SCRATCH={name}");
@@ -620,14 +620,14 @@ mod scratch {
     }
 }
 
-/// The console's look at the broker (`broker::checkup`), on a private node: up with its version
+/// The console's look at the broker (`rabbit::checkup`), on a private node: up with its version
 /// while it serves; blocked, with the broker's reason, while a memory alarm holds (a client can
 /// only learn that by publishing); up again once the alarm clears; an error when the broker
 /// application is stopped.
 mod checkup {
     use std::time::Duration;
 
-    use distribution::broker::{self, RabbitConfig};
+    use distribution::rabbit::{self, RabbitConfig};
 
     use crate::harness::*;
     use crate::node::{PrivateNode, Rabbit};
@@ -638,7 +638,7 @@ mod checkup {
             .rabbit_config()
             .unwrap();
         config.connect_timeout = Duration::from_secs(2);
-        let look = || broker::checkup(&config, Duration::from_secs(5));
+        let look = || rabbit::checkup(&config, Duration::from_secs(5));
 
         let up = look().await.unwrap();
         assert_eq!(up.blocked, None, "{up:?}");

@@ -258,7 +258,7 @@ fn the_printed_sql_builds_a_working_outbox() {
                 .await
                 .unwrap();
         assert_eq!(tracked, None, "the relay migrated although told not to");
-        drop_topology(&distribution::broker::Topology::new(&topology, 8).unwrap()).await;
+        drop_topology(&distribution::rabbit::Topology::new(&topology, 8).unwrap()).await;
     });
 }
 

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use distribution::broker::QueueType;
+use distribution::rabbit::QueueType;
 use futures_util::StreamExt;
 
 use crate::harness::oldest_pending;

@@ -382,7 +382,7 @@ fn poison_and_broken_chains_are_dead_lettered_and_the_partition_keeps_flowing() 
         );
         let mut rabbit = direct_rabbit(&config);
         rabbit.topology =
-            distribution::broker::Topology::new(rabbit.topology.exchange().as_str(), 1).unwrap();
+            distribution::rabbit::Topology::new(rabbit.topology.exchange().as_str(), 1).unwrap();
         let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
             .await
             .unwrap();
@@ -485,7 +485,7 @@ fn poison_and_broken_chains_are_dead_lettered_and_the_partition_keeps_flowing() 
 /// points spread over their start (connecting, subscribing, consuming) leave no subscription
 /// open: a subscriber that outlived its consumer would take messages up to its prefetch and
 /// never ack or give them back. The deterministic case, a `basic.consume` abandoned before
-/// its answer, is `broker/tests/abandoned.rs`.
+/// its answer, is `rabbit/tests/abandoned.rs`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn consumers_killed_while_starting_leave_no_subscription_open() {
     let (_pool, url) = fresh_database("killedstart").await;

@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use distribution::Relay;
-use distribution::broker::{DeadFilter, DeadLetters};
+use distribution::rabbit::{DeadFilter, DeadLetters};
 use futures_util::FutureExt;
 use store::{BranchId, BranchKey, FoldStore, IntentWriter, Lsn, RunId, TenantId};
 
@@ -218,7 +218,7 @@ async fn dead_letters_are_listed_replayed_in_order_through_the_fold_and_purged()
 async fn a_dead_letter_survives_every_read(url: &str) {
     let topology = unique("deadreads");
     let mut config = relay_config("postgres://unused", url, &topology);
-    config.queue_type = distribution::broker::QueueType::Quorum;
+    config.queue_type = distribution::rabbit::QueueType::Quorum;
     let rabbit = config.rabbit_config().unwrap();
     let outcome = std::panic::AssertUnwindSafe(async {
         declare_topology_at(url, &rabbit.topology).await;
@@ -240,7 +240,7 @@ async fn a_dead_letter_survives_every_read(url: &str) {
                 rabbit.topology.dead_letter_queue(),
                 lapin::options::BasicPublishOptions::default(),
                 &letter.payload,
-                distribution::broker::encode(&letter, distribution::broker::WireMode::Plain),
+                distribution::rabbit::encode(&letter, distribution::broker::WireMode::Plain),
             )
             .await
             .unwrap()

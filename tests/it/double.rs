@@ -9,9 +9,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use distribution::broker::{
-    BoxFuture, Error, OnReport, Outcome, PublishReport, Publisher, RabbitConfig, RabbitPublisher,
-};
+use distribution::broker::{BoxFuture, Error, OnReport, Outcome, PublishReport, Publisher};
+
+use distribution::rabbit::{RabbitConfig, RabbitPublisher};
 use distribution::store::{Fence, OutboxEvent};
 use tokio::sync::watch;
 

@@ -17,7 +17,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use distribution::broker::DeadLetters;
+use distribution::rabbit::DeadLetters;
 use distribution::store::{BranchKey, FoldStore, Lsn, Replication, TenantId, migrate_fold};
 use distribution::testing::BrokerProxy;
 use distribution::{Relay, RelayConfig, RelayHandle};

@@ -7,8 +7,9 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use distribution::Relay;
-use distribution::broker::{Group, Partition, Topology};
+use distribution::broker::{Group, Partition};
 use distribution::consumer::{Consumer, ConsumerConfig};
+use distribution::rabbit::Topology;
 use distribution::store::{
     self, BranchKey, EventType, FoldStore, Intent, IntentWriter, Lsn, Metadata, Outbox,
     OutboxEvent, Projection, RewindNotice,
@@ -429,7 +430,7 @@ async fn the_group_commands_create_and_delete_a_groups_queues() {
                 topology.dead_letter_queue_of(&search),
                 lapin::options::BasicPublishOptions::default(),
                 &letter.payload,
-                distribution::broker::encode(&letter, distribution::broker::WireMode::Plain),
+                distribution::rabbit::encode(&letter, distribution::broker::WireMode::Plain),
             )
             .await
             .unwrap()

@@ -7,8 +7,10 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use distribution::broker::{Partition, RabbitConfig, Topology};
+use distribution::broker::Partition;
+
 use distribution::consumer::{FoldConsumer, FoldStats};
+use distribution::rabbit::{RabbitConfig, Topology};
 use distribution::store::{
     self, BranchId, BranchKey, FoldStore, IntentWriter, Lsn, Outbox, RunId, TenantId,
 };

@@ -140,7 +140,7 @@ mod outbox {
                 for _ in 0..in_partition {
                     let delivery = consumer.next().await.unwrap().unwrap();
                     let event =
-                        distribution::broker::decode(&delivery.properties, &delivery.data).unwrap();
+                        distribution::rabbit::decode(&delivery.properties, &delivery.data).unwrap();
                     fold.apply(&event).await.unwrap();
                     first_pass += 1;
                 }

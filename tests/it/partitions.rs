@@ -24,7 +24,7 @@
 //! to absorb.
 use std::time::{Duration, Instant};
 
-use distribution::broker::QueueType;
+use distribution::rabbit::QueueType;
 
 use crate::harness::{oldest_pending, wait_until};
 use crate::node::{End, PrivateCluster, Rabbit};

@@ -265,10 +265,11 @@ async fn a_typescript_host_and_a_python_consumer_get_exactly_the_live_history() 
 /// finds each in the dead-letter queue with its SQLSTATE (the example once nacked them into a
 /// queue without a dead-letter exchange: the broker dropped them).
 async fn refused_messages_are_dead_lettered(
-    rabbit: &distribution::broker::RabbitConfig,
+    rabbit: &distribution::rabbit::RabbitConfig,
     fold_pool: &PgPool,
 ) {
-    use distribution::broker::{DeadLetters, WireMode, encode};
+    use distribution::broker::WireMode;
+    use distribution::rabbit::{DeadLetters, encode};
     use distribution::store::EventKind;
     let branch = testkit::branch("ts-a", "ts-r1", "retry");
     let epoch: i64 = sqlx::query_scalar(
@@ -290,7 +291,7 @@ async fn refused_messages_are_dead_lettered(
         .epochs(epoch as u64 + 1, Some(epoch as u64 + 1))
         .build();
     assert_eq!(rewritten.kind, EventKind::Intent);
-    let (connection, channel) = distribution::broker::open(rabbit, "polyglot-forger")
+    let (connection, channel) = distribution::rabbit::open(rabbit, "polyglot-forger")
         .await
         .unwrap();
     channel.confirm_select(Default::default()).await.unwrap();

@@ -2,7 +2,9 @@
 
 use std::time::Duration;
 
-use distribution::broker::{Publisher, RabbitConfig, RabbitPublisher, Topology, report_future};
+use distribution::broker::{Publisher, report_future};
+
+use distribution::rabbit::{RabbitConfig, RabbitPublisher, Topology};
 use distribution::store::{Fence, OutboxEvent};
 use distribution::testing::BrokerProxy;
 

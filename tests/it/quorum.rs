@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use distribution::Relay;
-use distribution::broker::{DeadFilter, DeadLetters, QueueType};
 use distribution::consumer::{Consumer, ConsumerConfig};
+use distribution::rabbit::{DeadFilter, DeadLetters, QueueType};
 use distribution::store::{EventKey, EventTable, FoldStore, OutboxEvent, Projection, RewindNotice};
 use futures_util::FutureExt;
 use sqlx::{PgConnection, PgPool};

@@ -6,7 +6,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use distribution::broker::{self, Partition, RabbitConfig};
+use distribution::broker::Partition;
+use distribution::rabbit::{self, RabbitConfig};
 use distribution::store::{BranchKey, FoldModel, Outbox, OutboxEvent};
 use futures_util::StreamExt;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
@@ -59,7 +60,7 @@ impl Recorder {
                     let Ok(Some(Ok(delivery))) = next else {
                         continue;
                     };
-                    let event = broker::decode(&delivery.properties, &delivery.data).unwrap();
+                    let event = rabbit::decode(&delivery.properties, &delivery.data).unwrap();
                     deliveries.lock().unwrap().push((Instant::now(), event));
                     delivery.ack(BasicAckOptions::default()).await.unwrap();
                 }

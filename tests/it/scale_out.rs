@@ -6,7 +6,9 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use distribution::broker::{Outcome, PublishReport, RabbitConfig};
+use distribution::broker::{Outcome, PublishReport};
+
+use distribution::rabbit::RabbitConfig;
 use distribution::store::{
     BranchId, BranchKey, FoldStore, IntentWriter, LEASE_BUCKETS, Lsn, Outbox, OutboxEvent, RunId,
     TenantId,

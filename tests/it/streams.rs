@@ -8,8 +8,9 @@
 use std::time::Duration;
 
 use distribution::RelayConfig;
-use distribution::broker::{Group, Partition, QueueType, RabbitConfig, StreamRetention, Topology};
+use distribution::broker::{Group, Partition};
 use distribution::consumer::{Consumer, ConsumerConfig, FoldStats};
+use distribution::rabbit::{QueueType, RabbitConfig, StreamRetention, Topology};
 use distribution::store::{self, EventTable, FoldStore, Outbox};
 use distribution::{Relay, broker};
 use futures_util::FutureExt;

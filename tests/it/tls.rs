@@ -1,6 +1,6 @@
 //! TLS is honoured and never downgraded: PostgreSQL `sslmode` and `amqps://`.
 
-use distribution::broker::{AmqpTls, Preflight, RabbitConfig, Topology};
+use distribution::rabbit::{AmqpTls, Preflight, RabbitConfig, Topology};
 use sqlx::{Connection, PgConnection};
 
 use crate::harness::*;
@@ -56,7 +56,7 @@ fn amqps_never_falls_back_to_plain_text() {
         )
         .unwrap();
         config.connect_timeout = std::time::Duration::from_secs(2);
-        let outcome = distribution::broker::preflight(&config).await;
+        let outcome = distribution::rabbit::preflight(&config).await;
         assert!(
             !matches!(outcome, Ok(Preflight::Ready)),
             "amqps:// connected to a plain-text port: {outcome:?}"
@@ -64,7 +64,7 @@ fn amqps_never_falls_back_to_plain_text() {
         // The same broker in plain text, for contrast, is ready.
         let config = RabbitConfig::new(plain, topology.clone()).unwrap();
         assert_eq!(
-            distribution::broker::preflight(&config).await.unwrap(),
+            distribution::rabbit::preflight(&config).await.unwrap(),
             Preflight::Ready
         );
         drop_topology(&topology).await;
@@ -184,7 +184,7 @@ fn amqps_trusts_a_given_ca_presents_a_client_certificate_and_refuses_a_wrong_ca(
             };
             config
         };
-        let ready = distribution::broker::preflight(&settings(Some(&ours), Some(&ours))).await;
+        let ready = distribution::rabbit::preflight(&settings(Some(&ours), Some(&ours))).await;
         assert_eq!(
             ready.unwrap(),
             Preflight::Ready,
@@ -200,7 +200,7 @@ fn amqps_trusts_a_given_ca_presents_a_client_certificate_and_refuses_a_wrong_ca(
                 Some(&theirs),
             ),
         ] {
-            let outcome = distribution::broker::preflight(&settings(ca, client)).await;
+            let outcome = distribution::rabbit::preflight(&settings(ca, client)).await;
             assert!(
                 !matches!(outcome, Ok(Preflight::Ready)),
                 "{what}: connected anyway"

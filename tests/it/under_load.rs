@@ -8,7 +8,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use distribution::broker::{self, Group, Partition, QueueType, RabbitConfig};
+use distribution::broker::{self, Group, Partition};
+use distribution::rabbit::{self, QueueType, RabbitConfig};
 use distribution::store::{EventKey, FoldStore, Outbox};
 use distribution::{Relay, RelayConfig, RelayHandle};
 use futures_util::StreamExt;
@@ -89,17 +90,17 @@ impl FirstDeliveries {
         arguments: lapin::types::FieldTable,
     ) -> Result<
         (
-            broker::ClosingConnection,
+            rabbit::ClosingConnection,
             lapin::Channel,
             u32,
             lapin::Consumer,
         ),
         broker::Error,
     > {
-        let (connection, channel) = broker::open(rabbit, "first-deliveries").await?;
+        let (connection, channel) = rabbit::open(rabbit, "first-deliveries").await?;
         let limit = rabbit.connect_timeout;
         let queue = rabbit.topology.queue(partition);
-        let declared = broker::within(
+        let declared = rabbit::within(
             "queue.declare",
             limit,
             channel.queue_declare(
@@ -112,13 +113,13 @@ impl FirstDeliveries {
             ),
         )
         .await?;
-        broker::within(
+        rabbit::within(
             "basic.qos",
             limit,
             channel.basic_qos(500, lapin::options::BasicQosOptions::default()),
         )
         .await?;
-        let deliveries = broker::within(
+        let deliveries = rabbit::within(
             "basic.consume",
             limit,
             channel.basic_consume(
@@ -138,9 +139,9 @@ impl FirstDeliveries {
         seen: &std::sync::Mutex<Vec<EventKey>>,
         delivery: lapin::message::Delivery,
     ) -> Result<(), broker::Error> {
-        let event = broker::decode(&delivery.properties, &delivery.data).unwrap();
+        let event = rabbit::decode(&delivery.properties, &delivery.data).unwrap();
         seen.lock().unwrap().push(event.key);
-        broker::within(
+        rabbit::within(
             "basic.ack",
             rabbit.connect_timeout,
             delivery.ack(lapin::options::BasicAckOptions::default()),
@@ -158,7 +159,8 @@ impl FirstDeliveries {
             let delivery = deliveries
                 .next()
                 .await
-                .expect("the recorder's consumer ended early")?;
+                .expect("the recorder's consumer ended early")
+                .map_err(broker::Error::channel)?;
             assert!(!delivery.redelivered, "the recorder's queue had a reader");
             Self::record(&self.rabbit, &self.seen, delivery).await?;
         }
@@ -183,7 +185,9 @@ impl FirstDeliveries {
             let next = tokio::time::timeout(Duration::from_millis(100), deliveries.next()).await;
             match next {
                 Err(_) => continue,
-                Ok(Some(delivery)) => Self::record(rabbit, seen, delivery?).await?,
+                Ok(Some(delivery)) => {
+                    Self::record(rabbit, seen, delivery.map_err(broker::Error::channel)?).await?
+                }
                 Ok(None) => return Ok(()),
             }
         }

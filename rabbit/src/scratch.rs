@@ -27,28 +27,28 @@ pub fn unique(label: &str) -> String {
 
 /// For a test of this clean-up: declares a topology named [`unique`]`(label)` (2 partitions)
 /// on the broker at `url` and leaves a message in its partition 1; returns its name.
-pub async fn leave_a_topology(url: &str, label: &str) -> Result<String, crate::Error> {
+pub async fn leave_a_topology(url: &str, label: &str) -> Result<String, broker::Error> {
     let topology = crate::Topology::new(&unique(label), 2)?;
     let connection = Connection::connect(url, ConnectionProperties::default())
         .await
-        .map_err(crate::Error::Channel)?;
+        .map_err(crate::amqp_error)?;
     let channel = connection
         .create_channel()
         .await
-        .map_err(crate::Error::Channel)?;
+        .map_err(crate::amqp_error)?;
     topology.declare(&channel).await?;
     channel
         .basic_publish(
             "".into(),
-            topology.queue(crate::Partition(1)),
+            topology.queue(broker::Partition(1)),
             Default::default(),
             b"left behind",
             Default::default(),
         )
         .await
-        .map_err(crate::Error::Channel)?
+        .map_err(crate::amqp_error)?
         .await
-        .map_err(crate::Error::Channel)?;
+        .map_err(crate::amqp_error)?;
     let _ = connection.close(200, "left behind".into()).await;
     Ok(topology.exchange().to_string())
 }

@@ -5,7 +5,9 @@ use lapin::ConnectionProperties;
 
 use crate::ClosingConnection;
 
-use crate::{AmqpTls, Error, Topology};
+use broker::Error;
+
+use crate::{AmqpTls, Topology};
 
 /// How to reach RabbitMQ.
 #[derive(Clone, Debug)]
@@ -30,8 +32,8 @@ pub struct RabbitConfig {
     /// Extra TLS trust and a client certificate for `amqps://`. Default none.
     pub tls: AmqpTls,
     /// What the relay writes beside the contract: nothing more, or CloudEvents attributes too.
-    /// Default [`crate::WireMode::Plain`].
-    pub wire_mode: crate::WireMode,
+    /// Default [`broker::WireMode::Plain`].
+    pub wire_mode: broker::WireMode,
     /// Which of the addresses in `uri` to try first (the last that answered); shared by the
     /// clones of this configuration.
     next_address: std::sync::Arc<std::sync::atomic::AtomicUsize>,
@@ -79,7 +81,7 @@ impl RabbitConfig {
             confirm_timeout: Duration::from_secs(10),
             redeclare_on_return: true,
             tls: AmqpTls::default(),
-            wire_mode: crate::WireMode::Plain,
+            wire_mode: broker::WireMode::Plain,
             next_address: std::sync::Arc::default(),
             declared: std::sync::Arc::default(),
         })
@@ -98,7 +100,7 @@ impl RabbitConfig {
         let properties = ConnectionProperties::default().with_connection_name(name.into());
         match self.connect(properties).await {
             Ok((connection, _)) => Ok(connection),
-            Err(ConnectFailure::Failed(err)) => Err(err.into()),
+            Err(ConnectFailure::Failed(err)) => Err(crate::amqp_error(err)),
             Err(ConnectFailure::TimedOut) => Err(Error::Unreachable(format!(
                 "no connection within {} ms",
                 self.connect_timeout.as_millis()
@@ -234,7 +236,7 @@ mod tests {
         other.topology = other
             .topology
             .clone()
-            .with_group(crate::Group::parse("g").unwrap());
+            .with_group(broker::Group::parse("g").unwrap());
         assert!(
             !other.declared(),
             "another topology is not declared by this one's session"

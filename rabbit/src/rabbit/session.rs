@@ -8,7 +8,7 @@ use crate::ClosingConnection;
 use super::config::{ConnectFailure, RabbitConfig};
 use super::flow::within;
 use super::within_topology;
-use crate::Error;
+use broker::Error;
 
 /// The broker's limit from a size refusal ("message size S is larger than configured max size
 /// M", PRECONDITION_FAILED), if `err` is one.
@@ -65,9 +65,12 @@ pub(crate) async fn open_at(
     within_topology(&config.topology, &channel, config.connect_timeout)
         .await
         .map_err(|err| match err {
-            Error::Channel(err) => refused_or(err, |text| {
-                Error::Unreachable(format!("declaring the topology: {text}"))
-            }),
+            Error::Channel(err) => match err.downcast::<lapin::Error>() {
+                Ok(err) => refused_or(*err, |text| {
+                    Error::Unreachable(format!("declaring the topology: {text}"))
+                }),
+                Err(other) => Error::Channel(other),
+            },
             other => other,
         })?;
     Ok((connection, channel, address))

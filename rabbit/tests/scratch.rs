@@ -1,7 +1,8 @@
 //! A test's scratch topology is deleted when its process exits, also when the test failed.
-use broker::{Partition, Topology};
+use broker::Partition;
 use lapin::options::{ExchangeDeclareOptions, QueueDeclareOptions};
 use lapin::{Connection, ConnectionProperties};
+use rabbit::Topology;
 
 use testkit::amqp_url;
 
@@ -13,7 +14,7 @@ async fn child_declares_a_topology_and_fails() {
     if std::env::var_os("SCRATCH_CHILD").is_none() {
         return;
     }
-    let name = broker::scratch::leave_a_topology(&amqp_url(), "relay-test-child")
+    let name = rabbit::scratch::leave_a_topology(&amqp_url(), "relay-test-child")
         .await
         .unwrap();
     println!("SCRATCH={name}");

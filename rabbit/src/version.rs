@@ -10,7 +10,9 @@ use lapin::tcp::AMQPUriTcpExt;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::uri::AMQPUri;
 
-use crate::{Error, RabbitConfig};
+use broker::Error;
+
+use crate::RabbitConfig;
 
 /// What a broker says it is.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -151,7 +153,7 @@ pub(crate) async fn read_start_at(
         .parse()
         .map_err(|why: String| Error::InvalidConfig(format!("not a valid AMQP URI: {why}")))?;
     let unreachable = |err: std::io::Error| Error::Unreachable(err.to_string());
-    let runtime = lapin::runtime::default_runtime().map_err(Error::Channel)?;
+    let runtime = lapin::runtime::default_runtime().map_err(crate::amqp_error)?;
     let mut stream = uri
         .connect_with_config_async(tls.as_ref(), &runtime)
         .await

@@ -1,8 +1,8 @@
-//! Helpers of the broker-level tests (`broker/tests/publisher.rs` and, by path,
+//! Helpers of the broker-level tests (`rabbit/tests/publisher.rs` and, by path,
 //! `consumer/tests/fold_consumer.rs`), on top of the shared `testkit`.
 #![allow(dead_code, unused_imports)]
 
-use broker::Topology;
+use rabbit::Topology;
 use store::OutboxEvent;
 pub use testkit::{amqp_url, unique_topology};
 

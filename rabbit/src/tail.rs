@@ -9,7 +9,9 @@ use lapin::options::{BasicConsumeOptions, QueueBindOptions, QueueDeclareOptions}
 use lapin::types::{AMQPValue, FieldTable};
 use store::{OutboxEvent, RunId, TenantId};
 
-use crate::{Error, Partition, RabbitConfig, WireError, within};
+use broker::{Error, Partition, WireError};
+
+use crate::{RabbitConfig, within};
 
 /// What a tail watches: every event, a tenant's, or one run's.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -170,7 +172,7 @@ impl Tail {
     /// The next message the filter takes; `None` when the broker ended the subscription.
     pub async fn next(&mut self) -> Result<Option<Tailed>, Error> {
         while let Some(delivery) = self.deliveries.next().await {
-            let delivery = delivery?;
+            let delivery = delivery.map_err(crate::amqp_error)?;
             let event = crate::decode(&delivery.properties, &delivery.data);
             if !self.filter.matches(&event) {
                 continue;

@@ -4,7 +4,8 @@
 //! gives them back.
 use std::time::Duration;
 
-use broker::{Partition, RabbitConfig, Topology};
+use broker::Partition;
+
 use futures_util::FutureExt;
 use futures_util::StreamExt;
 use lapin::BasicProperties;
@@ -13,6 +14,7 @@ use lapin::options::{
 };
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection, ConnectionProperties};
+use rabbit::{RabbitConfig, Topology};
 
 mod support;
 use support::*;
@@ -66,7 +68,7 @@ fn subscribe_and_abandon(channel: &Channel, topology: &Topology) {
     );
 }
 
-/// Through the relay's connections (`broker::open`, which the consumer's sessions use), a
+/// Through the relay's connections (`rabbit::open`, which the consumer's sessions use), a
 /// subscription abandoned before its `consume-ok` is gone once its connection is dropped. The
 /// same done on a bare lapin connection (the control) stays subscribed: without the relay's
 /// close-on-drop the scenario leaks (lapin 4.12.3), so this test exercises what it claims.
@@ -79,7 +81,7 @@ async fn a_subscription_abandoned_before_its_consume_ok_leaves_nothing_open() {
         .unwrap();
     let outcome = std::panic::AssertUnwindSafe(async {
         for _ in 0..5 {
-            let (connection, channel) = broker::open(&config, "abandoned").await.unwrap();
+            let (connection, channel) = rabbit::open(&config, "abandoned").await.unwrap();
             subscribe_and_abandon(&channel, &topology);
             drop(channel);
             drop(connection);
@@ -142,7 +144,7 @@ async fn dropped_while_deliveries_stream_in() -> Result<(), Box<dyn std::any::An
         .await
         .unwrap();
     let outcome = std::panic::AssertUnwindSafe(async {
-        let (publisher, channel) = broker::open(&config, "dropped-publisher").await.unwrap();
+        let (publisher, channel) = rabbit::open(&config, "dropped-publisher").await.unwrap();
         let queue = topology.queue(Partition(0));
         for n in 0..5_000u32 {
             channel
@@ -159,7 +161,7 @@ async fn dropped_while_deliveries_stream_in() -> Result<(), Box<dyn std::any::An
         drop(channel);
         drop(publisher);
         for drop_number in 0..100 {
-            let (mut connection, channel) = broker::open(&config, "dropped").await.unwrap();
+            let (mut connection, channel) = rabbit::open(&config, "dropped").await.unwrap();
             channel
                 .basic_qos(256, BasicQosOptions::default())
                 .await

@@ -3,9 +3,11 @@
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 
-use broker::{Outcome, Partition, Publisher, RabbitConfig, RabbitPublisher, Topology};
+use broker::{Outcome, Partition, Publisher};
+
 use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
 use lapin::{Connection, ConnectionProperties};
+use rabbit::{RabbitConfig, RabbitPublisher, Topology};
 use store::OutboxEvent;
 
 /// Everything every subscriber of the process was given, as text.
@@ -33,7 +35,7 @@ async fn a_returned_payload_never_reaches_a_log() {
         .with_writer(move || writer.clone())
         .init();
 
-    let topology = Topology::new(&broker::scratch::unique("relay-test-quiet"), 1).unwrap();
+    let topology = Topology::new(&rabbit::scratch::unique("relay-test-quiet"), 1).unwrap();
     let url = std::env::var("AMQP_URL").expect("AMQP_URL");
     let mut config = RabbitConfig::new(url.clone(), topology.clone()).unwrap();
     config.redeclare_on_return = false;

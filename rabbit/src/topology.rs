@@ -1,19 +1,12 @@
-//! Where events go: one durable direct exchange, one durable queue per partition.
-//!
-//! Broker partition key = `(TenantId, RunId)`: every event of a run goes to one partition, so a
-//! consumer of that partition sees the run's events in publish order. The map is stable across
-//! processes and versions: FNV-1a 64 over `tenant bytes, 0x00, run bytes`, modulo the partition
-//! count. Changing the partition count remaps runs; do it only with the relay drained.
+//! Where events go on RabbitMQ: one durable direct exchange, one durable queue per partition
+//! and group (the partition map itself is `broker::partition_of`).
+use broker::{Error, Group, Partition, partition_of};
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{Channel, ExchangeKind};
+
+use crate::Amqp;
 use store::{RunId, TenantId};
-
-use crate::Error;
-
-/// A partition of the topology (a queue).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Partition(pub u16);
 
 /// The kind of RabbitMQ queue the topology declares.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -106,55 +99,6 @@ pub const DEFAULT_DELIVERY_LIMIT: u32 = 20;
 /// large one behaves the same on every version and through an upgrade.
 pub const DEAD_LETTER_DELIVERY_LIMIT: i64 = i32::MAX as i64;
 
-/// A consumer group: one consumer service's own copy of the history. Each group has its own
-/// partition queues, bound to the topology's exchange with the same routing keys (so order per
-/// `(TenantId, RunId)` holds in every group), and its own dead-letter queue. A group sees the
-/// events published after its queues exist.
-#[derive(Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Group {
-    /// The unnamed group of earlier versions: queues `<topology>.p<N>`, `<topology>.dead`.
-    #[default]
-    Default,
-    /// A named group: queues `<topology>.<name>.p<N>`, `<topology>.<name>.dead`.
-    Named(String),
-}
-
-impl Group {
-    /// `default` is the unnamed group; any other name is 1 to 64 bytes of `[a-z0-9_-]`, and
-    /// not `dead` nor `p<digits>` (which would read as a queue of the unnamed group).
-    pub fn parse(name: &str) -> Result<Self, Error> {
-        if name == "default" {
-            return Ok(Self::Default);
-        }
-        let fine = |b: u8| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-';
-        let queue_like = name == "dead"
-            || (name.len() > 1
-                && name.starts_with('p')
-                && name[1..].bytes().all(|b| b.is_ascii_digit()));
-        if name.is_empty() || name.len() > 64 || !name.bytes().all(fine) || queue_like {
-            return Err(Error::InvalidConfig(format!(
-                "consumer group {name:?} must be `default` or 1 to 64 bytes of a-z 0-9 _ -, \
-                 and not `dead` or p<N>"
-            )));
-        }
-        Ok(Self::Named(name.to_owned()))
-    }
-
-    /// The group's name (`default` for the unnamed one).
-    pub fn name(&self) -> &str {
-        match self {
-            Self::Default => "default",
-            Self::Named(name) => name,
-        }
-    }
-}
-
-impl std::fmt::Display for Group {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
 /// Names and shape of the broker topology.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Topology {
@@ -168,13 +112,6 @@ pub struct Topology {
     group: Group,
     /// The groups whose queues [`Topology::declare`] creates.
     declared: Vec<Group>,
-}
-
-/// The partition of a run among `partitions` ([`Topology::partition_of`]): FNV-1a 64 over
-/// `tenant 0x00 run` ([`store::fnv1a`]), modulo `partitions`.
-pub fn partition_of(tenant: &TenantId, run: &RunId, partitions: u16) -> Partition {
-    let hash = store::fnv1a(&[tenant.as_str(), run.as_str()]);
-    Partition((hash % u64::from(partitions.max(1))) as u16)
 }
 
 impl Topology {
@@ -406,7 +343,8 @@ impl Topology {
                 durable,
                 FieldTable::default(),
             )
-            .await?;
+            .await
+            .amqp()?;
         for group in &self.declared {
             self.declare_group(channel, group).await?;
         }
@@ -426,7 +364,8 @@ impl Topology {
             let queue = self.queue_of(group, partition);
             channel
                 .queue_declare(queue.clone(), options, arguments.clone())
-                .await?;
+                .await
+                .amqp()?;
             channel
                 .queue_bind(
                     queue,
@@ -435,7 +374,8 @@ impl Topology {
                     QueueBindOptions::default(),
                     FieldTable::default(),
                 )
-                .await?;
+                .await
+                .amqp()?;
         }
         channel
             .queue_declare(
@@ -443,7 +383,8 @@ impl Topology {
                 options,
                 self.dead_letter_arguments(),
             )
-            .await?;
+            .await
+            .amqp()?;
         Ok(())
     }
 
@@ -459,7 +400,8 @@ impl Topology {
                 self.exchange.clone(),
                 lapin::options::ExchangeDeleteOptions::default(),
             )
-            .await?;
+            .await
+            .amqp()?;
         Ok(messages)
     }
 
@@ -477,7 +419,8 @@ impl Topology {
         for queue in queues {
             messages += channel
                 .queue_delete(queue, lapin::options::QueueDeleteOptions::default())
-                .await?;
+                .await
+                .amqp()?;
         }
         Ok(messages)
     }

@@ -23,7 +23,7 @@ fn a_subscriber_installed_later_still_hears_the_quiet_threads() {
     let (quieted, go) = (std::sync::Barrier::new(2), std::sync::Barrier::new(2));
     std::thread::scope(|scope| {
         let thread = scope.spawn(|| {
-            broker::quiet_lapin_payload_logs_on_this_thread();
+            rabbit::quiet_lapin_payload_logs_on_this_thread();
             quieted.wait();
             go.wait();
             tracing::warn!("relay line after the host's subscriber");

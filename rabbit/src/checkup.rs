@@ -7,7 +7,9 @@ use futures_util::StreamExt;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 
-use crate::{BrokerVersion, Error, RabbitConfig, within};
+use broker::Error;
+
+use crate::{BrokerVersion, RabbitConfig, within};
 
 /// What [`checkup`] found.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -78,7 +80,7 @@ pub async fn checkup(config: &RabbitConfig, wait: Duration) -> Result<Checkup, E
     drop(channel);
     match verdict {
         Ok(Ok(blocked)) => Ok(Checkup { version, blocked }),
-        Ok(Err(err)) => Err(err.into()),
+        Ok(Err(err)) => Err(crate::amqp_error(err)),
         Err(_) => Err(Error::Timeout {
             operation: "basic.publish confirm",
             timeout_ms: wait.as_millis() as u64,
@@ -115,7 +117,7 @@ pub async fn partition_queues(config: &RabbitConfig) -> Result<Vec<QueueCount>, 
     let mut counts = Vec::with_capacity(usize::from(topology.partitions()));
     let mut channel = None;
     for partition in 0..topology.partitions() {
-        let queue = topology.queue(crate::Partition(partition));
+        let queue = topology.queue(broker::Partition(partition));
         let open = match channel.take() {
             Some(open) => open,
             None => within("channel.open", limit, connection.create_channel()).await?,

@@ -8,7 +8,7 @@ use futures_util::StreamExt;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::Error;
+use broker::Error;
 
 /// Awaits a lapin operation under `limit`: its error, or [`Error::Timeout`] naming `operation`.
 pub async fn within<T>(
@@ -17,7 +17,7 @@ pub async fn within<T>(
     future: impl Future<Output = Result<T, lapin::Error>>,
 ) -> Result<T, Error> {
     match tokio::time::timeout(limit, future).await {
-        Ok(result) => result.map_err(Error::from),
+        Ok(result) => result.map_err(crate::amqp_error),
         Err(_) => Err(Error::Timeout {
             operation,
             timeout_ms: limit.as_millis() as u64,
@@ -100,7 +100,7 @@ where
     };
     match output {
         Some(Ok(confirm)) => Ok(confirm),
-        Some(Err(err)) => Err(Error::from(err)),
+        Some(Err(err)) => Err(crate::amqp_error(err)),
         None => Err(Error::Timeout {
             operation: "basic.publish",
             timeout_ms: limit.as_millis() as u64,
@@ -114,7 +114,7 @@ where
 pub(crate) async fn follow_flow(
     events: impl futures_util::Stream<Item = lapin::Event> + Send + 'static,
     flow: watch::Sender<Flow>,
-    mark: crate::health::BlockedMark,
+    mark: broker::BlockedMark,
 ) {
     let mut events = std::pin::pin!(events);
     while let Some(event) = events.next().await {

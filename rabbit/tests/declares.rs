@@ -2,15 +2,16 @@
 //! from the file; the relay's own arguments must be exactly them, and a consumer's declare of
 //! every queue as the tables say is accepted by the broker beside the relay's declare, for
 //! classic, quorum and stream topologies, default and named groups, settings set and unset.
-use broker::{Group, Partition, QueueType, StreamRetention, Topology};
+use broker::{Group, Partition};
 use lapin::options::QueueDeclareOptions;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Connection, ConnectionProperties};
+use rabbit::{QueueType, StreamRetention, Topology};
 
 mod support;
 use support::*;
 
-const WIRE: &str = include_str!("../WIRE.md");
+const WIRE: &str = include_str!("../../broker/WIRE.md");
 
 /// One row of the arguments table.
 #[derive(Debug)]
@@ -210,7 +211,7 @@ async fn a_consumer_declares_every_queue_exactly_as_wire_md_says() {
         .unwrap();
     for settings in cases() {
         let label = format!("declares-{}", settings.type_name());
-        let topology = settings.topology(&broker::scratch::unique(&label));
+        let topology = settings.topology(&rabbit::scratch::unique(&label));
         let exchange = topology.exchange().to_string();
         let channel = connection.create_channel().await.unwrap();
         topology.declare(&channel).await.unwrap();

@@ -12,8 +12,7 @@ use lapin::types::ShortString;
 
 use super::flow::{Flow, until_unless_blocked};
 use super::session::size_limit;
-use crate::port::{OnReport, Outcome, PublishReport};
-use crate::{BrokerHealth, Error};
+use broker::{BrokerHealth, Error, OnReport, Outcome, PublishReport};
 
 /// A written batch whose confirms the pump awaits.
 pub(crate) struct PendingBatch {
@@ -221,7 +220,7 @@ pub(crate) async fn confirm_pump(
                 said[index] = Some(outcome);
                 if let Some(err) = err {
                     size_limit_seen = size_limit_seen.or(size_limit(&err));
-                    fault.get_or_insert(Error::Channel(err));
+                    fault.get_or_insert(crate::amqp_error(err));
                 }
             }
         }

@@ -34,8 +34,11 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use crate::ClosingConnection;
 use store::{Fence, OutboxEvent};
 
-use crate::port::{BoxFuture, OnReport, Outcome, PublishReport, Publisher};
-use crate::{BrokerHealth, CallProbe, Error, QueueType, Topology, wire};
+use broker::{
+    BoxFuture, BrokerHealth, CallProbe, Error, OnReport, Outcome, PublishReport, Publisher,
+};
+
+use crate::{QueueType, Topology, wire};
 use confirms::{PendingBatch, SessionFate, Writer, confirm_pump};
 use flow::{Flow, QUEUED_AHEAD_BYTES, follow_flow, written};
 use session::{open_at, refused_at_run_time};
@@ -211,7 +214,7 @@ impl RabbitPublisher {
                 messaging.operation.type = "send",
                 messaging.destination.name = exchange,
                 messaging.batch.message_count = (events.len() > 1).then_some(events.len() as i64),
-                messaging.message.id = single.map(|event| wire::message_id(&event.key).to_string()),
+                messaging.message.id = single.map(|event| broker::message_id(&event.key)),
                 messaging.rabbitmq.destination.routing_key = single.map(|event| {
                     let branch = &event.key.branch;
                     topology
@@ -312,7 +315,9 @@ impl RabbitPublisher {
         let mut queued_bytes = 0;
         let mut record = |event: &OutboxEvent, confirm| {
             confirms.push(confirm);
-            ids.push(wire::message_id(&event.key));
+            ids.push(lapin::types::ShortString::from(broker::message_id(
+                &event.key,
+            )));
             sizes.push(event.payload.len());
         };
         'events: for event in events {

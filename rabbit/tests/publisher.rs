@@ -1,10 +1,12 @@
 //! The RabbitMQ publisher on the real broker, each test on its own names.
 use std::time::Duration;
 
-use broker::{Outcome, Partition, Publisher, QueueType, RabbitConfig, RabbitPublisher, Topology};
+use broker::{Outcome, Partition, Publisher};
+
 use futures_util::StreamExt;
 use lapin::options::{BasicGetOptions, QueueDeleteOptions};
 use lapin::{Connection, ConnectionProperties};
+use rabbit::{QueueType, RabbitConfig, RabbitPublisher, Topology};
 use store::{Fence, OutboxEvent, RunId, TenantId};
 
 mod support;
@@ -23,7 +25,7 @@ async fn drain_queue(topology: &Topology, partition: Partition) -> Vec<OutboxEve
         .await
         .unwrap()
     {
-        got.push(broker::decode(&message.delivery.properties, &message.delivery.data).unwrap());
+        got.push(rabbit::decode(&message.delivery.properties, &message.delivery.data).unwrap());
     }
     got
 }
@@ -373,17 +375,17 @@ async fn preflight_tells_refusals_from_outages() {
     let url = amqp_url();
     let config = |url: String| RabbitConfig::new(url, topology.clone()).unwrap();
     assert_eq!(
-        broker::preflight(&config(url.clone())).await.unwrap(),
-        broker::Preflight::Ready
+        rabbit::preflight(&config(url.clone())).await.unwrap(),
+        rabbit::Preflight::Ready
     );
     let wrong_password = url.replacen("guest:guest", "guest:wrong", 1);
-    let refused = broker::preflight(&config(wrong_password)).await;
+    let refused = rabbit::preflight(&config(wrong_password)).await;
     assert!(
         matches!(refused, Err(broker::Error::Refused(_))),
         "{refused:?}"
     );
     let no_vhost = format!("{}/no-such-vhost", url.rsplit_once('/').unwrap().0);
-    let refused = broker::preflight(&config(no_vhost)).await;
+    let refused = rabbit::preflight(&config(no_vhost)).await;
     assert!(
         matches!(refused, Err(broker::Error::Refused(_))),
         "{refused:?}"
@@ -391,13 +393,13 @@ async fn preflight_tells_refusals_from_outages() {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let closed_port = listener.local_addr().unwrap().port();
     drop(listener);
-    let down = broker::preflight(&config(format!(
+    let down = rabbit::preflight(&config(format!(
         "amqp://guest:guest@127.0.0.1:{closed_port}/%2f"
     )))
     .await
     .unwrap();
     assert!(
-        matches!(down, broker::Preflight::Unreachable(_)),
+        matches!(down, rabbit::Preflight::Unreachable(_)),
         "{down:?}"
     );
     // Queues someone declared with other arguments: the topology conflicts.
@@ -418,7 +420,7 @@ async fn preflight_tells_refusals_from_outages() {
         .await
         .unwrap();
     let refused =
-        broker::preflight(&RabbitConfig::new(url.clone(), conflicting.clone()).unwrap()).await;
+        rabbit::preflight(&RabbitConfig::new(url.clone(), conflicting.clone()).unwrap()).await;
     assert!(
         matches!(refused, Err(broker::Error::Refused(_))),
         "{refused:?}"
@@ -435,8 +437,8 @@ async fn quorum_queues_work_and_a_type_mismatch_is_refused() {
     let quorum = unique_topology("quorum", 2).with_queue_type(QueueType::Quorum);
     let config = RabbitConfig::new(amqp_url(), quorum.clone()).unwrap();
     assert_eq!(
-        broker::preflight(&config).await.unwrap(),
-        broker::Preflight::Ready
+        rabbit::preflight(&config).await.unwrap(),
+        rabbit::Preflight::Ready
     );
     let mut publisher = RabbitPublisher::new(config);
     let batch = events("tq", "r1", "main", &[1, 2, 3]);
@@ -473,7 +475,7 @@ async fn quorum_queues_work_and_a_type_mismatch_is_refused() {
             .expect("delivered within 10 s")
             .expect("the consumer is open")
             .unwrap();
-        let event = broker::decode(&delivery.properties, &delivery.data).unwrap();
+        let event = rabbit::decode(&delivery.properties, &delivery.data).unwrap();
         lsns.push(event.key.lsn.get());
     }
     assert_eq!(lsns, vec![1, 2, 3]);
@@ -482,7 +484,7 @@ async fn quorum_queues_work_and_a_type_mismatch_is_refused() {
 
     // The same names as classic queues: RabbitMQ cannot convert them.
     let classic = Topology::new(quorum.exchange().as_str(), 2).unwrap();
-    let refused = broker::preflight(&RabbitConfig::new(amqp_url(), classic.clone()).unwrap()).await;
+    let refused = rabbit::preflight(&RabbitConfig::new(amqp_url(), classic.clone()).unwrap()).await;
     match refused {
         // RabbitMQ names the first argument that differs (the dead-letter target, then the type).
         Err(broker::Error::Refused(why)) => assert!(why.contains("inequivalent arg"), "{why}"),
@@ -493,11 +495,11 @@ async fn quorum_queues_work_and_a_type_mismatch_is_refused() {
     // And the other way round.
     let config = RabbitConfig::new(amqp_url(), classic.clone()).unwrap();
     assert_eq!(
-        broker::preflight(&config).await.unwrap(),
-        broker::Preflight::Ready
+        rabbit::preflight(&config).await.unwrap(),
+        rabbit::Preflight::Ready
     );
     let as_quorum = classic.clone().with_queue_type(QueueType::Quorum);
-    let refused = broker::preflight(&RabbitConfig::new(amqp_url(), as_quorum).unwrap()).await;
+    let refused = rabbit::preflight(&RabbitConfig::new(amqp_url(), as_quorum).unwrap()).await;
     assert!(
         matches!(refused, Err(broker::Error::Refused(_))),
         "{refused:?}"
@@ -514,8 +516,8 @@ async fn a_dead_address_is_passed_over_for_the_next() {
     let config = RabbitConfig::new(uri, topology.clone()).unwrap();
     assert_eq!(config.addresses().len(), 2);
     assert_eq!(
-        broker::preflight(&config).await.unwrap(),
-        broker::Preflight::Ready
+        rabbit::preflight(&config).await.unwrap(),
+        rabbit::Preflight::Ready
     );
     let mut publisher = RabbitPublisher::new(config);
     let report = publisher

@@ -16,7 +16,9 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Confirmation};
 use store::{OutboxEvent, RunId, TenantId};
 
-use crate::{Error, RabbitConfig, WireError, within};
+use broker::{Error, WireError};
+
+use crate::{RabbitConfig, within};
 
 /// Header naming why a message was dead-lettered (a consumer sets it).
 pub const DEAD_LETTER_REASON: &str = "x-relay-dead-letter-reason";

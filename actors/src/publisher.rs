@@ -171,8 +171,14 @@ pub struct PublisherActor;
 
 /// Every `outcome` label of `relay_publish_failures_total` (what `Outcome::label` gives for a
 /// failure), for registering the counters at zero and keeping them alive.
-pub const FAILURE_OUTCOMES: [&str; 5] =
-    ["nacked", "returned", "too_large", "unconfirmed", "not_sent"];
+pub const FAILURE_OUTCOMES: [&str; 6] = [
+    "nacked",
+    "returned",
+    "too_large",
+    "unwritable",
+    "unconfirmed",
+    "not_sent",
+];
 
 const FAULTED: &str = "the broker session faulted; restarting";
 

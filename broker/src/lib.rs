@@ -41,6 +41,7 @@ pub use probe::CallProbe;
 pub use wire::CLOUDEVENTS_COLON_PREFIX;
 pub use wire::CLOUDEVENTS_PREFIX;
 pub use wire::Envelope;
+pub use wire::NUMBER_HEADERS;
 pub use wire::OCTET_STREAM;
 pub use wire::TYPE_END;
 pub use wire::TYPE_INTENT;

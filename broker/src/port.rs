@@ -12,17 +12,23 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 /// What the broker did with one event.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Outcome {
-    /// Confirmed (`basic.ack`) and routed: the only outcome that may be acked in the outbox.
+    /// Stored by the broker and routed to its partition (RabbitMQ: `basic.ack`, not returned):
+    /// the only outcome that may be acked in the outbox.
     Accepted,
-    /// Negatively confirmed (`basic.nack`).
+    /// Refused by the broker after it was written (RabbitMQ: `basic.nack`).
     Nacked,
-    /// Confirmed but returned unroutable (`mandatory`, reply 312): not a delivery.
+    /// Taken but routed nowhere (RabbitMQ: returned unroutable, `mandatory`, reply 312): not a
+    /// delivery.
     Returned,
-    /// Refused for its size: larger than the broker's `max_message_size` (the broker closed the
-    /// channel with PRECONDITION_FAILED). Not a delivery; sending it again fails the same way
-    /// until the limit is raised.
+    /// Refused for its size: larger than the broker's limit (RabbitMQ: `max_message_size`, the
+    /// channel closed with PRECONDITION_FAILED). Not a delivery; sending it again fails the
+    /// same way until the limit is raised.
     TooLarge,
-    /// Published, but no confirm arrived in time or the channel died first.
+    /// Not written: the broker cannot carry the event as it stands (NATS: a header value with a
+    /// line break, which its protocol cannot hold). Not a delivery; sending it again fails the
+    /// same way until the row is repaired.
+    Unwritable,
+    /// Written, but no verdict arrived in time or the connection died first: perhaps stored.
     Unconfirmed,
     /// Never written to the broker (unreachable, or an earlier failure in the batch).
     NotSent,
@@ -35,13 +41,15 @@ impl Outcome {
     }
 
     /// Its name in metrics (`relay_publish_failures_total{outcome}`) and traces
-    /// (`error.type`): `accepted`, `nacked`, `returned`, `too_large`, `unconfirmed`, `not_sent`.
+    /// (`error.type`): `accepted`, `nacked`, `returned`, `too_large`, `unwritable`,
+    /// `unconfirmed`, `not_sent`.
     pub fn label(self) -> &'static str {
         match self {
             Outcome::Accepted => "accepted",
             Outcome::Nacked => "nacked",
             Outcome::Returned => "returned",
             Outcome::TooLarge => "too_large",
+            Outcome::Unwritable => "unwritable",
             Outcome::Unconfirmed => "unconfirmed",
             Outcome::NotSent => "not_sent",
         }

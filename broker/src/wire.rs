@@ -68,6 +68,18 @@ pub fn message_id(key: &EventKey) -> String {
     format!("{}/{}", key.branch, key.lsn)
 }
 
+/// The contract's headers whose values are numbers: a broker that carries every header as text
+/// (NATS) reads these back as [`Value::Number`], every other as [`Value::Text`].
+pub const NUMBER_HEADERS: [&str; 7] = [
+    "lsn",
+    "prev_lsn",
+    "base_lsn",
+    "created_at_us",
+    "wire_version",
+    "epoch",
+    "prev_epoch",
+];
+
 /// A header's value: the contract's headers are texts (AMQP long strings) and signed 64-bit
 /// numbers (AMQP long long ints).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -386,6 +398,13 @@ mod tests {
             let written = envelope(&event, mode);
             prop_assert_eq!(written.message_id.clone(), Some(message_id(&event.key)));
             prop_assert_eq!(written.headers.get("wire_version"), Some(&Value::Number(WIRE_VERSION)));
+            for (name, value) in &written.headers {
+                prop_assert_eq!(
+                    matches!(value, Value::Number(_)),
+                    NUMBER_HEADERS.contains(&name.as_str()),
+                    "{} is a number exactly when NUMBER_HEADERS says so", name
+                );
+            }
             prop_assert_eq!(decode(&written, &event.payload).unwrap(), event);
         }
     }

@@ -75,7 +75,12 @@ impl<H> Window<H> {
                     // behind an unanswered event of its own (a refusal that closes the channel
                     // leaves the events before it unconfirmed).
                     // Its label is the park's stored reason (`store::ParkCause::of_reason`).
-                    Some(refused @ (Outcome::Returned | Outcome::Nacked | Outcome::TooLarge)) => {
+                    Some(
+                        refused @ (Outcome::Returned
+                        | Outcome::Nacked
+                        | Outcome::TooLarge
+                        | Outcome::Unwritable),
+                    ) => {
                         Some(refused.label())
                     }
                     // No answer: the session, not the branch, failed; the tenant backs off.

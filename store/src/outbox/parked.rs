@@ -143,7 +143,7 @@ impl Outbox {
 
 /// Why a branch is parked, by cause: what the operator is told, and the way out. The one
 /// place that reads a park's stored reason (the label of the broker's refusal,
-/// `broker::Outcome::label`: `nacked`, `returned` or `too_large`; or the drainer's
+/// `broker::Outcome::label`: `nacked`, `returned`, `too_large` or `unwritable`; or the drainer's
 /// `unreadable: lsn N: ...`); the console, `status`, the
 /// `RelayBranchParked` alert and docs/operations.md ("Parked branches") say the same.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -154,6 +154,8 @@ pub enum ParkCause {
     Unroutable,
     /// An event is larger than the broker accepts.
     TooLarge,
+    /// An event has a header the broker cannot carry (NATS: a value with a line break).
+    Unwritable,
     /// A row of it cannot be read (its metadata does not decode).
     Unreadable,
     /// A reason this version does not know (written by another version of the relay).
@@ -162,10 +164,11 @@ pub enum ParkCause {
 
 impl ParkCause {
     /// Every cause, in the order the docs list them.
-    pub const ALL: [ParkCause; 5] = [
+    pub const ALL: [ParkCause; 6] = [
         ParkCause::Nacked,
         ParkCause::Unroutable,
         ParkCause::TooLarge,
+        ParkCause::Unwritable,
         ParkCause::Unreadable,
         ParkCause::Other,
     ];
@@ -177,6 +180,7 @@ impl ParkCause {
             "nacked" => Self::Nacked,
             "returned" => Self::Unroutable,
             "too_large" => Self::TooLarge,
+            "unwritable" => Self::Unwritable,
             "unreadable" => Self::Unreadable,
             _ => Self::Other,
         }
@@ -188,6 +192,7 @@ impl ParkCause {
             Self::Nacked => "broker nacked",
             Self::Unroutable => "unroutable",
             Self::TooLarge => "too large",
+            Self::Unwritable => "unwritable",
             Self::Unreadable => "unreadable row",
             Self::Other => "other",
         }
@@ -203,6 +208,9 @@ impl ParkCause {
                 "the broker returned its events: no queue is bound for their partition (a group's queue deleted or never declared)"
             }
             Self::TooLarge => "an event is larger than the broker's max_message_size",
+            Self::Unwritable => {
+                "an event has a header the broker's protocol cannot carry (on NATS: a value with a line break)"
+            }
             Self::Unreadable => {
                 "a row of it cannot be read by this relay (its metadata does not decode: written past relay_append, or by a newer schema); the intents before it shipped"
             }
@@ -222,6 +230,9 @@ impl ParkCause {
             Self::TooLarge => {
                 "raise max_message_size on the broker, then Release; or Discard the branch (its waiting events are dropped for good)"
             }
+            Self::Unwritable => {
+                "remove the line break from the row's header (or Discard the branch: its waiting events are dropped for good), then Release"
+            }
             Self::Unreadable => {
                 "repair the row named in the reason (or upgrade the relay), then Release: a release before the repair parks it again at once"
             }
@@ -240,6 +251,7 @@ mod tests {
             ("nacked", ParkCause::Nacked),
             ("returned", ParkCause::Unroutable),
             ("too_large", ParkCause::TooLarge),
+            ("unwritable", ParkCause::Unwritable),
             (
                 "unreadable: lsn 2: metadata: unknown field `priority`",
                 ParkCause::Unreadable,

@@ -351,7 +351,15 @@ mod tests {
             0i64..4_000_000_000_000_000,
         )
             .prop_map(
-                |((tenant, run, branch, lsn, back), kind, parent, meta, epochs, payload, micros)| {
+                |(
+                    (tenant, run, branch, lsn, back),
+                    kind,
+                    parent,
+                    meta,
+                    epochs,
+                    payload,
+                    micros,
+                )| {
                     let (event_type, content_type, correlation_id, causation_id, headers, trace) =
                         meta;
                     OutboxEvent {
@@ -430,7 +438,9 @@ mod tests {
         written.headers.insert("kind".into(), Value::Other);
         assert_eq!(decode(&written, b""), Err(WireError::Header("kind")));
         written.headers.insert("kind".into(), Value::text("intent"));
-        written.headers.insert("lsn".into(), Value::Text(b"3".to_vec()));
+        written
+            .headers
+            .insert("lsn".into(), Value::Text(b"3".to_vec()));
         assert_eq!(decode(&written, b""), Err(WireError::Header("lsn")));
         assert_eq!(
             decode(&Envelope::default(), b""),

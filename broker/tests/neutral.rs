@@ -22,7 +22,13 @@ const NOT_YET_SPLIT: &[(&str, &str)] = &[("consumer", "lapin"), ("testkit", "lap
 fn dependencies() -> BTreeMap<String, BTreeSet<String>> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let output = Command::new(cargo)
-        .args(["metadata", "--format-version", "1", "--no-deps", "--offline"])
+        .args([
+            "metadata",
+            "--format-version",
+            "1",
+            "--no-deps",
+            "--offline",
+        ])
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
         .expect("cargo metadata runs");
@@ -52,7 +58,14 @@ fn dependencies() -> BTreeMap<String, BTreeSet<String>> {
 #[test]
 fn each_broker_client_is_known_to_its_adapter_alone() {
     let packages = dependencies();
-    for name in ["broker", "rabbit", "store", "actors", "supervisor", "consumer"] {
+    for name in [
+        "broker",
+        "rabbit",
+        "store",
+        "actors",
+        "supervisor",
+        "consumer",
+    ] {
         assert!(packages.contains_key(name), "the workspace has {name}");
     }
     for (package, deps) in &packages {

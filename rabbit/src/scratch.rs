@@ -56,23 +56,7 @@ pub async fn leave_a_topology(url: &str, label: &str) -> Result<String, broker::
 /// Whether the broker object `name` (an exchange, or a queue `<exchange>.<...>`) was named by
 /// [`unique`] in process `pid`, or over an hour before `now_micros`.
 fn ours(name: &str, pid: u32, now_micros: u128) -> bool {
-    let base = name.split('.').next().unwrap_or(name);
-    let mut parts = base.rsplitn(4, '_');
-    let (Some(micros), Some(n), Some(owner), Some(_label)) =
-        (parts.next(), parts.next(), parts.next(), parts.next())
-    else {
-        return false;
-    };
-    let (Ok(micros), Ok(_), Ok(owner)) = (
-        micros.parse::<u128>(),
-        n.parse::<u64>(),
-        owner.parse::<u32>(),
-    ) else {
-        return false;
-    };
-    // A time in the name that is not a plausible one (before 2020) is not unique()'s.
-    let plausible = micros > 1_577_836_800_000_000;
-    plausible && (owner == pid || now_micros.saturating_sub(micros) > 3_600_000_000)
+    store::scratch::is_ours(name.split('.').next().unwrap_or(name), pid, now_micros)
 }
 
 /// `rabbitmqctl [-n node] list_<what> name`: one name per line; `None` if the tool is missing,

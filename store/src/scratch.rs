@@ -25,6 +25,27 @@ pub fn unique(label: &str) -> String {
     format!("{label}_{}_{n}_{}", std::process::id(), now_micros())
 }
 
+/// Whether `name` was made by [`unique`] in process `pid`, or over an hour before
+/// `now_micros` (a run that died before its exit hook): what an exit hook may delete.
+pub fn is_ours(name: &str, pid: u32, now_micros: u128) -> bool {
+    let mut parts = name.rsplitn(4, '_');
+    let (Some(micros), Some(n), Some(owner), Some(_label)) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return false;
+    };
+    let (Ok(micros), Ok(_), Ok(owner)) = (
+        micros.parse::<u128>(),
+        n.parse::<u64>(),
+        owner.parse::<u32>(),
+    ) else {
+        return false;
+    };
+    // A time in the name that is not a plausible one (before 2020) is not unique()'s.
+    let plausible = micros > 1_577_836_800_000_000;
+    plausible && (owner == pid || now_micros.saturating_sub(micros) > 3_600_000_000)
+}
+
 fn now_micros() -> u128 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)

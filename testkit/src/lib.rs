@@ -14,6 +14,12 @@ pub fn amqp_url() -> String {
     std::env::var("AMQP_URL").expect("AMQP_URL (set in .cargo/config.toml)")
 }
 
+/// The NATS server the tests use (`NATS_URL`, set in `.cargo/config.toml`): the machine's,
+/// with JetStream.
+pub fn nats_url() -> String {
+    std::env::var("NATS_URL").expect("NATS_URL (set in .cargo/config.toml)")
+}
+
 /// A name no other test of any run uses; a topology so named is deleted at this process's exit
 /// if its test does not delete it.
 pub use rabbit::scratch::unique;

@@ -80,9 +80,7 @@ impl<H> Window<H> {
                         | Outcome::Nacked
                         | Outcome::TooLarge
                         | Outcome::Unwritable),
-                    ) => {
-                        Some(refused.label())
-                    }
+                    ) => Some(refused.label()),
                     // No answer: the session, not the branch, failed; the tenant backs off.
                     Some(Outcome::NotSent) => {
                         session_failed.get_or_insert(StallCause::NotSent);

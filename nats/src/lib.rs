@@ -1,0 +1,28 @@
+//! The NATS JetStream adapter: the only code that knows async-nats. It implements the core's
+//! [`broker::Publisher`] port over JetStream and carries the core's wire contract as NATS
+//! headers.
+//!
+//! - `config`: [`NatsConfig`]: servers, the stream, the partitions' subjects, timeouts.
+//! - `wire`: the envelope as NATS headers ([`headers`], [`decode`]); what cannot travel.
+//! - `stream`: the stream declared and read back ([`declare`]).
+//! - `attribute`: what the server's answer to one publish means for its event (pure).
+//! - `publisher`: [`NatsPublisher`]: pipelined publishes, acks awaited by a pump, fenced.
+//! - `scratch` (feature `fixtures`): test streams deleted at the test process's exit.
+#![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
+
+mod attribute;
+mod config;
+mod publisher;
+#[cfg(feature = "fixtures")]
+pub mod scratch;
+mod stream;
+mod wire;
+
+pub use attribute::{Answer, Verdict, attribute};
+pub use config::{MAX_ACKS_IN_FLIGHT, NatsConfig};
+pub use publisher::{NatsPublisher, connect};
+pub use stream::declare;
+pub use wire::{
+    CONTENT_TYPE, CORRELATION_ID, EXPECTED_STREAM, MSG_ID, TYPE, Unwritable, decode, envelope,
+    headers, travels,
+};

@@ -1,0 +1,327 @@
+//! [`NatsPublisher`]: the publisher port over JetStream. A batch's events are written in order
+//! on one connection, each with its `Nats-Msg-Id`, without waiting for acks; a pump task awaits
+//! the acks in order and reports each batch once, by its deadline. A publish whose ack does not
+//! come is unknown, not failed: it is reported unconfirmed, the session faults, and the relay
+//! sends it again with the same id, which the stream drops as a duplicate within its window.
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
+use async_nats::jetstream::{self, Context};
+use async_nats::{Client, ConnectOptions, ServerAddr};
+use broker::{
+    BoxFuture, BrokerHealth, CallProbe, Error, OnReport, Outcome, PublishReport, Publisher,
+};
+use bytes::Bytes;
+use store::{Fence, OutboxEvent};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use crate::attribute::{Answer, attribute};
+use crate::{NatsConfig, declare, wire};
+
+/// Connects to the first server that answers, under the connect timeout, and opens a JetStream
+/// context whose acks in flight and timeouts are the configuration's.
+pub async fn connect(config: &NatsConfig) -> Result<(Client, Context), Error> {
+    let servers = config
+        .servers
+        .iter()
+        .map(|server| {
+            server
+                .parse::<ServerAddr>()
+                .map_err(|err| Error::InvalidConfig(format!("NATS server {server:?}: {err}")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let options = ConnectOptions::new()
+        .name("outbox-relay")
+        .connection_timeout(config.connect_timeout);
+    let client = match tokio::time::timeout(config.connect_timeout, options.connect(servers)).await
+    {
+        Ok(Ok(client)) => client,
+        Ok(Err(err)) => return Err(Error::Unreachable(format!("NATS: {err}"))),
+        Err(_) => {
+            return Err(Error::Timeout {
+                operation: "connecting to NATS",
+                timeout_ms: config.connect_timeout.as_millis() as u64,
+            });
+        }
+    };
+    let context = jetstream::ContextBuilder::new()
+        .timeout(config.ack_timeout)
+        .ack_timeout(config.ack_timeout)
+        .max_ack_inflight(config.max_in_flight)
+        .backpressure_on_inflight(true)
+        .build(client.clone());
+    Ok((client, context))
+}
+
+/// A batch written, its acks awaited by the pump.
+struct Pending {
+    outcomes: Vec<Outcome>,
+    acks: Vec<(usize, PublishAckFuture)>,
+    deadline: Instant,
+    fault: Option<Error>,
+    done: OnReport,
+}
+
+struct Session {
+    _client: Client,
+    context: Context,
+    pump: mpsc::UnboundedSender<Pending>,
+    pump_task: tokio::task::JoinHandle<()>,
+    /// Set by the pump when an ack did not come: the next batch opens a fresh session.
+    broken: Arc<AtomicBool>,
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        // Its batches' `done` go uncalled: their events count as unconfirmed (the port's rule).
+        self.pump_task.abort();
+    }
+}
+
+/// Publishes to JetStream with acks; one per publisher shard, like `rabbit::RabbitPublisher`.
+/// Connects on first use and again after a fault.
+pub struct NatsPublisher {
+    config: NatsConfig,
+    health: BrokerHealth,
+    probe: Option<CallProbe>,
+    session: Option<Session>,
+}
+
+impl std::fmt::Debug for NatsPublisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsPublisher")
+            .field("stream", &self.config.stream)
+            .field("connected", &self.session.is_some())
+            .finish()
+    }
+}
+
+impl NatsPublisher {
+    /// A publisher that has not connected yet.
+    pub fn new(config: NatsConfig) -> Self {
+        Self {
+            config,
+            health: BrokerHealth::new(),
+            probe: None,
+            session: None,
+        }
+    }
+
+    /// Reports what it learns of the broker to `health` (shared by a relay's publishers).
+    pub fn with_health(mut self, health: BrokerHealth) -> Self {
+        self.health = health;
+        self
+    }
+
+    /// Records each call into the client from the calling thread.
+    pub fn with_probe(mut self, probe: CallProbe) -> Self {
+        self.probe = Some(probe);
+        self
+    }
+
+    async fn session(&mut self) -> Result<&Session, Error> {
+        if self
+            .session
+            .as_ref()
+            .is_some_and(|session| session.broken.load(Ordering::Acquire))
+        {
+            self.session = None;
+        }
+        if self.session.is_none() {
+            let (client, context) = connect(&self.config).await?;
+            declare(&context, &self.config).await?;
+            let (pump, batches) = mpsc::unbounded_channel();
+            let broken = Arc::new(AtomicBool::new(false));
+            let pump_task = tokio::spawn(pump_acks(
+                batches,
+                self.config.clone(),
+                self.health.clone(),
+                broken.clone(),
+            ));
+            self.health.report(true);
+            self.session = Some(Session {
+                _client: client,
+                context,
+                pump,
+                pump_task,
+                broken,
+            });
+        }
+        Ok(self.session.as_ref().expect("session is open"))
+    }
+
+    async fn write_batch(&mut self, events: &[OutboxEvent], fence: &Fence, done: OnReport) {
+        if let Some(probe) = &self.probe {
+            probe.record();
+        }
+        let n_events = events.len();
+        if !fence.is_open() {
+            return done(PublishReport {
+                outcomes: vec![Outcome::NotSent; n_events],
+                fault: None,
+            });
+        }
+        let config = self.config.clone();
+        let health = self.health.clone();
+        let session = match self.session().await {
+            Ok(session) => session,
+            Err(fault) => {
+                self.session = None;
+                health.report(false);
+                return done(PublishReport::not_sent(n_events, fault));
+            }
+        };
+        let mut outcomes = vec![Outcome::NotSent; n_events];
+        let mut acks = Vec::with_capacity(n_events);
+        let mut fault = None;
+        for (index, event) in events.iter().enumerate() {
+            // Fenced: the lease is gone, another relay may own the tenant now; the rest is
+            // NotSent, without a fault (the session is fine).
+            if !fence.is_open() {
+                break;
+            }
+            let headers = match wire::headers(event, config.wire_mode, &config.stream) {
+                Ok(headers) => headers,
+                Err(unwritable) => {
+                    tracing::warn!(
+                        lsn = event.key.lsn.get(),
+                        branch = %event.key.branch,
+                        "an event NATS cannot carry unchanged: {unwritable}"
+                    );
+                    outcomes[index] = Outcome::Unwritable;
+                    continue;
+                }
+            };
+            let branch = &event.key.branch;
+            let subject = config.subject_of(&branch.tenant, &branch.run);
+            let message = jetstream::message::PublishMessage::build()
+                .payload(Bytes::copy_from_slice(&event.payload))
+                .headers(headers);
+            // Waits only while `max_in_flight` acks are out, which the pump frees within the
+            // ack timeout.
+            let written = tokio::time::timeout(
+                config.ack_timeout,
+                session.context.send_publish(subject, message),
+            )
+            .await;
+            match written {
+                Ok(Ok(ack)) => acks.push((index, ack)),
+                Ok(Err(err)) => {
+                    let verdict = attribute(answer_of(err.kind(), &err));
+                    outcomes[index] = verdict.outcome;
+                    if verdict.fault {
+                        fault = Some(Error::Unreachable(format!("NATS publish: {err}")));
+                        break;
+                    }
+                }
+                Err(_) => {
+                    fault = Some(Error::Timeout {
+                        operation: "writing to NATS",
+                        timeout_ms: config.ack_timeout.as_millis() as u64,
+                    });
+                    break;
+                }
+            }
+        }
+        let pending = Pending {
+            outcomes,
+            acks,
+            deadline: Instant::now() + config.ack_timeout,
+            fault,
+            done,
+        };
+        if let Err(mpsc::error::SendError(pending)) = session.pump.send(pending) {
+            // The pump is gone (it only ends with its session): nothing of this batch has an
+            // answer coming.
+            let outcomes = pending
+                .outcomes
+                .iter()
+                .map(|outcome| match outcome {
+                    Outcome::NotSent => Outcome::NotSent,
+                    _ => Outcome::Unconfirmed,
+                })
+                .collect();
+            self.session = None;
+            (pending.done)(PublishReport {
+                outcomes,
+                fault: Some(Error::Unreachable("the NATS ack pump stopped".into())),
+            });
+        }
+    }
+}
+
+/// The answer an error of `send_publish` or of its ack gives.
+fn answer_of(kind: PublishErrorKind, err: &(dyn std::error::Error + 'static)) -> Answer {
+    match kind {
+        PublishErrorKind::StreamNotFound => Answer::NoStream,
+        PublishErrorKind::TimedOut => Answer::TimedOut,
+        PublishErrorKind::BrokenPipe => Answer::Lost,
+        PublishErrorKind::MaxPayloadExceeded => Answer::PayloadTooLarge,
+        PublishErrorKind::WrongLastMessageId
+        | PublishErrorKind::WrongLastSequence
+        | PublishErrorKind::MaxAckPending
+        | PublishErrorKind::Other => {
+            match err
+                .source()
+                .and_then(|source| source.downcast_ref::<jetstream::Error>())
+            {
+                Some(refusal) => Answer::Refused(refusal.error_code().0),
+                None => Answer::Client,
+            }
+        }
+    }
+}
+
+/// Awaits each batch's acks in order, by its deadline, and reports it once.
+async fn pump_acks(
+    mut batches: mpsc::UnboundedReceiver<Pending>,
+    config: NatsConfig,
+    health: BrokerHealth,
+    broken: Arc<AtomicBool>,
+) {
+    while let Some(mut batch) = batches.recv().await {
+        for (index, ack) in std::mem::take(&mut batch.acks) {
+            let answer = match tokio::time::timeout_at(batch.deadline, ack.into_future()).await {
+                Ok(Ok(ack)) => Answer::Stored {
+                    ours: ack.stream == config.stream,
+                },
+                Ok(Err(err)) => answer_of(err.kind(), &err),
+                Err(_) => Answer::TimedOut,
+            };
+            let verdict = attribute(answer);
+            batch.outcomes[index] = verdict.outcome;
+            if verdict.fault && batch.fault.is_none() {
+                batch.fault = Some(match answer {
+                    Answer::TimedOut => Error::Timeout {
+                        operation: "a NATS publish ack",
+                        timeout_ms: config.ack_timeout.as_millis() as u64,
+                    },
+                    other => Error::Unreachable(format!("NATS publish: {other:?}")),
+                });
+            }
+        }
+        if batch.fault.is_some() {
+            broken.store(true, Ordering::Release);
+            health.report(false);
+        } else if batch.outcomes.contains(&Outcome::Accepted) {
+            health.report(true);
+        }
+        (batch.done)(PublishReport {
+            outcomes: batch.outcomes,
+            fault: batch.fault,
+        });
+    }
+}
+
+impl Publisher for NatsPublisher {
+    fn send<'a>(
+        &'a mut self,
+        events: &'a [OutboxEvent],
+        fence: &'a Fence,
+        done: OnReport,
+    ) -> BoxFuture<'a, ()> {
+        Box::pin(self.write_batch(events, fence, done))
+    }
+}

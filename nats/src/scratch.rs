@@ -1,0 +1,37 @@
+//! Test streams (feature `fixtures`, never used by the relay): named by [`unique_stream`] and
+//! deleted when the test process exits, passed or failed, with those a dead run left behind.
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use futures_util::TryStreamExt;
+
+/// A stream name no other test of any run uses (`relay_test_<label>_<pid>_<n>_<micros>`); a
+/// stream so named is deleted at this process's exit if its test does not delete it.
+pub fn unique_stream(label: &str) -> String {
+    static REGISTERED: AtomicBool = AtomicBool::new(false);
+    if !REGISTERED.swap(true, Ordering::SeqCst) {
+        store::scratch::at_exit(delete_at_exit);
+    }
+    store::scratch::unique(&format!("relay_test_{label}"))
+}
+
+extern "C" fn delete_at_exit() {
+    let Ok(url) = std::env::var("NATS_URL") else {
+        return;
+    };
+    let _ = store::scratch::finish_on_own_thread(Duration::from_secs(20), move || async move {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |since| since.as_micros());
+        let pid = std::process::id();
+        let client = async_nats::connect(url).await.ok()?;
+        let context = async_nats::jetstream::new(client);
+        let names: Vec<String> = context.stream_names().try_collect().await.ok()?;
+        for name in names {
+            if name.starts_with("relay_test_") && store::scratch::is_ours(&name, pid, now) {
+                let _ = context.delete_stream(&name).await;
+            }
+        }
+        Some(())
+    });
+}

@@ -1,0 +1,228 @@
+//! The wire contract on NATS (`broker/WIRE.md`, "On NATS"): an event's [`broker::Envelope`] as
+//! NATS headers and back. Every header of the envelope keeps its name, texts as they are and
+//! numbers in decimal ([`broker::NUMBER_HEADERS`] says which read back as numbers); the message
+//! id goes in `Nats-Msg-Id` (the stream drops a resend within its duplicate window), the type,
+//! content type and correlation id in `x-type`, `x-content-type` and `x-correlation-id` (names
+//! no host header can take: `x-` is the contract's).
+//!
+//! NATS headers are lines of text read back trimmed, so a value with a line break, or with
+//! whitespace at either end, cannot travel unchanged; nor can a host header named `Nats-*`,
+//! which the server would act on. Such an event is [`Unwritable`]: refused, never altered.
+use async_nats::{HeaderMap, HeaderName, HeaderValue};
+use broker::{Envelope, NUMBER_HEADERS, Value, WireError, WireMode};
+use store::OutboxEvent;
+
+/// The header of the message id (the server's deduplication key).
+pub const MSG_ID: &str = "Nats-Msg-Id";
+/// The header that makes the server refuse a message its subject would store in another
+/// stream (error 10060).
+pub const EXPECTED_STREAM: &str = "Nats-Expected-Stream";
+/// The event's type (AMQP's `type` property).
+pub const TYPE: &str = "x-type";
+/// The event's content type (AMQP's `content_type` property).
+pub const CONTENT_TYPE: &str = "x-content-type";
+/// The event's correlation id (AMQP's `correlation_id` property).
+pub const CORRELATION_ID: &str = "x-correlation-id";
+
+/// An event NATS cannot carry unchanged, and the header that says why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unwritable {
+    /// The header's name.
+    pub header: String,
+    /// Why.
+    pub reason: &'static str,
+}
+
+impl std::fmt::Display for Unwritable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "header {:?}: {}", self.header, self.reason)
+    }
+}
+
+/// Whether `value` reads back from NATS as written: no line break, no whitespace at either end.
+pub fn travels(value: &str) -> bool {
+    !value.contains(['\r', '\n']) && value.trim() == value
+}
+
+fn header_value(name: &str, value: &str) -> Result<HeaderValue, Unwritable> {
+    if !travels(value) {
+        return Err(Unwritable {
+            header: name.to_owned(),
+            reason: "a line break or whitespace at either end, which NATS headers do not keep",
+        });
+    }
+    value.parse().map_err(|_| Unwritable {
+        header: name.to_owned(),
+        reason: "not a NATS header value",
+    })
+}
+
+fn header_name(name: &str) -> Result<HeaderName, Unwritable> {
+    if name.len() >= 5 && name[..5].eq_ignore_ascii_case("nats-") {
+        return Err(Unwritable {
+            header: name.to_owned(),
+            reason: "a Nats-* name, which the NATS server acts on",
+        });
+    }
+    name.parse().map_err(|_| Unwritable {
+        header: name.to_owned(),
+        reason: "not a NATS header name",
+    })
+}
+
+/// The headers of an event's message (the body is the payload, unchanged); [`decode`]'s
+/// inverse. `stream` is the one stream that may store it (`Nats-Expected-Stream`).
+pub fn headers(event: &OutboxEvent, mode: WireMode, stream: &str) -> Result<HeaderMap, Unwritable> {
+    let envelope = broker::envelope(event, mode);
+    let mut headers = HeaderMap::new();
+    for (name, value) in &envelope.headers {
+        let text = match value {
+            Value::Text(bytes) => String::from_utf8_lossy(bytes).into_owned(),
+            Value::Number(number) => number.to_string(),
+            Value::Other => continue,
+        };
+        headers.insert(header_name(name)?, header_value(name, &text)?);
+    }
+    for (name, value) in [
+        (TYPE, &envelope.kind),
+        (CONTENT_TYPE, &envelope.content_type),
+        (CORRELATION_ID, &envelope.correlation_id),
+    ] {
+        if let Some(value) = value {
+            headers.insert(name, header_value(name, value)?);
+        }
+    }
+    if let Some(id) = &envelope.message_id {
+        headers.insert(MSG_ID, header_value(MSG_ID, id)?);
+    }
+    headers.insert(EXPECTED_STREAM, header_value(EXPECTED_STREAM, stream)?);
+    Ok(headers)
+}
+
+/// A delivered message's envelope: the contract's headers in the core's terms (the server's
+/// and the client's `Nats-*` headers aside).
+pub fn envelope(headers: &HeaderMap) -> Envelope {
+    let mut envelope = Envelope::default();
+    for (name, values) in headers.iter() {
+        let name: &str = name.as_ref();
+        let first = values.first().map(HeaderValue::as_str);
+        match name {
+            MSG_ID => envelope.message_id = first.map(str::to_owned),
+            TYPE => envelope.kind = first.map(str::to_owned),
+            CONTENT_TYPE => envelope.content_type = first.map(str::to_owned),
+            CORRELATION_ID => envelope.correlation_id = first.map(str::to_owned),
+            _ if name.len() >= 5 && name[..5].eq_ignore_ascii_case("nats-") => {}
+            _ => {
+                let value = match (values.as_slice(), NUMBER_HEADERS.contains(&name)) {
+                    ([one], true) => one
+                        .as_str()
+                        .parse()
+                        .map(Value::Number)
+                        .unwrap_or(Value::Other),
+                    ([one], false) => Value::Text(one.as_str().as_bytes().to_vec()),
+                    _ => Value::Other,
+                };
+                envelope.headers.insert(name.to_owned(), value);
+            }
+        }
+    }
+    envelope
+}
+
+/// Reads a delivered message back into the event the relay published.
+pub fn decode(headers: &HeaderMap, body: &[u8]) -> Result<OutboxEvent, WireError> {
+    broker::decode(&envelope(headers), body)
+}
+
+#[cfg(test)]
+mod tests {
+    use chrono::DateTime;
+    use proptest::prelude::*;
+    use store::{BranchId, EventKind, EventType, Metadata};
+
+    use super::*;
+
+    fn event() -> OutboxEvent {
+        let branch = testkit::branch("acme", "run-7", "main");
+        let mut event = testkit::intent(&branch, 42)
+            .prev(40)
+            .base(3)
+            .payload(b"{}".to_vec())
+            .build();
+        // The wire carries microseconds.
+        event.created_at = DateTime::from_timestamp_micros(1_700_000_000_123_456).unwrap();
+        event
+    }
+
+    proptest! {
+        /// What the relay writes on NATS, a consumer reads back unchanged: every header a host
+        /// may write (names and values NATS keeps) and every kind of event.
+        #[test]
+        fn decode_inverts_headers(
+            host in proptest::collection::btree_map("h[a-z0-9_.-]{0,10}", "([!-~]([ -~]{0,10}[!-~])?)?", 0..5),
+            typed in any::<bool>(),
+            correlation in proptest::option::of("[!-~]{1,12}"),
+            kind in 0..3u8,
+            epoch in proptest::option::of(1u64..100),
+            micros in 0i64..4_000_000_000_000_000,
+        ) {
+            let mut event = event();
+            event.created_at = DateTime::from_timestamp_micros(micros).unwrap();
+            event.kind = match kind {
+                0 => EventKind::Intent,
+                1 => EventKind::End,
+                _ => EventKind::Rewind { to: BranchId::new("retry-1").unwrap() },
+            };
+            event.epochs.epoch = epoch.map(store::Epoch::new);
+            event.meta = Metadata {
+                event_type: (typed && kind == 0).then(|| EventType::new("order.created").unwrap()),
+                correlation_id: correlation,
+                headers: host.into_iter().collect(),
+                ..Metadata::default()
+            };
+            let written = headers(&event, WireMode::Plain, "events").unwrap();
+            let id = broker::message_id(&event.key);
+            prop_assert_eq!(written.get(MSG_ID).map(HeaderValue::as_str), Some(id.as_str()));
+            prop_assert_eq!(decode(&written, &event.payload).unwrap(), event);
+        }
+    }
+
+    /// What NATS would change or act on is refused, named, never altered.
+    #[test]
+    fn what_nats_cannot_carry_unchanged_is_refused_by_name() {
+        for (name, value, reason) in [
+            ("note", "two\nlines", "line break"),
+            ("note", "a\rb", "line break"),
+            ("note", " padded", "either end"),
+            ("note", "padded\t", "either end"),
+            ("Nats-Msg-Id", "x", "Nats-*"),
+            ("nats-rollup", "all", "Nats-*"),
+        ] {
+            let mut event = event();
+            event.meta.headers = [(name.to_owned(), value.to_owned())].into();
+            let refused = headers(&event, WireMode::Plain, "events").unwrap_err();
+            assert_eq!(refused.header, name);
+            assert!(refused.reason.contains(reason), "{refused}");
+        }
+        let mut event = event();
+        event.meta.headers = [("note".to_owned(), String::new())].into();
+        let written = headers(&event, WireMode::Plain, "events").unwrap();
+        assert_eq!(
+            decode(&written, b"{}").unwrap(),
+            event,
+            "an empty value travels"
+        );
+        assert_eq!(
+            written.get(EXPECTED_STREAM).map(HeaderValue::as_str),
+            Some("events")
+        );
+    }
+
+    /// A number header that is not a number is malformed, not absent or zero.
+    #[test]
+    fn a_number_header_that_is_not_a_number_is_refused() {
+        let mut written = headers(&event(), WireMode::Plain, "events").unwrap();
+        written.insert("lsn", "forty-two");
+        assert_eq!(decode(&written, b""), Err(WireError::Header("lsn")));
+    }
+}

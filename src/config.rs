@@ -34,13 +34,38 @@ fn first_line(text: &str) -> String {
     line.strip_prefix("error: ").unwrap_or(line).to_owned()
 }
 
+/// Which broker a relay publishes to.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BrokerKind {
+    /// RabbitMQ, over AMQP 0-9-1 (`rabbit`).
+    #[default]
+    RabbitMq,
+    /// NATS JetStream (`nats`).
+    Nats,
+}
+
 /// How to run a relay.
 #[derive(Clone, Debug)]
 pub struct RelayConfig {
     /// PostgreSQL holding the outbox. Env `DATABASE_URL` (required).
     pub database_url: String,
-    /// RabbitMQ. Env `AMQP_URL` (required). The broker may be down at start: that is normal.
+    /// Where events go: RabbitMQ (the default) or NATS JetStream. Env `RELAY_BROKER`
+    /// (`rabbitmq`, `nats`).
+    pub broker: BrokerKind,
+    /// RabbitMQ. Env `AMQP_URL` (required for RabbitMQ). The broker may be down at start: that
+    /// is normal.
     pub amqp_url: String,
+    /// NATS servers, comma-separated. Env `NATS_URL` (required for NATS). On NATS the topology
+    /// is a stream named `RELAY_TOPOLOGY` with a subject per partition, `<topology>.p<N>`.
+    pub nats_url: String,
+    /// NATS: replicas of the stream the relay creates. Env `RELAY_NATS_REPLICAS`, default 1.
+    pub nats_replicas: usize,
+    /// NATS: how long the stream remembers a message id and drops a resend of it. Env
+    /// `RELAY_NATS_DUPLICATE_WINDOW_SECS`, default 120 (the server's default).
+    pub nats_duplicate_window: Duration,
+    /// NATS: longest wait for a connection, the stream's declaration and a batch's acks. Env
+    /// `RELAY_NATS_ACK_TIMEOUT_MS`, default 5000.
+    pub nats_ack_timeout: Duration,
     /// Exchange name; queues are `<topology>.p<N>`. Env `RELAY_TOPOLOGY`, default `outbox`.
     pub topology: String,
     /// Broker partitions (queues), keyed by (TenantId, RunId). Env `RELAY_PARTITIONS`, default 8.
@@ -160,11 +185,17 @@ pub(crate) fn redact(url: &str) -> String {
 }
 
 impl RelayConfig {
-    /// Defaults around the two required URLs.
+    /// Defaults around the two required URLs (the database's and RabbitMQ's; for NATS see
+    /// [`RelayConfig::nats`]).
     pub fn new(database_url: impl Into<String>, amqp_url: impl Into<String>) -> Self {
         Self {
             database_url: database_url.into(),
+            broker: BrokerKind::RabbitMq,
             amqp_url: amqp_url.into(),
+            nats_url: String::new(),
+            nats_replicas: 1,
+            nats_duplicate_window: Duration::from_secs(120),
+            nats_ack_timeout: Duration::from_secs(5),
             topology: "outbox".into(),
             partitions: 8,
             supervisor: SupervisorConfig::default(),
@@ -188,6 +219,16 @@ impl RelayConfig {
             retention: None,
             replication: store::Replication::Off,
             replication_timeout: Duration::from_secs(1),
+        }
+    }
+
+    /// Defaults around the database's URL and NATS servers (comma-separated): events go to
+    /// JetStream.
+    pub fn nats(database_url: impl Into<String>, nats_url: impl Into<String>) -> Self {
+        Self {
+            broker: BrokerKind::Nats,
+            nats_url: nats_url.into(),
+            ..Self::new(database_url, "")
         }
     }
 
@@ -226,7 +267,10 @@ impl RelayConfig {
                 "expected postgres://user@host:port/database",
             ));
         }
-        self.rabbit_config()?;
+        match self.broker {
+            BrokerKind::RabbitMq => drop(self.rabbit_config()?),
+            BrokerKind::Nats => drop(self.nats_config()?),
+        }
         if let Some(schema) = &self.schema
             && let Err(err) = store::Schema::new(schema)
         {
@@ -335,6 +379,76 @@ impl RelayConfig {
             supervisor.shards = self.partitions;
         }
         supervisor
+    }
+
+    /// The NATS side of this configuration; RabbitMQ's own settings are refused with it, so
+    /// nothing set is silently ignored.
+    pub fn nats_config(&self) -> Result<nats::NatsConfig, ConfigError> {
+        let invalid = |var: &'static str, value: String, reason: &str| ConfigError::Invalid {
+            var,
+            value,
+            reason: reason.into(),
+        };
+        if self.nats_url.trim().is_empty() {
+            return Err(invalid(
+                "NATS_URL",
+                String::new(),
+                "required with RELAY_BROKER=nats (nats://host:4222; several, comma-separated)",
+            ));
+        }
+        let amqp_only = [
+            ("RELAY_QUEUE_TYPE", self.queue_type != QueueType::Classic),
+            ("RELAY_QUEUE_REPLICAS", self.replicas.is_some()),
+            (
+                "RELAY_STREAM_MAX_AGE",
+                self.stream_retention != StreamRetention::default(),
+            ),
+            (
+                "RELAY_AMQP_CA_FILE",
+                self.amqp_tls != rabbit::AmqpTls::default(),
+            ),
+        ];
+        if let Some((var, _)) = amqp_only.iter().find(|(_, set)| *set) {
+            return Err(invalid(
+                var,
+                "(set)".into(),
+                "a RabbitMQ setting; with RELAY_BROKER=nats leave it unset (the stream keeps                  everything; RELAY_NATS_REPLICAS sets its replicas)",
+            ));
+        }
+        if self.wire_mode != broker::WireMode::Plain {
+            return Err(invalid(
+                "RELAY_CLOUDEVENTS",
+                "(set)".into(),
+                "CloudEvents attributes are not written on NATS yet; leave it unset",
+            ));
+        }
+        let mut nats = nats::NatsConfig::new(&self.nats_url, &self.topology, self.partitions)
+            .map_err(|err| {
+                let text = err.to_string();
+                let var = if text.contains("stream") {
+                    "RELAY_TOPOLOGY"
+                } else {
+                    "NATS_URL"
+                };
+                let value = if var == "NATS_URL" {
+                    redact(&self.nats_url)
+                } else {
+                    self.topology.clone()
+                };
+                invalid(var, value, &text)
+            })?;
+        nats.replicas = self.nats_replicas;
+        nats.duplicate_window = self.nats_duplicate_window;
+        nats.connect_timeout = self.nats_ack_timeout;
+        nats.ack_timeout = self.nats_ack_timeout;
+        nats.validate().map_err(|err| {
+            invalid(
+                "RELAY_NATS_DUPLICATE_WINDOW_SECS",
+                self.nats_duplicate_window.as_secs().to_string(),
+                &err.to_string(),
+            )
+        })?;
+        Ok(nats)
     }
 
     /// The broker side of this configuration.

@@ -102,6 +102,9 @@ impl Relay {
     /// # Ok(()) }
     /// ```
     pub async fn start(config: RelayConfig) -> Result<RelayHandle, RelayError> {
+        if config.broker == crate::BrokerKind::Nats {
+            return Self::start_on_nats(config).await;
+        }
         let rabbit = config.rabbit_config()?;
         let probe = config.probe.clone();
         let health = BrokerHealth::new();
@@ -122,8 +125,38 @@ impl Relay {
             Box::pin(async move {
                 matches!(
                     rabbit::preflight(&rabbit).await,
-                    Ok(rabbit::Preflight::Ready)
+                    Ok(broker::Preflight::Ready)
                 )
+            })
+        });
+        Self::start_checking(config, factory, health, Some(check)).await
+    }
+
+    /// The relay on NATS JetStream: a [`nats::NatsPublisher`] per shard; while they wait to
+    /// restart, one connection that finds the stream as the relay needs it says the broker is
+    /// back.
+    async fn start_on_nats(config: RelayConfig) -> Result<RelayHandle, RelayError> {
+        let nats = config.nats_config()?;
+        let probe = config.probe.clone();
+        let health = BrokerHealth::new();
+        let reported = health.clone();
+        let publishing = nats.clone();
+        let factory: PublisherFactory = Arc::new(move |_shard: ShardId| {
+            let publisher =
+                nats::NatsPublisher::new(publishing.clone()).with_health(reported.clone());
+            let publisher = match &probe {
+                Some(probe) => publisher.with_probe(probe.clone()),
+                None => publisher,
+            };
+            Box::new(publisher) as Box<dyn Publisher>
+        });
+        let check: BrokerCheck = Arc::new(move || {
+            let nats = nats.clone();
+            Box::pin(async move {
+                match nats::connect(&nats).await {
+                    Ok((_client, context)) => nats::declare(&context, &nats).await.is_ok(),
+                    Err(_) => false,
+                }
             })
         });
         Self::start_checking(config, factory, health, Some(check)).await

@@ -21,19 +21,10 @@ pub(crate) async fn run(config: RelayConfig) -> Result<()> {
     }
     // One connection to the broker: a refusal is fatal here (no retry fixes it); a broker that
     // is simply down is normal (everything waits in the outbox until it is back).
-    match distribution::rabbit::preflight(&config.rabbit_config()?).await {
-        Ok(distribution::rabbit::Preflight::Ready) => {
-            log_broker_version(&config).await;
-        }
-        Ok(distribution::rabbit::Preflight::Unreachable(why)) => {
-            tracing::warn!(reason = %why, "broker unreachable at start; intents wait in the outbox");
-            eprintln!("warning: broker unreachable at start ({why}); the relay keeps trying");
-        }
-        Err(err) => {
-            return Err(anyhow::anyhow!(
-                "{err} (AMQP_URL, RELAY_TOPOLOGY, RELAY_QUEUE_TYPE)"
-            ));
-        }
+    if config.broker == distribution::BrokerKind::Nats {
+        nats_preflight(&config).await?;
+    } else {
+        rabbit_preflight(&config).await?;
     }
     let metrics_addr = config.metrics_addr;
     let listener = tokio::net::TcpListener::bind(metrics_addr)
@@ -70,6 +61,48 @@ pub(crate) async fn run(config: RelayConfig) -> Result<()> {
     println!("shutting down: finishing batches in flight");
     relay.shutdown().await;
     Ok(())
+}
+
+/// RabbitMQ at start: the topology declared, the server's version logged.
+async fn rabbit_preflight(config: &RelayConfig) -> Result<()> {
+    match distribution::rabbit::preflight(&config.rabbit_config()?).await {
+        Ok(distribution::broker::Preflight::Ready) => {
+            log_broker_version(config).await;
+        }
+        Ok(distribution::broker::Preflight::Unreachable(why)) => {
+            tracing::warn!(reason = %why, "broker unreachable at start; intents wait in the outbox");
+            eprintln!("warning: broker unreachable at start ({why}); the relay keeps trying");
+        }
+        Err(err) => {
+            return Err(anyhow::anyhow!(
+                "{err} (AMQP_URL, RELAY_TOPOLOGY, RELAY_QUEUE_TYPE)"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// NATS at start: the stream declared and read back, the server's version logged with what it
+/// means for durability.
+async fn nats_preflight(config: &RelayConfig) -> Result<()> {
+    let nats = config.nats_config()?;
+    match distribution::nats::preflight(&nats).await {
+        Ok((preflight, version)) => {
+            if let Some(version) = &version {
+                tracing::info!(broker = %format!("NATS {version}"), "broker");
+                if let Some(note) = distribution::nats::durability_note(version, nats.replicas) {
+                    tracing::warn!("{note}");
+                    eprintln!("warning: {note}");
+                }
+            }
+            if let distribution::broker::Preflight::Unreachable(why) = preflight {
+                tracing::warn!(reason = %why, "broker unreachable at start; intents wait in the outbox");
+                eprintln!("warning: broker unreachable at start ({why}); the relay keeps trying");
+            }
+            Ok(())
+        }
+        Err(err) => Err(anyhow::anyhow!("{err} (NATS_URL, RELAY_TOPOLOGY)")),
+    }
 }
 
 /// Returns at Ctrl-C or SIGTERM.

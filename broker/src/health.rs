@@ -2,6 +2,15 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 
+/// What a first connection says about the broker (an adapter's `preflight`).
+#[derive(Debug, PartialEq, Eq)]
+pub enum Preflight {
+    /// Connected, and the topology (RabbitMQ) or stream (NATS) is declared as the relay needs.
+    Ready,
+    /// Not reachable now (down, or no answer): not an error, the relay keeps trying.
+    Unreachable(String),
+}
+
 /// The broker as the relay's publishers last saw it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BrokerState {

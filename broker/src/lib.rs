@@ -27,6 +27,7 @@ pub use error::WireError;
 pub use health::BlockedMark;
 pub use health::BrokerHealth;
 pub use health::BrokerState;
+pub use health::Preflight;
 pub use partition::Group;
 pub use partition::Partition;
 pub use partition::partition_of;

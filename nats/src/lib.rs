@@ -20,7 +20,7 @@ mod wire;
 
 pub use attribute::{Answer, Verdict, attribute};
 pub use config::{MAX_ACKS_IN_FLIGHT, NatsConfig};
-pub use publisher::{NatsPublisher, connect};
+pub use publisher::{NatsPublisher, connect, durability_note, preflight};
 pub use stream::declare;
 pub use wire::{
     CONTENT_TYPE, CORRELATION_ID, EXPECTED_STREAM, MSG_ID, TYPE, Unwritable, decode, envelope,

@@ -10,7 +10,8 @@ use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
 use async_nats::jetstream::{self, Context};
 use async_nats::{Client, ConnectOptions, ServerAddr};
 use broker::{
-    BoxFuture, BrokerHealth, CallProbe, Error, OnReport, Outcome, PublishReport, Publisher,
+    BoxFuture, BrokerHealth, CallProbe, Error, OnReport, Outcome, Preflight, PublishReport,
+    Publisher,
 };
 use bytes::Bytes;
 use store::{Fence, OutboxEvent};
@@ -323,5 +324,67 @@ impl Publisher for NatsPublisher {
         done: OnReport,
     ) -> BoxFuture<'a, ()> {
         Box::pin(self.write_batch(events, fence, done))
+    }
+}
+
+/// What a first connection says about NATS, and the server's version when it answered.
+/// `Err` when the stream exists with settings the relay cannot promise on, or the configuration
+/// is unusable: no retry fixes those.
+pub async fn preflight(config: &NatsConfig) -> Result<(Preflight, Option<String>), Error> {
+    match connect(config).await {
+        Ok((client, context)) => {
+            let version = client.server_info().version;
+            match declare(&context, config).await {
+                Ok(()) => Ok((Preflight::Ready, Some(version))),
+                Err(Error::Refused(why)) => Err(Error::Refused(why)),
+                Err(other) => Ok((Preflight::Unreachable(other.to_string()), Some(version))),
+            }
+        }
+        Err(Error::InvalidConfig(why)) => Err(Error::InvalidConfig(why)),
+        Err(other) => Ok((Preflight::Unreachable(other.to_string()), None)),
+    }
+}
+
+/// What an operator should know of a server version: before 2.10 JetStream syncs its files to
+/// disk every 60 s and cannot be told otherwise, so an acked message can be lost in an OS
+/// crash or power cut of a single-replica stream (a process crash loses nothing).
+pub fn durability_note(version: &str, replicas: usize) -> Option<String> {
+    let mut parts = version
+        .split('.')
+        .map(|part| part.parse::<u32>().unwrap_or(0));
+    let (major, minor) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    let old = (major, minor) < (2, 10);
+    match (old, replicas) {
+        (true, _) => Some(format!(
+            "NATS {version} syncs JetStream to disk every 60 s, fixed: an acked event can be lost \
+             in an OS crash or power cut of the server (not in a process crash); 2.10 or later \
+             with `jetstream {{ sync_interval: always }}` syncs each write"
+        )),
+        (false, 1) => Some(format!(
+            "NATS {version}: an ack means written to the OS, not to disk, unless the server runs \
+             with `jetstream {{ sync_interval: always }}` (no client can see that setting); a \
+             stream of 3 replicas survives the loss of one server"
+        )),
+        (false, _) => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::durability_note;
+
+    #[test]
+    fn a_server_that_cannot_sync_each_write_is_named() {
+        assert!(durability_note("2.9.10", 3).unwrap().contains("every 60 s"));
+        assert!(
+            durability_note("2.10.27", 1)
+                .unwrap()
+                .contains("sync_interval: always")
+        );
+        assert_eq!(durability_note("2.10.27", 3), None);
+        assert!(
+            durability_note("garbage", 3).is_some(),
+            "an unknown version is not trusted"
+        );
     }
 }

@@ -35,7 +35,6 @@ pub use dead::DEAD_LETTER_REASON;
 pub use dead::DeadFilter;
 pub use dead::DeadLetter;
 pub use dead::DeadLetters;
-pub use rabbit::Preflight;
 pub use rabbit::RabbitConfig;
 pub use rabbit::RabbitPublisher;
 pub use rabbit::preflight;

@@ -50,7 +50,7 @@ mod session;
 
 pub use config::RabbitConfig;
 pub use flow::within;
-pub use session::{Preflight, open, preflight};
+pub use session::{open, preflight};
 
 /// An open connection, its confirming channel, and the pump awaiting that channel's confirms.
 struct Session {

@@ -376,7 +376,7 @@ async fn preflight_tells_refusals_from_outages() {
     let config = |url: String| RabbitConfig::new(url, topology.clone()).unwrap();
     assert_eq!(
         rabbit::preflight(&config(url.clone())).await.unwrap(),
-        rabbit::Preflight::Ready
+        broker::Preflight::Ready
     );
     let wrong_password = url.replacen("guest:guest", "guest:wrong", 1);
     let refused = rabbit::preflight(&config(wrong_password)).await;
@@ -399,7 +399,7 @@ async fn preflight_tells_refusals_from_outages() {
     .await
     .unwrap();
     assert!(
-        matches!(down, rabbit::Preflight::Unreachable(_)),
+        matches!(down, broker::Preflight::Unreachable(_)),
         "{down:?}"
     );
     // Queues someone declared with other arguments: the topology conflicts.
@@ -438,7 +438,7 @@ async fn quorum_queues_work_and_a_type_mismatch_is_refused() {
     let config = RabbitConfig::new(amqp_url(), quorum.clone()).unwrap();
     assert_eq!(
         rabbit::preflight(&config).await.unwrap(),
-        rabbit::Preflight::Ready
+        broker::Preflight::Ready
     );
     let mut publisher = RabbitPublisher::new(config);
     let batch = events("tq", "r1", "main", &[1, 2, 3]);
@@ -496,7 +496,7 @@ async fn quorum_queues_work_and_a_type_mismatch_is_refused() {
     let config = RabbitConfig::new(amqp_url(), classic.clone()).unwrap();
     assert_eq!(
         rabbit::preflight(&config).await.unwrap(),
-        rabbit::Preflight::Ready
+        broker::Preflight::Ready
     );
     let as_quorum = classic.clone().with_queue_type(QueueType::Quorum);
     let refused = rabbit::preflight(&RabbitConfig::new(amqp_url(), as_quorum).unwrap()).await;
@@ -517,7 +517,7 @@ async fn a_dead_address_is_passed_over_for_the_next() {
     assert_eq!(config.addresses().len(), 2);
     assert_eq!(
         rabbit::preflight(&config).await.unwrap(),
-        rabbit::Preflight::Ready
+        broker::Preflight::Ready
     );
     let mut publisher = RabbitPublisher::new(config);
     let report = publisher

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use rabbit::{QueueType, StreamRetention};
 
-use super::{ConfigError, RelayConfig, pem_file};
+use super::{BrokerKind, ConfigError, RelayConfig, pem_file};
 
 fn defaults() -> RelayConfig {
     RelayConfig::new("", "")
@@ -23,9 +23,28 @@ pub struct Settings {
     /// PostgreSQL holding the outbox (`?sslmode=require` for TLS).
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: String,
-    /// RabbitMQ (`amqps://` for TLS). The broker may be down at start.
+    /// The broker events go to: RabbitMQ (`AMQP_URL`) or NATS JetStream (`NATS_URL`).
+    #[arg(long, env = "RELAY_BROKER", value_enum, default_value = "rabbitmq")]
+    pub broker: BrokerSetting,
+    /// RabbitMQ (`amqps://` for TLS); required unless the broker is NATS. The broker may be
+    /// down at start.
     #[arg(long, env = "AMQP_URL", hide_env_values = true)]
-    pub amqp_url: String,
+    pub amqp_url: Option<String>,
+    /// NATS servers, comma-separated (`nats://host:4222`); required when the broker is NATS.
+    #[arg(long, env = "NATS_URL", hide_env_values = true)]
+    pub nats_url: Option<String>,
+    /// NATS: replicas of the stream the relay creates (1 on one server, 3 on a cluster).
+    #[arg(long, env = "RELAY_NATS_REPLICAS", default_value_t = defaults().nats_replicas as u8,
+          value_parser = clap::value_parser!(u8).range(1..=5))]
+    pub nats_replicas: u8,
+    /// NATS: how long the stream remembers a message id to drop a resend, in seconds.
+    #[arg(long, env = "RELAY_NATS_DUPLICATE_WINDOW_SECS", default_value_t = defaults().nats_duplicate_window.as_secs(),
+          value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    pub nats_duplicate_window_secs: u64,
+    /// NATS: longest wait for a connection, the stream's declaration, and a batch's acks, in ms.
+    #[arg(long, env = "RELAY_NATS_ACK_TIMEOUT_MS", default_value_t = millis(defaults().nats_ack_timeout),
+          value_parser = clap::value_parser!(u64).range(100..=600_000))]
+    pub nats_ack_timeout_ms: u64,
     /// Exchange name; queues are `<topology>.p<N>`.
     #[arg(long, env = "RELAY_TOPOLOGY", default_value_t = defaults().topology)]
     pub topology: String,
@@ -265,7 +284,26 @@ impl QueueSettings {
 impl Settings {
     /// The configuration these settings describe, validated (cross-field rules included).
     pub fn into_config(self) -> Result<RelayConfig, ConfigError> {
-        let mut config = RelayConfig::new(self.database_url, self.amqp_url);
+        let broker = match self.broker {
+            BrokerSetting::Rabbitmq => BrokerKind::RabbitMq,
+            BrokerSetting::Nats => BrokerKind::Nats,
+        };
+        let amqp_url = match (broker, self.amqp_url) {
+            (_, Some(url)) => url,
+            (BrokerKind::Nats, None) => String::new(),
+            (BrokerKind::RabbitMq, None) => {
+                return Err(ConfigError::Rejected(
+                    "AMQP_URL (--amqp-url) is required: the RabbitMQ broker events go to                      (or RELAY_BROKER=nats with NATS_URL)"
+                        .into(),
+                ));
+            }
+        };
+        let mut config = RelayConfig::new(self.database_url, amqp_url);
+        config.broker = broker;
+        config.nats_url = self.nats_url.unwrap_or_default();
+        config.nats_replicas = usize::from(self.nats_replicas);
+        config.nats_duplicate_window = Duration::from_secs(self.nats_duplicate_window_secs);
+        config.nats_ack_timeout = Duration::from_millis(self.nats_ack_timeout_ms);
         config.topology = self.topology;
         config.partitions = self.partitions;
         self.queues.apply(&mut config)?;
@@ -345,6 +383,15 @@ pub enum ReplicationSetting {
     Sync,
     /// On every streaming standby.
     All,
+}
+
+/// `RELAY_BROKER`: where events go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum BrokerSetting {
+    /// RabbitMQ (`AMQP_URL`).
+    Rabbitmq,
+    /// NATS JetStream (`NATS_URL`).
+    Nats,
 }
 
 /// `RELAY_CLOUDEVENTS`: whether, and under which prefix, CloudEvents attributes are written.

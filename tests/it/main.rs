@@ -9,6 +9,7 @@
 //! - `polyglot`: a TypeScript host and a Python consumer through the SQL API (and its roles);
 //! - `retention`: closed runs retired by the relay and the consumer while open runs go on;
 //! - `dead_letters`: the dead-letter queue listed, replayed through the fold, purged;
+//! - `nats`: the relay on NATS JetStream (the machine's server), read from the stream;
 //! - `streams`: replay by a group created later, resume at a stored offset, reset, retention;
 //! - `batches`: the consumer's batches, a poison inside one, kills inside and between them;
 //! - `consumer`, `poison`, `fairness`, `database_faults`, `schema`, `tls`, `cli`, `publisher`:
@@ -41,6 +42,7 @@ mod dead_letters;
 mod fairness;
 mod groups;
 mod handover;
+mod nats;
 mod outbox_faults;
 mod outbox_relay;
 mod poison;

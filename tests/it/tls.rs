@@ -1,6 +1,7 @@
 //! TLS is honoured and never downgraded: PostgreSQL `sslmode` and `amqps://`.
 
-use distribution::rabbit::{AmqpTls, Preflight, RabbitConfig, Topology};
+use distribution::broker::Preflight;
+use distribution::rabbit::{AmqpTls, RabbitConfig, Topology};
 use sqlx::{Connection, PgConnection};
 
 use crate::harness::*;

@@ -8,7 +8,7 @@ use crate::ClosingConnection;
 use super::config::{ConnectFailure, RabbitConfig};
 use super::flow::within;
 use super::within_topology;
-use broker::Error;
+use broker::{Error, Preflight};
 
 /// The broker's limit from a size refusal ("message size S is larger than configured max size
 /// M", PRECONDITION_FAILED), if `err` is one.
@@ -124,15 +124,6 @@ pub(crate) fn refused_at_run_time(why: &str) {
             "the broker refuses the relay (credentials, vhost or topology); nothing ships until an operator fixes it"
         );
     }
-}
-
-/// What a first connection says about the broker.
-#[derive(Debug, PartialEq, Eq)]
-pub enum Preflight {
-    /// Connected, and the topology is declared.
-    Ready,
-    /// Not reachable now (down, or no answer): not an error, the relay keeps trying.
-    Unreachable(String),
 }
 
 /// Connects once and declares the topology: `Err(Error::Refused)` when the broker refuses

@@ -1,0 +1,192 @@
+//! The relay on NATS JetStream (the machine's server, `NATS_URL`): the T7.4 acceptance steps
+//! that do not need a consumer's fold, read straight from the stream. What the stream holds is
+//! checked against what the host wrote: every live intent once, each branch in Lsn order, none
+//! while the broker is away, and the outbox empty after.
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use async_nats::jetstream;
+use distribution::broker::CallProbe;
+use distribution::store::{BranchKey, EventKind, Lsn, Outbox, OutboxEvent};
+use distribution::testing::BrokerProxy;
+use distribution::{Relay, RelayConfig};
+
+use crate::harness::*;
+
+/// A relay configuration with test-speed timings, publishing to NATS at `nats_url`.
+fn nats_config(database_url: &str, nats_url: &str, stream: &str) -> RelayConfig {
+    let mut config = relay_config(database_url, "", stream);
+    config.broker = distribution::BrokerKind::Nats;
+    config.nats_url = nats_url.to_owned();
+    config.nats_ack_timeout = Duration::from_secs(2);
+    config
+}
+
+async fn context() -> jetstream::Context {
+    jetstream::new(async_nats::connect(testkit::nats_url()).await.unwrap())
+}
+
+/// Every message the stream holds, in stream order (none if there is no stream yet).
+async fn stored(stream: &str) -> Vec<OutboxEvent> {
+    let Ok(mut stream) = context().await.get_stream(stream).await else {
+        return Vec::new();
+    };
+    let last = stream.info().await.unwrap().state.last_sequence;
+    let mut events = Vec::new();
+    for sequence in 1..=last {
+        let message = stream.get_raw_message(sequence).await.unwrap();
+        events.push(distribution::nats::decode(&message.headers, &message.payload).unwrap());
+    }
+    events
+}
+
+/// The intents the stream holds per branch, in stream order, as `Expected` has them; panics on
+/// a copy stored twice.
+fn intents_by_branch(events: &[OutboxEvent]) -> Expected {
+    let mut by_branch = Expected::new();
+    let mut seen = std::collections::BTreeSet::new();
+    for event in events {
+        assert!(
+            seen.insert(event.key.clone()),
+            "{} {} stored twice",
+            event.key.branch,
+            event.key.lsn
+        );
+        if event.kind == EventKind::Intent {
+            by_branch
+                .entry(event.key.branch.clone())
+                .or_default()
+                .push((event.key.lsn, event.payload.clone()));
+        }
+    }
+    by_branch
+}
+
+/// Each branch's events (markers too) in ascending Lsn, in stream order.
+fn assert_in_order(events: &[OutboxEvent]) {
+    let mut last: BTreeMap<&BranchKey, Lsn> = BTreeMap::new();
+    for event in events {
+        if let Some(before) = last.insert(&event.key.branch, event.key.lsn) {
+            assert!(
+                before < event.key.lsn,
+                "{}: {} after {before}",
+                event.key.branch,
+                event.key.lsn
+            );
+        }
+    }
+}
+
+/// Steps 1-4 and 7 of T7.4 on NATS: the broker is away for a whole run, which completes at its
+/// normal pace; nothing of it is stored meanwhile; when NATS is back every live intent is
+/// stored once, in Lsn order per branch, across tenants, runs and branches (a rewind among
+/// them); the outbox empties; the client never ran on a host thread.
+#[test]
+fn nats_broker_down_for_a_whole_run_then_everything_is_stored_once_in_order() {
+    host_runtime().block_on(async {
+        let (pool, url) = fresh_database("nats_down").await;
+        let proxy = BrokerProxy::start(&testkit::nats_url()).unwrap();
+        let stream = distribution::nats::scratch::unique_stream("down");
+        let probe = CallProbe::new();
+        let mut config = nats_config(&url, &proxy.url(), &stream);
+        config.probe = Some(probe.clone());
+        let relay = Relay::start(config).await.unwrap();
+        let outbox = Outbox::new(pool.clone());
+
+        let baseline = Workload::new("up", 3, 2, 30).run(&pool).await;
+        wait_until("the first run stored", Duration::from_secs(30), || async {
+            stored(&stream).await.len() == count(&baseline.expected)
+        })
+        .await;
+        proxy.cut();
+        let mut down_workload = Workload::new("down", 3, 2, 30);
+        down_workload.rewind = true;
+        let down = down_workload.run(&pool).await;
+        let ratio = down.elapsed.as_secs_f64() / baseline.elapsed.as_secs_f64();
+        println!(
+            "host run: NATS up {:.3} s, down {:.3} s, ratio {ratio:.2}",
+            baseline.elapsed.as_secs_f64(),
+            down.elapsed.as_secs_f64()
+        );
+        assert!(
+            ratio <= 3.0,
+            "the run was {ratio:.2}x slower with NATS away"
+        );
+        assert_eq!(
+            stored(&stream).await.len(),
+            count(&baseline.expected),
+            "nothing stored while NATS is away"
+        );
+
+        proxy.restore();
+        let mut all = baseline.expected.clone();
+        merge(&mut all, &down.expected);
+        let markers = down.rewinds;
+        wait_until("every event stored", Duration::from_secs(60), || async {
+            stored(&stream).await.len() == count(&all) + markers
+        })
+        .await;
+        let events = stored(&stream).await;
+        assert_in_order(&events);
+        assert_eq!(
+            intents_by_branch(&events),
+            all,
+            "every live intent, once, as written"
+        );
+        wait_until("backlog empty", Duration::from_secs(10), || async {
+            pending(&outbox).await == 0
+        })
+        .await;
+
+        let calls = probe.calls_by_thread();
+        assert!(!calls.is_empty(), "the probe saw no broker call at all");
+        for (thread, n_calls) in &calls {
+            assert!(
+                thread.starts_with("outbox-relay"),
+                "{n_calls} broker calls from thread {thread}"
+            );
+        }
+        relay.shutdown().await;
+        let _ = context().await.delete_stream(&stream).await;
+    });
+}
+
+/// Connections reset while the relay ships: acks that were on their way are lost, their
+/// events sent again with the same `Nats-Msg-Id`, and the stream drops the copies; each branch
+/// stays in order, nothing is lost, and the outbox empties.
+#[test]
+fn nats_connections_reset_mid_stream_store_each_event_once_in_order() {
+    host_runtime().block_on(async {
+        let (pool, url) = fresh_database("nats_reset").await;
+        let proxy = BrokerProxy::start(&testkit::nats_url()).unwrap();
+        let stream = distribution::nats::scratch::unique_stream("reset");
+        let relay = Relay::start(nats_config(&url, &proxy.url(), &stream))
+            .await
+            .unwrap();
+        let outbox = Outbox::new(pool.clone());
+        let workload = Workload::new("reset", 4, 2, 25);
+        let mut ran = workload.run(&pool).await;
+        let mut all = ran.expected.clone();
+        for round in 0..4u64 {
+            // Reset every connection while the relay has events in flight, then write more.
+            proxy.cut();
+            proxy.restore();
+            let from = 26 + round * 25;
+            ran = workload.steps(&pool, ran.live, from..=from + 24).await;
+            merge(&mut all, &ran.expected);
+        }
+        wait_until("every event stored", Duration::from_secs(60), || async {
+            stored(&stream).await.len() >= count(&all)
+        })
+        .await;
+        wait_until("backlog empty", Duration::from_secs(20), || async {
+            pending(&outbox).await == 0
+        })
+        .await;
+        let events = stored(&stream).await;
+        assert_in_order(&events);
+        assert_eq!(intents_by_branch(&events), all);
+        relay.shutdown().await;
+        let _ = context().await.delete_stream(&stream).await;
+    });
+}

@@ -517,6 +517,40 @@ mod tests {
         assert!(config.validate().is_err());
     }
 
+    /// On NATS: the servers are required, RabbitMQ's own settings are refused rather than
+    /// ignored, and the stream's name is NATS's; each in one line naming its variable.
+    #[test]
+    fn a_nats_relay_refuses_what_it_would_ignore_or_nats_would_refuse() {
+        let database = "postgres://postgres@127.0.0.1/test";
+        let mut config = RelayConfig::nats(database, "nats://127.0.0.1:4222");
+        config.validate().unwrap();
+        let nats = config.nats_config().unwrap();
+        assert_eq!((nats.stream.as_str(), nats.partitions), ("outbox", 8));
+        assert_eq!(nats.subject(broker::Partition(3)), "outbox.p3");
+        let refused = |config: &RelayConfig| config.validate().unwrap_err().to_string();
+        let mut no_servers = config.clone();
+        no_servers.nats_url.clear();
+        assert!(refused(&no_servers).starts_with("NATS_URL="));
+        let mut quorum = config.clone();
+        quorum.queue_type = QueueType::Quorum;
+        assert!(refused(&quorum).starts_with("RELAY_QUEUE_TYPE="));
+        let mut cloudevents = config.clone();
+        cloudevents.wire_mode = broker::WireMode::CloudEvents;
+        assert!(refused(&cloudevents).starts_with("RELAY_CLOUDEVENTS="));
+        config.topology = "relay.events".into();
+        let text = refused(&config);
+        assert!(
+            text.starts_with("RELAY_TOPOLOGY=") && text.contains("A-Z a-z 0-9"),
+            "{text}"
+        );
+        config.topology = "events".into();
+        config.nats_duplicate_window = Duration::from_secs(5);
+        assert!(refused(&config).starts_with("RELAY_NATS_DUPLICATE_WINDOW_SECS="));
+        for text in [refused(&no_servers), refused(&quorum), refused(&config)] {
+            assert!(!text.contains('\n'), "{text}");
+        }
+    }
+
     /// On streams the relay runs one publisher shard per partition, whatever `RELAY_SHARDS`
     /// says; on other queue types the shards are as set.
     /// `RELAY_CLOUDEVENTS`: off, the binding's `cloudEvents_` prefix, or its first `cloudEvents:`.

@@ -35,3 +35,34 @@ extern "C" fn delete_at_exit() {
         Some(())
     });
 }
+
+/// Every message of `stream` on the server at `url`, in stream order, with its subject and
+/// what it decodes to (none if the stream does not exist): what a test reads back.
+pub async fn read_stream(
+    url: &str,
+    stream: &str,
+) -> Vec<(String, Result<store::OutboxEvent, broker::WireError>)> {
+    let client = async_nats::connect(url).await.expect("NATS answers");
+    let context = async_nats::jetstream::new(client);
+    let Ok(mut stream) = context.get_stream(stream).await else {
+        return Vec::new();
+    };
+    let last = stream.info().await.expect("stream info").state.last_sequence;
+    let mut messages = Vec::new();
+    for sequence in 1..=last {
+        let message = stream
+            .get_raw_message(sequence)
+            .await
+            .expect("a stored message");
+        let event = crate::decode(&message.headers, &message.payload);
+        messages.push((message.subject.to_string(), event));
+    }
+    messages
+}
+
+/// Deletes `stream` from the server at `url`, if it is there.
+pub async fn delete_stream(url: &str, stream: &str) {
+    if let Ok(client) = async_nats::connect(url).await {
+        let _ = async_nats::jetstream::new(client).delete_stream(stream).await;
+    }
+}

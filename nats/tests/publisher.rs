@@ -46,19 +46,15 @@ async fn context() -> jetstream::Context {
 
 /// Every message of `stream`, in stream order, decoded, with its subject.
 async fn stored(stream: &str) -> Vec<(String, OutboxEvent)> {
-    let mut stream = context().await.get_stream(stream).await.unwrap();
-    let last = stream.info().await.unwrap().state.last_sequence;
-    let mut messages = Vec::new();
-    for sequence in 1..=last {
-        let message = stream.get_raw_message(sequence).await.unwrap();
-        let event = nats::decode(&message.headers, &message.payload).unwrap();
-        messages.push((message.subject.to_string(), event));
-    }
-    messages
+    nats::scratch::read_stream(&testkit::nats_url(), stream)
+        .await
+        .into_iter()
+        .map(|(subject, event)| (subject, event.unwrap()))
+        .collect()
 }
 
 async fn delete(stream: &str) {
-    let _ = context().await.delete_stream(stream).await;
+    nats::scratch::delete_stream(&testkit::nats_url(), stream).await;
 }
 
 #[tokio::test]

@@ -5,7 +5,6 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use async_nats::jetstream;
 use distribution::broker::CallProbe;
 use distribution::store::{BranchKey, EventKind, Lsn, Outbox, OutboxEvent};
 use distribution::testing::BrokerProxy;
@@ -22,22 +21,13 @@ fn nats_config(database_url: &str, nats_url: &str, stream: &str) -> RelayConfig 
     config
 }
 
-async fn context() -> jetstream::Context {
-    jetstream::new(async_nats::connect(testkit::nats_url()).await.unwrap())
-}
-
 /// Every message the stream holds, in stream order (none if there is no stream yet).
 async fn stored(stream: &str) -> Vec<OutboxEvent> {
-    let Ok(mut stream) = context().await.get_stream(stream).await else {
-        return Vec::new();
-    };
-    let last = stream.info().await.unwrap().state.last_sequence;
-    let mut events = Vec::new();
-    for sequence in 1..=last {
-        let message = stream.get_raw_message(sequence).await.unwrap();
-        events.push(distribution::nats::decode(&message.headers, &message.payload).unwrap());
-    }
-    events
+    distribution::nats::scratch::read_stream(&testkit::nats_url(), stream)
+        .await
+        .into_iter()
+        .map(|(_, event)| event.unwrap())
+        .collect()
 }
 
 /// The intents the stream holds per branch, in stream order, as `Expected` has them; panics on
@@ -147,7 +137,7 @@ fn nats_broker_down_for_a_whole_run_then_everything_is_stored_once_in_order() {
             );
         }
         relay.shutdown().await;
-        let _ = context().await.delete_stream(&stream).await;
+        distribution::nats::scratch::delete_stream(&testkit::nats_url(), &stream).await;
     });
 }
 
@@ -187,6 +177,6 @@ fn nats_connections_reset_mid_stream_store_each_event_once_in_order() {
         assert_in_order(&events);
         assert_eq!(intents_by_branch(&events), all);
         relay.shutdown().await;
-        let _ = context().await.delete_stream(&stream).await;
+        distribution::nats::scratch::delete_stream(&testkit::nats_url(), &stream).await;
     });
 }

@@ -5,17 +5,18 @@
 //! sends it again with the same id, which the stream drops as a duplicate within its window.
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
 use async_nats::jetstream::{self, Context};
-use async_nats::{Client, ConnectOptions, ServerAddr};
+use async_nats::{Client, ConnectOptions, Event, ServerAddr};
 use broker::{
     BoxFuture, BrokerHealth, CallProbe, Error, OnReport, Outcome, Preflight, PublishReport,
     Publisher,
 };
 use bytes::Bytes;
 use store::{Fence, OutboxEvent};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
 use crate::attribute::{Answer, attribute};
@@ -24,6 +25,19 @@ use crate::{NatsConfig, declare, wire};
 /// Connects to the first server that answers, under the connect timeout, and opens a JetStream
 /// context whose acks in flight and timeouts are the configuration's.
 pub async fn connect(config: &NatsConfig) -> Result<(Client, Context), Error> {
+    let (client, context, _lost) = open(config).await?;
+    Ok((client, context))
+}
+
+/// [`connect`], and a flag that turns true when the connection loses its server.
+///
+/// A client that loses its server reconnects by itself and then writes what was queued
+/// meanwhile, while what was on the wire when the connection broke is gone: a later event of a
+/// branch would be stored before an earlier one the relay sends again. So the relay never
+/// writes on a connection that lost its server (the flag), and the client holds its reconnect
+/// back for half the stream's duplicate window: by then the relay has sent everything again on
+/// a connection of its own, and what the old one still writes is dropped as a duplicate.
+async fn open(config: &NatsConfig) -> Result<(Client, Context, watch::Receiver<bool>), Error> {
     let servers = config
         .servers
         .iter()
@@ -33,9 +47,29 @@ pub async fn connect(config: &NatsConfig) -> Result<(Client, Context), Error> {
                 .map_err(|err| Error::InvalidConfig(format!("NATS server {server:?}: {err}")))
         })
         .collect::<Result<Vec<_>, _>>()?;
+    let (lost_tx, lost) = watch::channel(false);
+    let connected = Arc::new(AtomicBool::new(false));
+    let hold = config.duplicate_window / 2;
     let options = ConnectOptions::new()
         .name("outbox-relay")
-        .connection_timeout(config.connect_timeout);
+        .connection_timeout(config.connect_timeout)
+        .max_reconnects(servers.len())
+        .reconnect_delay_callback({
+            let connected = connected.clone();
+            move |_attempt| {
+                if connected.load(Ordering::Acquire) {
+                    hold
+                } else {
+                    Duration::ZERO
+                }
+            }
+        })
+        .event_callback(move |event| {
+            if matches!(event, Event::Disconnected) {
+                let _ = lost_tx.send(true);
+            }
+            std::future::ready(())
+        });
     let client = match tokio::time::timeout(config.connect_timeout, options.connect(servers)).await
     {
         Ok(Ok(client)) => client,
@@ -53,7 +87,8 @@ pub async fn connect(config: &NatsConfig) -> Result<(Client, Context), Error> {
         .max_ack_inflight(config.max_in_flight)
         .backpressure_on_inflight(true)
         .build(client.clone());
-    Ok((client, context))
+    connected.store(true, Ordering::Release);
+    Ok((client, context, lost))
 }
 
 /// A batch written, its acks awaited by the pump.
@@ -72,6 +107,8 @@ struct Session {
     pump_task: tokio::task::JoinHandle<()>,
     /// Set by the pump when an ack did not come: the next batch opens a fresh session.
     broken: Arc<AtomicBool>,
+    /// True once the connection lost its server: nothing more is written on it.
+    lost: watch::Receiver<bool>,
 }
 
 impl Drop for Session {
@@ -126,12 +163,12 @@ impl NatsPublisher {
         if self
             .session
             .as_ref()
-            .is_some_and(|session| session.broken.load(Ordering::Acquire))
+            .is_some_and(|session| session.broken.load(Ordering::Acquire) || *session.lost.borrow())
         {
             self.session = None;
         }
         if self.session.is_none() {
-            let (client, context) = connect(&self.config).await?;
+            let (client, context, lost) = open(&self.config).await?;
             declare(&context, &self.config).await?;
             let (pump, batches) = mpsc::unbounded_channel();
             let broken = Arc::new(AtomicBool::new(false));
@@ -140,6 +177,7 @@ impl NatsPublisher {
                 self.config.clone(),
                 self.health.clone(),
                 broken.clone(),
+                lost.clone(),
             ));
             self.health.report(true);
             self.session = Some(Session {
@@ -148,6 +186,7 @@ impl NatsPublisher {
                 pump,
                 pump_task,
                 broken,
+                lost,
             });
         }
         Ok(self.session.as_ref().expect("session is open"))
@@ -181,6 +220,14 @@ impl NatsPublisher {
             // Fenced: the lease is gone, another relay may own the tenant now; the rest is
             // NotSent, without a fault (the session is fine).
             if !fence.is_open() {
+                break;
+            }
+            // The connection lost its server: what is written now would go out after its
+            // reconnect, behind what was lost with the old wire.
+            if *session.lost.borrow() {
+                fault = Some(Error::Unreachable(
+                    "the NATS connection lost its server".into(),
+                ));
                 break;
             }
             let headers = match wire::headers(event, config.wire_mode, &config.stream) {
@@ -281,15 +328,22 @@ async fn pump_acks(
     config: NatsConfig,
     health: BrokerHealth,
     broken: Arc<AtomicBool>,
+    mut lost: watch::Receiver<bool>,
 ) {
     while let Some(mut batch) = batches.recv().await {
         for (index, ack) in std::mem::take(&mut batch.acks) {
-            let answer = match tokio::time::timeout_at(batch.deadline, ack.into_future()).await {
-                Ok(Ok(ack)) => Answer::Stored {
-                    ours: ack.stream == config.stream,
+            // An ack already in is taken first; once the connection lost its server, no other
+            // will come on it, so the batch is answered at once rather than at its deadline.
+            let answer = tokio::select! {
+                biased;
+                acked = tokio::time::timeout_at(batch.deadline, ack.into_future()) => match acked {
+                    Ok(Ok(ack)) => Answer::Stored {
+                        ours: ack.stream == config.stream,
+                    },
+                    Ok(Err(err)) => answer_of(err.kind(), &err),
+                    Err(_) => Answer::TimedOut,
                 },
-                Ok(Err(err)) => answer_of(err.kind(), &err),
-                Err(_) => Answer::TimedOut,
+                _ = lost.wait_for(|lost| *lost) => Answer::Lost,
             };
             let verdict = attribute(answer);
             batch.outcomes[index] = verdict.outcome;

@@ -47,7 +47,12 @@ pub async fn read_stream(
     let Ok(mut stream) = context.get_stream(stream).await else {
         return Vec::new();
     };
-    let last = stream.info().await.expect("stream info").state.last_sequence;
+    let last = stream
+        .info()
+        .await
+        .expect("stream info")
+        .state
+        .last_sequence;
     let mut messages = Vec::new();
     for sequence in 1..=last {
         let message = stream
@@ -63,6 +68,8 @@ pub async fn read_stream(
 /// Deletes `stream` from the server at `url`, if it is there.
 pub async fn delete_stream(url: &str, stream: &str) {
     if let Ok(client) = async_nats::connect(url).await {
-        let _ = async_nats::jetstream::new(client).delete_stream(stream).await;
+        let _ = async_nats::jetstream::new(client)
+            .delete_stream(stream)
+            .await;
     }
 }

@@ -180,3 +180,147 @@ fn nats_connections_reset_mid_stream_store_each_event_once_in_order() {
         distribution::nats::scratch::delete_stream(&testkit::nats_url(), &stream).await;
     });
 }
+
+/// A NATS server of the test's own (the machine's `nats-server`, JetStream on a scratch
+/// store, a free port), killed with the test: faults the machine's server must never see.
+struct PrivateNats {
+    port: u16,
+    store: std::path::PathBuf,
+    process: Option<Process>,
+}
+
+impl PrivateNats {
+    fn start() -> Self {
+        let store = std::env::temp_dir().join(testkit::unique("relay-nats-store"));
+        let mut server = Self {
+            port: testkit::free_port(),
+            store,
+            process: None,
+        };
+        server.run();
+        server
+    }
+
+    /// Starts the server (again) on its port and store, and waits until it answers.
+    fn run(&mut self) {
+        let child = std::process::Command::new("nats-server")
+            .args([
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-js",
+                "-sd",
+            ])
+            .arg(&self.store)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("nats-server (Debian's nats-server package)");
+        self.process = Some(Process(child));
+        let addr = format!("127.0.0.1:{}", self.port);
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(&addr).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "nats-server did not answer on {addr}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    fn signal(&self, signal: &str) {
+        self.process.as_ref().expect("running").signal(signal);
+    }
+
+    /// SIGKILL: what it had not written to its store is gone with it.
+    fn kill(&mut self) {
+        self.signal("-KILL");
+        if let Some(mut process) = self.process.take() {
+            let _ = process.0.wait();
+        }
+    }
+}
+
+impl Drop for PrivateNats {
+    fn drop(&mut self) {
+        drop(self.process.take());
+        let _ = std::fs::remove_dir_all(&self.store);
+    }
+}
+
+/// Every message of `stream` on `server`, decoded.
+async fn stored_on(server: &PrivateNats, stream: &str) -> Vec<OutboxEvent> {
+    distribution::nats::scratch::read_stream(&server.url(), stream)
+        .await
+        .into_iter()
+        .map(|(_, event)| event.unwrap())
+        .collect()
+}
+
+/// What a server's fault may cost: nothing lost, nothing stored twice, each branch in Lsn
+/// order. The fault lands while the relay ships a backlog (written while a proxy held the relay
+/// away from the server), with hundreds of events in flight, and the host writes on after it.
+async fn survives(label: &str, fault: impl AsyncFnOnce(&mut PrivateNats)) {
+    let (pool, url) = fresh_database(label).await;
+    let mut server = PrivateNats::start();
+    let proxy = BrokerProxy::start(&server.url()).unwrap();
+    let stream = distribution::nats::scratch::unique_stream(label);
+    let relay = Relay::start(nats_config(&url, &proxy.url(), &stream))
+        .await
+        .unwrap();
+    let outbox = Outbox::new(pool.clone());
+    let workload = Workload::new(label, 4, 2, 20);
+    let mut ran = workload.run(&pool).await;
+    let mut all = ran.expected.clone();
+    proxy.cut();
+    ran = workload.steps(&pool, ran.live, 21..=420).await;
+    merge(&mut all, &ran.expected);
+    let backlog = pending(&outbox).await;
+    proxy.restore();
+    wait_until("the backlog shipping", Duration::from_secs(30), || async {
+        pending(&outbox).await + 300 < backlog
+    })
+    .await;
+    let waiting = pending(&outbox).await;
+    fault(&mut server).await;
+    println!("{label}: {waiting} of a backlog of {backlog} events pending at the fault");
+    ran = workload.steps(&pool, ran.live, 421..=440).await;
+    merge(&mut all, &ran.expected);
+    wait_until("backlog empty", Duration::from_secs(60), || async {
+        pending(&outbox).await == 0
+    })
+    .await;
+    let events = stored_on(&server, &stream).await;
+    assert_in_order(&events);
+    assert_eq!(intents_by_branch(&events), all);
+    relay.shutdown().await;
+}
+
+/// The server killed (SIGKILL) while the relay ships, and started again on its store 1 s
+/// later: every acked event survives, the unacked ones are sent again, none is stored twice,
+/// and each branch stays in order.
+#[test]
+fn nats_a_server_killed_mid_stream_and_restarted_loses_nothing_and_keeps_order() {
+    host_runtime().block_on(survives("nats_killed", async |server| {
+        server.kill();
+        tokio::time::sleep(Duration::from_secs(1)).await; // the outage's length, not a wait for a state
+        server.run();
+    }));
+}
+
+/// The server frozen (SIGSTOP) for longer than the ack timeout while the relay ships: its acks
+/// time out, though it stores everything once it resumes; the relay's resends are dropped by
+/// their ids, and each branch stays in order.
+#[test]
+fn nats_a_server_frozen_past_the_ack_timeout_stores_each_event_once_in_order() {
+    host_runtime().block_on(survives("nats_frozen", async |server| {
+        server.signal("-STOP");
+        tokio::time::sleep(Duration::from_secs(3)).await; // the freeze's length (ack timeout 2 s)
+        server.signal("-CONT");
+    }));
+}

@@ -15,11 +15,13 @@
 //!     on RabbitMQ 4.0, streams written with and without a shard per partition
 //!     (`BENCH_ONLY=streamshards` runs it alone);
 //! 14. the consumer's pace: folding in batches against one transaction per delivery, a group
-//!     replaying a stream and a live group on classic and quorum queues (`BENCH_ONLY=fold`).
+//!     replaying a stream and a live group on classic and quorum queues (`BENCH_ONLY=fold`);
+//! 16. NATS JetStream: the relay's drain against a ceiling written by hand and against one
+//!     publish awaited at a time, at 256 B and 64 KiB (`BENCH_ONLY=nats`).
 //!
 //! This file holds the modes, the order of the sections and the report; each section lives
 //! in a module of its own (`ceiling`, `sizes` and its hand-written `bound`, `latency` and
-//! `host`, `drain`, `footprint`, `queues`, `fold`), beside the harness (`env`) and what is read from
+//! `host`, `drain`, `footprint`, `queues`, `fold`, `nats`), beside the harness (`env`) and what is read from
 //! /proc (`measure`).
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -46,6 +48,7 @@ mod footprint;
 mod host;
 mod latency;
 mod measure;
+mod nats;
 mod queues;
 mod sizes;
 use ceiling::*;
@@ -182,6 +185,11 @@ async fn run(mode: &Mode) -> Result<String> {
     if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "queues") {
         queue_types(&mut env, mode, &mut row).await?;
         stream_shards(&mut env, mode, &mut row).await?;
+        env.cleanup().await;
+        return Ok(table);
+    }
+    if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "nats") {
+        nats::nats_rows(&mut env, mode, &mut row).await?;
         env.cleanup().await;
         return Ok(table);
     }
@@ -345,6 +353,7 @@ async fn run(mode: &Mode) -> Result<String> {
     queue_types(&mut env, mode, &mut row).await?;
     stream_shards(&mut env, mode, &mut row).await?;
     fold::fold_pace(&mut env, mode, &mut row).await?;
+    nats::nats_rows(&mut env, mode, &mut row).await?;
 
     let (qps, cpu) = idle(&mut env, mode.idle_tenants, mode.idle_secs).await?;
     let tenants = mode.idle_tenants;

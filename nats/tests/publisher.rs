@@ -212,3 +212,47 @@ async fn a_server_that_is_not_there_is_a_fault_within_the_connect_timeout() {
         started.elapsed()
     );
 }
+
+/// The stream's own limits, read from the server's answers: a message over its
+/// `max_msg_size` is too large (its branch parks), a stream full with `discard: new` refuses
+/// (nacked: its branch cools and is retried), and the session stays up for the rest.
+#[tokio::test]
+async fn the_streams_limits_refuse_by_cause() {
+    let config = config("limits", 1);
+    context()
+        .await
+        .create_stream(jetstream::stream::Config {
+            name: config.stream.clone(),
+            subjects: vec![config.stream_subjects()],
+            max_message_size: 512,
+            max_messages: 3,
+            discard: jetstream::stream::DiscardPolicy::New,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let mut publisher = NatsPublisher::new(config.clone());
+    let branch = testkit::branch("acme", "run-1", "main");
+    let events: Vec<OutboxEvent> = (1..=5)
+        .map(|lsn| {
+            let payload = if lsn == 2 { vec![1; 2_000] } else { vec![0; 8] };
+            testkit::intent(&branch, lsn)
+                .prev(lsn - 1)
+                .payload(payload)
+                .build()
+        })
+        .collect();
+    let report = publisher.publish(&events).await;
+    assert!(report.fault.is_none(), "{:?}", report.fault);
+    assert_eq!(
+        report.outcomes,
+        [
+            Outcome::Accepted,
+            Outcome::TooLarge,
+            Outcome::Accepted,
+            Outcome::Accepted,
+            Outcome::Nacked,
+        ]
+    );
+    delete(&config.stream).await;
+}

@@ -673,6 +673,7 @@ impl Drop for Process {
         // No assertion here: a failed kill while a test already panics would abort.
         let _ = std::process::Command::new("kill")
             .args(["-CONT", &self.0.id().to_string()])
+            .stderr(std::process::Stdio::null())
             .status();
         let _ = self.0.kill();
         let _ = self.0.wait();

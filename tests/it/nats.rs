@@ -181,20 +181,46 @@ fn nats_connections_reset_mid_stream_store_each_event_once_in_order() {
     });
 }
 
-/// A NATS server of the test's own (the machine's `nats-server`, JetStream on a scratch
-/// store, a free port), killed with the test: faults the machine's server must never see.
+/// Which NATS server a private node runs.
+#[derive(Clone, Copy, Debug)]
+enum NatsVersion {
+    /// The machine's (Debian 12's 2.9.10).
+    Machine,
+    /// Debian 13's 2.10, in the root of `scripts/rabbitmq-root`.
+    Trixie,
+}
+
+/// A NATS server of the test's own (JetStream on a scratch store, a free port), killed with
+/// the test: faults the machine's server must never see.
 struct PrivateNats {
+    version: NatsVersion,
     port: u16,
+    /// The store as the server sees it (inside the root for 2.10).
     store: std::path::PathBuf,
+    /// The store as this process sees it.
+    store_here: std::path::PathBuf,
     process: Option<Process>,
 }
 
 impl PrivateNats {
-    fn start() -> Self {
-        let store = std::env::temp_dir().join(testkit::unique("relay-nats-store"));
+    fn start(version: NatsVersion) -> Self {
+        let name = testkit::unique("relay-nats-store");
+        let (store, store_here) = match version {
+            NatsVersion::Machine => {
+                let path = std::env::temp_dir().join(&name);
+                (path.clone(), path)
+            }
+            NatsVersion::Trixie => {
+                let inside = std::path::Path::new("/tmp").join(&name);
+                let root = crate::node::rabbitmq4_root();
+                (inside.clone(), root.join(inside.strip_prefix("/").unwrap()))
+            }
+        };
         let mut server = Self {
+            version,
             port: testkit::free_port(),
             store,
+            store_here,
             process: None,
         };
         server.run();
@@ -203,7 +229,17 @@ impl PrivateNats {
 
     /// Starts the server (again) on its port and store, and waits until it answers.
     fn run(&mut self) {
-        let child = std::process::Command::new("nats-server")
+        let mut command = match self.version {
+            NatsVersion::Machine => std::process::Command::new("nats-server"),
+            NatsVersion::Trixie => {
+                let mut chroot = std::process::Command::new("chroot");
+                chroot
+                    .arg(crate::node::rabbitmq4_root())
+                    .arg("/usr/sbin/nats-server");
+                chroot
+            }
+        };
+        let child = command
             .args([
                 "-a",
                 "127.0.0.1",
@@ -249,7 +285,7 @@ impl PrivateNats {
 impl Drop for PrivateNats {
     fn drop(&mut self) {
         drop(self.process.take());
-        let _ = std::fs::remove_dir_all(&self.store);
+        let _ = std::fs::remove_dir_all(&self.store_here);
     }
 }
 
@@ -265,9 +301,9 @@ async fn stored_on(server: &PrivateNats, stream: &str) -> Vec<OutboxEvent> {
 /// What a server's fault may cost: nothing lost, nothing stored twice, each branch in Lsn
 /// order. The fault lands while the relay ships a backlog (written while a proxy held the relay
 /// away from the server), with hundreds of events in flight, and the host writes on after it.
-async fn survives(label: &str, fault: impl AsyncFnOnce(&mut PrivateNats)) {
+async fn survives(label: &str, version: NatsVersion, fault: impl AsyncFnOnce(&mut PrivateNats)) {
     let (pool, url) = fresh_database(label).await;
-    let mut server = PrivateNats::start();
+    let mut server = PrivateNats::start(version);
     let proxy = BrokerProxy::start(&server.url()).unwrap();
     let stream = distribution::nats::scratch::unique_stream(label);
     let relay = Relay::start(nats_config(&url, &proxy.url(), &stream))
@@ -301,16 +337,38 @@ async fn survives(label: &str, fault: impl AsyncFnOnce(&mut PrivateNats)) {
     relay.shutdown().await;
 }
 
+async fn kill_and_restart(server: &mut PrivateNats) {
+    server.kill();
+    tokio::time::sleep(Duration::from_secs(1)).await; // the outage's length, not a wait for a state
+    server.run();
+}
+
+async fn freeze(server: &mut PrivateNats) {
+    server.signal("-STOP");
+    tokio::time::sleep(Duration::from_secs(3)).await; // the freeze's length (ack timeout 2 s)
+    server.signal("-CONT");
+}
+
 /// The server killed (SIGKILL) while the relay ships, and started again on its store 1 s
 /// later: every acked event survives, the unacked ones are sent again, none is stored twice,
 /// and each branch stays in order.
 #[test]
 fn nats_a_server_killed_mid_stream_and_restarted_loses_nothing_and_keeps_order() {
-    host_runtime().block_on(survives("nats_killed", async |server| {
-        server.kill();
-        tokio::time::sleep(Duration::from_secs(1)).await; // the outage's length, not a wait for a state
-        server.run();
-    }));
+    host_runtime().block_on(survives(
+        "nats_killed",
+        NatsVersion::Machine,
+        kill_and_restart,
+    ));
+}
+
+/// The same on NATS 2.10.
+#[test]
+fn nats_a_server_killed_mid_stream_and_restarted_loses_nothing_and_keeps_order_on_2_10() {
+    host_runtime().block_on(survives(
+        "nats_killed_2_10",
+        NatsVersion::Trixie,
+        kill_and_restart,
+    ));
 }
 
 /// The server frozen (SIGSTOP) for longer than the ack timeout while the relay ships: its acks
@@ -318,9 +376,11 @@ fn nats_a_server_killed_mid_stream_and_restarted_loses_nothing_and_keeps_order()
 /// their ids, and each branch stays in order.
 #[test]
 fn nats_a_server_frozen_past_the_ack_timeout_stores_each_event_once_in_order() {
-    host_runtime().block_on(survives("nats_frozen", async |server| {
-        server.signal("-STOP");
-        tokio::time::sleep(Duration::from_secs(3)).await; // the freeze's length (ack timeout 2 s)
-        server.signal("-CONT");
-    }));
+    host_runtime().block_on(survives("nats_frozen", NatsVersion::Machine, freeze));
+}
+
+/// The same on NATS 2.10.
+#[test]
+fn nats_a_server_frozen_past_the_ack_timeout_stores_each_event_once_in_order_on_2_10() {
+    host_runtime().block_on(survives("nats_frozen_2_10", NatsVersion::Trixie, freeze));
 }

@@ -1,0 +1,176 @@
+//! Section 16: NATS JetStream (the machine's server, `NATS_URL`): the relay draining a backlog
+//! against the NATS ceiling written by hand (the relay's headers and acks, pipelined, no
+//! database), and the chapter's design, one publish awaited at a time, at 256 B and 64 KiB
+//! (`BENCH_ONLY=nats` runs it alone).
+use std::collections::VecDeque;
+
+use distribution::nats::NatsConfig;
+
+use super::*;
+
+/// Acks a ceiling connection holds in flight: what a relay publisher holds (`NatsConfig`'s
+/// default).
+const IN_FLIGHT: usize = 1_024;
+
+fn nats_url() -> String {
+    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+}
+
+/// A stream of its own for one measurement, declared as the relay declares it.
+async fn stream(label: &str) -> Result<NatsConfig> {
+    let name = unique(&format!("relay_bench_{label}")).replace('-', "_");
+    let config = NatsConfig::new(&nats_url(), &name, 8)?;
+    let (_client, context) = distribution::nats::connect(&config).await?;
+    distribution::nats::declare(&context, &config).await?;
+    Ok(config)
+}
+
+async fn drop_stream(config: &NatsConfig) {
+    distribution::nats::scratch::delete_stream(&nats_url(), &config.stream).await;
+}
+
+fn sized_events(n: usize, bytes: usize) -> Vec<OutboxEvent> {
+    let mut events = synthetic_events(n);
+    for event in &mut events {
+        event.payload = vec![b'x'; bytes];
+    }
+    events
+}
+
+/// Publishes `events` over `connections` connections with the relay's headers, up to
+/// `in_flight` acks outstanding per connection (awaited oldest first; 1: the chapter's one at
+/// a time); events per second, every ack a stored message.
+async fn publish_by_hand(
+    config: &NatsConfig,
+    events: &[OutboxEvent],
+    connections: usize,
+    in_flight: usize,
+) -> Result<f64> {
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for slice in events.chunks(events.len().div_ceil(connections)) {
+        let (config, slice) = (config.clone(), slice.to_vec());
+        tasks.push(tokio::spawn(async move {
+            let (_client, context) = distribution::nats::connect(&config).await?;
+            let mut acks = VecDeque::new();
+            for event in &slice {
+                let branch = &event.key.branch;
+                let headers = distribution::nats::headers(
+                    event,
+                    distribution::broker::WireMode::Plain,
+                    &config.stream,
+                )
+                .map_err(|unwritable| anyhow::anyhow!("{unwritable}"))?;
+                let message = async_nats::jetstream::message::PublishMessage::build()
+                    .payload(event.payload.clone().into())
+                    .headers(headers);
+                let subject = config.subject_of(&branch.tenant, &branch.run);
+                acks.push_back(context.send_publish(subject, message).await?);
+                while acks.len() >= in_flight {
+                    acks.pop_front().expect("an ack").await?;
+                }
+            }
+            for ack in acks {
+                ack.await?;
+            }
+            anyhow::Ok(slice.len())
+        }));
+    }
+    let mut stored = 0;
+    for task in tasks {
+        stored += task.await??;
+    }
+    anyhow::ensure!(
+        stored == events.len(),
+        "only {stored} of {} stored",
+        events.len()
+    );
+    Ok(events.len() as f64 / started.elapsed().as_secs_f64())
+}
+
+/// The relay on NATS draining `50 x 20 x per_run` intents of `bytes` each.
+async fn relay_drain(env: &mut Env, per_run: u32, bytes: u32) -> Result<f64> {
+    let (pool, url) = env.database("nats").await?;
+    let written = store::fixtures::fill_backlog(&pool, "t", 50, 20, per_run, bytes).await?;
+    env.checkpoint().await?;
+    let stream = stream("drain").await?;
+    let mut config = RelayConfig::nats(&url, nats_url());
+    config.topology = stream.stream.clone();
+    config.partitions = stream.partitions;
+    let outbox = Outbox::new(pool.clone());
+    let started = Instant::now();
+    let relay = Relay::start(config).await?;
+    wait_drained(&outbox, Duration::from_secs(900)).await?;
+    let rate = written as f64 / started.elapsed().as_secs_f64();
+    relay.shutdown().await;
+    drop_stream(&stream).await;
+    pool.close().await;
+    env.drop_database(&url).await?;
+    Ok(rate)
+}
+
+/// Rows of section 16: at each size, the hand-written ceiling on 1 and 4 connections, the
+/// relay, and one publish at a time; three turns a side, the median of each.
+pub(crate) async fn nats_rows(
+    env: &mut Env,
+    mode: &Mode,
+    row: &mut impl FnMut(&str, String, &str),
+) -> Result<()> {
+    for (bytes, events, label) in [
+        (256usize, mode.raw_events, "256 B"),
+        (64 << 10, mode.large_payload_events as usize * 4, "64 KiB"),
+    ] {
+        let per_run = (events / 1000).max(1) as u32;
+        let events = sized_events(per_run as usize * 1000, bytes);
+        let (mut one, mut four, mut relay, mut serial) = (vec![], vec![], vec![], vec![]);
+        for _ in 0..3 {
+            let config = stream("ceiling").await?;
+            one.push(publish_by_hand(&config, &events, 1, IN_FLIGHT).await?);
+            drop_stream(&config).await;
+            let config = stream("ceiling").await?;
+            four.push(publish_by_hand(&config, &events, 4, IN_FLIGHT).await?);
+            drop_stream(&config).await;
+            relay.push(relay_drain(env, per_run, bytes as u32).await?);
+            let config = stream("serial").await?;
+            let few = &events[..events.len().min(2_000)];
+            serial.push(publish_by_hand(&config, few, 1, 1).await?);
+            drop_stream(&config).await;
+        }
+        let median = |values: &mut Vec<f64>| {
+            values.sort_by(f64::total_cmp);
+            values[values.len() / 2]
+        };
+        let (one, four, relay, serial) = (
+            median(&mut one),
+            median(&mut four),
+            median(&mut relay),
+            median(&mut serial),
+        );
+        let n = events.len();
+        row(
+            &format!("16. NATS {label}: ceiling by hand, 1 / 4 connections"),
+            format!("{one:.0} / {four:.0} ev/s"),
+            &format!(
+                "{n} events, the relay's headers, up to {IN_FLIGHT} acks in flight per connection, no database; median of 3"
+            ),
+        );
+        row(
+            &format!("16. NATS {label}: relay drain"),
+            format!(
+                "{relay:.0} ev/s ({:.2} of 4 connections, {:.2} of 1)",
+                relay / four,
+                relay / one
+            ),
+            "50 tenants x 20 runs backlog, RELAY_BROKER=nats, defaults (4 shards); target >= 0.9",
+        );
+        row(
+            &format!("16. NATS {label}: one publish awaited at a time"),
+            format!(
+                "{serial:.0} ev/s ({:.1}x slower than the relay)",
+                relay / serial
+            ),
+            "the chapter's design, from memory (no database): what the relay replaces",
+        );
+    }
+    Ok(())
+}

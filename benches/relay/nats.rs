@@ -166,7 +166,7 @@ pub(crate) async fn nats_rows(
         row(
             &format!("16. NATS {label}: one publish awaited at a time"),
             format!(
-                "{serial:.0} ev/s ({:.1}x slower than the relay)",
+                "{serial:.0} ev/s (the relay drains {:.2}x this)",
                 relay / serial
             ),
             "the chapter's design, from memory (no database): what the relay replaces",

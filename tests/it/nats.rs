@@ -384,3 +384,57 @@ fn nats_a_server_frozen_past_the_ack_timeout_stores_each_event_once_in_order() {
 fn nats_a_server_frozen_past_the_ack_timeout_stores_each_event_once_in_order_on_2_10() {
     host_runtime().block_on(survives("nats_frozen_2_10", NatsVersion::Trixie, freeze));
 }
+
+/// Relays handing tenants over on NATS: a second relay joins while the first drains a backlog
+/// (a planned handover of half the tenants), then the first crashes (its leases expire, the
+/// second takes everything). Each event is stored once, each branch in order, the outbox
+/// empties: the leases and fences are the broker's business no more than before.
+#[test]
+fn nats_relays_joining_and_crashing_under_a_backlog_store_each_event_once_in_order() {
+    host_runtime().block_on(async {
+        let (_, url) = testkit::empty_database("nats_handover").await;
+        let (pool, mut config) = quick_leases_on(&url, "nats_handover").await;
+        let stream = distribution::nats::scratch::unique_stream("handover");
+        config.topology = stream.clone();
+        config.broker = distribution::BrokerKind::Nats;
+        config.nats_url = testkit::nats_url();
+        config.nats_ack_timeout = Duration::from_secs(2);
+        // Small batches and budgets: the backlog takes seconds, so the join and the crash land
+        // while it ships.
+        config.supervisor.drainer.batch_size = 5;
+        config.supervisor.max_in_flight = 20;
+        let outbox = Outbox::new(pool.clone());
+        let workload = Workload::new("nats_handover", 12, 2, 200);
+        let ran = workload.run(&pool).await;
+        let backlog = pending(&outbox).await;
+        let first = Relay::start(config.clone()).await.unwrap();
+        wait_until(
+            "the first relay shipping",
+            Duration::from_secs(30),
+            || async { pending(&outbox).await < backlog },
+        )
+        .await;
+        let second = Relay::start(config.clone()).await.unwrap();
+        wait_until(
+            "both relays holding tenants",
+            Duration::from_secs(30),
+            || async { buckets(&first).await > 0 && buckets(&second).await > 0 },
+        )
+        .await;
+        let waiting = pending(&outbox).await;
+        first.abort().await; // a crash, with batches in flight
+        println!("{waiting} of {backlog} events pending when the first relay crashed");
+        let more = workload.steps(&pool, ran.live.clone(), 201..=210).await;
+        let mut all = ran.expected.clone();
+        merge(&mut all, &more.expected);
+        wait_until("backlog empty", Duration::from_secs(60), || async {
+            pending(&outbox).await == 0
+        })
+        .await;
+        let events = stored(&stream).await;
+        assert_in_order(&events);
+        assert_eq!(intents_by_branch(&events), all);
+        second.shutdown().await;
+        distribution::nats::scratch::delete_stream(&testkit::nats_url(), &stream).await;
+    });
+}

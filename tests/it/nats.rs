@@ -195,6 +195,8 @@ enum NatsVersion {
 struct PrivateNats {
     version: NatsVersion,
     port: u16,
+    /// A configuration file (the server sees it at this path), instead of the flags.
+    config: Option<std::path::PathBuf>,
     /// The store as the server sees it (inside the root for 2.10).
     store: std::path::PathBuf,
     /// The store as this process sees it.
@@ -219,12 +221,44 @@ impl PrivateNats {
         let mut server = Self {
             version,
             port: testkit::free_port(),
+            config: None,
             store,
             store_here,
             process: None,
         };
         server.run();
         server
+    }
+
+    /// A node of a cluster of `size` on the machine's server: `ports[i]` its client port,
+    /// `routes[i]` its route port; not started.
+    fn node(i: usize, ports: &[u16], routes: &[u16], store: &std::path::Path) -> Self {
+        let routes_list: Vec<String> = routes
+            .iter()
+            .map(|port| format!("\"nats-route://127.0.0.1:{port}\""))
+            .collect();
+        let conf = store.join(format!("n{i}.conf"));
+        std::fs::create_dir_all(store).unwrap();
+        std::fs::write(
+            &conf,
+            format!(
+                "server_name: n{i}\nlisten: 127.0.0.1:{}\njetstream {{ store_dir: \"{}\" }}\n\
+                 cluster {{ name: relay, listen: 127.0.0.1:{}, routes: [{}] }}\n",
+                ports[i],
+                store.join(format!("n{i}")).display(),
+                routes[i],
+                routes_list.join(", ")
+            ),
+        )
+        .unwrap();
+        Self {
+            version: NatsVersion::Machine,
+            port: ports[i],
+            config: Some(conf),
+            store: store.to_owned(),
+            store_here: store.to_owned(),
+            process: None,
+        }
     }
 
     /// Starts the server (again) on its port and store, and waits until it answers.
@@ -239,16 +273,20 @@ impl PrivateNats {
                 chroot
             }
         };
+        match &self.config {
+            Some(config) => command.arg("-c").arg(config),
+            None => command
+                .args([
+                    "-a",
+                    "127.0.0.1",
+                    "-p",
+                    &self.port.to_string(),
+                    "-js",
+                    "-sd",
+                ])
+                .arg(&self.store),
+        };
         let child = command
-            .args([
-                "-a",
-                "127.0.0.1",
-                "-p",
-                &self.port.to_string(),
-                "-js",
-                "-sd",
-            ])
-            .arg(&self.store)
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()
@@ -436,5 +474,117 @@ fn nats_relays_joining_and_crashing_under_a_backlog_store_each_event_once_in_ord
         assert_eq!(intents_by_branch(&events), all);
         second.shutdown().await;
         distribution::nats::scratch::delete_stream(&testkit::nats_url(), &stream).await;
+    });
+}
+
+/// Three NATS servers (the machine's 2.9.10) in one cluster, each on its own ports and store
+/// under one scratch directory, stopped and removed with the test.
+struct PrivateNatsCluster {
+    nodes: Vec<PrivateNats>,
+    store: std::path::PathBuf,
+}
+
+impl PrivateNatsCluster {
+    fn start() -> Self {
+        let store = std::env::temp_dir().join(testkit::unique("relay-nats-cluster"));
+        let ports: Vec<u16> = (0..3).map(|_| testkit::free_port()).collect();
+        let routes: Vec<u16> = (0..3).map(|_| testkit::free_port()).collect();
+        let mut nodes: Vec<PrivateNats> = (0..3)
+            .map(|i| PrivateNats::node(i, &ports, &routes, &store))
+            .collect();
+        for node in &mut nodes {
+            node.run();
+        }
+        Self { nodes, store }
+    }
+
+    /// Every node's URL, comma-separated (what `NATS_URL` takes).
+    fn urls(&self) -> String {
+        let urls: Vec<String> = self.nodes.iter().map(PrivateNats::url).collect();
+        urls.join(",")
+    }
+
+    /// The node leading `stream`, asked of any node that answers.
+    async fn leader_of(&self, stream: &str) -> usize {
+        for node in &self.nodes {
+            let Ok(client) = async_nats::connect(node.url()).await else {
+                continue;
+            };
+            let context = async_nats::jetstream::new(client);
+            if let Ok(mut found) = context.get_stream(stream).await
+                && let Ok(info) = found.info().await
+                && let Some(leader) = info.cluster.as_ref().and_then(|c| c.leader.clone())
+            {
+                return leader.trim_start_matches('n').parse().unwrap();
+            }
+        }
+        panic!("no node names a leader of {stream}");
+    }
+}
+
+impl Drop for PrivateNatsCluster {
+    fn drop(&mut self) {
+        self.nodes.clear();
+        let _ = std::fs::remove_dir_all(&self.store);
+    }
+}
+
+/// A 3-node JetStream cluster, the stream on 3 replicas: its leader's server killed (SIGKILL)
+/// while the relay ships a backlog, and started again 2 s later. The election answers "no
+/// responders" for seconds (the relay's sessions fault and retry, never give up), every acked
+/// event survives, none is stored twice, each branch stays in order, the outbox empties.
+#[test]
+fn nats_the_stream_leader_killed_on_a_3_node_cluster_loses_nothing_and_keeps_order() {
+    host_runtime().block_on(async {
+        let (pool, url) = fresh_database("nats_leader").await;
+        let mut cluster = PrivateNatsCluster::start();
+        let stream = distribution::nats::scratch::unique_stream("leader");
+        let mut config = nats_config(&url, &cluster.urls(), &stream);
+        config.nats_replicas = 3;
+        // Small batches and budgets: the backlog takes seconds, so the kill lands while it
+        // ships.
+        config.supervisor.drainer.batch_size = 5;
+        config.supervisor.max_in_flight = 20;
+        let outbox = Outbox::new(pool.clone());
+        let workload = Workload::new("nats_leader", 12, 2, 200);
+        let mut ran = workload.run(&pool).await;
+        let mut all = ran.expected.clone();
+        let backlog = pending(&outbox).await;
+        // The cluster elects its JetStream leader after it forms: the relay's first sessions
+        // may find no JetStream yet, and retry.
+        let relay = Relay::start(config).await.unwrap();
+        wait_until("the backlog shipping", Duration::from_secs(60), || async {
+            pending(&outbox).await + 300 < backlog
+        })
+        .await;
+        let leader = cluster.leader_of(&stream).await;
+        let waiting = pending(&outbox).await;
+        cluster.nodes[leader].kill();
+        let killed_at = std::time::Instant::now();
+        println!(
+            "killed n{leader}, the stream's leader, with {waiting} of {backlog} events pending"
+        );
+        tokio::time::sleep(Duration::from_secs(2)).await; // the outage's length
+        cluster.nodes[leader].run();
+        ran = workload.steps(&pool, ran.live, 201..=210).await;
+        merge(&mut all, &ran.expected);
+        wait_until("backlog empty", Duration::from_secs(90), || async {
+            pending(&outbox).await == 0
+        })
+        .await;
+        println!(
+            "the outbox empty {:.1} s after the kill",
+            killed_at.elapsed().as_secs_f64()
+        );
+        let survivor = (leader + 1) % 3;
+        let events: Vec<OutboxEvent> =
+            distribution::nats::scratch::read_stream(&cluster.nodes[survivor].url(), &stream)
+                .await
+                .into_iter()
+                .map(|(_, event)| event.unwrap())
+                .collect();
+        assert_in_order(&events);
+        assert_eq!(intents_by_branch(&events), all);
+        relay.shutdown().await;
     });
 }

@@ -26,12 +26,16 @@ pub use testkit::{
 pub const HOST_THREADS: &str = "host-executor";
 
 /// The `distribution` binary with none of the suite's own relay settings (`RELAY_*`,
-/// `DATABASE_URL`, `AMQP_URL`) leaking in: each test sets what it means.
+/// `DATABASE_URL`, `AMQP_URL`, `NATS_URL`) leaking in: each test sets what it means.
 pub fn relay_command() -> std::process::Command {
     let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_distribution"));
     for (name, _) in std::env::vars_os() {
         let name = name.to_string_lossy();
-        if name.starts_with("RELAY_") || name == "DATABASE_URL" || name == "AMQP_URL" {
+        if name.starts_with("RELAY_")
+            || name == "DATABASE_URL"
+            || name == "AMQP_URL"
+            || name == "NATS_URL"
+        {
             command.env_remove(name.as_ref());
         }
     }

@@ -588,3 +588,89 @@ fn nats_the_stream_leader_killed_on_a_3_node_cluster_loses_nothing_and_keeps_ord
         relay.shutdown().await;
     });
 }
+
+/// `distribution run` with `RELAY_BROKER=nats`: without `NATS_URL` it exits 2 naming it, and a
+/// RabbitMQ setting beside it is refused rather than ignored; with it, the relay declares the
+/// stream, says what the server's version means for durability, is ready, ships, and stops
+/// gracefully on SIGTERM.
+#[test]
+fn nats_the_binary_refuses_what_it_lacks_then_ships_and_is_ready() {
+    let refused = |extra: &[(&str, &str)]| {
+        let mut command = relay_command();
+        command
+            .arg("run")
+            .env("DATABASE_URL", "postgres://postgres@127.0.0.1:1/x")
+            .env("RELAY_BROKER", "nats");
+        for (name, value) in extra {
+            command.env(name, value);
+        }
+        let output = command.output().unwrap();
+        (
+            output.status.code(),
+            String::from_utf8_lossy(&output.stderr).into_owned(),
+        )
+    };
+    let (code, stderr) = refused(&[]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("NATS_URL") && stderr.lines().count() == 1,
+        "{stderr}"
+    );
+    let (code, stderr) = refused(&[
+        ("NATS_URL", "nats://127.0.0.1:4222"),
+        ("RELAY_QUEUE_TYPE", "quorum"),
+    ]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("RELAY_QUEUE_TYPE") && stderr.contains("RabbitMQ setting"),
+        "{stderr}"
+    );
+
+    host_runtime().block_on(async {
+        let (pool, url) = fresh_database("nats_binary").await;
+        let stream = distribution::nats::scratch::unique_stream("binary");
+        let addr = free_addr();
+        let log = std::env::temp_dir().join(testkit::unique("relay-nats-run.log"));
+        let child = relay_command()
+            .arg("run")
+            .env("DATABASE_URL", &url)
+            .env("RELAY_BROKER", "nats")
+            .env("NATS_URL", testkit::nats_url())
+            .env("RELAY_TOPOLOGY", &stream)
+            .env("RELAY_METRICS_ADDR", &addr)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let mut relay = Process(child);
+        wait_until("/readyz 200", Duration::from_secs(30), || async {
+            matches!(http_get(&addr, "/readyz").await, Some((200, _)))
+        })
+        .await;
+        let branch = write_first_intent(&pool, "nats-binary", b"hello").await;
+        wait_until("the intent stored", Duration::from_secs(30), || async {
+            stored(&stream)
+                .await
+                .iter()
+                .any(|event| event.key.branch == branch)
+        })
+        .await;
+        relay.signal("-TERM");
+        assert_eq!(
+            relay.0.wait().unwrap().code(),
+            Some(0),
+            "graceful stop on SIGTERM"
+        );
+        let said = std::fs::read_to_string(&log).unwrap();
+        let _ = std::fs::remove_file(&log);
+        assert!(
+            said.contains("NATS 2.9"),
+            "the server's version is said: {said}"
+        );
+        assert!(
+            said.contains("syncs JetStream to disk every 60 s"),
+            "{said}"
+        );
+        distribution::nats::scratch::delete_stream(&testkit::nats_url(), &stream).await;
+    });
+}

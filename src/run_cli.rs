@@ -8,6 +8,14 @@ use crate::outbox_cli::migrate_in;
 use crate::{connect, serve};
 
 pub(crate) async fn run(config: RelayConfig) -> Result<()> {
+    // NATS_URL is a common variable (NATS's own tools read it), so a relay beside them is not
+    // refused for it; but an operator who meant NATS and forgot RELAY_BROKER is told at once.
+    if config.broker == distribution::BrokerKind::RabbitMq && !config.nats_url.is_empty() {
+        let note = "NATS_URL is set but RELAY_BROKER is rabbitmq: events go to RabbitMQ \
+                    (AMQP_URL); RELAY_BROKER=nats sends them to NATS";
+        tracing::warn!("{note}");
+        eprintln!("warning: {note}");
+    }
     // The schema is applied first (idempotent, safe with several relays starting at once),
     // unless the host applies it with its own tool (`distribution sql`).
     if config.skip_migrate {

@@ -616,6 +616,19 @@ fn nats_the_binary_refuses_what_it_lacks_then_ships_and_is_ready() {
         stderr.contains("NATS_URL") && stderr.lines().count() == 1,
         "{stderr}"
     );
+    // NATS_URL without RELAY_BROKER=nats: RabbitMQ, and the operator is told.
+    let output = relay_command()
+        .arg("run")
+        .env("DATABASE_URL", "postgres://postgres@127.0.0.1:1/x")
+        .env("AMQP_URL", "amqp://127.0.0.1:1/%2f")
+        .env("NATS_URL", "nats://127.0.0.1:4222")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("NATS_URL is set but RELAY_BROKER is rabbitmq"),
+        "{stderr}"
+    );
     let (code, stderr) = refused(&[
         ("NATS_URL", "nats://127.0.0.1:4222"),
         ("RELAY_QUEUE_TYPE", "quorum"),

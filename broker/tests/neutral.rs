@@ -70,20 +70,14 @@ fn each_broker_client_is_known_to_its_adapter_alone() {
     }
     for (package, deps) in &packages {
         for (client, adapter) in CLIENTS {
-            let allowed = package == adapter
-                || NOT_YET_SPLIT.contains(&(package.as_str(), *client))
-                // The facade's binary links every adapter it can start.
-                || package == "distribution" && *client != "lapin";
+            let allowed =
+                package == adapter || NOT_YET_SPLIT.contains(&(package.as_str(), *client));
             assert!(
                 !deps.contains(*client) || allowed,
                 "{package} depends on {client}: only {adapter} may"
             );
         }
     }
-    assert!(
-        !packages["distribution"].contains("lapin"),
-        "the facade reaches RabbitMQ through rabbit"
-    );
 }
 
 #[test]

@@ -39,10 +39,6 @@ pub struct Verdict {
 mod code {
     /// `JSStreamMessageExceedsMaximumErr`: larger than the stream's `max_msg_size`.
     pub(super) const MESSAGE_TOO_LARGE: u64 = 10054;
-    /// `JSStreamStoreFailedF`: the store failed (disk full, I/O).
-    pub(super) const STORE_FAILED: u64 = 10077;
-    /// `JSInsufficientResourcesErr`: the server is out of JetStream resources.
-    pub(super) const INSUFFICIENT_RESOURCES: u64 = 10023;
     /// `JSStreamNotMatchErr`: `Nats-Expected-Stream` is not the stream the subject maps to.
     pub(super) const WRONG_STREAM: u64 = 10060;
 }
@@ -64,12 +60,10 @@ pub fn attribute(answer: Answer) -> Verdict {
             (Outcome::TooLarge, false)
         }
         Answer::Refused(code::WRONG_STREAM) => (Outcome::Returned, false),
-        // Storage refused (limits with discard new, a full disk, no resources), or any other
-        // refusal of this message: the branch cools and is retried; parked only past the nack
-        // grace, like a queue at its limit on RabbitMQ.
-        Answer::Refused(code::STORE_FAILED | code::INSUFFICIENT_RESOURCES) | Answer::Refused(_) => {
-            (Outcome::Nacked, false)
-        }
+        // Storage refused (10077: limits with discard new, a full disk; 10023: no JetStream
+        // resources), or any other refusal of this message: the branch cools and is retried;
+        // parked only past the nack grace, like a queue at its limit on RabbitMQ.
+        Answer::Refused(_) => (Outcome::Nacked, false),
         Answer::Client => (Outcome::NotSent, true),
     };
     Verdict { outcome, fault }

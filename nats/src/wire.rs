@@ -218,6 +218,35 @@ mod tests {
         );
     }
 
+    /// broker/WIRE.md's NATS table names the headers this module writes: a reader written from
+    /// WIRE.md alone finds them where it says.
+    #[test]
+    fn wire_md_names_the_headers_written_here() {
+        let wire = include_str!("../../broker/WIRE.md");
+        let section = &wire[wire.find("## On NATS JetStream").expect("a NATS section")..];
+        for (property, header) in [
+            ("message_id", MSG_ID),
+            ("type", TYPE),
+            ("content_type", CONTENT_TYPE),
+            ("correlation_id", CORRELATION_ID),
+        ] {
+            let row = format!("| `{property}` | header `{header}`");
+            assert!(section.contains(&row), "WIRE.md lacks {row}");
+        }
+        assert!(section.contains(&format!("header `{EXPECTED_STREAM}: <topology>`")));
+        let numbers: Vec<String> = broker::NUMBER_HEADERS
+            .iter()
+            .map(|name| format!("`{name}`"))
+            .collect();
+        let row = section
+            .lines()
+            .find(|line| line.starts_with("| headers, long long ints |"))
+            .expect("the numbers' row");
+        for name in &numbers {
+            assert!(row.contains(name.as_str()), "{row} lacks {name}");
+        }
+    }
+
     /// A number header that is not a number is malformed, not absent or zero.
     #[test]
     fn a_number_header_that_is_not_a_number_is_refused() {

@@ -24,5 +24,5 @@ pub use publisher::{NatsPublisher, connect, durability_note, preflight};
 pub use stream::declare;
 pub use wire::{
     CONTENT_TYPE, CORRELATION_ID, EXPECTED_STREAM, MSG_ID, TYPE, Unwritable, decode, envelope,
-    headers, travels,
+    headers,
 };

@@ -7,7 +7,9 @@
 //!
 //! NATS headers are lines of text read back trimmed, so a value with a line break, or with
 //! whitespace at either end, cannot travel unchanged; nor can a host header named `Nats-*`,
-//! which the server would act on. Such an event is [`Unwritable`]: refused, never altered.
+//! which the server would act on. The store refuses both at append time (migration 18,
+//! `store::is_portable_header_value`); a row written before that is [`Unwritable`] here:
+//! refused, never altered.
 use async_nats::{HeaderMap, HeaderName, HeaderValue};
 use broker::{Envelope, NUMBER_HEADERS, Value, WireError, WireMode};
 use store::OutboxEvent;
@@ -39,13 +41,8 @@ impl std::fmt::Display for Unwritable {
     }
 }
 
-/// Whether `value` reads back from NATS as written: no line break, no whitespace at either end.
-pub fn travels(value: &str) -> bool {
-    !value.contains(['\r', '\n']) && value.trim() == value
-}
-
 fn header_value(name: &str, value: &str) -> Result<HeaderValue, Unwritable> {
-    if !travels(value) {
+    if !store::is_portable_header_value(value) {
         return Err(Unwritable {
             header: name.to_owned(),
             reason: "a line break or whitespace at either end, which NATS headers do not keep",

@@ -80,6 +80,7 @@ pub use meta::MAX_HEADER_BYTES;
 pub use meta::MAX_HEADERS;
 pub use meta::Metadata;
 pub use meta::RESERVED_HEADERS;
+pub use meta::is_portable_header_value;
 pub use meta::is_reserved_header;
 pub use offset::adopt_branch;
 pub use offset::reset_fold;

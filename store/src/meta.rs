@@ -28,7 +28,8 @@ pub(crate) const MAX_EVENT_TYPE_BYTES: usize = 128;
 pub(crate) const MAX_TRACESTATE_BYTES: usize = 512;
 
 /// Header names of the wire contract itself: a host header may not use them (compared without
-/// case), nor start with `x-` (RabbitMQ's and the relay's own) or `cloudevents`.
+/// case), nor start with `x-` (RabbitMQ's and the relay's own), `nats-` (the NATS server's: it
+/// acts on them) or `cloudevents`.
 pub const RESERVED_HEADERS: &[&str] = &[
     "wire_version",
     "kind",
@@ -48,14 +49,30 @@ pub const RESERVED_HEADERS: &[&str] = &[
     "tracestate",
 ];
 
-/// Whether `name` is the wire contract's, not a host's: one of [`RESERVED_HEADERS`] (without
-/// case), or starting with `x-` or `cloudevents`. The writer refuses such host headers, and a
-/// decoder takes every other long-string header for one of the host's.
+/// Whether `name` is the wire contract's or a broker's, not a host's: one of
+/// [`RESERVED_HEADERS`] (without case), or starting with `x-`, `nats-` or `cloudevents`. The
+/// writer refuses such host headers, and a decoder takes every other long-string header for one
+/// of the host's.
 pub fn is_reserved_header(name: &str) -> bool {
     let lower = name.to_ascii_lowercase();
     RESERVED_HEADERS.contains(&lower.as_str())
         || lower.starts_with("x-")
+        || is_nats_header(&lower)
         || lower.starts_with("cloudevents")
+}
+
+/// Whether `name` is one the NATS server acts on (`Nats-*`, any case): a host's `Nats-Msg-Id`
+/// would have its event dropped as a duplicate.
+fn is_nats_header(name: &str) -> bool {
+    name.get(..5)
+        .is_some_and(|prefix| prefix.eq_ignore_ascii_case("nats-"))
+}
+
+/// Whether a header value reads back from every broker as written: no line break, and no
+/// whitespace (Unicode's, as [`str::trim`] sees it) at either end. NATS headers are lines of
+/// text that its clients read back trimmed; the writer refuses any other host header value.
+pub fn is_portable_header_value(value: &str) -> bool {
+    !value.contains(['\r', '\n']) && value.trim() == value
 }
 
 /// What an event is, in the host's words (`order.created`): 1 to 128 bytes of
@@ -211,11 +228,14 @@ fn check_content_type(value: &str) -> Result<(), Error> {
     let token = |t: &str| !t.is_empty() && visible(t) && !t.contains('/') && !t.contains(';');
     let essence = value.split(';').next().unwrap_or_default();
     let shaped = matches!(essence.trim_end().split_once('/'), Some((kind, sub)) if token(kind) && token(sub));
-    if value.len() > MAX_FIELD_BYTES || !value.bytes().all(|b| (0x20..0x7f).contains(&b)) || !shaped
+    if value.len() > MAX_FIELD_BYTES
+        || !value.bytes().all(|b| (0x20..0x7f).contains(&b))
+        || !shaped
+        || value.ends_with(' ')
     {
         return Err(invalid(
             "content_type",
-            "must be a media type (type/subtype[; parameters]) of at most 255 printable ASCII bytes",
+            "must be a media type (type/subtype[; parameters]) of at most 255 printable ASCII bytes, not ending in a space",
         ));
     }
     Ok(())
@@ -234,10 +254,22 @@ fn check_headers(headers: &BTreeMap<String, String>) -> Result<(), Error> {
                 "names are 1 to 64 bytes of A-Z a-z 0-9 . _ -",
             ));
         }
+        if is_nats_header(name) {
+            return Err(invalid(
+                format!("header {name}"),
+                "is the NATS server's (Nats-*): a host header may not use the name",
+            ));
+        }
         if is_reserved_header(name) {
             return Err(invalid(
                 format!("header {name}"),
                 "is reserved by the wire contract",
+            ));
+        }
+        if !is_portable_header_value(value) {
+            return Err(invalid(
+                format!("header {name}"),
+                "has a line break or whitespace at either end, which NATS headers do not keep",
             ));
         }
         bytes += name.len() + value.len();
@@ -309,6 +341,12 @@ fn check_tracestate(value: &str) -> Result<(), Error> {
         return Err(invalid(
             "tracestate",
             "must be a W3C tracestate (1 to 32 key=value members, at most 512 bytes)",
+        ));
+    }
+    if value.trim_matches([' ', '\t']) != value {
+        return Err(invalid(
+            "tracestate",
+            "has whitespace at either end, which NATS headers do not keep",
         ));
     }
     Ok(())

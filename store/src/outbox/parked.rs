@@ -209,7 +209,7 @@ impl ParkCause {
             }
             Self::TooLarge => "an event is larger than the broker's max_message_size",
             Self::Unwritable => {
-                "an event has a header the broker's protocol cannot carry (on NATS: a value with a line break)"
+                "an event has a header NATS cannot carry unchanged (a value with a line break or whitespace at either end, a `Nats-*` name); only rows written before the store's migration 18, which refuses them at append"
             }
             Self::Unreadable => {
                 "a row of it cannot be read by this relay (its metadata does not decode: written past relay_append, or by a newer schema); the intents before it shipped"
@@ -231,7 +231,7 @@ impl ParkCause {
                 "raise max_message_size on the broker, then Release; or Discard the branch (its waiting events are dropped for good)"
             }
             Self::Unwritable => {
-                "remove the line break from the row's header (or Discard the branch: its waiting events are dropped for good), then Release"
+                "correct the row's `meta` (or Discard the branch: its waiting events are dropped for good), then Release"
             }
             Self::Unreadable => {
                 "repair the row named in the reason (or upgrade the relay), then Release: a release before the repair parks it again at once"

@@ -41,6 +41,7 @@ pub use port::report_future;
 pub use probe::CallProbe;
 pub use wire::CLOUDEVENTS_COLON_PREFIX;
 pub use wire::CLOUDEVENTS_PREFIX;
+pub use wire::DEAD_LETTER_REASON;
 pub use wire::Envelope;
 pub use wire::NUMBER_HEADERS;
 pub use wire::OCTET_STREAM;

@@ -14,6 +14,9 @@ use store::{
 /// The contract version this relay writes (header `wire_version`).
 pub const WIRE_VERSION: i64 = 4;
 
+/// Header naming why a consumer dead-lettered a message, on either broker.
+pub const DEAD_LETTER_REASON: &str = "x-relay-dead-letter-reason";
+
 /// The default content type: the payload's bytes, unchanged, of a type the host did not say.
 pub const OCTET_STREAM: &str = "application/octet-stream";
 

@@ -72,6 +72,9 @@ pub enum StreamStart {
     /// The first message published at or after this time (RabbitMQ's resolution: a chunk,
     /// so a few earlier messages may come too; the fold absorbs them).
     At(std::time::SystemTime),
+    /// This offset (RabbitMQ) or stream sequence (NATS), and what follows: a replay or a
+    /// rebuild from any point the stream still holds.
+    Offset(u64),
 }
 
 impl StreamStart {
@@ -84,7 +87,99 @@ impl StreamStart {
                 at.duration_since(std::time::UNIX_EPOCH)
                     .map_or(0, |since| since.as_secs()),
             ),
+            StreamStart::Offset(offset) => {
+                AMQPValue::LongLongInt(i64::try_from(offset).unwrap_or(i64::MAX))
+            }
         }
+    }
+
+    /// Where a NATS reader with nothing stored starts for this start.
+    pub(crate) fn read_from(self) -> nats::ReadFrom {
+        match self {
+            StreamStart::First => nats::ReadFrom::First,
+            StreamStart::Next => nats::ReadFrom::Next,
+            StreamStart::At(at) => nats::ReadFrom::Time(at),
+            StreamStart::Offset(sequence) => nats::ReadFrom::Sequence(sequence),
+        }
+    }
+}
+
+/// How a [`Consumer`](crate::Consumer) reads NATS JetStream ([`Consumer::on_nats`](crate::Consumer::on_nats)).
+///
+/// Each partition (subject `<stream>.p<N>`) is read in stream order by one consumer process of
+/// the group at a time: the one whose database session holds the partition's lock (a
+/// PostgreSQL advisory lock on the connection its folds run on). Another process of the same
+/// group stands by and takes the partition over once that session ends (the process stopped
+/// or died, or its connection broke), from the position the fold stored. Needs no pinned
+/// consumers (NATS 2.11): the fold's database decides.
+#[derive(Clone, Debug)]
+pub struct NatsConsumerConfig {
+    /// The server and stream (the relay's `NatsConfig`: same stream, same partitions).
+    pub nats: nats::NatsConfig,
+    /// The group: `[A-Za-z0-9_-]`, 1 to 64 bytes. Its position per partition is stored in the
+    /// fold's database under `nats:<stream>/<group>/p<N>`; its dead letters are kept under
+    /// subject `<stream>_dead.<group>`.
+    pub group: String,
+    /// Partitions to serve; `None` serves all of them.
+    pub partitions: Option<Vec<Partition>>,
+    /// How many deliveries one transaction folds ([`FoldBatch`]).
+    pub batch: FoldBatch,
+    /// Delays between reconnects and between retries of a failing batch.
+    pub retry: RetryPolicy,
+    /// As [`ConsumerConfig::fold_timeout`]. Default 60 s.
+    pub fold_timeout: Duration,
+    /// As [`ConsumerConfig::retention`].
+    pub retention: Option<store::Retention>,
+    /// As [`ConsumerConfig::event_types`].
+    pub event_types: Option<BTreeSet<EventType>>,
+    /// Where a partition is first read when the fold's database holds no position for it.
+    /// Default [`StreamStart::First`]. Once a position is stored the consumer resumes there.
+    pub start: StreamStart,
+    /// How often a standing-by process tries a partition another holds. Default 1 s.
+    pub standby_poll: Duration,
+}
+
+impl NatsConsumerConfig {
+    /// Every partition of `nats`'s stream, read by `group`, with the defaults.
+    pub fn new(nats: nats::NatsConfig, group: &str) -> Result<Self, broker::Error> {
+        let config = Self {
+            nats,
+            group: group.to_owned(),
+            partitions: None,
+            batch: FoldBatch::default(),
+            retry: RetryPolicy::default(),
+            fold_timeout: Duration::from_secs(60),
+            retention: None,
+            event_types: None,
+            start: StreamStart::default(),
+            standby_poll: Duration::from_secs(1),
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks the group's name and the stream's settings.
+    pub fn validate(&self) -> Result<(), broker::Error> {
+        self.nats.validate()?;
+        let fine = |b: u8| b.is_ascii_alphanumeric() || b == b'_' || b == b'-';
+        if self.group.is_empty() || self.group.len() > 64 || !self.group.bytes().all(fine) {
+            return Err(broker::Error::InvalidConfig(format!(
+                "consumer group {:?}: 1 to 64 bytes of A-Z a-z 0-9 _ -",
+                self.group
+            )));
+        }
+        Ok(())
+    }
+
+    /// Where the fold stores a partition's position.
+    pub(crate) fn offset_key(&self, partition: Partition) -> String {
+        format!("nats:{}/{}/p{}", self.nats.stream, self.group, partition.0)
+    }
+
+    pub(crate) fn partitions(&self) -> Vec<Partition> {
+        self.partitions
+            .clone()
+            .unwrap_or_else(|| (0..self.nats.partitions).map(Partition).collect())
     }
 }
 

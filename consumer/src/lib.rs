@@ -7,6 +7,12 @@
 //! its deliveries are acked: a crash anywhere means a redelivery, which the fold turns into a
 //! no-op. Exactly once at the fold, at least once in transport.
 //!
+//! On NATS JetStream ([`Consumer::on_nats`], [`NatsConsumerConfig`]) the same fold reads each
+//! partition's subject in stream order; the group's position is stored in the fold's
+//! transaction (nothing is acked to the server), one process of the group reads a partition at
+//! a time (a PostgreSQL advisory lock on the connection its folds run on; the others stand by),
+//! and dead letters are kept in the stream `<stream>_dead` (WIRE.md, "On NATS JetStream").
+//!
 //! Failures, by kind:
 //! - broker or database gone: the partition reconnects with backoff (the delivery in hand is
 //!   not acked, so it comes back);
@@ -33,18 +39,22 @@ use broker::{Error, Partition};
 mod batch;
 mod config;
 mod fold_consumer;
+mod nats_serve;
 mod serve;
+mod settle;
 mod stats;
 mod stream;
 mod verdict;
 
 pub use batch::FoldBatch;
-pub use config::{ConsumerConfig, StreamStart};
+pub use broker::DEAD_LETTER_REASON;
+pub use config::{ConsumerConfig, NatsConsumerConfig, StreamStart};
 pub use fold_consumer::FoldConsumer;
-pub use rabbit::DEAD_LETTER_REASON;
 pub use stats::{ConsumerProgress, FoldStats};
 
+use nats_serve::NatsServe;
 use serve::Serve;
+use settle::{Db, Folder};
 use stats::totals;
 
 /// Folds the relay's messages into a user's [`Projection`], exactly once, in order.
@@ -67,7 +77,7 @@ use stats::totals;
 /// # Ok(()) }
 /// ```
 pub struct Consumer<P> {
-    config: ConsumerConfig,
+    source: Source,
     pool: PgPool,
     projection: P,
     progress: Arc<Mutex<Vec<FoldStats>>>,
@@ -77,10 +87,17 @@ pub struct Consumer<P> {
 /// Called with a partition's running totals after each of its deliveries.
 pub(crate) type Observer = Arc<dyn Fn(Partition, FoldStats) + Send + Sync>;
 
+/// What a consumer reads.
+#[derive(Debug)]
+enum Source {
+    Rabbit(ConsumerConfig),
+    Nats(NatsConsumerConfig),
+}
+
 impl<P> std::fmt::Debug for Consumer<P> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Consumer")
-            .field("config", &self.config)
+            .field("source", &self.source)
             .finish_non_exhaustive()
     }
 }
@@ -94,7 +111,20 @@ where
     pub fn new(config: ConsumerConfig, pool: PgPool, projection: P) -> Self {
         let partitions = config.partitions().len();
         Self {
-            config,
+            source: Source::Rabbit(config),
+            pool,
+            projection,
+            progress: Arc::new(Mutex::new(vec![FoldStats::default(); partitions])),
+            observer: None,
+        }
+    }
+
+    /// A consumer folding `config`'s NATS JetStream stream into `projection` on `pool`, one
+    /// process of the group per partition at a time ([`NatsConsumerConfig`]).
+    pub fn on_nats(config: NatsConsumerConfig, pool: PgPool, projection: P) -> Self {
+        let partitions = config.partitions().len();
+        Self {
+            source: Source::Nats(config),
             pool,
             projection,
             progress: Arc::new(Mutex::new(vec![FoldStats::default(); partitions])),
@@ -135,30 +165,90 @@ where
         // broker redelivers whatever they had not acked
         // (`batches::batches_killed_inside_and_between_leave_the_fold_exact`).
         let mut tasks = tokio::task::JoinSet::new();
-        for (index, partition) in self.config.partitions().into_iter().enumerate() {
-            let serve = Serve {
-                config: self.config.clone(),
-                pool: self.pool.clone(),
-                projection: self.projection.clone(),
-                partition,
-                progress: self.progress.clone(),
-                index,
-                observer: self.observer.clone(),
-                stream: None,
-            };
-            tasks.spawn(serve.run(stop_rx.clone()));
-        }
-        if let Some(retention) = self.config.retention {
+        let retention = match &self.source {
+            Source::Rabbit(config) => {
+                self.spawn_rabbit(config, &mut tasks, &stop_rx);
+                config.retention
+            }
+            Source::Nats(config) => {
+                self.spawn_nats(config, &mut tasks, &stop_rx);
+                config.retention
+            }
+        };
+        if let Some(retention) = retention {
             tasks.spawn(retire_loop(self.pool.clone(), retention, stop_rx.clone()));
         }
-        tasks.spawn(dead_letter_depth(
-            self.config.rabbit.clone(),
-            stop_rx.clone(),
-        ));
         stop.await;
         let _ = stop_tx.send(true);
         while tasks.join_next().await.is_some() {}
         Ok(totals(&self.progress))
+    }
+
+    /// One task per RabbitMQ partition, and the dead-letter depth gauge.
+    fn spawn_rabbit(
+        &self,
+        config: &ConsumerConfig,
+        tasks: &mut tokio::task::JoinSet<()>,
+        stop_rx: &watch::Receiver<bool>,
+    ) {
+        for (index, partition) in config.partitions().into_iter().enumerate() {
+            let topology = &config.rabbit.topology;
+            let folder = Folder {
+                db: Db::Pool(self.pool.clone()),
+                projection: self.projection.clone(),
+                event_types: config.event_types.clone(),
+                fold_timeout: config.fold_timeout,
+                retry: config.retry,
+                partition,
+                progress: self.progress.clone(),
+                index,
+                observer: self.observer.clone(),
+                system: "rabbitmq",
+                destination: topology.queue(partition).to_string(),
+                group: topology.group().name().to_owned(),
+            };
+            let serve = Serve {
+                config: config.clone(),
+                pool: self.pool.clone(),
+                partition,
+                folder,
+                stream: None,
+            };
+            tasks.spawn(serve.run(stop_rx.clone()));
+        }
+        tasks.spawn(dead_letter_depth(config.rabbit.clone(), stop_rx.clone()));
+    }
+
+    /// One task per NATS partition.
+    fn spawn_nats(
+        &self,
+        config: &NatsConsumerConfig,
+        tasks: &mut tokio::task::JoinSet<()>,
+        stop_rx: &watch::Receiver<bool>,
+    ) {
+        for (index, partition) in config.partitions().into_iter().enumerate() {
+            let folder = Folder {
+                db: Db::None,
+                projection: self.projection.clone(),
+                event_types: config.event_types.clone(),
+                fold_timeout: config.fold_timeout,
+                retry: config.retry,
+                partition,
+                progress: self.progress.clone(),
+                index,
+                observer: self.observer.clone(),
+                system: "nats",
+                destination: config.nats.subject(partition),
+                group: config.group.clone(),
+            };
+            let serve = NatsServe {
+                config: config.clone(),
+                pool: self.pool.clone(),
+                partition,
+                folder,
+            };
+            tasks.spawn(serve.run(stop_rx.clone()));
+        }
     }
 }
 

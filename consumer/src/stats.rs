@@ -37,6 +37,9 @@ pub struct FoldStats {
     /// Transactions committed: each folded one batch of deliveries (`applied / batches` is
     /// about the mean batch; [`crate::FoldBatch`]).
     pub batches: u64,
+    /// Times a NATS partition found another consumer of its group reading it and stood by
+    /// until that one's session ended.
+    pub standbys: u64,
 }
 
 impl FoldStats {
@@ -73,6 +76,7 @@ impl FoldStats {
             superseded: self.superseded + other.superseded,
             adopted: self.adopted + other.adopted,
             batches: self.batches + other.batches,
+            standbys: self.standbys + other.standbys,
         }
     }
 }

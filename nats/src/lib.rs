@@ -7,12 +7,15 @@
 //! - `stream`: the stream declared and read back ([`declare`]).
 //! - `attribute`: what the server's answer to one publish means for its event (pure).
 //! - `publisher`: [`NatsPublisher`]: pipelined publishes, acks awaited by a pump, fenced.
+//! - `reader`: for a consumer: a partition read in stream order ([`PartitionReader`]), dead
+//!   letters kept in a stream of their own ([`dead_letter`]).
 //! - `scratch` (feature `fixtures`): test streams deleted at the test process's exit.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
 mod attribute;
 mod config;
 mod publisher;
+mod reader;
 #[cfg(feature = "fixtures")]
 pub mod scratch;
 mod stream;
@@ -21,6 +24,10 @@ mod wire;
 pub use attribute::{Answer, Verdict, attribute};
 pub use config::{MAX_ACKS_IN_FLIGHT, NatsConfig};
 pub use publisher::{NatsPublisher, connect, durability_note, preflight};
+pub use reader::{
+    Delivery, PartitionReader, ReadFrom, Reading, dead_letter, dead_letter_stream,
+    declare_dead_letters,
+};
 pub use stream::declare;
 pub use wire::{
     CONTENT_TYPE, CORRELATION_ID, EXPECTED_STREAM, MSG_ID, TYPE, Unwritable, decode, envelope,

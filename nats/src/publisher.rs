@@ -37,7 +37,9 @@ pub async fn connect(config: &NatsConfig) -> Result<(Client, Context), Error> {
 /// writes on a connection that lost its server (the flag), and the client holds its reconnect
 /// back for half the stream's duplicate window: by then the relay has sent everything again on
 /// a connection of its own, and what the old one still writes is dropped as a duplicate.
-async fn open(config: &NatsConfig) -> Result<(Client, Context, watch::Receiver<bool>), Error> {
+pub(crate) async fn open(
+    config: &NatsConfig,
+) -> Result<(Client, Context, watch::Receiver<bool>), Error> {
     let servers = config
         .servers
         .iter()

@@ -28,7 +28,8 @@ extern "C" fn delete_at_exit() {
         let context = async_nats::jetstream::new(client);
         let names: Vec<String> = context.stream_names().try_collect().await.ok()?;
         for name in names {
-            if name.starts_with("relay_test_") && store::scratch::is_ours(&name, pid, now) {
+            let base = name.strip_suffix("_dead").unwrap_or(&name);
+            if base.starts_with("relay_test_") && store::scratch::is_ours(base, pid, now) {
                 let _ = context.delete_stream(&name).await;
             }
         }
@@ -65,11 +66,13 @@ pub async fn read_stream(
     messages
 }
 
-/// Deletes `stream` from the server at `url`, if it is there.
+/// Deletes `stream` and its dead-letter stream from the server at `url`, if they are there.
 pub async fn delete_stream(url: &str, stream: &str) {
     if let Ok(client) = async_nats::connect(url).await {
-        let _ = async_nats::jetstream::new(client)
-            .delete_stream(stream)
+        let context = async_nats::jetstream::new(client);
+        let _ = context.delete_stream(stream).await;
+        let _ = context
+            .delete_stream(crate::dead_letter_stream(stream))
             .await;
     }
 }

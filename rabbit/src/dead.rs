@@ -20,8 +20,7 @@ use broker::{Error, WireError};
 
 use crate::{RabbitConfig, within};
 
-/// Header naming why a message was dead-lettered (a consumer sets it).
-pub const DEAD_LETTER_REASON: &str = "x-relay-dead-letter-reason";
+pub use broker::DEAD_LETTER_REASON;
 
 /// Headers RabbitMQ adds when it dead-letters or delivers a message (`x-death`, the delivery
 /// count, a stream offset): not the message's own, so a dead letter or a replay leaves them out.

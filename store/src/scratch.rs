@@ -70,6 +70,12 @@ pub fn database_url(name: &str) -> String {
 /// A new, empty database named after `label`: its pool and URL. Panics if the server refuses
 /// (a test tool).
 pub async fn scratch_database(label: &str) -> (PgPool, String) {
+    assert!(
+        label
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_'),
+        "a scratch database's label is [A-Za-z0-9_] (it names the database): {label:?}"
+    );
     let url = server_url();
     let name = unique(&format!("{PREFIX}{label}"));
     let mut admin = PgConnection::connect(&url)

@@ -6,18 +6,24 @@ use sqlx::PgConnection;
 use store::{EventType, OutboxEvent, Projection};
 
 /// The span of one delivery's fold, `relay.fold`, named and attributed by OpenTelemetry's
-/// messaging conventions (`process <queue>`, kind CONSUMER, `messaging.*`, `error.type` and an
+/// messaging conventions (`process <queue>`, kind CONSUMER, `messaging.*` with `system` the
+/// broker, `error.type` and an
 /// error status when the fold is retried or dead-letters): a child (feature `otel`) of the
 /// trace the event carries, so one trace shows the host's write, the relay's publish and this
 /// fold.
-pub(crate) fn fold_span(event: &OutboxEvent, queue: &str, group: &str) -> tracing::Span {
+pub(crate) fn fold_span(
+    event: &OutboxEvent,
+    system: &'static str,
+    queue: &str,
+    group: &str,
+) -> tracing::Span {
     let key = &event.key.branch;
     let span = tracing::info_span!(
         "relay.fold",
         otel.name = format!("process {queue}"),
         otel.kind = "consumer",
         otel.status_code = tracing::field::Empty,
-        messaging.system = "rabbitmq",
+        messaging.system = system,
         messaging.operation.name = "process",
         messaging.operation.type = "process",
         messaging.destination.name = queue,

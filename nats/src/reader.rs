@@ -1,0 +1,337 @@
+//! Reading the stream back, for a consumer: one partition's messages in stream order, and dead
+//! letters kept in a stream of their own.
+//!
+//! A partition is read by an ordered consumer (ephemeral, no acks, recreated by the client at
+//! the next sequence after a gap in its own sequence or a missed heartbeat): where a reader
+//! resumes is the fold's to keep (stored in the fold's transaction), not the server's. Works on
+//! NATS 2.9 and later; pinned consumers (2.11) are not needed, since the consumer keeps one
+//! reader per partition and group itself.
+use std::time::{Duration, SystemTime};
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::Context;
+use async_nats::jetstream::consumer::DeliverPolicy;
+use async_nats::jetstream::consumer::pull::{Ordered, OrderedConfig};
+use async_nats::jetstream::stream::{Config, RetentionPolicy, StorageType};
+use broker::{DEAD_LETTER_REASON, Error, Partition, WireError};
+use bytes::Bytes;
+use futures_util::StreamExt;
+use store::OutboxEvent;
+use tokio::sync::watch;
+
+use crate::{MSG_ID, NatsConfig};
+
+/// Where a reader with no stored position starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReadFrom {
+    /// The stream's first message: the whole retained history.
+    First,
+    /// Only what is stored after the reader attaches.
+    Next,
+    /// The first message stored at or after this time.
+    Time(SystemTime),
+    /// This stream sequence (and what follows).
+    Sequence(u64),
+}
+
+impl ReadFrom {
+    fn policy(self) -> Result<DeliverPolicy, Error> {
+        Ok(match self {
+            ReadFrom::First => DeliverPolicy::All,
+            ReadFrom::Next => DeliverPolicy::New,
+            ReadFrom::Sequence(sequence) => DeliverPolicy::ByStartSequence {
+                start_sequence: sequence.max(1),
+            },
+            ReadFrom::Time(at) => {
+                let nanos = at
+                    .duration_since(SystemTime::UNIX_EPOCH)
+                    .map_or(0, |since| since.as_nanos());
+                let start_time = async_nats::datetime::from_nanos(nanos as i128)
+                    .map_err(|err| Error::InvalidConfig(format!("start time {at:?}: {err}")))?;
+                DeliverPolicy::ByStartTime { start_time }
+            }
+        })
+    }
+}
+
+/// One message of a partition, as read.
+#[derive(Debug)]
+pub struct Delivery {
+    sequence: u64,
+    headers: HeaderMap,
+    payload: Bytes,
+}
+
+impl Delivery {
+    /// Its stream sequence: where a reader resumes is the one after it.
+    pub fn sequence(&self) -> u64 {
+        self.sequence
+    }
+
+    /// The event it carries, or why it is not one.
+    pub fn decode(&self) -> Result<OutboxEvent, WireError> {
+        crate::decode(&self.headers, &self.payload)
+    }
+
+    /// Its `Nats-Msg-Id`.
+    pub fn message_id(&self) -> Option<String> {
+        self.headers.get(MSG_ID).map(|id| id.as_str().to_owned())
+    }
+
+    /// The payload's length.
+    pub fn bytes(&self) -> usize {
+        self.payload.len()
+    }
+}
+
+/// One partition's messages in stream order, from a starting point.
+pub struct PartitionReader {
+    messages: Ordered,
+    first_sequence: u64,
+    /// Turns true when the connection loses its server: the reader ends.
+    lost: Option<watch::Receiver<bool>>,
+}
+
+impl std::fmt::Debug for PartitionReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PartitionReader")
+            .field("first_sequence", &self.first_sequence)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A consumer's connection to the stream: partitions read, dead letters kept. Once the
+/// connection loses its server every reader of it ends (the client's own reconnect is held back
+/// for the relay's sake, see [`crate::connect`]): the consumer opens another connection and
+/// reads on from the position its fold stored.
+pub struct Reading {
+    _client: async_nats::Client,
+    context: Context,
+    config: NatsConfig,
+    lost: watch::Receiver<bool>,
+}
+
+impl std::fmt::Debug for Reading {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reading")
+            .field("stream", &self.config.stream)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Reading {
+    /// Connects (as the relay does) and makes sure the stream (as [`crate::declare`]: a
+    /// consumer may start before any relay) and the dead-letter stream exist.
+    pub async fn connect(config: &NatsConfig) -> Result<Self, Error> {
+        let (client, context, lost) = crate::publisher::open(config).await?;
+        crate::declare(&context, config).await?;
+        declare_dead_letters(&context, config).await?;
+        Ok(Self {
+            _client: client,
+            context,
+            config: config.clone(),
+            lost,
+        })
+    }
+
+    /// Reads `partition` from `from`.
+    pub async fn partition(
+        &self,
+        partition: Partition,
+        from: ReadFrom,
+    ) -> Result<PartitionReader, Error> {
+        let mut reader =
+            PartitionReader::open(&self.context, &self.config, partition, from).await?;
+        reader.lost = Some(self.lost.clone());
+        Ok(reader)
+    }
+
+    /// Keeps `delivery` as `group`'s dead letter ([`dead_letter`]).
+    pub async fn dead_letter(
+        &self,
+        group: &str,
+        delivery: &Delivery,
+        reason: &str,
+    ) -> Result<(), Error> {
+        dead_letter(&self.context, &self.config, group, delivery, reason).await
+    }
+}
+
+impl PartitionReader {
+    /// Reads `partition` of `config`'s stream from `from`, under the connect timeout.
+    pub async fn open(
+        context: &Context,
+        config: &NatsConfig,
+        partition: Partition,
+        from: ReadFrom,
+    ) -> Result<Self, Error> {
+        let policy = from.policy()?;
+        let limit = config.connect_timeout;
+        let work = async {
+            let mut stream = context.get_stream(&config.stream).await.map_err(|err| {
+                Error::Unreachable(format!("reading NATS stream {}: {err}", config.stream))
+            })?;
+            let first_sequence = stream
+                .info()
+                .await
+                .map_err(|err| {
+                    Error::Unreachable(format!("reading NATS stream {}: {err}", config.stream))
+                })?
+                .state
+                .first_sequence;
+            let consumer = stream
+                .create_consumer(OrderedConfig {
+                    filter_subject: config.subject(partition),
+                    deliver_policy: policy,
+                    ..OrderedConfig::default()
+                })
+                .await
+                .map_err(|err| Error::Unreachable(format!("creating a NATS reader: {err}")))?;
+            let messages = consumer
+                .messages()
+                .await
+                .map_err(|err| Error::Unreachable(format!("reading from NATS: {err}")))?;
+            Ok(Self {
+                messages,
+                first_sequence,
+                lost: None,
+            })
+        };
+        tokio::time::timeout(limit, work).await.unwrap_or_else(|_| {
+            Err(Error::Timeout {
+                operation: "opening a NATS reader",
+                timeout_ms: limit.as_millis() as u64,
+            })
+        })
+    }
+
+    /// The stream's first sequence when the reader opened: messages before it were removed by
+    /// the stream's limits.
+    pub fn first_sequence(&self) -> u64 {
+        self.first_sequence
+    }
+
+    /// The next message; an error ends the reader (open another where the fold expects).
+    pub async fn next(&mut self) -> Result<Delivery, Error> {
+        let lost = async {
+            match &mut self.lost {
+                Some(lost) => {
+                    let _ = lost.wait_for(|lost| *lost).await;
+                }
+                None => std::future::pending().await,
+            }
+        };
+        let next = tokio::select! {
+            biased;
+            next = self.messages.next() => next,
+            () = lost => return Err(Error::Unreachable("the NATS connection lost its server".into())),
+        };
+        match next {
+            Some(Ok(message)) => {
+                let sequence = message
+                    .info()
+                    .map_err(|err| Error::Refused(format!("a NATS message without info: {err}")))?
+                    .stream_sequence;
+                let message = message.message;
+                Ok(Delivery {
+                    sequence,
+                    headers: message.headers.unwrap_or_default(),
+                    payload: message.payload,
+                })
+            }
+            Some(Err(err)) => Err(Error::Unreachable(format!("reading from NATS: {err}"))),
+            None => Err(Error::Unreachable("the NATS reader ended".into())),
+        }
+    }
+}
+
+/// The stream a consumer's dead letters are kept in: `<stream>_dead`, subjects
+/// `<stream>_dead.<group>`.
+pub fn dead_letter_stream(stream: &str) -> String {
+    format!("{stream}_dead")
+}
+
+/// Makes sure the dead-letter stream exists (file storage, kept until its limits: none), and
+/// refuses one read back otherwise, under the connect timeout.
+pub async fn declare_dead_letters(context: &Context, config: &NatsConfig) -> Result<(), Error> {
+    let name = dead_letter_stream(&config.stream);
+    let wanted = Config {
+        name: name.clone(),
+        subjects: vec![format!("{name}.*")],
+        duplicate_window: config.duplicate_window,
+        num_replicas: config.replicas,
+        storage: StorageType::File,
+        retention: RetentionPolicy::Limits,
+        ..Config::default()
+    };
+    let limit = config.connect_timeout;
+    let work = async {
+        let stream = context
+            .get_or_create_stream(wanted.clone())
+            .await
+            .map_err(|err| Error::Unreachable(format!("declaring NATS stream {name}: {err}")))?;
+        let found = &stream.cached_info().config;
+        if !found.subjects.contains(&wanted.subjects[0])
+            || found.storage != StorageType::File
+            || found.retention != RetentionPolicy::Limits
+        {
+            return Err(Error::Refused(format!(
+                "NATS stream {name} exists with other settings (subjects {:?}, {:?}, {:?}); \
+                 dead letters need subjects {:?}, file storage, limits retention",
+                found.subjects, found.storage, found.retention, wanted.subjects
+            )));
+        }
+        Ok(())
+    };
+    tokio::time::timeout(limit, work).await.unwrap_or_else(|_| {
+        Err(Error::Timeout {
+            operation: "declaring the NATS dead-letter stream",
+            timeout_ms: limit.as_millis() as u64,
+        })
+    })
+}
+
+/// Keeps `delivery` in the dead-letter stream under `group`, with `reason` in
+/// [`DEAD_LETTER_REASON`], and returns once the stream stored it (within the ack timeout). Its
+/// id is the group and the original sequence, so a batch retried after the write stores it once.
+pub async fn dead_letter(
+    context: &Context,
+    config: &NatsConfig,
+    group: &str,
+    delivery: &Delivery,
+    reason: &str,
+) -> Result<(), Error> {
+    let stream = dead_letter_stream(&config.stream);
+    let mut headers = HeaderMap::new();
+    for (name, values) in delivery.headers.iter() {
+        let name: &str = name.as_ref();
+        if name.len() >= 5 && name[..5].eq_ignore_ascii_case("nats-") {
+            continue;
+        }
+        for value in values {
+            headers.append(name, value.clone());
+        }
+    }
+    let reason = reason.replace(['\r', '\n'], " ");
+    headers.insert(DEAD_LETTER_REASON, reason.trim());
+    headers.insert(MSG_ID, format!("{group}.{}", delivery.sequence));
+    headers.insert(crate::EXPECTED_STREAM, stream.as_str());
+    let subject = format!("{stream}.{group}");
+    let limit = config.ack_timeout.max(Duration::from_millis(1));
+    let work = async {
+        let ack = context
+            .publish_with_headers(subject, headers, delivery.payload.clone())
+            .await
+            .map_err(|err| Error::Unreachable(format!("dead-lettering on NATS: {err}")))?;
+        ack.await
+            .map_err(|err| Error::Unreachable(format!("dead-lettering on NATS: {err}")))
+    };
+    match tokio::time::timeout(limit, work).await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(err)) => Err(err),
+        Err(_) => Err(Error::Timeout {
+            operation: "dead-lettering on NATS",
+            timeout_ms: limit.as_millis() as u64,
+        }),
+    }
+}

@@ -293,7 +293,7 @@ impl Settings {
             (BrokerKind::Nats, None) => String::new(),
             (BrokerKind::RabbitMq, None) => {
                 return Err(ConfigError::Rejected(
-                    "AMQP_URL (--amqp-url) is required: the RabbitMQ broker events go to                      (or RELAY_BROKER=nats with NATS_URL)"
+                    "AMQP_URL (--amqp-url) is required: the RabbitMQ broker events go to (or RELAY_BROKER=nats with NATS_URL)"
                         .into(),
                 ));
             }

@@ -134,6 +134,21 @@ fn bad_settings_exit_2_naming_the_variable() {
     );
     assert!(!stderr.contains("S3cret"), "{stderr}");
 
+    // No broker URL at all: one readable line saying which and the other choice (it once
+    // carried a run of 22 spaces from a broken line continuation).
+    let mut command = relay_command();
+    base(&mut command);
+    let (code, _, stderr) = output(command.env_remove("AMQP_URL"));
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains(
+            "AMQP_URL (--amqp-url) is required: the RabbitMQ broker events go to (or \
+             RELAY_BROKER=nats with NATS_URL)"
+        ),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("  "), "{stderr}");
+
     let mut command = relay_command();
     base(&mut command);
     let (code, _, stderr) = output(command.args(["--partitions", "abc"]));

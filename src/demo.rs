@@ -1,7 +1,8 @@
-//! `distribution demo`: the seed's walk, end to end, on this machine's PostgreSQL and RabbitMQ.
+//! `distribution demo`: the seed's walk, end to end, on this machine's PostgreSQL and RabbitMQ
+//! (or, with `--broker nats`, NATS JetStream).
 //!
 //! A simulated agent run writes its state and export intents in one transaction per step while
-//! the broker is unreachable (a proxy the demo owns is cut; RabbitMQ itself keeps running). The
+//! the broker is unreachable (a proxy the demo owns is cut; the broker itself keeps running). The
 //! run completes; the backlog waits; the broker comes back; everything ships and is folded
 //! exactly once, in order. The demo uses a database and broker names of its own and removes them.
 use std::collections::BTreeMap;
@@ -10,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use distribution::broker::Partition;
-use distribution::consumer::FoldConsumer;
+use distribution::consumer::{Consumer, FoldConsumer, NatsConsumerConfig};
 use distribution::store::{
     self, Backlog, BranchId, BranchKey, FoldStore, IntentWriter, Lsn, Outbox, RunId, TenantId,
 };
@@ -117,11 +118,30 @@ async fn agent_run(
     Ok((appended, abandoned))
 }
 
-pub(crate) async fn run() -> Result<()> {
+/// Which broker the demo ships to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum DemoBroker {
+    /// RabbitMQ at `AMQP_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`).
+    Rabbitmq,
+    /// NATS JetStream at `NATS_URL` (default `nats://127.0.0.1:4222`).
+    Nats,
+}
+
+/// The broker's URL.
+fn broker_url(broker: DemoBroker) -> String {
+    match broker {
+        DemoBroker::Rabbitmq => std::env::var("AMQP_URL")
+            .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into()),
+        DemoBroker::Nats => {
+            std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+        }
+    }
+}
+
+pub(crate) async fn run(broker: DemoBroker) -> Result<()> {
     let base_url = std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-    let amqp_url = std::env::var("AMQP_URL")
-        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+    let broker_url = broker_url(broker);
     let stamp = format!("{}_{}", std::process::id(), chrono_free_stamp());
     let database = format!("relay_demo_{stamp}");
     let mut admin = PgConnection::connect(&base_url)
@@ -135,10 +155,20 @@ pub(crate) async fn run() -> Result<()> {
         .map(|(server, _)| server.to_owned())
         .context("DATABASE_URL has no database")?;
     let url = format!("{server}/{database}");
-    let topology = format!("relay-demo-{stamp}");
-    let outcome = walk(&url, &amqp_url, &topology).await;
-    // Its exchange and queues go too, whatever the walk's outcome.
-    let removed = remove_topology(&amqp_url, &topology).await;
+    let (outcome, removed) = match broker {
+        DemoBroker::Rabbitmq => {
+            let topology = format!("relay-demo-{stamp}");
+            let outcome = walk(&url, broker, &broker_url, &topology).await;
+            // Its exchange and queues go too, whatever the walk's outcome.
+            (outcome, remove_topology(&broker_url, &topology).await)
+        }
+        DemoBroker::Nats => {
+            let stream = format!("relay_demo_{stamp}");
+            let outcome = walk(&url, broker, &broker_url, &stream).await;
+            // Its streams go too, whatever the walk's outcome.
+            (outcome, remove_stream(&url, &broker_url, &stream).await)
+        }
+    };
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "DROP DATABASE IF EXISTS {database} WITH (FORCE)"
     )))
@@ -164,6 +194,16 @@ async fn remove_topology(amqp_url: &str, topology: &str) -> Result<()> {
     Ok(())
 }
 
+/// Deletes the demo's stream and dead-letter stream from NATS.
+async fn remove_stream(database_url: &str, nats_url: &str, stream: &str) -> Result<()> {
+    let mut config = RelayConfig::nats(database_url, nats_url);
+    config.topology = stream.to_owned();
+    config.partitions = PARTITIONS;
+    distribution::nats::remove(&config.nats_config()?)
+        .await
+        .context("removing the demo's NATS streams")
+}
+
 fn chrono_free_stamp() -> u128 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -171,30 +211,37 @@ fn chrono_free_stamp() -> u128 {
         .unwrap_or_default()
 }
 
-async fn walk(url: &str, amqp_url: &str, topology: &str) -> Result<()> {
+async fn walk(url: &str, broker: DemoBroker, broker_url: &str, topology: &str) -> Result<()> {
+    let broker_name = match broker {
+        DemoBroker::Rabbitmq => "RabbitMQ",
+        DemoBroker::Nats => "NATS JetStream",
+    };
     let pool = PgPool::connect(url).await?;
     store::migrate(&pool).await?;
     sqlx::query("CREATE TABLE demo_agent_state (tenant text, run bigint, step bigint, note text)")
         .execute(&pool)
         .await?;
 
-    let proxy = BrokerProxy::start(amqp_url).context("cannot start the broker proxy")?;
+    let proxy = BrokerProxy::start(broker_url).context("cannot start the broker proxy")?;
     proxy.cut();
     println!(
-        "1. Broker DOWN: the relay talks to RabbitMQ through a proxy at {}, now cut.",
+        "1. Broker DOWN: the relay talks to {broker_name} through a proxy at {}, now cut.",
         proxy.addr()
     );
-    let mut config = RelayConfig::new(url, proxy.amqp_url());
+    let mut config = match broker {
+        DemoBroker::Rabbitmq => RelayConfig::new(url, proxy.url()),
+        DemoBroker::Nats => RelayConfig::nats(url, proxy.url()),
+    };
     config.topology = topology.to_owned();
     config.partitions = PARTITIONS;
     config.supervisor.poll_interval = Duration::from_millis(200);
     config.supervisor.restart.max = Duration::from_millis(500);
     config.supervisor.drainer.retry.max = Duration::from_millis(500);
     let partitions = config.partitions;
-    let rabbit = distribution::RelayConfig::new(url, amqp_url.to_owned());
-    let mut fold_config = rabbit.clone();
-    fold_config.topology = topology.to_owned();
-    fold_config.partitions = partitions;
+    // The consumer reaches the broker directly.
+    let mut fold_config = config.clone();
+    fold_config.amqp_url = broker_url.to_owned();
+    fold_config.nats_url = broker_url.to_owned();
     let relay = Relay::start(config).await?;
 
     let writer = IntentWriter::default();
@@ -227,19 +274,39 @@ async fn walk(url: &str, amqp_url: &str, topology: &str) -> Result<()> {
     proxy.restore();
     println!("4. Broker UP: proxy restored. Shipping and folding...");
     let fold = FoldStore::new(pool.clone());
-    let consumer = FoldConsumer::new(fold_config.rabbit_config()?);
     let (stop_tx, _) = tokio::sync::watch::channel(false);
     let mut consumers = Vec::new();
-    for partition in 0..partitions {
-        let (consumer, fold, mut stop) = (consumer.clone(), fold.clone(), stop_tx.subscribe());
-        consumers.push(tokio::spawn(async move {
-            let stopped = async move {
-                let _ = stop.wait_for(|stop| *stop).await;
-            };
-            consumer
-                .run(Partition(partition), &fold, stopped, |_| {})
-                .await
-        }));
+    match broker {
+        DemoBroker::Rabbitmq => {
+            let consumer = FoldConsumer::new(fold_config.rabbit_config()?);
+            for partition in 0..partitions {
+                let (consumer, fold, mut stop) =
+                    (consumer.clone(), fold.clone(), stop_tx.subscribe());
+                consumers.push(tokio::spawn(async move {
+                    let stopped = async move {
+                        let _ = stop.wait_for(|stop| *stop).await;
+                    };
+                    consumer
+                        .run(Partition(partition), &fold, stopped, |_| {})
+                        .await
+                        .map(drop)
+                }));
+            }
+        }
+        DemoBroker::Nats => {
+            // A consumer group folding the stream into the same projection (`EventTable`).
+            let group = NatsConsumerConfig::new(fold_config.nats_config()?, "demo")?;
+            let consumer = Consumer::on_nats(group, pool.clone(), store::EventTable);
+            let mut stop = stop_tx.subscribe();
+            consumers.push(tokio::spawn(async move {
+                consumer
+                    .run(async move {
+                        let _ = stop.wait_for(|stop| *stop).await;
+                    })
+                    .await
+                    .map(drop)
+            }));
+        }
     }
     let shipping = Instant::now();
     let tenants: Vec<TenantId> = TENANTS

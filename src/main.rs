@@ -156,8 +156,12 @@ enum Command {
     /// Serve the operators' console: overview, parked branches (release, discard) and dead
     /// letters (show, replay, purge), on loopback unless given a token.
     Console(Box<console::ConsoleSettings>),
-    /// The broker-down walk, end to end, on this machine's PostgreSQL and RabbitMQ.
-    Demo,
+    /// The broker-down walk, end to end, on this machine's PostgreSQL and RabbitMQ (or NATS).
+    Demo {
+        /// The broker the demo ships to: RabbitMQ at AMQP_URL, or NATS JetStream at NATS_URL.
+        #[arg(long, value_enum, default_value = "rabbitmq")]
+        broker: demo::DemoBroker,
+    },
     /// Print the schema's SQL (every migration, in order) for hosts with another migration
     /// tool; then run the relay with --skip-migrate.
     Sql {
@@ -227,12 +231,13 @@ fn main() -> ExitCode {
             err.exit()
         }
     };
-    // lapin logs every broken socket at ERROR on its own thread; the relay reports broker
-    // faults itself (rate-limited), so lapin is silenced unless RUST_LOG asks for it.
-    let default_filter = if matches!(cli.command, Command::Demo) {
-        "error,lapin=off,sqlx=off"
+    // lapin logs every broken socket at ERROR on its own thread, async-nats every failed
+    // connect ("expected INFO, got nothing"); the relay reports broker faults itself
+    // (rate-limited), so both are silenced unless RUST_LOG asks for them.
+    let default_filter = if matches!(cli.command, Command::Demo { .. }) {
+        "error,lapin=off,async_nats=off,sqlx=off"
     } else {
-        "warn,lapin=off,sqlx=warn"
+        "warn,lapin=off,async_nats=off,sqlx=warn"
     };
     use tracing_subscriber::prelude::*;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
@@ -343,7 +348,7 @@ fn main() -> ExitCode {
                 fold,
             } => retire(&database, retention_secs, batch, fold).await,
             Command::Console(settings) => console::run(*settings).await,
-            Command::Demo => demo::run().await,
+            Command::Demo { broker } => demo::run(broker).await,
             Command::Sql { fold } => {
                 print_sql(fold);
                 Ok(())

@@ -28,7 +28,7 @@ pub use reader::{
     Delivery, PartitionReader, ReadFrom, Reading, dead_letter, dead_letter_stream,
     declare_dead_letters,
 };
-pub use stream::declare;
+pub use stream::{declare, remove};
 pub use wire::{
     CONTENT_TYPE, CORRELATION_ID, EXPECTED_STREAM, MSG_ID, TYPE, Unwritable, decode, envelope,
     headers,

@@ -43,6 +43,32 @@ pub async fn declare(context: &Context, config: &NatsConfig) -> Result<(), Error
     }
 }
 
+/// Deletes the stream and its dead-letter stream (`<stream>_dead`) with what they hold, under
+/// the connect timeout; one already gone is skipped. For tools that made a stream of their own
+/// (`distribution demo`), never the relay.
+pub async fn remove(config: &NatsConfig) -> Result<(), Error> {
+    let (_client, context) = crate::connect(config).await?;
+    for name in [
+        config.stream.clone(),
+        crate::dead_letter_stream(&config.stream),
+    ] {
+        let deleted = tokio::time::timeout(config.connect_timeout, context.delete_stream(&name))
+            .await
+            .map_err(|_| Error::Timeout {
+                operation: "deleting a NATS stream",
+                timeout_ms: config.connect_timeout.as_millis() as u64,
+            })?;
+        if let Err(err) = deleted
+            && !matches!(err.kind(), async_nats::jetstream::context::DeleteStreamErrorKind::JetStream(js) if js.error_code().0 == STREAM_NOT_FOUND)
+        {
+            return Err(Error::Unreachable(format!(
+                "deleting NATS stream {name}: {err}"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// The stream the relay creates.
 fn wanted(config: &NatsConfig) -> Config {
     Config {

@@ -659,6 +659,67 @@ fn readiness_says_the_broker_blocks_the_relay_through_an_alarm() {
     });
 }
 
+/// `distribution demo --broker nats` walks the same story on NATS JetStream (the machine's
+/// server): exit 0, every tenant folded in order by a consumer group, and neither its database
+/// nor its streams remain.
+#[test]
+fn the_demo_on_nats_ships_everything_and_leaves_nothing_behind() {
+    let child = relay_command()
+        .args(["demo", "--broker", "nats"])
+        .env("DATABASE_URL", std::env::var("DATABASE_URL").unwrap())
+        .env("NATS_URL", testkit::nats_url())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run the binary");
+    let pid = child.id();
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(stderr.is_empty(), "the demo is quiet on stderr: {stderr}");
+    assert!(stdout.contains("talks to NATS JetStream"), "{stdout}");
+    assert!(
+        stdout.contains("228 live intents and 6 rewind markers wait to ship"),
+        "{stdout}"
+    );
+    for tenant in ["acme", "globex", "initech"] {
+        let row = stdout
+            .lines()
+            .find(|line| line.starts_with(tenant) && line.ends_with("yes"))
+            .unwrap_or_else(|| panic!("{tenant} folded in order: {stdout}"));
+        let columns: Vec<&str> = row.split_whitespace().collect();
+        assert_eq!(columns[2], "0", "nothing pending after: {row}");
+        let number = |at: usize| columns[at].parse::<u64>().unwrap();
+        assert_eq!(number(1), number(3) + 2, "{row}");
+    }
+    host_runtime().block_on(async {
+        use futures_util::TryStreamExt;
+        let client = async_nats::connect(testkit::nats_url()).await.unwrap();
+        let names: Vec<String> = async_nats::jetstream::new(client)
+            .stream_names()
+            .try_collect()
+            .await
+            .unwrap();
+        let ours = format!("relay_demo_{pid}_");
+        let left: Vec<&String> = names
+            .iter()
+            .filter(|name| name.starts_with(&ours))
+            .collect();
+        assert!(left.is_empty(), "the demo left {left:?}");
+        let pool = sqlx::PgPool::connect(&std::env::var("DATABASE_URL").unwrap())
+            .await
+            .unwrap();
+        let databases: Vec<String> =
+            sqlx::query_scalar("SELECT datname::text FROM pg_database WHERE datname LIKE $1")
+                .bind(format!("relay_demo_{pid}_%"))
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+        assert!(databases.is_empty(), "the demo left {databases:?}");
+    });
+}
+
 /// `distribution demo` walks the seed's story and exits 0 with its before/after table, every
 /// tenant folded in order; afterwards neither its database nor its exchange and queues remain
 /// (README and docs/operations.md promise both; before, its exchange and queues stayed on the broker).

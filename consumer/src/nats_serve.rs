@@ -7,7 +7,10 @@
 //! session (the process stopped or killed, the connection broken, the server restarted) ends the
 //! lock with it, and a fold can only commit on the connection that holds it: two processes of a
 //! group never fold one partition at once. A vanished process's session is ended by the server
-//! within about 11 s (the connection's TCP keepalives: 5 s idle, then 3 probes 2 s apart).
+//! within about 11 s (the connection's TCP keepalives, 5 s idle then 3 probes 2 s apart, and
+//! its `tcp_user_timeout` of 11 s for data left unacknowledged). A batch that fails ends the
+//! session too (the connection goes, with the lock): the next one reads again from the stored
+//! position, on a fresh connection.
 use futures_util::FutureExt;
 use sqlx::{Acquire, PgPool};
 use store::Projection;
@@ -43,7 +46,10 @@ where
                 Err(err) => {
                     self.folder.record(|stats| stats.reconnects += 1);
                     let delay = backoff.next_delay();
-                    if backoff.failures().is_power_of_two() {
+                    if matches!(err, Error::Refused(_)) {
+                        // Never read past silently: said on every attempt until an operator acts.
+                        tracing::error!(partition, error = %err, retry_in_ms = delay.as_millis() as u64, "NATS consumer cannot go on");
+                    } else if backoff.failures().is_power_of_two() {
                         tracing::warn!(partition, error = %err, retry_in_ms = delay.as_millis() as u64, "NATS consumer session failed; reconnecting");
                     }
                     tokio::select! {
@@ -71,7 +77,7 @@ where
         // A reader that vanished without a word must not hold its partition for hours.
         sqlx::raw_sql(
             "SET tcp_keepalives_idle = 5; SET tcp_keepalives_interval = 2; \
-             SET tcp_keepalives_count = 3",
+             SET tcp_keepalives_count = 3; SET tcp_user_timeout = 11000",
         )
         .execute(&mut conn)
         .await
@@ -127,6 +133,23 @@ where
         self.folder.db = Db::Held(conn);
         let reading = nats::Reading::connect(&self.config.nats).await?;
         let mut reader = reading.partition(self.partition, from).await?;
+        if let Some(next) = stored
+            && next > reader.last_sequence() + 1
+        {
+            // Sequences restart at 1 in a stream deleted and created again (the relay creates a
+            // missing stream): reading on from the stored position would skip, without a word,
+            // every message below it.
+            return Err(Error::Refused(format!(
+                "NATS stream {} ends at sequence {} but group {} stored position {next} for \
+                 partition {}: the stream was deleted and created again, and what it held before \
+                 is gone; rebuild the group's projection (store::reset_fold) or store another \
+                 position under {key} (relay_fold_save_offset)",
+                self.config.nats.stream,
+                reader.last_sequence(),
+                self.config.group,
+                self.partition.0,
+            )));
+        }
         if let Some(next) = stored
             && reader.first_sequence() > next
         {

@@ -142,6 +142,16 @@ where
             match attempt {
                 Attempt::Committed(outcomes, committed) => break (outcomes, committed),
                 Attempt::Refused(at, why, reason) => plan.refuse(at, why, reason),
+                Attempt::Failed(why) if matches!(self.db, Db::Held(_)) => {
+                    // The held connection may be the cause (broken, ended by the server, a
+                    // statement still running after the fold's timeout): it is never used
+                    // again. The session ends, its lock with it; the next reads again from the
+                    // stored position on a fresh connection, after the session's backoff.
+                    metrics::counter!("relay_consumer_retries_total").increment(1);
+                    return Err(Error::Unreachable(format!(
+                        "the batch's fold failed ({why}); reading again from the stored position"
+                    )));
+                }
                 Attempt::Failed(why) => {
                     let delay = retry.next_delay();
                     if retry.failures().is_power_of_two() {

@@ -316,3 +316,116 @@ async fn a_message_that_is_not_an_event_is_kept_as_a_dead_letter_and_the_partiti
     assert!(reason.starts_with("contract: "), "{reason}");
     nats::scratch::delete_stream(&testkit::nats_url(), &config.stream).await;
 }
+
+/// The fold's database connection killed under a running consumer (every other session of its
+/// database terminated by the server): the session ends, a new one takes the lock again on a
+/// fresh connection and reads on from the stored position. Every event once, in order.
+#[tokio::test]
+async fn a_consumer_whose_database_connection_is_killed_reads_on_from_its_position() {
+    let config = config("pgkill", 2);
+    let (pool, url) = testkit::migrated_database("nats_pgkill").await;
+    publish(&config, &interleaved(1, 20)).await;
+    let running = Running::start(
+        group(&config, "projector"),
+        PgPool::connect(&url).await.unwrap(),
+    );
+    testkit::wait_until("80 events folded", WAIT, || async {
+        applied(&pool).await == 80
+    })
+    .await;
+    let killed: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+          WHERE datname = current_database() AND pid <> pg_backend_pid()) killed",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(killed >= 2, "the consumer's held connections: {killed}");
+    publish(&config, &interleaved(21, 40)).await;
+    testkit::wait_until("160 events folded", WAIT, || async {
+        applied(&pool).await == 160
+    })
+    .await;
+    let stats = running.stop().await;
+    assert!(stats.reconnects >= 2, "{stats:?}");
+    assert_eq!((stats.applied, stats.duplicates), (160, 0), "{stats:?}");
+    assert_eq!(folded(&pool).await, exactly(40));
+    nats::scratch::delete_stream(&testkit::nats_url(), &config.stream).await;
+}
+
+/// A stream deleted and created again under a group's stored position starts its sequences
+/// at 1 again: the consumer refuses to read on (it would skip, without a word, everything below
+/// the old position), says so on every attempt, and folds nothing of the new stream.
+#[tokio::test]
+async fn a_stream_created_again_under_a_stored_position_is_refused_not_skipped() {
+    let config = config("recreated", 1);
+    let (pool, _) = testkit::migrated_database("nats_recreated").await;
+    publish(&config, &interleaved(1, 10)).await;
+    let first = Running::start(group(&config, "projector"), pool.clone());
+    testkit::wait_until("40 events folded", WAIT, || async {
+        applied(&pool).await == 40
+    })
+    .await;
+    first.stop().await;
+    nats::scratch::delete_stream(&testkit::nats_url(), &config.stream).await;
+    let other = testkit::branch("initech", "run-1", "main");
+    publish(&config, &testkit::intents(&other, &[1, 2, 3])).await;
+
+    let again = Running::start(group(&config, "projector"), pool.clone());
+    let progress = again.progress.clone();
+    testkit::wait_until("the consumer refusing twice", WAIT, || {
+        let progress = progress.clone();
+        async move { progress.totals().reconnects >= 2 }
+    })
+    .await;
+    let stats = again.stop().await;
+    assert_eq!(stats.applied, 0, "{stats:?}");
+    assert_eq!(applied(&pool).await, 40);
+    nats::scratch::delete_stream(&testkit::nats_url(), &config.stream).await;
+}
+
+/// A group that starts at the next message has its reader's server-side consumer deleted
+/// before anything arrived (as a leader election or missed heartbeats do): async-nats recreates
+/// it from the stream's first message, and the consumer still folds only what came after it
+/// started.
+#[tokio::test]
+async fn a_reader_recreated_before_its_first_message_keeps_its_start() {
+    let config = config("recreate_reader", 1);
+    let (pool, _) = testkit::migrated_database("nats_recreate_reader").await;
+    publish(&config, &interleaved(1, 10)).await;
+    let mut next = group(&config, "live");
+    next.start = StreamStart::Next;
+    let running = Running::start(next, pool.clone());
+    let client = async_nats::connect(testkit::nats_url()).await.unwrap();
+    let context = async_nats::jetstream::new(client);
+    let stream = context.get_stream(&config.stream).await.unwrap();
+    let consumers = || async {
+        use futures_util::TryStreamExt;
+        let names: Vec<String> = stream.consumer_names().try_collect().await.unwrap();
+        names
+    };
+    testkit::wait_until("the reader's consumer on the server", WAIT, || async {
+        consumers().await.len() == 1
+    })
+    .await;
+    let deleted = consumers().await.remove(0);
+    stream.delete_consumer(&deleted).await.unwrap();
+    testkit::wait_until("the reader's consumer recreated", WAIT, || async {
+        consumers().await.iter().any(|name| *name != deleted)
+    })
+    .await;
+    let later = testkit::branch("initech", "run-1", "main");
+    publish(&config, &testkit::intents(&later, &[1, 2, 3, 4])).await;
+    testkit::wait_until("the new events folded", WAIT, || async {
+        applied(&pool).await >= 4
+    })
+    .await;
+    let stats = running.stop().await;
+    assert_eq!((stats.applied, stats.duplicates), (4, 0), "{stats:?}");
+    let folded = folded(&pool).await;
+    assert_eq!(
+        folded.into_iter().collect::<Vec<_>>(),
+        [("initech/run-1/main".to_owned(), vec![1, 2, 3, 4])]
+    );
+    nats::scratch::delete_stream(&testkit::nats_url(), &config.stream).await;
+}

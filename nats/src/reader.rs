@@ -34,6 +34,64 @@ pub enum ReadFrom {
     Sequence(u64),
 }
 
+/// Below what a reader yields nothing: a sequence it yielded already (or before where it was
+/// told to start), nor, until it yielded something, a message published before its start time.
+/// async-nats recreates an ordered consumer that has delivered nothing yet from the stream's
+/// first message whatever its start (`recreate_consumer_stream` with sequence 0, after two
+/// missed heartbeats or "no responders" in a leader election), and from the last sequence it
+/// delivered otherwise: the floor holds the start the server was asked for either way (pure).
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Floor {
+    sequence: u64,
+    since: Option<async_nats::datetime::DateTime>,
+}
+
+impl Floor {
+    /// The floor of a reader opened `from`, on a stream whose last sequence was `last`.
+    fn at_open(from: ReadFrom, last: u64) -> Result<Self, Error> {
+        Ok(match from {
+            ReadFrom::First => Self {
+                sequence: 0,
+                since: None,
+            },
+            ReadFrom::Next => Self {
+                sequence: last + 1,
+                since: None,
+            },
+            ReadFrom::Sequence(sequence) => Self {
+                sequence,
+                since: None,
+            },
+            ReadFrom::Time(at) => Self {
+                sequence: 0,
+                since: Some(start_time(at)?),
+            },
+        })
+    }
+
+    /// Whether the message at `sequence`, published at `published`, is yielded; if so the
+    /// floor moves past it.
+    fn pass(&mut self, sequence: u64, published: async_nats::datetime::DateTime) -> bool {
+        let admitted =
+            sequence >= self.sequence && self.since.is_none_or(|since| published >= since);
+        if admitted {
+            *self = Self {
+                sequence: sequence + 1,
+                since: None,
+            };
+        }
+        admitted
+    }
+}
+
+fn start_time(at: SystemTime) -> Result<async_nats::datetime::DateTime, Error> {
+    let nanos = at
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |since| since.as_nanos());
+    async_nats::datetime::from_nanos(nanos as i128)
+        .map_err(|err| Error::InvalidConfig(format!("start time {at:?}: {err}")))
+}
+
 impl ReadFrom {
     fn policy(self) -> Result<DeliverPolicy, Error> {
         Ok(match self {
@@ -42,14 +100,9 @@ impl ReadFrom {
             ReadFrom::Sequence(sequence) => DeliverPolicy::ByStartSequence {
                 start_sequence: sequence.max(1),
             },
-            ReadFrom::Time(at) => {
-                let nanos = at
-                    .duration_since(SystemTime::UNIX_EPOCH)
-                    .map_or(0, |since| since.as_nanos());
-                let start_time = async_nats::datetime::from_nanos(nanos as i128)
-                    .map_err(|err| Error::InvalidConfig(format!("start time {at:?}: {err}")))?;
-                DeliverPolicy::ByStartTime { start_time }
-            }
+            ReadFrom::Time(at) => DeliverPolicy::ByStartTime {
+                start_time: start_time(at)?,
+            },
         })
     }
 }
@@ -88,6 +141,8 @@ impl Delivery {
 pub struct PartitionReader {
     messages: Ordered,
     first_sequence: u64,
+    last_sequence: u64,
+    floor: Floor,
     /// Turns true when the connection loses its server: the reader ends.
     lost: Option<watch::Receiver<bool>>,
 }
@@ -171,14 +226,14 @@ impl PartitionReader {
             let mut stream = context.get_stream(&config.stream).await.map_err(|err| {
                 Error::Unreachable(format!("reading NATS stream {}: {err}", config.stream))
             })?;
-            let first_sequence = stream
+            let state = stream
                 .info()
                 .await
                 .map_err(|err| {
                     Error::Unreachable(format!("reading NATS stream {}: {err}", config.stream))
                 })?
                 .state
-                .first_sequence;
+                .clone();
             let consumer = stream
                 .create_consumer(OrderedConfig {
                     filter_subject: config.subject(partition),
@@ -193,7 +248,9 @@ impl PartitionReader {
                 .map_err(|err| Error::Unreachable(format!("reading from NATS: {err}")))?;
             Ok(Self {
                 messages,
-                first_sequence,
+                first_sequence: state.first_sequence,
+                last_sequence: state.last_sequence,
+                floor: Floor::at_open(from, state.last_sequence)?,
                 lost: None,
             })
         };
@@ -211,8 +268,22 @@ impl PartitionReader {
         self.first_sequence
     }
 
+    /// The stream's last sequence when the reader opened.
+    pub fn last_sequence(&self) -> u64 {
+        self.last_sequence
+    }
+
     /// The next message; an error ends the reader (open another where the fold expects).
     pub async fn next(&mut self) -> Result<Delivery, Error> {
+        loop {
+            let read = self.read().await?;
+            if self.floor.pass(read.delivery.sequence, read.published) {
+                return Ok(read.delivery);
+            }
+        }
+    }
+
+    async fn read(&mut self) -> Result<Read, Error> {
         let lost = async {
             match &mut self.lost {
                 Some(lost) => {
@@ -228,21 +299,30 @@ impl PartitionReader {
         };
         match next {
             Some(Ok(message)) => {
-                let sequence = message
+                let info = message
                     .info()
-                    .map_err(|err| Error::Refused(format!("a NATS message without info: {err}")))?
-                    .stream_sequence;
+                    .map_err(|err| Error::Refused(format!("a NATS message without info: {err}")))?;
+                let (sequence, published) = (info.stream_sequence, info.published);
                 let message = message.message;
-                Ok(Delivery {
-                    sequence,
-                    headers: message.headers.unwrap_or_default(),
-                    payload: message.payload,
+                Ok(Read {
+                    delivery: Delivery {
+                        sequence,
+                        headers: message.headers.unwrap_or_default(),
+                        payload: message.payload,
+                    },
+                    published,
                 })
             }
             Some(Err(err)) => Err(Error::Unreachable(format!("reading from NATS: {err}"))),
             None => Err(Error::Unreachable("the NATS reader ended".into())),
         }
     }
+}
+
+/// A message as read, with when the server stored it.
+struct Read {
+    delivery: Delivery,
+    published: async_nats::datetime::DateTime,
 }
 
 /// The stream a consumer's dead letters are kept in: `<stream>_dead`, subjects
@@ -333,5 +413,46 @@ pub async fn dead_letter(
             operation: "dead-lettering on NATS",
             timeout_ms: limit.as_millis() as u64,
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn at(secs: u64) -> async_nats::datetime::DateTime {
+        start_time(SystemTime::UNIX_EPOCH + Duration::from_secs(secs)).unwrap()
+    }
+
+    /// A reader never yields a sequence twice, nor one before where it was told to start, nor
+    /// (until it yielded one) a message stored before its start time, whatever the server
+    /// sends after recreating its consumer from the stream's first message.
+    #[test]
+    fn a_reader_yields_nothing_below_its_start_nor_twice() {
+        let mut first = Floor::at_open(ReadFrom::First, 50).unwrap();
+        assert!(first.pass(1, at(1)));
+        assert!(!first.pass(1, at(1)), "the same sequence again");
+        assert!(first.pass(7, at(2)), "sequences of a subject are not dense");
+        assert!(!first.pass(3, at(3)));
+
+        let mut next = Floor::at_open(ReadFrom::Next, 50).unwrap();
+        assert!(!next.pass(1, at(1)), "a recreate from the first message");
+        assert!(!next.pass(50, at(1)));
+        assert!(next.pass(51, at(1)));
+
+        let mut offset = Floor::at_open(ReadFrom::Sequence(20), 50).unwrap();
+        assert!(!offset.pass(19, at(100)));
+        assert!(offset.pass(20, at(100)));
+
+        let since = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000);
+        let mut time = Floor::at_open(ReadFrom::Time(since), 50).unwrap();
+        assert!(!time.pass(1, at(999)), "stored before the start time");
+        assert!(time.pass(2, at(1_000)));
+        assert!(
+            time.pass(3, at(5)),
+            "once it yielded, the order is the stream's"
+        );
     }
 }

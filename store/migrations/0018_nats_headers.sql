@@ -2,7 +2,8 @@
 -- "On NATS JetStream"): a header named `Nats-*` (any case: the server acts on it; a host's
 -- Nats-Msg-Id would drop its event as a duplicate), a header value with a line break or with
 -- whitespace at either end (NATS headers are lines of text, read back trimmed), and a
--- content_type or tracestate with whitespace at either end (they travel as headers on NATS).
+-- content_type or tracestate with whitespace at either end, and a traceparent of a later
+-- version whose further fields are not visible ASCII (they travel as headers on NATS).
 -- Refused on either broker (RL112), as store::meta refuses them before any SQL: a host need
 -- not know which broker ships its events. Whitespace is Unicode's White_Space, listed by code
 -- point (the rule of Rust's str::trim and of the NATS clients that trim), not the locale's.
@@ -132,7 +133,7 @@ BEGIN
         END IF;
     END IF;
     IF p_meta ? 'traceparent' THEN
-        IF (p_meta->>'traceparent') !~ '^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}(-.*)?$'
+        IF (p_meta->>'traceparent') !~ '^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}(-[!-~]*)?$'
            OR starts_with(p_meta->>'traceparent', 'ff-')
            OR (starts_with(p_meta->>'traceparent', '00-') AND length(p_meta->>'traceparent') <> 55)
            OR substr(p_meta->>'traceparent', 4, 32) = repeat('0', 32)

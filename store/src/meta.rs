@@ -282,7 +282,8 @@ fn check_headers(headers: &BTreeMap<String, String>) -> Result<(), Error> {
 
 /// W3C Trace Context `traceparent`: `vv-<32 hex>-<16 hex>-<2 hex>`, lowercase; version `ff`,
 /// an all-zero trace id and an all-zero parent id are invalid. Version `00` has exactly these
-/// four fields; a later version may append more (`-...`), as the specification allows.
+/// four fields; a later version may append more (`-...`, visible ASCII: a header NATS keeps
+/// unchanged), as the specification allows.
 fn check_traceparent(value: &str) -> Result<(), Error> {
     let hex = |s: &str, n: usize| {
         s.len() == n && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
@@ -302,7 +303,7 @@ fn check_traceparent(value: &str) -> Result<(), Error> {
         && hex(parent, 16)
         && parent.bytes().any(|b| b != b'0')
         && hex(flags, 2)
-        && (rest.is_none() || version != "00");
+        && rest.is_none_or(|rest| version != "00" && rest.bytes().all(|b| b.is_ascii_graphic()));
     if !valid {
         return Err(invalid(
             "traceparent",

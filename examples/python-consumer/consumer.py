@@ -14,73 +14,24 @@ and acked, and the rest of the batch is folded again. It is never dropped.
       TOPOLOGY=outbox PARTITIONS=4 python3 consumer.py
 
 Its database needs the fold's tables and functions (`distribution migrate --fold`, or
-`store::migrate_fold`). It reads the default group's queues (`<TOPOLOGY>.p<N>`) and dead-letters
+`store::migrate_fold`). The fold itself is `fold.py`'s, shared with `consumer_nats.py` (the same
+on NATS JetStream). It reads the default group's queues (`<TOPOLOGY>.p<N>`) and dead-letters
 to `<TOPOLOGY>.dead`. CRASH_AFTER_WRITES=N makes it exit hard once a batch brings its writes to
 N or more, before committing it: the batch is rolled back and redelivered.
 """
 
-import datetime
 import os
-import sys
 
 import pika
 import psycopg
-from psycopg.types.json import Jsonb
 
-FOLD_BATCH = """SELECT delivery, action, branch_id, lsn, prev_lsn, rewound_to, payload, meta
-                  FROM relay_fold_batch(%s::text[], %s::text[], %s::text[], %s::text[],
-                                        %s::bigint[], %s::bigint[], %s::bigint[], %s::text[],
-                                        %s::text[], %s::timestamptz[], %s::bytea[], %s::jsonb[],
-                                        %s::bigint[], %s::bigint[])
-                 ORDER BY delivery, step"""
+from fold import fold, metadata, prepare, refused_at, setting
 
-# The fold's refusals (docs/sql-api.md, "Refusals"): they fail again however often the
-# delivery comes, so the delivery is dead-lettered.
-REFUSED = {"RL100", "RL200", "RL201", "RL202", "RL203"}
 # What the broker adds to a message it delivers: not the message's own (WIRE.md).
 BROKER_HEADERS = {
     "x-death", "x-first-death-exchange", "x-first-death-queue", "x-first-death-reason",
     "x-last-death-exchange", "x-last-death-queue", "x-last-death-reason", "x-delivery-count",
 }
-
-# WIRE.md, "Metadata": the contract's own headers, and the prefixes that are not the host's.
-CONTRACT_HEADERS = {
-    "wire_version", "kind", "tenant", "run", "branch", "lsn", "prev_lsn", "base_lsn",
-    "parent_branch", "rewound_to", "created_at_us", "epoch", "prev_epoch", "causation_id",
-    "traceparent", "tracestate",
-}
-
-
-def metadata(properties, headers):
-    """An intent's metadata as WIRE.md (version 3 and later) says it travels; None when it has none."""
-    meta = {}
-    if headers.get("kind", "intent") == "intent" and properties.type \
-            and not properties.type.startswith("outbox."):
-        meta["type"] = properties.type
-    if properties.content_type and properties.content_type != "application/octet-stream":
-        meta["content_type"] = properties.content_type
-    if properties.correlation_id:
-        meta["correlation_id"] = properties.correlation_id
-    for name in ("causation_id", "traceparent", "tracestate"):
-        if headers.get(name) is not None:
-            meta[name] = text(headers[name])
-    own = {
-        name: text(value)
-        for name, value in headers.items()
-        if name.lower() not in CONTRACT_HEADERS
-        and not name.lower().startswith(("x-", "cloudevents"))
-        and isinstance(value, (str, bytes))
-    }
-    if own:
-        meta["headers"] = own
-    return meta or None
-
-
-def setting(name, default=None):
-    value = os.environ.get(name, default)
-    if value is None:
-        sys.exit(f"{name} is not set")
-    return value
 
 
 def text(value):
@@ -90,21 +41,32 @@ def text(value):
     return value.decode("utf-8")
 
 
+def message(properties, body):
+    """A delivery as fold.py takes it: the contract's fields off its AMQP headers."""
+    h = properties.headers or {}
+    texts = {name: text(value) for name, value in h.items() if isinstance(value, (str, bytes))}
+    kind = texts.get("kind", "intent")
+    fields = {
+        name: texts.get(name)
+        for name in ("tenant", "run", "branch", "kind", "parent_branch", "rewound_to")
+    }
+    fields.update({
+        name: h.get(name)
+        for name in ("lsn", "prev_lsn", "base_lsn", "created_at_us", "epoch", "prev_epoch")
+    })
+    fields["body"] = body
+    fields["meta"] = metadata(
+        kind, properties.type, properties.content_type, properties.correlation_id, texts
+    )
+    return fields
+
+
 def main():
     topology = setting("TOPOLOGY")
     partitions = int(setting("PARTITIONS", "4"))
     crash_after = int(setting("CRASH_AFTER_WRITES", "0"))
     db = psycopg.connect(setting("DATABASE_URL"), autocommit=True)
-    # A connection lost mid-transaction must not leave its branch locked (WIRE.md).
-    db.execute("SET idle_in_transaction_session_timeout = '60s'")
-    db.execute(
-        """CREATE TABLE IF NOT EXISTS py_projection (
-               seq bigserial, tenant text, run text, branch text, lsn bigint, body bytea,
-               meta jsonb, PRIMARY KEY (tenant, run, branch, lsn))"""
-    )
-    db.execute(
-        "CREATE TABLE IF NOT EXISTS py_runs_done (tenant text, run text, PRIMARY KEY (tenant, run))"
-    )
+    prepare(db)
     batch_events = int(setting("BATCH_EVENTS", "128"))
     writes = 0
     pending = []  # (method, properties, body) pushed by the broker, not folded yet
@@ -112,61 +74,11 @@ def main():
     def on_message(_channel, method, properties, body):
         pending.append((method, properties, body))
 
-    def arguments(batch):
-        """relay_fold_batch's arrays: one element per delivery, in delivery order."""
-        columns = [[] for _ in range(14)]
-        for _method, properties, body in batch:
-            h = properties.headers or {}
-            created = h.get("created_at_us")
-            created_at = (
-                datetime.datetime.fromtimestamp(created / 1e6, tz=datetime.timezone.utc)
-                if created is not None
-                else None
-            )
-            meta = metadata(properties, h)
-            row = (
-                text(h.get("tenant")), text(h.get("run")), text(h.get("branch")),
-                text(h.get("kind")), h.get("lsn"), h.get("prev_lsn"), h.get("base_lsn"),
-                text(h.get("parent_branch")), text(h.get("rewound_to")), created_at, body,
-                meta and Jsonb(meta), h.get("epoch"), h.get("prev_epoch"),
-            )
-            for column, value in zip(columns, row):
-                column.append(value)
-        return columns
-
-    def fold(batch):
+    def fold_batch(batch):
         """Folds `batch` in one transaction; a refusal raises (rolled back)."""
         nonlocal writes
         with db.transaction():
-            rows = db.execute(FOLD_BATCH, arguments(batch)).fetchall()
-            # Also 'hold', 'duplicate', 'abandoned' and 'superseded' (a copy of history the
-            # database replaced after a failover): nothing to apply. 'adopt' comes first when
-            # an operator adopted a failover's history: the 'undo' rows after it remove what
-            # the failover lost.
-            for delivery, action, branch, lsn, _prev, _to, payload, row_meta in rows:
-                h = batch[delivery - 1][1].headers or {}
-                tenant, run = text(h.get("tenant")), text(h.get("run"))
-                if action == "apply":
-                    # Each row brings its body and metadata (those of a held-back intent as
-                    # relay_fold kept them). A plain INSERT: a second apply of one (branch,
-                    # lsn) would fail here.
-                    db.execute(
-                        "INSERT INTO py_projection (tenant, run, branch, lsn, body, meta)"
-                        " VALUES (%s, %s, %s, %s, %s, %s)",
-                        (tenant, run, branch, lsn, payload, row_meta and Jsonb(row_meta)),
-                    )
-                elif action == "undo":
-                    db.execute(
-                        "DELETE FROM py_projection"
-                        " WHERE tenant = %s AND run = %s AND branch = %s AND lsn > %s",
-                        (tenant, run, branch, lsn),
-                    )
-                elif action == "end":
-                    # The run is complete: everything of it is applied. Once per run.
-                    db.execute(
-                        "INSERT INTO py_runs_done (tenant, run) VALUES (%s, %s)",
-                        (tenant, run),
-                    )
+            fold(db, [message(properties, body) for _method, properties, body in batch])
             writes += len(batch)
             if crash_after and writes >= crash_after:
                 print(f"crashing before commit, after {writes} writes", flush=True)
@@ -176,16 +88,16 @@ def main():
         """Folds `batch`, dead-letters what the fold refuses, then acks all of it."""
         while batch:
             try:
-                fold(batch)
+                fold_batch(batch)
                 break
             except psycopg.Error as error:
-                if error.sqlstate not in REFUSED:
+                index = refused_at(error)
+                if index is None:
                     raise
                 # A broken producer, a malformed message, a run retired after its retention,
                 # a history that diverged after a failover: it will fail again. Into the
                 # dead-letter queue with its reason, confirmed, and only then acked; the
                 # others are folded again without it. The hint is "delivery N of the batch".
-                index = int(error.diag.message_hint.split()[1]) - 1
                 method, properties, body = batch.pop(index)
                 reason = f"{error.sqlstate}: {error.diag.message_primary}"
                 print(f"dead-lettering {properties.message_id}: {reason}", flush=True)

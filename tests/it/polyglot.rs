@@ -1,8 +1,8 @@
 //! Hosts and consumers in other languages, through the SQL API alone: the TypeScript host of
 //! `examples/typescript-host` (node and `pg`) writes its state and its intents in one
 //! transaction, with a rewind, by calling `relay_open_run`/`relay_append`/`relay_rewind`; the
-//! Python consumer of `examples/python-consumer` (pika and psycopg) projects into its own table
-//! through `relay_fold`. Under a relay restart (with intents written while no relay ran), a
+//! Python consumers of `examples/python-consumer` (pika or nats-py, and psycopg) project into
+//! their own table through `relay_fold_batch`, from RabbitMQ or from NATS JetStream. Under a relay restart (with intents written while no relay ran), a
 //! consumer crash between its write and its commit, and the redelivery that follows, its table
 //! equals the live history, each run in its order. `.ci/run` installs what the examples need;
 //! the test installs it too when it is missing.
@@ -68,7 +68,7 @@ async fn typescript_host() -> PathBuf {
 async fn python_consumer() -> PathBuf {
     let dir = example("python-consumer");
     let present = Command::new("python3")
-        .args(["-c", "import pika, psycopg"])
+        .args(["-c", "import pika, psycopg, nats"])
         .stderr(Stdio::null())
         .status()
         .await
@@ -511,4 +511,134 @@ async fn the_relay_and_both_examples_run_under_least_privilege_roles() {
     if let Err(panic) = outcome {
         std::panic::resume_unwind(panic);
     }
+}
+
+/// `examples/python-consumer/consumer_nats.py` on `stream`, folding into `database_url`.
+fn nats_consumer(script: &Path, database_url: &str, stream: &str, crash_after: u32) -> Child {
+    Command::new("python3")
+        .arg(script.with_file_name("consumer_nats.py"))
+        .env("NATS_URL", testkit::nats_url())
+        .env("DATABASE_URL", database_url)
+        .env("STREAM", stream)
+        .env("PARTITIONS", "4")
+        .env("GROUP", "python")
+        .env("CRASH_AFTER_WRITES", crash_after.to_string())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("python3 runs")
+}
+
+/// The same on NATS JetStream: the TypeScript host's history shipped by the relay to a stream,
+/// read by the Python consumer written from WIRE.md's NATS section (nats-py), which crashes
+/// once between its write and its commit; its table equals the live history, every run ends
+/// once, and a message the fold refuses (a forged broken chain) is kept in the dead-letter
+/// stream with its SQLSTATE and changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_typescript_host_and_a_python_consumer_on_nats_get_exactly_the_live_history() {
+    let host = typescript_host().await;
+    let script = python_consumer().await;
+    let (pool, url) = fresh_database("polyglot_nats").await;
+    let (fold_pool, fold_url) = empty_database("polyglot_nats_fold").await;
+    distribution::store::migrate_fold(&fold_pool).await.unwrap();
+    let stream = distribution::nats::scratch::unique_stream("polyglot");
+    let mut config = relay_config(&url, "", &stream);
+    config.broker = distribution::BrokerKind::Nats;
+    config.nats_url = testkit::nats_url();
+    let nats = config.nats_config().unwrap();
+    // The streams first, so the consumer can subscribe before any relay runs.
+    distribution::nats::Reading::connect(&nats).await.unwrap();
+
+    let mut crashing = nats_consumer(&script, &fold_url, &stream, 10);
+    let relay = Relay::start(config.clone()).await.unwrap();
+    run_host(&host, &url, "ts-a").await;
+    let status = tokio::time::timeout(Duration::from_secs(60), crashing.wait())
+        .await
+        .expect("the consumer reaches its 10th write")
+        .unwrap();
+    assert_eq!(status.code(), Some(3), "the consumer crashed as told");
+    relay.shutdown().await;
+    run_host(&host, &url, "ts-b").await;
+    let relay = Relay::start(config.clone()).await.unwrap();
+
+    let mut steady = nats_consumer(&script, &fold_url, &stream, 0);
+    for tenant in ["ts-a", "ts-b"] {
+        let want = live_history();
+        wait_until(
+            "the Python consumer's table to equal the live history",
+            Duration::from_secs(60),
+            || async { projected(&fold_pool, tenant).await == want },
+        )
+        .await;
+    }
+    let want: Vec<(String, String)> = ["ts-a", "ts-b"]
+        .iter()
+        .flat_map(|t| ["ts-r1", "ts-r2", "ts-r3"].map(|r| (t.to_string(), r.to_owned())))
+        .collect();
+    wait_until(
+        "every run to end at the Python consumer",
+        Duration::from_secs(60),
+        || async {
+            sqlx::query_as::<_, (String, String)>(
+                "SELECT tenant, run FROM py_runs_done ORDER BY tenant, run",
+            )
+            .fetch_all(&fold_pool)
+            .await
+            .unwrap_or_default()
+                == want
+        },
+    )
+    .await;
+
+    // A forged broken chain, written as the relay writes: kept as a dead letter, nothing else.
+    use distribution::broker::Publisher as _;
+    let branch = testkit::branch("ts-a", "ts-r1", "retry");
+    let broken = testkit::intent(&branch, 60)
+        .prev(14)
+        .base(12)
+        .parent("main")
+        .build();
+    let mut forger = distribution::nats::NatsPublisher::new(nats.clone());
+    assert_eq!(
+        forger
+            .publish(std::slice::from_ref(&broken))
+            .await
+            .accepted(),
+        1
+    );
+    let client = async_nats::connect(testkit::nats_url()).await.unwrap();
+    let context = async_nats::jetstream::new(client);
+    let dead_stream = distribution::nats::dead_letter_stream(&stream);
+    wait_until(
+        "the refused message in the dead-letter stream",
+        Duration::from_secs(30),
+        || async {
+            match context.get_stream(&dead_stream).await {
+                Ok(mut dead) => dead.info().await.is_ok_and(|info| info.state.messages == 1),
+                Err(_) => false,
+            }
+        },
+    )
+    .await;
+    let kept = context
+        .get_stream(&dead_stream)
+        .await
+        .unwrap()
+        .get_raw_message(1)
+        .await
+        .unwrap();
+    assert_eq!(kept.subject.as_str(), format!("{dead_stream}.python"));
+    let reason = kept
+        .headers
+        .get(distribution::broker::DEAD_LETTER_REASON)
+        .map(|value| value.as_str().to_owned())
+        .unwrap_or_default();
+    assert!(reason.starts_with("RL200"), "{reason}");
+    for tenant in ["ts-a", "ts-b"] {
+        assert_eq!(projected(&fold_pool, tenant).await, live_history());
+    }
+    steady.kill().await.unwrap();
+    relay.shutdown().await;
+    distribution::nats::scratch::delete_stream(&testkit::nats_url(), &stream).await;
 }

@@ -1,19 +1,30 @@
-//! `distribution dead`: the dead-letter queue read back (list, show, replay, purge), over
-//! `rabbit::DeadLetters`.
-use anyhow::{Context, Result};
+//! `distribution dead`: a group's dead letters read back (list, show, replay, purge), over
+//! `rabbit::DeadLetters` (the dead-letter queue) or `nats::NatsDeadLetters` (the dead-letter
+//! stream).
+use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
 use distribution::RelayConfig;
-use distribution::broker::Group;
-use distribution::rabbit::{DeadFilter, DeadLetters, RabbitConfig};
-use distribution::store::{RunId, TenantId};
+use distribution::broker::{DeadFilter, Group};
+use distribution::nats::{NatsConfig, NatsDeadLetters};
+use distribution::rabbit::{DeadLetters, RabbitConfig};
+use distribution::store::{OutboxEvent, RunId, TenantId};
+
+use crate::BrokerChoice;
 
 /// The broker and topology whose dead letters are read.
 #[derive(Clone, Debug, Args)]
 pub struct Broker {
+    /// The broker: RabbitMQ (`AMQP_URL`) or NATS JetStream (`NATS_URL`).
+    #[arg(long, env = "RELAY_BROKER", value_enum, default_value = "rabbitmq")]
+    pub broker: BrokerChoice,
     /// RabbitMQ (`amqps://` for TLS).
     #[arg(long, env = "AMQP_URL", hide_env_values = true)]
-    pub amqp_url: String,
-    /// Exchange name; the dead-letter queue is `<topology>.dead`.
+    pub amqp_url: Option<String>,
+    /// NATS servers (comma-separated), with `--broker nats`.
+    #[arg(long, env = "NATS_URL", hide_env_values = true)]
+    pub nats_url: Option<String>,
+    /// Exchange (or NATS stream) name; the dead-letter queue is `<topology>.dead` (on NATS the
+    /// stream `<topology>_dead`).
     #[arg(long, env = "RELAY_TOPOLOGY", default_value = "outbox")]
     pub topology: String,
     /// Broker partitions (a replayed message goes to its run's partition).
@@ -21,7 +32,8 @@ pub struct Broker {
           value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub partitions: u16,
     /// The consumer group (`default`: the unnamed group's `<topology>.p<N>` and
-    /// `<topology>.dead`; a name: `<topology>.<group>.p<N>` and `<topology>.<group>.dead`).
+    /// `<topology>.dead`; a name: `<topology>.<group>.p<N>` and `<topology>.<group>.dead`; on
+    /// NATS the group's subject `<topology>_dead.<group>`).
     #[arg(long, env = "RELAY_GROUP", default_value = "default")]
     pub group: String,
     /// How the topology's queues are declared (as the relay's settings).
@@ -31,7 +43,18 @@ pub struct Broker {
 
 impl Broker {
     pub fn rabbit(&self) -> Result<RabbitConfig> {
-        let mut config = RelayConfig::new("", self.amqp_url.clone());
+        if self.broker == BrokerChoice::Nats {
+            bail!(
+                "RELAY_BROKER=nats: this command reads RabbitMQ's queues only (docs/operations.md, \
+                 \"On NATS JetStream\", says what runs on NATS)"
+            );
+        }
+        let Some(amqp_url) = &self.amqp_url else {
+            bail!(
+                "AMQP_URL (--amqp-url) is required: the RabbitMQ broker (or RELAY_BROKER=nats with NATS_URL)"
+            );
+        };
+        let mut config = RelayConfig::new("", amqp_url.clone());
         config.topology = self.topology.clone();
         config.partitions = self.partitions;
         self.queues.apply(&mut config)?;
@@ -39,6 +62,19 @@ impl Broker {
         let mut rabbit = config.rabbit_config()?;
         rabbit.topology = rabbit.topology.with_group(group);
         Ok(rabbit)
+    }
+}
+
+impl Broker {
+    /// The NATS side: the stream's configuration, and the group's name as its consumers use it.
+    fn nats(&self) -> Result<NatsConfig> {
+        let Some(nats_url) = &self.nats_url else {
+            bail!("NATS_URL (--nats-url) is required with RELAY_BROKER=nats");
+        };
+        let mut config = RelayConfig::nats("", nats_url.clone());
+        config.topology = self.topology.clone();
+        config.partitions = self.partitions;
+        Ok(config.nats_config()?)
     }
 }
 
@@ -109,6 +145,91 @@ impl Selection {
     }
 }
 
+/// A dead letter as this command shows it, whatever the broker.
+struct Shown<'a> {
+    position: u64,
+    message_id: Option<&'a str>,
+    kind: &'static str,
+    reason: Option<&'a str>,
+    event: &'a Result<OutboxEvent, distribution::broker::WireError>,
+    properties: Vec<(&'static str, String)>,
+    headers: Vec<(String, String)>,
+    body: &'a [u8],
+}
+
+impl Shown<'_> {
+    fn line(&self) -> String {
+        format!(
+            "{:>5}  {:<48} {:<12} {}",
+            self.position,
+            self.message_id.unwrap_or("(no message id)"),
+            self.kind,
+            self.reason.unwrap_or("(no reason)")
+        )
+    }
+
+    fn print(&self, message_id: &str) {
+        println!("position: {}", self.position);
+        println!("message_id: {message_id}");
+        println!("kind: {}", self.kind);
+        println!("reason: {}", self.reason.unwrap_or("(none)"));
+        if let Err(err) = self.event {
+            println!("not an event: {err}");
+        }
+        for (name, value) in &self.properties {
+            println!("{name}: {value}");
+        }
+        for (name, value) in &self.headers {
+            println!("header {name}: {value}");
+        }
+        match std::str::from_utf8(self.body) {
+            Ok(text) => println!("body ({} bytes, UTF-8):\n{text}", self.body.len()),
+            Err(_) => {
+                let hex: String = self.body.iter().map(|b| format!("{b:02x}")).collect();
+                println!("body ({} bytes, hex):\n{hex}", self.body.len());
+            }
+        }
+    }
+}
+
+fn shown_rabbit(letter: &distribution::rabbit::DeadLetter) -> Shown<'_> {
+    Shown {
+        position: letter.position,
+        message_id: letter.message_id.as_deref(),
+        kind: letter.kind(),
+        reason: letter.reason.as_deref(),
+        event: &letter.event,
+        properties: letter.properties(),
+        headers: letter.header_texts(),
+        body: &letter.body,
+    }
+}
+
+fn shown_nats(letter: &distribution::nats::NatsDeadLetter) -> Shown<'_> {
+    Shown {
+        position: letter.sequence,
+        message_id: letter.message_id.as_deref(),
+        kind: letter.kind(),
+        reason: letter.reason.as_deref(),
+        event: &letter.event,
+        properties: letter.properties(),
+        headers: letter.headers.clone(),
+        body: &letter.body,
+    }
+}
+
+/// How many letters a list shows out of how many there are.
+fn heading(depth: u64, limit: u64, place: &str) -> String {
+    format!(
+        "{depth} dead letter(s) in {place}{}",
+        if depth > limit {
+            format!(" (the first {limit})")
+        } else {
+            String::new()
+        }
+    )
+}
+
 pub async fn run(action: DeadAction) -> Result<()> {
     let broker = match &action {
         DeadAction::List { broker, .. }
@@ -116,6 +237,9 @@ pub async fn run(action: DeadAction) -> Result<()> {
         | DeadAction::Replay { broker, .. }
         | DeadAction::Purge { broker, .. } => broker,
     };
+    if broker.broker == BrokerChoice::Nats {
+        return run_nats(action).await;
+    }
     let rabbit = broker.rabbit()?;
     let queue = rabbit.topology.dead_letter_queue();
     let dead = DeadLetters::open(&rabbit)
@@ -128,48 +252,16 @@ pub async fn run(action: DeadAction) -> Result<()> {
                 .await
                 .with_context(|| format!("cannot read {queue} (has a consumer declared it?)"))?;
             let letters = dead.list(limit).await?;
-            println!(
-                "{depth} dead letter(s) in {queue}{}",
-                if u64::from(depth) > limit {
-                    format!(" (the first {limit})")
-                } else {
-                    String::new()
-                }
-            );
+            println!("{}", heading(u64::from(depth), limit, queue.as_str()));
             for letter in &letters {
-                println!(
-                    "{:>5}  {:<48} {:<12} {}",
-                    letter.position,
-                    letter.message_id.as_deref().unwrap_or("(no message id)"),
-                    letter.kind(),
-                    letter.reason.as_deref().unwrap_or("(no reason)")
-                );
+                println!("{}", shown_rabbit(letter).line());
             }
         }
         DeadAction::Show { message_id, .. } => {
             let letter = dead.find(&message_id).await?.with_context(|| {
                 format!("no dead letter with message id {message_id} in {queue}")
             })?;
-            println!("position: {}", letter.position);
-            println!("message_id: {message_id}");
-            println!("kind: {}", letter.kind());
-            println!("reason: {}", letter.reason.as_deref().unwrap_or("(none)"));
-            if let Err(err) = &letter.event {
-                println!("not an event: {err}");
-            }
-            for (name, value) in letter.properties() {
-                println!("{name}: {value}");
-            }
-            for (name, value) in letter.header_texts() {
-                println!("header {name}: {value}");
-            }
-            match std::str::from_utf8(&letter.body) {
-                Ok(text) => println!("body ({} bytes, UTF-8):\n{text}", letter.body.len()),
-                Err(_) => {
-                    let hex: String = letter.body.iter().map(|b| format!("{b:02x}")).collect();
-                    println!("body ({} bytes, hex):\n{hex}", letter.body.len());
-                }
-            }
+            shown_rabbit(&letter).print(&message_id);
         }
         DeadAction::Replay { selection, .. } => {
             let replayed = dead.replay(&selection.filter()?).await?;
@@ -180,6 +272,54 @@ pub async fn run(action: DeadAction) -> Result<()> {
         DeadAction::Purge { selection, .. } => {
             let purged = dead.purge(&selection.filter()?).await?;
             println!("purged {purged} dead letter(s) from {queue}");
+        }
+    }
+    Ok(())
+}
+
+/// The same on NATS: the group's subject of the dead-letter stream.
+async fn run_nats(action: DeadAction) -> Result<()> {
+    let (broker, nats) = match &action {
+        DeadAction::List { broker, .. }
+        | DeadAction::Show { broker, .. }
+        | DeadAction::Replay { broker, .. }
+        | DeadAction::Purge { broker, .. } => (broker, broker.nats()?),
+    };
+    let group = broker.group.clone();
+    // The group's name as its consumers give it (a subject token).
+    distribution::consumer::NatsConsumerConfig::new(nats.clone(), &group)
+        .context("--group / RELAY_GROUP")?;
+    let place = format!(
+        "{}.{group}",
+        distribution::nats::dead_letter_stream(&nats.stream)
+    );
+    let dead = NatsDeadLetters::open(&nats, &group)
+        .await
+        .context("cannot reach NATS (NATS_URL)")?;
+    match action {
+        DeadAction::List { limit, .. } => {
+            let depth = dead.depth().await?;
+            let letters = dead.list(limit).await?;
+            println!("{}", heading(depth, limit, &place));
+            for letter in &letters {
+                println!("{}", shown_nats(letter).line());
+            }
+        }
+        DeadAction::Show { message_id, .. } => {
+            let letter = dead.find(&message_id).await?.with_context(|| {
+                format!("no dead letter with message id {message_id} in {place}")
+            })?;
+            shown_nats(&letter).print(&message_id);
+        }
+        DeadAction::Replay { selection, .. } => {
+            let replayed = dead.replay(&selection.filter()?).await?;
+            println!(
+                "replayed {replayed} dead letter(s) to their partitions; the consumers fold them again"
+            );
+        }
+        DeadAction::Purge { selection, .. } => {
+            let purged = dead.purge(&selection.filter()?).await?;
+            println!("purged {purged} dead letter(s) from {place}");
         }
     }
     Ok(())

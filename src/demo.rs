@@ -17,6 +17,7 @@ use distribution::store::{
 };
 use distribution::{Relay, RelayConfig};
 
+use crate::BrokerChoice;
 use crate::proxy::BrokerProxy;
 use sqlx::{Connection, PgConnection, PgPool};
 
@@ -118,27 +119,18 @@ async fn agent_run(
     Ok((appended, abandoned))
 }
 
-/// Which broker the demo ships to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub(crate) enum DemoBroker {
-    /// RabbitMQ at `AMQP_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`).
-    Rabbitmq,
-    /// NATS JetStream at `NATS_URL` (default `nats://127.0.0.1:4222`).
-    Nats,
-}
-
 /// The broker's URL.
-fn broker_url(broker: DemoBroker) -> String {
+fn broker_url(broker: BrokerChoice) -> String {
     match broker {
-        DemoBroker::Rabbitmq => std::env::var("AMQP_URL")
+        BrokerChoice::Rabbitmq => std::env::var("AMQP_URL")
             .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into()),
-        DemoBroker::Nats => {
+        BrokerChoice::Nats => {
             std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
         }
     }
 }
 
-pub(crate) async fn run(broker: DemoBroker) -> Result<()> {
+pub(crate) async fn run(broker: BrokerChoice) -> Result<()> {
     let base_url = std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
     let broker_url = broker_url(broker);
@@ -156,13 +148,13 @@ pub(crate) async fn run(broker: DemoBroker) -> Result<()> {
         .context("DATABASE_URL has no database")?;
     let url = format!("{server}/{database}");
     let (outcome, removed) = match broker {
-        DemoBroker::Rabbitmq => {
+        BrokerChoice::Rabbitmq => {
             let topology = format!("relay-demo-{stamp}");
             let outcome = walk(&url, broker, &broker_url, &topology).await;
             // Its exchange and queues go too, whatever the walk's outcome.
             (outcome, remove_topology(&broker_url, &topology).await)
         }
-        DemoBroker::Nats => {
+        BrokerChoice::Nats => {
             let stream = format!("relay_demo_{stamp}");
             let outcome = walk(&url, broker, &broker_url, &stream).await;
             // Its streams go too, whatever the walk's outcome.
@@ -211,10 +203,10 @@ fn chrono_free_stamp() -> u128 {
         .unwrap_or_default()
 }
 
-async fn walk(url: &str, broker: DemoBroker, broker_url: &str, topology: &str) -> Result<()> {
+async fn walk(url: &str, broker: BrokerChoice, broker_url: &str, topology: &str) -> Result<()> {
     let broker_name = match broker {
-        DemoBroker::Rabbitmq => "RabbitMQ",
-        DemoBroker::Nats => "NATS JetStream",
+        BrokerChoice::Rabbitmq => "RabbitMQ",
+        BrokerChoice::Nats => "NATS JetStream",
     };
     let pool = PgPool::connect(url).await?;
     store::migrate(&pool).await?;
@@ -229,8 +221,8 @@ async fn walk(url: &str, broker: DemoBroker, broker_url: &str, topology: &str) -
         proxy.addr()
     );
     let mut config = match broker {
-        DemoBroker::Rabbitmq => RelayConfig::new(url, proxy.url()),
-        DemoBroker::Nats => RelayConfig::nats(url, proxy.url()),
+        BrokerChoice::Rabbitmq => RelayConfig::new(url, proxy.url()),
+        BrokerChoice::Nats => RelayConfig::nats(url, proxy.url()),
     };
     config.topology = topology.to_owned();
     config.partitions = PARTITIONS;
@@ -277,7 +269,7 @@ async fn walk(url: &str, broker: DemoBroker, broker_url: &str, topology: &str) -
     let (stop_tx, _) = tokio::sync::watch::channel(false);
     let mut consumers = Vec::new();
     match broker {
-        DemoBroker::Rabbitmq => {
+        BrokerChoice::Rabbitmq => {
             let consumer = FoldConsumer::new(fold_config.rabbit_config()?);
             for partition in 0..partitions {
                 let (consumer, fold, mut stop) =
@@ -293,7 +285,7 @@ async fn walk(url: &str, broker: DemoBroker, broker_url: &str, topology: &str) -
                 }));
             }
         }
-        DemoBroker::Nats => {
+        BrokerChoice::Nats => {
             // A consumer group folding the stream into the same projection (`EventTable`).
             let group = NatsConsumerConfig::new(fold_config.nats_config()?, "demo")?;
             let consumer = Consumer::on_nats(group, pool.clone(), store::EventTable);

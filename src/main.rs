@@ -37,8 +37,18 @@ mod serve;
 use outbox_cli::{discard, migrate, print_roles, print_sql, release, retire, status};
 use run_cli::run;
 
-/// Ships committed export intents from PostgreSQL to RabbitMQ, in order per branch,
-/// at least once. Every flag can be set by its environment variable instead.
+/// Which broker a command works on (`RELAY_BROKER`, as the relay's).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum BrokerChoice {
+    /// RabbitMQ at `AMQP_URL`.
+    #[default]
+    Rabbitmq,
+    /// NATS JetStream at `NATS_URL`.
+    Nats,
+}
+
+/// Ships committed export intents from PostgreSQL to RabbitMQ (or NATS JetStream), in order
+/// per branch, at least once. Every flag can be set by its environment variable instead.
 #[derive(Debug, Parser)]
 #[command(name = "distribution", version, propagate_version = true)]
 struct Cli {
@@ -96,7 +106,8 @@ enum Command {
         )]
         groups: Vec<String>,
     },
-    /// The dead-letter queue (`<topology>.dead`): what consumers could not fold.
+    /// A group's dead letters (RabbitMQ: the queue `<topology>.dead`; NATS: the stream
+    /// `<topology>_dead`): what consumers could not fold.
     Dead {
         #[command(subcommand)]
         action: dead_cli::DeadAction,
@@ -160,7 +171,7 @@ enum Command {
     Demo {
         /// The broker the demo ships to: RabbitMQ at AMQP_URL, or NATS JetStream at NATS_URL.
         #[arg(long, value_enum, default_value = "rabbitmq")]
-        broker: demo::DemoBroker,
+        broker: BrokerChoice,
     },
     /// Print the schema's SQL (every migration, in order) for hosts with another migration
     /// tool; then run the relay with --skip-migrate.

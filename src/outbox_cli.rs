@@ -182,7 +182,9 @@ pub(crate) async fn status(
     let mut unanswered = Vec::new();
     for group in groups {
         let broker = dead_cli::Broker {
-            amqp_url: amqp_url.clone(),
+            broker: crate::BrokerChoice::Rabbitmq,
+            amqp_url: Some(amqp_url.clone()),
+            nats_url: None,
             topology: topology.clone(),
             partitions: 1,
             group: group.trim().to_owned(),

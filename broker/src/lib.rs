@@ -13,6 +13,7 @@
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
 mod backoff;
+mod dead;
 mod error;
 mod health;
 mod partition;
@@ -22,6 +23,9 @@ mod wire;
 
 pub use backoff::Backoff;
 pub use backoff::RetryPolicy;
+pub use dead::DeadFilter;
+pub use dead::event_kind;
+pub use dead::event_properties;
 pub use error::Error;
 pub use error::WireError;
 pub use health::BlockedMark;

@@ -7,6 +7,7 @@
 //! - `stream`: the stream declared and read back ([`declare`]).
 //! - `attribute`: what the server's answer to one publish means for its event (pure).
 //! - `publisher`: [`NatsPublisher`]: pipelined publishes, acks awaited by a pump, fenced.
+//! - `dead`: a group's dead letters read back, replayed, purged ([`NatsDeadLetters`]).
 //! - `reader`: for a consumer: a partition read in stream order ([`PartitionReader`]), dead
 //!   letters kept in a stream of their own ([`dead_letter`]).
 //! - `scratch` (feature `fixtures`): test streams deleted at the test process's exit.
@@ -14,6 +15,7 @@
 
 mod attribute;
 mod config;
+mod dead;
 mod publisher;
 mod reader;
 #[cfg(feature = "fixtures")]
@@ -23,6 +25,7 @@ mod wire;
 
 pub use attribute::{Answer, Verdict, attribute};
 pub use config::{MAX_ACKS_IN_FLIGHT, NatsConfig};
+pub use dead::{NatsDeadLetter, NatsDeadLetters};
 pub use publisher::{NatsPublisher, connect, durability_note, preflight};
 pub use reader::{
     Delivery, PartitionReader, ReadFrom, Reading, dead_letter, dead_letter_stream,

@@ -14,7 +14,7 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Confirmation};
-use store::{OutboxEvent, RunId, TenantId};
+use store::OutboxEvent;
 
 use broker::{Error, WireError};
 
@@ -54,17 +54,7 @@ pub struct DeadLetter {
     pub body: Vec<u8>,
 }
 
-/// Which dead letters an operation takes: all of them, or those of a tenant, a run of it, or one
-/// message id. Messages that are not events (broken contract) only match `All` and `MessageId`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum DeadFilter {
-    /// Every dead letter.
-    All,
-    /// The dead letters of a tenant, or of one run of it.
-    Tenant(TenantId, Option<RunId>),
-    /// The one with this `message_id`.
-    MessageId(String),
-}
+pub use broker::DeadFilter;
 
 impl DeadLetter {
     /// Its headers as a person reads them ([`header_texts`]).
@@ -93,51 +83,7 @@ pub(crate) fn header_texts(headers: &FieldTable) -> Vec<(String, String)> {
         .collect()
 }
 
-/// What a person looks for first in a message, from the event it carries (none for a message
-/// that is not one): when it was written (RFC 3339, not the header's microseconds), then the
-/// AMQP properties and trace context its metadata travelled in, those it has.
-pub(crate) fn event_properties(
-    event: &Result<OutboxEvent, WireError>,
-) -> Vec<(&'static str, String)> {
-    let Ok(event) = event else {
-        return Vec::new();
-    };
-    let meta = &event.meta;
-    let mut shown = vec![(
-        "written at",
-        event
-            .created_at
-            .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
-    )];
-    let named = [
-        (
-            "type",
-            meta.event_type.as_ref().map(|t| t.as_str().to_owned()),
-        ),
-        ("content type", meta.content_type.clone()),
-        ("correlation id", meta.correlation_id.clone()),
-        ("causation id", meta.causation_id.clone()),
-        ("traceparent", meta.traceparent.clone()),
-    ];
-    shown.extend(
-        named
-            .into_iter()
-            .filter_map(|(name, value)| Some((name, value?))),
-    );
-    shown
-}
-
-/// What a message carries: `intent`, `rewind`, `end`, or `not an event`.
-pub(crate) fn event_kind(event: &Result<OutboxEvent, WireError>) -> &'static str {
-    match event {
-        Ok(event) => match event.kind {
-            store::EventKind::Intent => "intent",
-            store::EventKind::Rewind { .. } => "rewind",
-            store::EventKind::End => "end",
-        },
-        Err(_) => "not an event",
-    }
-}
+pub(crate) use broker::{event_kind, event_properties};
 
 /// One header value as text.
 fn header_text(value: &AMQPValue) -> String {
@@ -156,20 +102,6 @@ fn header_text(value: &AMQPValue) -> String {
         AMQPValue::Float(n) => n.to_string(),
         AMQPValue::Double(n) => n.to_string(),
         other => format!("{other:?}"),
-    }
-}
-
-impl DeadFilter {
-    /// Whether `letter` is taken.
-    pub fn matches(&self, letter: &DeadLetter) -> bool {
-        match self {
-            DeadFilter::All => true,
-            DeadFilter::MessageId(id) => letter.message_id.as_deref() == Some(id.as_str()),
-            DeadFilter::Tenant(tenant, run) => letter.event.as_ref().is_ok_and(|event| {
-                let branch = &event.key.branch;
-                branch.tenant == *tenant && run.as_ref().is_none_or(|run| branch.run == *run)
-            }),
-        }
     }
 }
 
@@ -351,7 +283,7 @@ impl DeadLetters {
             let Some((letter, delivery)) = self.next(&channel, position).await? else {
                 break;
             };
-            if !filter.matches(&letter) {
+            if !filter.takes(letter.message_id.as_deref(), &letter.event) {
                 continue;
             }
             let mut headers = letter.headers.inner().clone();

@@ -93,7 +93,9 @@ impl ConsoleSettings {
             .filter(|group| !group.is_empty() && *group != "none")
             .map(|group| {
                 let rabbit = Broker {
-                    amqp_url: amqp_url.clone(),
+                    broker: crate::BrokerChoice::Rabbitmq,
+                    amqp_url: Some(amqp_url.clone()),
+                    nats_url: None,
                     topology: self.topology.clone(),
                     partitions: self.partitions,
                     group: group.to_owned(),

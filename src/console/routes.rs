@@ -235,7 +235,7 @@ pub(super) async fn tenant(State(console): Shared, Path(tenant): Path<String>) -
                 let letters = dead.list(page::TENANT_LETTERS_READ).await?;
                 let theirs = letters
                     .into_iter()
-                    .filter(|letter| filter.matches(letter))
+                    .filter(|letter| filter.takes(letter.message_id.as_deref(), &letter.event))
                     .collect();
                 Ok::<_, broker::Error>(page::TenantLetters {
                     letters: theirs,
@@ -380,7 +380,7 @@ pub(super) async fn dead_act(
         let letters = dead.list(page::LETTERS_COUNTED).await?;
         let matching = letters
             .iter()
-            .filter(|letter| filter.matches(letter))
+            .filter(|letter| filter.takes(letter.message_id.as_deref(), &letter.event))
             .count();
         return Ok(console.page(
             &format!("{} dead letters?", form.action.verb()),

@@ -744,3 +744,168 @@ fn nats_the_fold_holds_exactly_the_live_history_through_a_server_kill() {
         relay.shutdown().await;
     });
 }
+
+/// `distribution dead` on NATS (`RELAY_BROKER=nats`): a consumer group kept a message that is
+/// not an event and a broken chain as dead letters; `list` shows both with their reasons, `show`
+/// one whole, `replay` puts the event back on its partition (the group refuses it again, so it
+/// is kept again, under a new sequence), and `purge --all` removes both.
+#[test]
+fn nats_dead_letters_are_listed_shown_replayed_and_purged_by_the_cli() {
+    use distribution::broker::Publisher as _;
+    use distribution::consumer::{Consumer, NatsConsumerConfig};
+    use distribution::nats::{NatsConfig, NatsDeadLetters, NatsPublisher};
+    use distribution::store::EventTable;
+
+    host_runtime().block_on(async {
+        let (fold_pool, _) = fresh_database("nats_dead_cli").await;
+        let stream = distribution::nats::scratch::unique_stream("dead_cli");
+        let nats = NatsConfig::new(&testkit::nats_url(), &stream, 2).unwrap();
+        let mut group = NatsConsumerConfig::new(nats.clone(), "projector").unwrap();
+        group.retry.max = Duration::from_millis(300);
+        let consumer = Consumer::on_nats(group, fold_pool.clone(), EventTable);
+        let progress = consumer.progress();
+        let (stop, mut stopped) = tokio::sync::watch::channel(false);
+        let folding = tokio::spawn(consumer.run(async move {
+            let _ = stopped.wait_for(|stop| *stop).await;
+        }));
+
+        let branch = testkit::branch("dead-cli", "run-1", "main");
+        let mut events = testkit::intents(&branch, &[1, 2, 3, 4, 5]);
+        // After 5 was folded, an intent that follows 3: a chain no later delivery can mend.
+        events.push(testkit::intent(&branch, 9).prev(3).build());
+        let mut publisher = NatsPublisher::new(nats.clone());
+        assert_eq!(publisher.publish(&events[..5]).await.accepted(), 5);
+        let client = async_nats::connect(testkit::nats_url()).await.unwrap();
+        let context = async_nats::jetstream::new(client);
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("wire_version", "4");
+        let poisoned = nats.subject_of(&branch.tenant, &branch.run);
+        context
+            .publish_with_headers(poisoned, headers, "garbage".into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        assert_eq!(publisher.publish(&events[5..]).await.accepted(), 1);
+        wait_until("both refused", Duration::from_secs(30), || async {
+            progress.totals().rejected == 2
+        })
+        .await;
+
+        let cli = |args: &[&str]| {
+            let mut command = relay_command();
+            command
+                .arg("dead")
+                .args(args)
+                .env("RELAY_BROKER", "nats")
+                .env("NATS_URL", testkit::nats_url())
+                .env("RELAY_TOPOLOGY", &stream)
+                .env("RELAY_PARTITIONS", "2")
+                .env("RELAY_GROUP", "projector");
+            async move {
+                let out = tokio::task::spawn_blocking(move || command.output().unwrap())
+                    .await
+                    .unwrap();
+                let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+                assert!(
+                    out.status.success(),
+                    "{stdout}{}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                stdout
+            }
+        };
+        let id = "dead-cli/run-1/main/9";
+        let listed = cli(&["list"]).await;
+        assert!(
+            listed.contains(&format!("2 dead letter(s) in {stream}_dead.projector")),
+            "{listed}"
+        );
+        let line = |text: &str, what: &str| {
+            text.lines()
+                .find(|line| line.contains(what))
+                .unwrap_or_else(|| panic!("no {what} in {text}"))
+                .to_owned()
+        };
+        assert!(line(&listed, id).contains("broken_chain"), "{listed}");
+        assert!(
+            line(&listed, "not an event").contains("contract"),
+            "{listed}"
+        );
+        let shown = cli(&["show", id]).await;
+        assert!(shown.contains("kind: intent"), "{shown}");
+        assert!(shown.contains("reason: broken_chain"), "{shown}");
+        assert!(shown.contains("header lsn: 9"), "{shown}");
+
+        let before = NatsDeadLetters::open(&nats, "projector")
+            .await
+            .unwrap()
+            .list(10)
+            .await
+            .unwrap();
+        let kept_first = before
+            .iter()
+            .find(|letter| letter.message_id.as_deref() == Some(id))
+            .unwrap()
+            .sequence;
+        let replayed = cli(&["replay", "--tenant", "dead-cli"]).await;
+        assert!(replayed.contains("replayed 1 dead letter(s)"), "{replayed}");
+        wait_until(
+            "the replayed intent refused again",
+            Duration::from_secs(30),
+            || async { progress.totals().rejected == 3 },
+        )
+        .await;
+        let dead = NatsDeadLetters::open(&nats, "projector").await.unwrap();
+        let letters = dead.list(10).await.unwrap();
+        assert_eq!(letters.len(), 2, "{letters:?}");
+        assert_eq!(
+            letters[0].kind(),
+            "not an event",
+            "the poison stays where it was"
+        );
+        assert_eq!(letters[1].message_id.as_deref(), Some(id));
+        assert!(
+            letters[1].sequence > kept_first,
+            "kept again, later: {letters:?}"
+        );
+        // Replayed to its run's partition, as the relay writes it.
+        let copies: Vec<String> =
+            distribution::nats::scratch::read_stream(&testkit::nats_url(), &stream)
+                .await
+                .into_iter()
+                .filter(|(_, event)| event.as_ref().is_ok_and(|event| event.key.lsn.get() == 9))
+                .map(|(subject, _)| subject)
+                .collect();
+        assert_eq!(
+            copies,
+            vec![nats.subject_of(&branch.tenant, &branch.run); 2]
+        );
+        // Another group's letter, which nothing here may touch.
+        context
+            .publish_with_headers(
+                format!("{stream}_dead.other"),
+                async_nats::HeaderMap::new(),
+                "theirs".into(),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+
+        let purged = cli(&["purge", "--all"]).await;
+        assert!(purged.contains("purged 2 dead letter(s)"), "{purged}");
+        let listed = cli(&["list"]).await;
+        assert!(listed.starts_with("0 dead letter(s)"), "{listed}");
+        let theirs = NatsDeadLetters::open(&nats, "other").await.unwrap();
+        assert_eq!(
+            theirs.list(10).await.unwrap().len(),
+            1,
+            "another group's letter stays"
+        );
+        let _ = stop.send(true);
+        let stats = folding.await.unwrap().unwrap();
+        assert_eq!(stats.applied, 5, "{stats:?}");
+        distribution::nats::scratch::delete_stream(&testkit::nats_url(), &stream).await;
+    });
+}

@@ -572,6 +572,13 @@ async fn a_typescript_host_and_a_python_consumer_on_nats_get_exactly_the_live_hi
         )
         .await;
     }
+    // The host's own state is where its history ends.
+    let states: Vec<(String, i64)> =
+        sqlx::query_as("SELECT branch, step FROM ts_host_state ORDER BY tenant, run")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(states, vec![("retry".to_owned(), 22); 6]);
     let want: Vec<(String, String)> = ["ts-a", "ts-b"]
         .iter()
         .flat_map(|t| ["ts-r1", "ts-r2", "ts-r3"].map(|r| (t.to_string(), r.to_owned())))

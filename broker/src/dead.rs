@@ -1,0 +1,75 @@
+//! Dead letters, whatever the broker: which ones an operation takes, and how a message reads
+//! to a person (pure).
+use store::{OutboxEvent, RunId, TenantId};
+
+use crate::WireError;
+
+/// Which dead letters an operation takes: all of them, or those of a tenant, a run of it, or one
+/// message id. Messages that are not events (broken contract) only match `All` and `MessageId`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DeadFilter {
+    /// Every dead letter.
+    All,
+    /// The dead letters of a tenant, or of one run of it.
+    Tenant(TenantId, Option<RunId>),
+    /// The one with this message id.
+    MessageId(String),
+}
+
+impl DeadFilter {
+    /// Whether the dead letter with `message_id` carrying `event` is taken.
+    pub fn takes(&self, message_id: Option<&str>, event: &Result<OutboxEvent, WireError>) -> bool {
+        match self {
+            DeadFilter::All => true,
+            DeadFilter::MessageId(id) => message_id == Some(id.as_str()),
+            DeadFilter::Tenant(tenant, run) => event.as_ref().is_ok_and(|event| {
+                let branch = &event.key.branch;
+                branch.tenant == *tenant && run.as_ref().is_none_or(|run| branch.run == *run)
+            }),
+        }
+    }
+}
+
+/// What a person looks for first in a message, from the event it carries (none for a message
+/// that is not one): when it was written (RFC 3339, not the header's microseconds), then the
+/// metadata it travelled with, those it has.
+pub fn event_properties(event: &Result<OutboxEvent, WireError>) -> Vec<(&'static str, String)> {
+    let Ok(event) = event else {
+        return Vec::new();
+    };
+    let meta = &event.meta;
+    let mut shown = vec![(
+        "written at",
+        event
+            .created_at
+            .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+    )];
+    let named = [
+        (
+            "type",
+            meta.event_type.as_ref().map(|t| t.as_str().to_owned()),
+        ),
+        ("content type", meta.content_type.clone()),
+        ("correlation id", meta.correlation_id.clone()),
+        ("causation id", meta.causation_id.clone()),
+        ("traceparent", meta.traceparent.clone()),
+    ];
+    shown.extend(
+        named
+            .into_iter()
+            .filter_map(|(name, value)| Some((name, value?))),
+    );
+    shown
+}
+
+/// What a message carries: `intent`, `rewind`, `end`, or `not an event`.
+pub fn event_kind(event: &Result<OutboxEvent, WireError>) -> &'static str {
+    match event {
+        Ok(event) => match event.kind {
+            store::EventKind::Intent => "intent",
+            store::EventKind::Rewind { .. } => "rewind",
+            store::EventKind::End => "end",
+        },
+        Err(_) => "not an event",
+    }
+}

@@ -91,9 +91,17 @@ enum Command {
     Status {
         #[command(flatten)]
         database: Database,
+        /// The broker whose dead letters are counted: RabbitMQ (`AMQP_URL`) or NATS JetStream
+        /// (`NATS_URL`).
+        #[arg(long, env = "RELAY_BROKER", value_enum, default_value = "rabbitmq")]
+        broker: BrokerChoice,
         /// RabbitMQ, to count the dead letters (`<topology>.dead`); without it they are not shown.
         #[arg(long, env = "AMQP_URL", hide_env_values = true)]
         amqp_url: Option<String>,
+        /// NATS servers, to count the dead letters (`<topology>_dead.<group>`) with
+        /// `--broker nats`; without them they are not shown.
+        #[arg(long, env = "NATS_URL", hide_env_values = true)]
+        nats_url: Option<String>,
         /// Exchange name.
         #[arg(long, env = "RELAY_TOPOLOGY", default_value = "outbox")]
         topology: String,
@@ -332,10 +340,18 @@ fn main() -> ExitCode {
             Command::Run(_) => run(config.expect("parsed above")).await,
             Command::Status {
                 database,
+                broker,
                 amqp_url,
+                nats_url,
                 topology,
                 groups,
-            } => status(&database, amqp_url, topology, groups).await,
+            } => {
+                let url = match broker {
+                    BrokerChoice::Rabbitmq => amqp_url.map(outbox_cli::DeadLetterBroker::Rabbit),
+                    BrokerChoice::Nats => nats_url.map(outbox_cli::DeadLetterBroker::Nats),
+                };
+                status(&database, url, topology, groups).await
+            }
             Command::Dead { action } => dead_cli::run(action).await,
             Command::Group { action } => group_cli::run(action).await,
             Command::Tail(settings) => tail_cli::run(*settings).await,

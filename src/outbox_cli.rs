@@ -131,9 +131,15 @@ pub(crate) async fn retire(
     Ok(())
 }
 
+/// Where `status` counts dead letters: the broker and its URL.
+pub(crate) enum DeadLetterBroker {
+    Rabbit(String),
+    Nats(String),
+}
+
 pub(crate) async fn status(
     database: &Database,
-    amqp_url: Option<String>,
+    broker: Option<DeadLetterBroker>,
     topology: String,
     groups: Vec<String>,
 ) -> Result<()> {
@@ -175,10 +181,14 @@ pub(crate) async fn status(
             );
         }
     }
-    let Some(amqp_url) = amqp_url else {
-        return Ok(());
-    };
     let groups = groups.into_iter().filter(|group| group.trim() != "none");
+    let amqp_url = match broker {
+        None => return Ok(()),
+        Some(DeadLetterBroker::Nats(nats_url)) => {
+            return nats_dead_letters(&nats_url, &topology, groups).await;
+        }
+        Some(DeadLetterBroker::Rabbit(amqp_url)) => amqp_url,
+    };
     let mut unanswered = Vec::new();
     for group in groups {
         let broker = dead_cli::Broker {
@@ -221,6 +231,47 @@ pub(crate) async fn status(
         queues => anyhow::bail!(
             "could not read the depth of {} (the broker refused or did not answer)",
             queues.join(", ")
+        ),
+    }
+}
+
+/// `status`'s dead letters on NATS: each group's count on its subject of `<topology>_dead`.
+async fn nats_dead_letters(
+    nats_url: &str,
+    topology: &str,
+    groups: impl Iterator<Item = String>,
+) -> Result<()> {
+    let mut config = distribution::RelayConfig::nats("", nats_url);
+    config.topology = topology.to_owned();
+    let nats = config.nats_config()?;
+    let stream = distribution::nats::dead_letter_stream(&nats.stream);
+    let mut unanswered = Vec::new();
+    for group in groups {
+        let group = group.trim().to_owned();
+        let place = format!("{stream}.{group}");
+        let depth = async {
+            distribution::nats::NatsDeadLetters::open(&nats, &group)
+                .await?
+                .depth()
+                .await
+        };
+        match depth.await {
+            Ok(0) => println!("no dead letters in {place}"),
+            Ok(depth) => println!(
+                "{depth} dead letter(s) in {place}: `RELAY_BROKER=nats distribution dead list --group {group}` shows them"
+            ),
+            Err(distribution::broker::Error::Refused(why)) => println!("{why}"),
+            Err(err) => {
+                println!("dead letters in {place}: unknown ({err})");
+                unanswered.push(place);
+            }
+        }
+    }
+    match unanswered.as_slice() {
+        [] => Ok(()),
+        places => anyhow::bail!(
+            "could not count the dead letters of {} (NATS refused or did not answer)",
+            places.join(", ")
         ),
     }
 }

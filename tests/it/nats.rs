@@ -757,7 +757,7 @@ fn nats_dead_letters_are_listed_shown_replayed_and_purged_by_the_cli() {
     use distribution::store::EventTable;
 
     host_runtime().block_on(async {
-        let (fold_pool, _) = fresh_database("nats_dead_cli").await;
+        let (fold_pool, fold_url) = fresh_database("nats_dead_cli").await;
         let stream = distribution::nats::scratch::unique_stream("dead_cli");
         let nats = NatsConfig::new(&testkit::nats_url(), &stream, 2).unwrap();
         let mut group = NatsConsumerConfig::new(nats.clone(), "projector").unwrap();
@@ -820,6 +820,32 @@ fn nats_dead_letters_are_listed_shown_replayed_and_purged_by_the_cli() {
         assert!(
             listed.contains(&format!("2 dead letter(s) in {stream}_dead.projector")),
             "{listed}"
+        );
+        // `status` counts them too.
+        let mut status = relay_command();
+        status
+            .arg("status")
+            .env("DATABASE_URL", &fold_url)
+            .env("RELAY_BROKER", "nats")
+            .env("NATS_URL", testkit::nats_url())
+            .env("RELAY_TOPOLOGY", &stream)
+            .env("RELAY_GROUPS", "projector,absent");
+        let out = tokio::task::spawn_blocking(move || status.output().unwrap())
+            .await
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            stdout.contains(&format!("2 dead letter(s) in {stream}_dead.projector")),
+            "{stdout}"
+        );
+        assert!(
+            stdout.contains(&format!("no dead letters in {stream}_dead.absent")),
+            "{stdout}"
         );
         let line = |text: &str, what: &str| {
             text.lines()

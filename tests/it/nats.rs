@@ -690,59 +690,79 @@ fn nats_the_binary_refuses_what_it_lacks_then_ships_and_is_ready() {
 
 /// T7.4's fold steps on NATS, end to end: the relay ships a history with rewinds across
 /// tenants, runs and branches to a private server, and a consumer group folds the stream into
-/// a database of its own with the demonstration projection; the server is killed (SIGKILL)
-/// while both work and started again on its store 1 s later. The fold holds exactly the live
-/// history: every live intent once, in Lsn order per branch, nothing abandoned, nothing parked.
-#[test]
-fn nats_the_fold_holds_exactly_the_live_history_through_a_server_kill() {
+/// a database of its own with the demonstration projection; `fault` strikes the server while
+/// both work. The fold holds exactly the live history: every live intent once, in Lsn order
+/// per branch, nothing abandoned, nothing parked, nothing dead-lettered.
+async fn the_fold_holds_exactly_the_live_history_through(
+    label: &str,
+    version: NatsVersion,
+    fault: impl AsyncFnOnce(&mut PrivateNats),
+) {
     use distribution::consumer::{Consumer, NatsConsumerConfig};
     use distribution::store::{EventTable, FoldStore};
 
-    host_runtime().block_on(async {
-        let (pool, url) = fresh_database("nats_fold").await;
-        let (fold_pool, _) = fresh_database("nats_fold_consumer").await;
-        let mut server = PrivateNats::start(NatsVersion::Machine);
-        // The relay reaches the server through a proxy, cut while the runs rewind (a rewind
-        // abandons only what was not shipped); the consumer reaches it directly.
-        let proxy = BrokerProxy::start(&server.url()).unwrap();
-        let stream = distribution::nats::scratch::unique_stream("fold");
-        let config = nats_config(&url, &proxy.url(), &stream);
-        let mut group =
-            NatsConsumerConfig::new(config.nats_config().unwrap(), "projector").unwrap();
-        group.nats.servers = vec![server.url()];
-        group.retry.max = Duration::from_millis(500);
-        let relay = Relay::start(config).await.unwrap();
-        let consumer = Consumer::on_nats(group, fold_pool.clone(), EventTable);
-        let (stop, mut stopped) = tokio::sync::watch::channel(false);
-        let folding = tokio::spawn(consumer.run(async move {
-            let _ = stopped.wait_for(|stop| *stop).await;
-        }));
-        let fold = FoldStore::new(fold_pool.clone());
+    let (pool, url) = fresh_database(label).await;
+    let (fold_pool, _) = fresh_database(&format!("{label}_consumer")).await;
+    let mut server = PrivateNats::start(version);
+    // The relay reaches the server through a proxy, cut while the runs rewind (a rewind
+    // abandons only what was not shipped); the consumer reaches it directly.
+    let proxy = BrokerProxy::start(&server.url()).unwrap();
+    let stream = distribution::nats::scratch::unique_stream(label);
+    let config = nats_config(&url, &proxy.url(), &stream);
+    let mut group = NatsConsumerConfig::new(config.nats_config().unwrap(), "projector").unwrap();
+    group.nats.servers = vec![server.url()];
+    group.retry.max = Duration::from_millis(500);
+    let relay = Relay::start(config).await.unwrap();
+    let consumer = Consumer::on_nats(group, fold_pool.clone(), EventTable);
+    let (stop, mut stopped) = tokio::sync::watch::channel(false);
+    let folding = tokio::spawn(consumer.run(async move {
+        let _ = stopped.wait_for(|stop| *stop).await;
+    }));
+    let fold = FoldStore::new(fold_pool.clone());
 
-        let mut workload = Workload::new("nats-fold", 4, 2, 40);
-        workload.rewind = true;
-        proxy.cut();
-        let mut ran = workload.run(&pool).await;
-        proxy.restore();
-        let mut all = ran.expected.clone();
-        wait_until(
-            "the first steps folded",
-            Duration::from_secs(30),
-            || async { folded_count(&fold, &all).await == count(&all) },
-        )
-        .await;
-        ran = workload.steps(&pool, ran.live, 41..=240).await;
-        merge(&mut all, &ran.expected);
-        kill_and_restart(&mut server).await;
-        ran = workload.steps(&pool, ran.live, 241..=260).await;
-        merge(&mut all, &ran.expected);
-        until_folded_exactly(&fold, &all, "the live history folded").await;
-        let _ = stop.send(true);
-        let stats = folding.await.unwrap().unwrap();
-        println!("nats fold through a server kill: {stats:?}");
-        assert_eq!(stats.rejected, 0, "{stats:?}");
-        relay.shutdown().await;
-    });
+    let mut workload = Workload::new(label, 4, 2, 40);
+    workload.rewind = true;
+    proxy.cut();
+    let mut ran = workload.run(&pool).await;
+    proxy.restore();
+    let mut all = ran.expected.clone();
+    wait_until(
+        "the first steps folded",
+        Duration::from_secs(30),
+        || async { folded_count(&fold, &all).await == count(&all) },
+    )
+    .await;
+    ran = workload.steps(&pool, ran.live, 41..=240).await;
+    merge(&mut all, &ran.expected);
+    fault(&mut server).await;
+    ran = workload.steps(&pool, ran.live, 241..=260).await;
+    merge(&mut all, &ran.expected);
+    until_folded_exactly(&fold, &all, "the live history folded").await;
+    let _ = stop.send(true);
+    let stats = folding.await.unwrap().unwrap();
+    println!("{label}: {stats:?}");
+    assert_eq!(stats.rejected, 0, "{stats:?}");
+    relay.shutdown().await;
+}
+
+/// ... the server killed (SIGKILL) and started again on its store 1 s later.
+#[test]
+fn nats_the_fold_holds_exactly_the_live_history_through_a_server_kill() {
+    host_runtime().block_on(the_fold_holds_exactly_the_live_history_through(
+        "nats_fold_kill",
+        NatsVersion::Machine,
+        kill_and_restart,
+    ));
+}
+
+/// ... the server frozen (SIGSTOP) for 3 s, past the relay's 2 s ack timeout, on NATS 2.10.
+#[test]
+fn nats_the_fold_holds_exactly_the_live_history_through_a_server_freeze_on_2_10() {
+    host_runtime().block_on(the_fold_holds_exactly_the_live_history_through(
+        "nats_fold_freeze",
+        NatsVersion::Trixie,
+        freeze,
+    ));
 }
 
 /// `distribution dead` on NATS (`RELAY_BROKER=nats`): a consumer group kept a message that is

@@ -7,7 +7,7 @@ use distribution::consumer::{Consumer, ConsumerConfig, FoldBatch};
 
 /// One transaction per delivery (what the consumer did before batches), then the defaults
 /// (`BENCH_FOLD_EVENTS` and `BENCH_FOLD_PREFETCH` try others).
-fn batches() -> [(&'static str, FoldBatch); 2] {
+pub(crate) fn batches() -> [(&'static str, FoldBatch); 2] {
     let events = std::env::var("BENCH_FOLD_EVENTS")
         .ok()
         .and_then(|events| events.parse().ok())
@@ -60,7 +60,7 @@ async fn start_consumer(
 }
 
 /// Waits until `progress` applied `written` events, at most 900 s.
-async fn wait_applied(
+pub(crate) async fn wait_applied(
     progress: &distribution::consumer::ConsumerProgress,
     written: u64,
 ) -> Result<()> {

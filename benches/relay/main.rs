@@ -17,7 +17,8 @@
 //! 14. the consumer's pace: folding in batches against one transaction per delivery, a group
 //!     replaying a stream and a live group on classic and quorum queues (`BENCH_ONLY=fold`);
 //! 16. NATS JetStream: the relay's drain against a ceiling written by hand and against one
-//!     publish awaited at a time, at 256 B and 64 KiB (`BENCH_ONLY=nats`).
+//!     publish awaited at a time, at 256 B and 64 KiB (`BENCH_ONLY=nats`); 16b: a consumer
+//!     group replaying the stream against the relay's drain (`BENCH_ONLY=natsfold` alone).
 //!
 //! This file holds the modes, the order of the sections and the report; each section lives
 //! in a module of its own (`ceiling`, `sizes` and its hand-written `bound`, `latency` and
@@ -190,6 +191,12 @@ async fn run(mode: &Mode) -> Result<String> {
     }
     if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "nats") {
         nats::nats_rows(&mut env, mode, &mut row).await?;
+        nats::nats_fold_rows(&mut env, mode, &mut row).await?;
+        env.cleanup().await;
+        return Ok(table);
+    }
+    if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "natsfold") {
+        nats::nats_fold_rows(&mut env, mode, &mut row).await?;
         env.cleanup().await;
         return Ok(table);
     }
@@ -354,6 +361,7 @@ async fn run(mode: &Mode) -> Result<String> {
     stream_shards(&mut env, mode, &mut row).await?;
     fold::fold_pace(&mut env, mode, &mut row).await?;
     nats::nats_rows(&mut env, mode, &mut row).await?;
+    nats::nats_fold_rows(&mut env, mode, &mut row).await?;
 
     let (qps, cpu) = idle(&mut env, mode.idle_tenants, mode.idle_secs).await?;
     let tenants = mode.idle_tenants;

@@ -174,3 +174,65 @@ pub(crate) async fn nats_rows(
     }
     Ok(())
 }
+
+/// Row 16b: a NATS consumer group replaying the stream the relay drained (the position stored
+/// in each batch's transaction), one transaction per delivery and in batches, against that
+/// drain; side by side in one run (`BENCH_ONLY=natsfold` runs it alone).
+pub(crate) async fn nats_fold_rows(
+    env: &mut Env,
+    mode: &Mode,
+    row: &mut impl FnMut(&str, String, &str),
+) -> Result<()> {
+    use distribution::consumer::{Consumer, NatsConsumerConfig};
+
+    let per_run = (mode.backlog_per_run / 4).max(1);
+    let (pool, url) = env.database("natsfold").await?;
+    let written = store::fixtures::fill_backlog(&pool, "t", 50, 20, per_run, PAYLOAD_BYTES).await?;
+    env.checkpoint().await?;
+    let stream = stream("natsfold").await?;
+    let mut config = RelayConfig::nats(&url, nats_url());
+    config.topology = stream.stream.clone();
+    config.partitions = stream.partitions;
+    let started = Instant::now();
+    let relay = Relay::start(config).await?;
+    wait_drained(&Outbox::new(pool.clone()), Duration::from_secs(900)).await?;
+    let drain = written as f64 / started.elapsed().as_secs_f64();
+    relay.shutdown().await;
+    let mut rates = Vec::new();
+    for (_, batch) in super::fold::batches() {
+        let (fold_pool, fold_url) = env.database("natsfoldpace").await?;
+        env.checkpoint().await?;
+        let mut group =
+            NatsConsumerConfig::new(stream.clone(), &format!("replay{}", batch.events))?;
+        group.batch = batch;
+        let consumer = Consumer::on_nats(group, fold_pool.clone(), store::EventTable);
+        let progress = consumer.progress();
+        let (stop, mut stopped) = tokio::sync::watch::channel(false);
+        let started = Instant::now();
+        let running = tokio::spawn(consumer.run(async move {
+            let _ = stopped.wait_for(|stop| *stop).await;
+        }));
+        super::fold::wait_applied(&progress, written).await?;
+        rates.push(written as f64 / started.elapsed().as_secs_f64());
+        let _ = stop.send(true);
+        running.await??;
+        fold_pool.close().await;
+        env.drop_database(&fold_url).await?;
+    }
+    drop_stream(&stream).await;
+    pool.close().await;
+    env.drop_database(&url).await?;
+    row(
+        "16b. NATS: a group replaying the stream, one transaction per delivery / batches",
+        format!(
+            "{:.0} / {:.0} ev/s ({:.2} of the relay's drain of the same backlog, {drain:.0} ev/s)",
+            rates[0],
+            rates[1],
+            rates[1] / drain
+        ),
+        &format!(
+            "{written} events of 256 B, 50 tenants x 20 runs, 8 partitions, Consumer::on_nats into the event table of a fresh database"
+        ),
+    );
+    Ok(())
+}

@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::process::Command;
 
 /// The crates that speak a broker's protocol, and the one workspace crate each may be a
-/// dependency of (besides the consumer's, see below).
+/// dependency of (besides the test helpers', see below).
 const CLIENTS: &[(&str, &str)] = &[
     ("lapin", "rabbit"),
     ("amq-protocol", "rabbit"),
@@ -13,10 +13,11 @@ const CLIENTS: &[(&str, &str)] = &[
     ("async-nats", "nats"),
 ];
 
-/// Workspace crates that still read a broker's deliveries with its client directly, until
-/// the consumer reaches deliveries through a port of its own (issue 46): named here so that
-/// no other crate can join them unnoticed.
-const NOT_YET_SPLIT: &[(&str, &str)] = &[("consumer", "lapin"), ("testkit", "lapin")];
+/// Workspace crates that still use a broker's client directly: the tests' shared helpers
+/// (`testkit`, a dev-dependency only) declare and delete RabbitMQ topologies with lapin. Named
+/// here so that no other crate can join them unnoticed; the consumer reads RabbitMQ through
+/// `rabbit::RabbitReading` and NATS through `nats::Reading`.
+const NOT_YET_SPLIT: &[(&str, &str)] = &[("testkit", "lapin")];
 
 /// Each workspace package's normal (not dev, not build) dependencies, by name.
 fn dependencies() -> BTreeMap<String, BTreeSet<String>> {

@@ -2,7 +2,6 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use lapin::types::AMQPValue;
 use store::EventType;
 
 use broker::{Partition, RetryPolicy};
@@ -78,18 +77,16 @@ pub enum StreamStart {
 }
 
 impl StreamStart {
-    /// `basic.consume`'s `x-stream-offset` argument for this start.
-    pub(crate) fn argument(self) -> AMQPValue {
+    /// Where a RabbitMQ stream subscription with nothing stored starts for this start.
+    pub(crate) fn offset(self) -> rabbit::StreamOffset {
         match self {
-            StreamStart::First => AMQPValue::LongString("first".into()),
-            StreamStart::Next => AMQPValue::LongString("next".into()),
-            StreamStart::At(at) => AMQPValue::Timestamp(
+            StreamStart::First => rabbit::StreamOffset::First,
+            StreamStart::Next => rabbit::StreamOffset::Next,
+            StreamStart::At(at) => rabbit::StreamOffset::Timestamp(
                 at.duration_since(std::time::UNIX_EPOCH)
                     .map_or(0, |since| since.as_secs()),
             ),
-            StreamStart::Offset(offset) => {
-                AMQPValue::LongLongInt(i64::try_from(offset).unwrap_or(i64::MAX))
-            }
+            StreamStart::Offset(offset) => rabbit::StreamOffset::Offset(offset),
         }
     }
 

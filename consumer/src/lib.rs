@@ -304,7 +304,7 @@ async fn dead_letter_depth(rabbit: rabbit::RabbitConfig, mut stop: watch::Receiv
 mod tests {
     use std::time::Duration;
 
-    use lapin::types::AMQPValue;
+    use rabbit::StreamOffset;
     use store::{BranchId, BranchKey, FoldError, FoldOutcome, Lsn, RunId, TenantId};
 
     use super::*;
@@ -415,13 +415,11 @@ mod tests {
         assert_eq!(stream_step(Some(10), 12), StreamStep::Lost);
         assert_eq!(stream_step(Some(0), 1_850), StreamStep::Lost);
         assert_eq!(
-            StreamStart::At(std::time::UNIX_EPOCH + Duration::from_secs(1_700_000_000)).argument(),
-            AMQPValue::Timestamp(1_700_000_000)
+            StreamStart::At(std::time::UNIX_EPOCH + Duration::from_secs(1_700_000_000)).offset(),
+            StreamOffset::Timestamp(1_700_000_000)
         );
-        assert_eq!(
-            StreamStart::default().argument(),
-            AMQPValue::LongString("first".into())
-        );
+        assert_eq!(StreamStart::default().offset(), StreamOffset::First);
+        assert_eq!(StreamStart::Offset(7).offset(), StreamOffset::Offset(7));
     }
 
     /// A subscription, first or made again after a silence, starts at the offset expected
@@ -434,18 +432,18 @@ mod tests {
             for again in [false, true] {
                 assert_eq!(
                     subscribe_at(Some(42), start, again),
-                    Some(AMQPValue::LongLongInt(42))
+                    Some(StreamOffset::Offset(42))
                 );
             }
-            assert_eq!(subscribe_at(None, start, false), Some(start.argument()));
+            assert_eq!(subscribe_at(None, start, false), Some(start.offset()));
         }
         assert_eq!(
             subscribe_at(None, StreamStart::First, true),
-            Some(AMQPValue::LongString("first".into()))
+            Some(StreamOffset::First)
         );
         assert_eq!(
             subscribe_at(None, StreamStart::At(at), true),
-            Some(AMQPValue::Timestamp(1_700_000_000))
+            Some(StreamOffset::Timestamp(1_700_000_000))
         );
         assert_eq!(subscribe_at(None, StreamStart::Next, true), None);
     }

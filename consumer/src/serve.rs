@@ -1,24 +1,18 @@
-//! One partition's loop: subscribe, fold each batch of deliveries in its transaction,
-//! dead-letter what is refused, ack, reconnect.
-use futures_util::{FutureExt, StreamExt};
-use lapin::message::Delivery;
-use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
-    ConfirmSelectOptions,
-};
-use lapin::types::{AMQPValue, FieldTable, LongString};
-use lapin::{Channel, Confirmation};
+//! One partition's loop on RabbitMQ: subscribe, fold each batch of deliveries in its
+//! transaction, dead-letter what is refused, ack, reconnect. What it asks of the broker goes
+//! through `rabbit::RabbitReading`; this decides when.
+use futures_util::FutureExt;
 use sqlx::PgPool;
 use store::Projection;
 use tokio::sync::watch;
 
 use broker::{Backoff, Error, Partition};
 
-use rabbit::{QueueType, open, within};
+use rabbit::{QueueType, RabbitDelivery, RabbitReading};
 
+use crate::ConsumerConfig;
 use crate::settle::{Folder, Incoming, Transport};
-use crate::stream::{StreamStep, delivery_offset, stream_step, subscribe_at};
-use crate::{ConsumerConfig, DEAD_LETTER_REASON};
+use crate::stream::{StreamStep, stream_step, subscribe_at};
 
 /// One partition's loop.
 pub(crate) struct Serve<P> {
@@ -36,14 +30,6 @@ pub(crate) struct Serve<P> {
 pub(crate) struct StreamCursor {
     queue: String,
     expected: Option<u64>,
-}
-
-pub(crate) struct Session {
-    connection: rabbit::ClosingConnection,
-    channel: Channel,
-    /// A confirming channel for dead letters: a message is acked only once its dead letter is
-    /// confirmed.
-    dead: Channel,
 }
 
 impl<P> Serve<P>
@@ -74,83 +60,25 @@ where
         }
     }
 
-    async fn open(&self) -> Result<Session, Error> {
-        let rabbit = &self.config.rabbit;
-        let limit = rabbit.connect_timeout;
-        let (mut connection, channel) = open(rabbit, "outbox-consumer").await?;
-        within(
-            "basic.qos",
-            limit,
-            channel.basic_qos(self.config.prefetch, BasicQosOptions::default()),
-        )
-        .await?;
-        connection.hold("channel", channel.clone());
-        let dead = within("channel.open", limit, connection.create_channel()).await?;
-        connection.hold("dead", dead.clone());
-        within(
-            "confirm.select",
-            limit,
-            dead.confirm_select(ConfirmSelectOptions::default()),
-        )
-        .await?;
-        Ok(Session {
-            connection,
-            channel,
-            dead,
-        })
-    }
-
-    /// `basic.consume` on `session`'s channel; on a stream, at the offset expected next (or
-    /// the group's start). `again` is a subscription made again after a silence: it replaces
-    /// the channel with a fresh one (whose prefetch is free; the old one's unacked deliveries
-    /// are read again from the expected offset) and returns `None` when it must not be made
-    /// (see [`subscribe_at`]).
+    /// `partition`'s subscription on `reading`, on a stream at the offset expected next (or
+    /// the group's start); `None` when a subscription made `again` after a silence must not
+    /// be made (see [`subscribe_at`]).
     async fn subscribe(
         &self,
-        session: &mut Session,
+        reading: &mut RabbitReading,
         again: bool,
-    ) -> Result<Option<lapin::Consumer>, Error> {
-        let rabbit = &self.config.rabbit;
-        let limit = rabbit.connect_timeout;
-        let queue = rabbit.topology.queue(self.partition);
-        let mut arguments = FieldTable::default();
-        if let Some(cursor) = &self.stream {
-            let Some(at) = subscribe_at(cursor.expected, self.config.stream_start, again) else {
-                return Ok(None);
-            };
-            arguments.insert("x-stream-offset".into(), at);
-        }
-        if again {
-            let fresh = within("channel.open", limit, session.connection.create_channel()).await?;
-            within(
-                "basic.qos",
-                limit,
-                fresh.basic_qos(self.config.prefetch, BasicQosOptions::default()),
-            )
-            .await?;
-            let old = std::mem::replace(&mut session.channel, fresh.clone());
-            within(
-                "channel.close",
-                limit,
-                old.close(200, "subscribing again".into()),
-            )
-            .await?;
-            session.connection.hold("channel", fresh);
-        }
-        let deliveries = within(
-            "basic.consume",
-            limit,
-            session.channel.basic_consume(
-                queue,
-                "".into(),
-                BasicConsumeOptions::default(),
-                arguments,
-            ),
-        )
-        .await?;
-        // Held until the connection has closed (see `rabbit::ClosingConnection`).
-        session.connection.hold("deliveries", deliveries.clone());
-        Ok(Some(deliveries))
+    ) -> Result<Option<rabbit::Deliveries>, Error> {
+        let at = match &self.stream {
+            None => None,
+            Some(cursor) => {
+                let Some(at) = subscribe_at(cursor.expected, self.config.stream_start, again)
+                else {
+                    return Ok(None);
+                };
+                Some(at)
+            }
+        };
+        Ok(Some(reading.subscribe(self.partition, at, again).await?))
     }
 
     /// One connection's life: consume until stopped (`Ok`) or a failure (`Err`, reconnect).
@@ -159,7 +87,7 @@ where
         stop: &mut watch::Receiver<bool>,
         backoff: &mut Backoff,
     ) -> Result<(), Error> {
-        let mut session = self.open().await?;
+        let mut reading = RabbitReading::open(&self.config.rabbit, self.config.prefetch).await?;
         let rabbit = &self.config.rabbit;
         let queue = rabbit.topology.queue(self.partition);
         let on_stream = rabbit.topology.queue_type() == QueueType::Stream;
@@ -175,7 +103,7 @@ where
             });
         }
         let mut deliveries = self
-            .subscribe(&mut session, false)
+            .subscribe(&mut reading, false)
             .await?
             .expect("a first subscription is always made");
         let silence = self.config.stream_resubscribe;
@@ -191,7 +119,7 @@ where
                 None => {
                     // Heard nothing for a while: ask again, in case the broker did not tell
                     // this subscription of what it holds (see `stream_resubscribe`).
-                    if let Some(fresh) = self.subscribe(&mut session, true).await? {
+                    if let Some(fresh) = self.subscribe(&mut reading, true).await? {
                         deliveries = fresh;
                         self.folder.record(|stats| stats.resubscribes += 1);
                         metrics::counter!("relay_consumer_stream_resubscribes_total", "queue" => queue.to_string())
@@ -204,7 +132,7 @@ where
                     quiet.as_mut().reset(tokio::time::Instant::now() + silence);
                     continue;
                 }
-                Some(Some(delivery)) => delivery.map_err(Error::channel)?,
+                Some(Some(delivery)) => delivery?,
                 Some(None) => {
                     return Err(Error::Unreachable(
                         "the broker cancelled the consumer".into(),
@@ -220,7 +148,7 @@ where
             // on the way ends it after the batch taken so far is folded and acked.
             let mut expected = self.stream.as_ref().and_then(|cursor| cursor.expected);
             let mut batch = vec![self.admit(delivery, &mut expected)?];
-            let mut bytes = batch[0].delivery.data.len();
+            let mut bytes = batch[0].delivery.bytes();
             let mut ended = None;
             let bounds = self.config.batch;
             let linger_until = tokio::time::Instant::now() + bounds.linger;
@@ -235,14 +163,14 @@ where
                 };
                 let admitted = match next {
                     Some(Ok(delivery)) => self.admit(delivery, &mut expected),
-                    Some(Err(err)) => Err(Error::channel(err)),
+                    Some(Err(err)) => Err(err),
                     None => Err(Error::Unreachable(
                         "the broker cancelled the consumer".into(),
                     )),
                 };
                 match admitted {
                     Ok(incoming) => {
-                        bytes += incoming.delivery.data.len();
+                        bytes += incoming.delivery.bytes();
                         batch.push(incoming);
                     }
                     Err(err) => {
@@ -251,10 +179,7 @@ where
                     }
                 }
             }
-            let transport = RabbitTransport {
-                session: &session,
-                rabbit: &self.config.rabbit,
-            };
+            let transport = RabbitTransport(&reading);
             let key = self.stream.as_ref().map(|cursor| cursor.queue.clone());
             let settled = self
                 .folder
@@ -273,13 +198,13 @@ where
     /// (`expected`, moved past it); a stream that lost messages to retention ends the session.
     fn admit(
         &self,
-        delivery: Delivery,
+        delivery: RabbitDelivery,
         expected: &mut Option<u64>,
-    ) -> Result<Incoming<Delivery>, Error> {
+    ) -> Result<Incoming<RabbitDelivery>, Error> {
         let offset = match &self.stream {
             None => None,
             Some(cursor) => {
-                let Some(offset) = delivery_offset(&delivery) else {
+                let Some(offset) = delivery.stream_offset() else {
                     return Err(Error::Refused(format!(
                         "stream {} delivered a message without x-stream-offset",
                         cursor.queue
@@ -311,7 +236,7 @@ where
                 }
             }
         };
-        let event = rabbit::decode(&delivery.properties, &delivery.data);
+        let event = delivery.decode();
         Ok(Incoming {
             delivery,
             offset,
@@ -322,78 +247,24 @@ where
 
 /// RabbitMQ as the fold's transport: dead letters published on the session's confirming
 /// channel to the group's dead-letter queue, a batch acked with one `multiple` ack.
-struct RabbitTransport<'a> {
-    session: &'a Session,
-    rabbit: &'a rabbit::RabbitConfig,
-}
+struct RabbitTransport<'a>(&'a RabbitReading);
 
 impl Transport for RabbitTransport<'_> {
-    type Delivery = Delivery;
+    type Delivery = RabbitDelivery;
 
-    fn bytes(delivery: &Delivery) -> usize {
-        delivery.data.len()
+    fn bytes(delivery: &RabbitDelivery) -> usize {
+        delivery.bytes()
     }
 
-    fn message_id(delivery: &Delivery) -> Option<String> {
-        delivery
-            .properties
-            .message_id()
-            .as_ref()
-            .map(|id| id.to_string())
+    fn message_id(delivery: &RabbitDelivery) -> Option<String> {
+        delivery.message_id()
     }
 
-    async fn ack_through(&self, last: &Delivery) -> Result<(), Error> {
-        within(
-            "basic.ack",
-            self.rabbit.connect_timeout,
-            last.ack(BasicAckOptions { multiple: true }),
-        )
-        .await?;
-        Ok(())
+    async fn ack_through(&self, last: &RabbitDelivery) -> Result<(), Error> {
+        self.0.ack_through(last).await
     }
 
-    async fn dead_letter(&self, delivery: &Delivery, reason: &str) -> Result<(), Error> {
-        let rabbit = self.rabbit;
-        // The broker's own delivery headers do not belong to the message.
-        let mut headers: FieldTable = delivery
-            .properties
-            .headers()
-            .as_ref()
-            .map(|headers| {
-                headers
-                    .inner()
-                    .iter()
-                    .filter(|(name, _)| !rabbit::BROKER_HEADERS.contains(&name.as_str()))
-                    .map(|(name, value)| (name.clone(), value.clone()))
-                    .collect::<std::collections::BTreeMap<_, _>>()
-                    .into()
-            })
-            .unwrap_or_default();
-        headers.insert(
-            DEAD_LETTER_REASON.into(),
-            AMQPValue::LongString(LongString::from(reason)),
-        );
-        let properties = delivery.properties.clone().with_headers(headers);
-        let confirm = within(
-            "basic.publish",
-            rabbit.connect_timeout,
-            self.session.dead.basic_publish(
-                "".into(),
-                rabbit.topology.dead_letter_queue(),
-                BasicPublishOptions {
-                    mandatory: true,
-                    ..BasicPublishOptions::default()
-                },
-                &delivery.data,
-                properties,
-            ),
-        )
-        .await?;
-        match within("dead-letter confirm", rabbit.confirm_timeout, confirm).await? {
-            Confirmation::Ack(None) => Ok(()),
-            other => Err(Error::Unreachable(format!(
-                "the dead-letter queue did not take the message: {other:?}"
-            ))),
-        }
+    async fn dead_letter(&self, delivery: &RabbitDelivery, reason: &str) -> Result<(), Error> {
+        self.0.dead_letter(delivery, reason).await
     }
 }

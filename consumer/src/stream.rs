@@ -1,8 +1,7 @@
 //! Reading a stream partition: where to subscribe, and what each delivery's offset means
 //! (pure).
 
-use lapin::message::Delivery;
-use lapin::types::AMQPValue;
+use rabbit::StreamOffset;
 
 use crate::StreamStart;
 
@@ -40,23 +39,10 @@ pub(crate) fn subscribe_at(
     expected: Option<u64>,
     start: StreamStart,
     again: bool,
-) -> Option<AMQPValue> {
+) -> Option<StreamOffset> {
     match expected {
-        Some(next) => Some(AMQPValue::LongLongInt(
-            i64::try_from(next).unwrap_or(i64::MAX),
-        )),
+        Some(next) => Some(StreamOffset::Offset(next)),
         None if again && start == StreamStart::Next => None,
-        None => Some(start.argument()),
-    }
-}
-
-/// The offset RabbitMQ gives a stream delivery (header `x-stream-offset`).
-pub(crate) fn delivery_offset(delivery: &Delivery) -> Option<u64> {
-    let headers = delivery.properties.headers().as_ref()?;
-    match headers.inner().get("x-stream-offset")? {
-        AMQPValue::LongLongInt(offset) => u64::try_from(*offset).ok(),
-        AMQPValue::LongUInt(offset) => Some(u64::from(*offset)),
-        AMQPValue::LongInt(offset) => u64::try_from(*offset).ok(),
-        _ => None,
+        None => Some(start.offset()),
     }
 }

@@ -7,6 +7,8 @@
 //! - `wire`: the wire contract as AMQP properties and headers ([`encode`], [`decode`]).
 //! - `rabbit`: [`RabbitPublisher`]: lazy connect, confirms, pipelining, flow control.
 //! - `connect`: connections and channels under timeouts ([`open`], [`within`]), TLS.
+//! - `reading`: a consumer's session on the partition queues ([`RabbitReading`]: subscriptions,
+//!   a batch acked at once, dead letters confirmed).
 //! - `dead`: the dead-letter queues read back ([`DeadLetters`]: list, replay, purge).
 //! - `tail`: watching events arrive ([`Tail`]: a queue of the watcher's own, read without acks).
 //! - `checkup`: an operator's look at the broker ([`checkup`], [`partition_queues`]).
@@ -18,6 +20,7 @@ mod checkup;
 mod connect;
 mod dead;
 mod rabbit;
+mod reading;
 #[cfg(feature = "fixtures")]
 pub mod scratch;
 mod tail;
@@ -39,6 +42,7 @@ pub use rabbit::RabbitConfig;
 pub use rabbit::RabbitPublisher;
 pub use rabbit::preflight;
 pub use rabbit::{open, within};
+pub use reading::{Deliveries, RabbitDelivery, RabbitReading, StreamOffset};
 pub use tail::{Tail, TailFilter, Tailed};
 pub use topology::DEAD_LETTER_DELIVERY_LIMIT;
 pub use topology::DEFAULT_DELIVERY_LIMIT;

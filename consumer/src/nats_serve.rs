@@ -36,7 +36,6 @@ where
 {
     pub(crate) async fn run(mut self, mut stop: watch::Receiver<bool>) {
         let mut backoff = Backoff::new(self.config.retry);
-        let partition = self.partition.0;
         while !*stop.borrow() {
             let ended = self.session(&mut stop, &mut backoff).await;
             // The lock goes with the connection.
@@ -44,17 +43,12 @@ where
             match ended {
                 Ok(()) => return,
                 Err(err) => {
-                    self.folder.record(|stats| stats.reconnects += 1);
-                    let delay = backoff.next_delay();
-                    if matches!(err, Error::Refused(_)) {
-                        // Never read past silently: said on every attempt until an operator acts.
-                        tracing::error!(partition, error = %err, retry_in_ms = delay.as_millis() as u64, "NATS consumer cannot go on");
-                    } else if backoff.failures().is_power_of_two() {
-                        tracing::warn!(partition, error = %err, retry_in_ms = delay.as_millis() as u64, "NATS consumer session failed; reconnecting");
-                    }
-                    tokio::select! {
-                        () = tokio::time::sleep(delay) => {}
-                        _ = stop.wait_for(|stop| *stop) => return,
+                    if !self
+                        .folder
+                        .after_failure(&err, &mut backoff, &mut stop)
+                        .await
+                    {
+                        return;
                     }
                 }
             }

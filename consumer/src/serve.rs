@@ -38,22 +38,16 @@ where
 {
     pub(crate) async fn run(mut self, mut stop: watch::Receiver<bool>) {
         let mut backoff = Backoff::new(self.config.retry);
-        let partition = self.partition.0;
         while !*stop.borrow() {
             match self.session(&mut stop, &mut backoff).await {
                 Ok(()) => return,
                 Err(err) => {
-                    self.folder.record(|stats| stats.reconnects += 1);
-                    let delay = backoff.next_delay();
-                    if matches!(err, Error::OffsetLost { .. }) {
-                        // Never skipped silently: said on every attempt until an operator acts.
-                        tracing::error!(partition, error = %err, retry_in_ms = delay.as_millis() as u64, "stream consumer stopped at a gap");
-                    } else if backoff.failures().is_power_of_two() {
-                        tracing::warn!(partition, error = %err, retry_in_ms = delay.as_millis() as u64, "consumer session failed; reconnecting");
-                    }
-                    tokio::select! {
-                        () = tokio::time::sleep(delay) => {}
-                        _ = stop.wait_for(|stop| *stop) => return,
+                    if !self
+                        .folder
+                        .after_failure(&err, &mut backoff, &mut stop)
+                        .await
+                    {
+                        return;
                     }
                 }
             }

@@ -321,6 +321,31 @@ where
         })
     }
 
+    /// After a failed session: counted, logged (an error that needs an operator on every
+    /// attempt, anything else on the 1st, 2nd, 4th, 8th... failure), then the backoff's delay.
+    /// `false` when `stop` came first.
+    pub(crate) async fn after_failure(
+        &self,
+        err: &Error,
+        backoff: &mut Backoff,
+        stop: &mut watch::Receiver<bool>,
+    ) -> bool {
+        self.record(|stats| stats.reconnects += 1);
+        let delay = backoff.next_delay();
+        let (partition, retry_in_ms) = (self.partition.0, delay.as_millis() as u64);
+        if !err.is_transient() {
+            // Never read past silently (a gap, a stream created again): said on every attempt
+            // until an operator acts.
+            tracing::error!(partition, system = self.system, error = %err, retry_in_ms, "consumer cannot go on");
+        } else if backoff.failures().is_power_of_two() {
+            tracing::warn!(partition, system = self.system, error = %err, retry_in_ms, "consumer session failed; reconnecting");
+        }
+        tokio::select! {
+            () = tokio::time::sleep(delay) => true,
+            _ = stop.wait_for(|stop| *stop) => false,
+        }
+    }
+
     /// Changes this partition's running totals and tells the observer.
     pub(crate) fn record(&self, change: impl FnOnce(&mut FoldStats)) {
         let stats = {

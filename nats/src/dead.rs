@@ -162,9 +162,27 @@ impl NatsDeadLetters {
         Ok(letters)
     }
 
-    /// How many dead letters the group has.
+    /// How many dead letters the group has: the server's count of its subject (none read).
     pub async fn depth(&self) -> Result<u64, Error> {
-        Ok(self.scan(u64::MAX).await?.len() as u64)
+        use futures_util::TryStreamExt;
+        let subject = self.subject();
+        let mut counts = self
+            .stream()
+            .await?
+            .info_with_subjects(&subject)
+            .await
+            .map_err(|err| Error::Unreachable(format!("reading the dead-letter stream: {err}")))?;
+        let mut depth = 0;
+        while let Some((counted, count)) = counts
+            .try_next()
+            .await
+            .map_err(|err| Error::Unreachable(format!("reading the dead-letter stream: {err}")))?
+        {
+            if counted == subject {
+                depth += count as u64;
+            }
+        }
+        Ok(depth)
     }
 
     /// The first `limit` dead letters, in the order they were kept; nothing is removed.

@@ -16,6 +16,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+use broker::Outcome;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use store::{EventKey, OutboxEvent};
 use tracing::Instrument;
@@ -359,7 +360,9 @@ impl Drainer {
         match *action {
             RefusalAction::RetryAfter(_) => {
                 // Its timer is the window's.
-                if *attempts == 1 {
+                if *attempts == 1 && *reason == Outcome::NoRoom.label() {
+                    tracing::warn!(branch = %branch, reason, "the broker has no room for an event (its store is full, or the stream at its limits): the branch waits and is retried, never parked");
+                } else if *attempts == 1 {
                     tracing::warn!(branch = %branch, reason, "the broker refused an event; retrying its branch alone");
                 }
             }

@@ -171,8 +171,9 @@ pub struct PublisherActor;
 
 /// Every `outcome` label of `relay_publish_failures_total` (what `Outcome::label` gives for a
 /// failure), for registering the counters at zero and keeping them alive.
-pub const FAILURE_OUTCOMES: [&str; 6] = [
+pub const FAILURE_OUTCOMES: [&str; 7] = [
     "nacked",
+    "no_room",
     "returned",
     "too_large",
     "unwritable",

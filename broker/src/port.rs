@@ -17,6 +17,11 @@ pub enum Outcome {
     Accepted,
     /// Refused by the broker after it was written (RabbitMQ: `basic.nack`).
     Nacked,
+    /// Not stored for want of room, and the broker says so (NATS: the stream at its limits with
+    /// discard new, 10077, or the server's JetStream store full, 10023). Nothing is wrong with
+    /// the event: its branch waits and is retried on its backoff, never parked, and ships once
+    /// room is made. (A RabbitMQ queue at its limit nacks without a reason: `Nacked`.)
+    NoRoom,
     /// Taken but routed nowhere (RabbitMQ: returned unroutable, `mandatory`, reply 312): not a
     /// delivery.
     Returned,
@@ -41,12 +46,13 @@ impl Outcome {
     }
 
     /// Its name in metrics (`relay_publish_failures_total{outcome}`) and traces
-    /// (`error.type`): `accepted`, `nacked`, `returned`, `too_large`, `unwritable`,
+    /// (`error.type`): `accepted`, `nacked`, `no_room`, `returned`, `too_large`, `unwritable`,
     /// `unconfirmed`, `not_sent`.
     pub fn label(self) -> &'static str {
         match self {
             Outcome::Accepted => "accepted",
             Outcome::Nacked => "nacked",
+            Outcome::NoRoom => "no_room",
             Outcome::Returned => "returned",
             Outcome::TooLarge => "too_large",
             Outcome::Unwritable => "unwritable",

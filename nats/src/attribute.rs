@@ -41,6 +41,13 @@ mod code {
     pub(super) const MESSAGE_TOO_LARGE: u64 = 10054;
     /// `JSStreamNotMatchErr`: `Nats-Expected-Stream` is not the stream the subject maps to.
     pub(super) const WRONG_STREAM: u64 = 10060;
+    /// `JSStreamStoreFailedF`: the stream's store refused the write (its `max_msgs`/`max_bytes`
+    /// with discard new, or the disk).
+    pub(super) const LIMITS_REACHED: u64 = 10077;
+    /// `JSInsufficientResourcesErr`: the server's JetStream store is full (`max_file_store`).
+    pub(super) const INSUFFICIENT_RESOURCES: u64 = 10023;
+    /// `JSStorageResourcesExceededErr`: the account's storage is used up.
+    pub(super) const STORAGE_EXCEEDED: u64 = 10047;
 }
 
 /// The verdict on one publish.
@@ -60,9 +67,13 @@ pub fn attribute(answer: Answer) -> Verdict {
             (Outcome::TooLarge, false)
         }
         Answer::Refused(code::WRONG_STREAM) => (Outcome::Returned, false),
-        // Storage refused (10077: limits with discard new, a full disk; 10023: no JetStream
-        // resources), or any other refusal of this message: the branch cools and is retried;
-        // parked only past the nack grace, like a queue at its limit on RabbitMQ.
+        // No room: the stream at its limits with discard new, or the server's store full. The
+        // branch waits and is retried, never parked: the event is not at fault.
+        Answer::Refused(
+            code::LIMITS_REACHED | code::INSUFFICIENT_RESOURCES | code::STORAGE_EXCEEDED,
+        ) => (Outcome::NoRoom, false),
+        // Any other refusal of this message: the branch cools and is retried; parked only past
+        // the nack grace, like a nack on RabbitMQ.
         Answer::Refused(_) => (Outcome::Nacked, false),
         Answer::Client => (Outcome::NotSent, true),
     };
@@ -87,6 +98,7 @@ mod tests {
                 Just(10060),
                 Just(10077),
                 Just(10023),
+                Just(10047),
                 10000u64..10200
             ]
             .prop_map(Answer::Refused),
@@ -111,7 +123,11 @@ mod tests {
             }
             let refuses_branch = matches!(
                 verdict.outcome,
-                Outcome::Nacked | Outcome::Returned | Outcome::TooLarge | Outcome::Unwritable
+                Outcome::Nacked
+                    | Outcome::NoRoom
+                    | Outcome::Returned
+                    | Outcome::TooLarge
+                    | Outcome::Unwritable
             );
             prop_assert!(
                 verdict.outcome == Outcome::Accepted || refuses_branch || verdict.fault,
@@ -129,7 +145,9 @@ mod tests {
             Outcome::TooLarge
         );
         assert_eq!(attribute(Answer::Refused(10060)).outcome, Outcome::Returned);
-        assert_eq!(attribute(Answer::Refused(10077)).outcome, Outcome::Nacked);
+        assert_eq!(attribute(Answer::Refused(10077)).outcome, Outcome::NoRoom);
+        assert_eq!(attribute(Answer::Refused(10023)).outcome, Outcome::NoRoom);
+        assert_eq!(attribute(Answer::Refused(10071)).outcome, Outcome::Nacked);
         assert!(attribute(Answer::NoStream).fault);
     }
 }

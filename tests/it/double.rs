@@ -1,5 +1,5 @@
-//! The suite's one publisher double: the relay's real `Publisher` port in front of the real
-//! broker ([`Double::rabbit`]) or of an in-memory one that fails on a schedule
+//! The suite's one publisher double: the relay's real `Publisher` port in front of a real
+//! broker ([`Double::rabbit`], [`Double::nats`]) or of an in-memory one that fails on a schedule
 //! ([`Double::memory`]), with what a test needs to inject: a gate that holds writes, a delay
 //! before each, events it refuses (nacked, never written), and an observer of every call.
 #![allow(dead_code)]
@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use distribution::broker::{BoxFuture, Error, OnReport, Outcome, PublishReport, Publisher};
 
+use distribution::nats::{NatsConfig, NatsPublisher};
 use distribution::rabbit::{RabbitConfig, RabbitPublisher};
 use distribution::store::{Fence, OutboxEvent};
 use tokio::sync::watch;
@@ -107,6 +108,7 @@ pub struct Script {
 
 enum Broker {
     Rabbit(Box<RabbitPublisher>),
+    Nats(Box<NatsPublisher>),
     Memory(Arc<MemoryBroker>),
 }
 
@@ -121,6 +123,14 @@ impl Double {
     pub fn rabbit(config: RabbitConfig, script: Script) -> Box<dyn Publisher> {
         Box::new(Self {
             broker: Broker::Rabbit(Box::new(RabbitPublisher::new(config))),
+            script,
+        })
+    }
+
+    /// NATS JetStream behind the script.
+    pub fn nats(config: NatsConfig, script: Script) -> Box<dyn Publisher> {
+        Box::new(Self {
+            broker: Broker::Nats(Box::new(NatsPublisher::new(config))),
             script,
         })
     }
@@ -197,6 +207,7 @@ impl Publisher for Double {
             };
             match &mut self.broker {
                 Broker::Rabbit(rabbit) => rabbit.send(good, fence, confirmed).await,
+                Broker::Nats(nats) => nats.send(good, fence, confirmed).await,
                 Broker::Memory(memory) => confirmed(memory.publish(good, fence)),
             }
             if let (Some(observer), Some(call)) = (&observer, call) {

@@ -230,6 +230,33 @@ impl PrivateNats {
         server
     }
 
+    /// The machine's server with its JetStream store limited to `max_file_store` bytes (a
+    /// server whose disk fills).
+    fn with_store_limit(max_file_store: u64) -> Self {
+        let store = std::env::temp_dir().join(testkit::unique("relay-nats-small"));
+        std::fs::create_dir_all(&store).unwrap();
+        let port = testkit::free_port();
+        let conf = store.join("server.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "listen: 127.0.0.1:{port}\njetstream {{ store_dir: \"{}\", max_file_store: {max_file_store} }}\n",
+                store.join("js").display()
+            ),
+        )
+        .unwrap();
+        let mut server = Self {
+            version: NatsVersion::Machine,
+            port,
+            config: Some(conf),
+            store: store.clone(),
+            store_here: store,
+            process: None,
+        };
+        server.run();
+        server
+    }
+
     /// A node of a cluster of `size` on the machine's server: `ports[i]` its client port,
     /// `routes[i]` its route port; not started.
     fn node(i: usize, ports: &[u16], routes: &[u16], store: &std::path::Path) -> Self {
@@ -421,6 +448,155 @@ fn nats_a_server_frozen_past_the_ack_timeout_stores_each_event_once_in_order() {
 #[test]
 fn nats_a_server_frozen_past_the_ack_timeout_stores_each_event_once_in_order_on_2_10() {
     host_runtime().block_on(survives("nats_frozen_2_10", NatsVersion::Trixie, freeze));
+}
+
+/// How many sends of each branch a NATS double was told there is no room for.
+#[derive(Default)]
+struct NoRoomSeen {
+    calls: std::sync::Mutex<Vec<Vec<BranchKey>>>,
+    refused: std::sync::Mutex<BTreeMap<BranchKey, u32>>,
+}
+
+impl NoRoomSeen {
+    /// The fewest sends refused for want of room of any of `branches`.
+    fn fewest(&self, branches: impl Iterator<Item = BranchKey>) -> u32 {
+        let refused = self.refused.lock().unwrap();
+        branches
+            .map(|branch| refused.get(&branch).copied().unwrap_or(0))
+            .min()
+            .unwrap_or(0)
+    }
+}
+
+impl crate::double::Observer for NoRoomSeen {
+    fn writing(&self, events: &[OutboxEvent]) -> usize {
+        let mut calls = self.calls.lock().unwrap();
+        calls.push(
+            events
+                .iter()
+                .map(|event| event.key.branch.clone())
+                .collect(),
+        );
+        calls.len() - 1
+    }
+    fn written(&self, _call: usize) {}
+    fn confirmed(&self, call: usize, report: &distribution::broker::PublishReport) {
+        let calls = self.calls.lock().unwrap();
+        let branches: std::collections::BTreeSet<&BranchKey> = calls[call]
+            .iter()
+            .zip(&report.outcomes)
+            .filter(|(_, outcome)| **outcome == distribution::broker::Outcome::NoRoom)
+            .map(|(branch, _)| branch)
+            .collect();
+        let mut refused = self.refused.lock().unwrap();
+        for branch in branches {
+            *refused.entry(branch.clone()).or_default() += 1;
+        }
+    }
+}
+
+/// Publishes 1 KiB messages to a stream of their own until the server refuses one for want of
+/// room: the store is full.
+async fn fill_the_store(url: &str) {
+    let client = async_nats::connect(url).await.unwrap();
+    let context = async_nats::jetstream::new(client);
+    context
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: "ballast".into(),
+            subjects: vec!["ballast".into()],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    for sent in 0.. {
+        assert!(sent < 100_000, "the store never filled");
+        let published = context.publish("ballast", vec![0u8; 1024].into()).await;
+        match published.unwrap().await {
+            Ok(_) => {}
+            Err(err) => {
+                assert!(err.to_string().contains("10023"), "{err}");
+                return;
+            }
+        }
+    }
+}
+
+/// A server whose store fills while the relay ships (NATS answers "insufficient resources",
+/// 10023, to every publish): every branch waits and is retried, none is parked however long it
+/// lasts (a nack would park after the grace, here 100 ms and 2 attempts), and once room is made
+/// everything ships with no operator releasing anything: each event once, each branch in
+/// order, the outbox empty.
+#[test]
+fn nats_a_full_store_parks_nothing_and_everything_ships_once_room_is_made() {
+    use crate::double::{Double, Script};
+
+    host_runtime().block_on(async {
+        let (pool, url) = fresh_database("nats_full").await;
+        let server = PrivateNats::with_store_limit(2 << 20);
+        let stream = distribution::nats::scratch::unique_stream("full");
+        let mut config = nats_config(&url, &server.url(), &stream);
+        config.supervisor.drainer.park_after_attempts = 2;
+        config.supervisor.drainer.nack_grace = Duration::from_millis(100);
+        let seen = std::sync::Arc::new(NoRoomSeen::default());
+        let nats = config.nats_config().unwrap();
+        let observer: std::sync::Arc<dyn crate::double::Observer> = seen.clone();
+        let factory: distribution::PublisherFactory = std::sync::Arc::new(move |_shard| {
+            Double::nats(
+                nats.clone(),
+                Script {
+                    observer: Some(observer.clone()),
+                    ..Script::default()
+                },
+            )
+        });
+        let relay = Relay::start_with(config, factory).await.unwrap();
+        let outbox = Outbox::new(pool.clone());
+        let workload = Workload::new("nats_full", 4, 2, 60);
+        let mut ran = workload.run(&pool).await;
+        let mut all = ran.expected.clone();
+        wait_until("the first steps shipped", Duration::from_secs(30), || async {
+            pending(&outbox).await == 0
+        })
+        .await;
+
+        fill_the_store(&server.url()).await;
+        ran = workload.steps(&pool, ran.live, 61..=100).await;
+        merge(&mut all, &ran.expected);
+        // Each branch refused in 10 sends, its retries 20 ms to 300 ms apart: long past what
+        // parks a nacked one.
+        wait_until(
+            "every branch refused again and again, or one parked",
+            Duration::from_secs(60),
+            || async {
+                seen.fewest(all.keys().cloned()) >= 10
+                    || !outbox.parked_branches().await.unwrap().is_empty()
+            },
+        )
+        .await;
+        let parked = outbox.parked_branches().await.unwrap();
+        assert!(parked.is_empty(), "parked: {parked:?}");
+        let waiting = pending(&outbox).await;
+        assert!(waiting > 0, "the full store took nothing");
+        println!(
+            "every branch refused in at least {} sends for want of room, {waiting} events waiting, none parked",
+            seen.fewest(all.keys().cloned())
+        );
+
+        // Room is made (the ballast deleted): everything ships, nobody releases anything.
+        distribution::nats::scratch::delete_stream(&server.url(), "ballast").await;
+        ran = workload.steps(&pool, ran.live, 101..=110).await;
+        merge(&mut all, &ran.expected);
+        wait_until("backlog empty", Duration::from_secs(60), || async {
+            pending(&outbox).await == 0
+        })
+        .await;
+        let parked = outbox.parked_branches().await.unwrap();
+        assert!(parked.is_empty(), "parked: {parked:?}");
+        let events = stored_on(&server, &stream).await;
+        assert_in_order(&events);
+        assert_eq!(intents_by_branch(&events), all);
+        relay.shutdown().await;
+    });
 }
 
 /// Relays handing tenants over on NATS: a second relay joins while the first drains a backlog

@@ -2,6 +2,7 @@
 //! refusals, while its tenant flows.
 use std::time::{Duration, Instant};
 
+use broker::Outcome;
 use store::BranchKey;
 
 use super::{Due, Window};
@@ -42,7 +43,9 @@ impl<H> Window<H> {
     /// The broker refused an event of `branch`: retry it alone after its backoff, or park it
     /// after `park_after_attempts` refusals in a row (a nack: and once the refusals have lasted
     /// `nack_grace`: RabbitMQ nacks while a quorum queue elects a leader, and 3.10 nacks a new
-    /// channel's first publishes to a queue until it finds the new leader, for seconds).
+    /// channel's first publishes to a queue until it finds the new leader, for seconds). A
+    /// broker with no room (`no_room`) never parks it: nothing is wrong with the branch, and
+    /// every branch ships again once room is made, with no operator releasing each.
     pub(super) fn refused(
         &mut self,
         branch: BranchKey,
@@ -59,10 +62,16 @@ impl<H> Window<H> {
                 retry_at: now,
                 backoff: Backoff::new(retry),
             });
-        cooling.attempts += 1;
+        cooling.attempts = cooling.attempts.saturating_add(1);
         let attempts = cooling.attempts;
         let failing_for = now.saturating_duration_since(cooling.first_failed);
-        let patient = reason == "nacked" && failing_for < self.config.nack_grace;
+        let patient = if reason == Outcome::NoRoom.label() {
+            true
+        } else if reason == Outcome::Nacked.label() {
+            failing_for < self.config.nack_grace
+        } else {
+            false
+        };
         let action = if attempts >= self.config.park_after_attempts.max(1) && !patient {
             self.cooling.remove(&branch);
             RefusalAction::Park { failing_for }

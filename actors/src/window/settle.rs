@@ -78,6 +78,7 @@ impl<H> Window<H> {
                     Some(
                         refused @ (Outcome::Returned
                         | Outcome::Nacked
+                        | Outcome::NoRoom
                         | Outcome::TooLarge
                         | Outcome::Unwritable),
                     ) => Some(refused.label()),

@@ -50,7 +50,7 @@ fn sent(window: &mut Window<()>, keys: &[EventKey]) -> BatchId {
     id
 }
 
-use Outcome::{Accepted, Nacked, NotSent, Returned, TooLarge, Unconfirmed};
+use Outcome::{Accepted, Nacked, NoRoom, NotSent, Returned, TooLarge, Unconfirmed};
 
 /// An event of branch `a` goes unanswered and its batch settles: the tenant backs off, by
 /// this delay.
@@ -578,4 +578,36 @@ fn nacks_park_a_branch_only_once_they_have_lasted_the_grace() {
             attempt == 3
         );
     }
+}
+
+/// A broker with no room for an event (NATS: the stream at its limits, the server's store
+/// full) refuses every branch until room is made: each branch is retried alone on its backoff
+/// and never parked, however long the refusals last, so all of them ship again with no
+/// operator releasing each. Its first accepted event ends the cooling.
+#[test]
+fn a_broker_with_no_room_never_parks_a_branch() {
+    let mut window = Window::new(WindowConfig {
+        nack_grace: Duration::ZERO,
+        ..config(1, 3)
+    });
+    let start = Instant::now();
+    for attempt in 1..=50u32 {
+        answered(&mut window, &[key("full", 1)], &[NoRoom]);
+        let settled = window
+            .settle(start + Duration::from_secs(u64::from(attempt) * 60))
+            .unwrap();
+        assert_eq!(settled.refusals[0].reason, "no_room");
+        assert_eq!(settled.refusals[0].attempts, attempt);
+        assert!(
+            matches!(settled.refusals[0].action, RefusalAction::RetryAfter(_)),
+            "attempt {attempt}: {:?}",
+            settled.refusals[0]
+        );
+    }
+    answered(&mut window, &[key("full", 1)], &[Accepted]);
+    let settled = window.settle(start + Duration::from_secs(3_600)).unwrap();
+    assert_eq!(settled.acks, [key("full", 1)]);
+    answered(&mut window, &[key("full", 2)], &[NoRoom]);
+    let settled = window.settle(start + Duration::from_secs(3_601)).unwrap();
+    assert_eq!(settled.refusals[0].attempts, 1, "a new run of refusals");
 }

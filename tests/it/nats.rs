@@ -257,17 +257,23 @@ impl PrivateNats {
         server
     }
 
-    /// A node of a cluster of `size` on the machine's server: `ports[i]` its client port,
-    /// `routes[i]` its route port; not started.
-    fn node(i: usize, ports: &[u16], routes: &[u16], store: &std::path::Path) -> Self {
+    /// Node `i` of a cluster: `ports[i]` its client port, `routes[i]` its route port, its
+    /// configuration and store under `store` (as the server sees it; `store_here` as this
+    /// process does); not started.
+    fn node(
+        version: NatsVersion,
+        i: usize,
+        ports: &[u16],
+        routes: &[u16],
+        (store, store_here): (&std::path::Path, &std::path::Path),
+    ) -> Self {
         let routes_list: Vec<String> = routes
             .iter()
             .map(|port| format!("\"nats-route://127.0.0.1:{port}\""))
             .collect();
-        let conf = store.join(format!("n{i}.conf"));
-        std::fs::create_dir_all(store).unwrap();
+        std::fs::create_dir_all(store_here).unwrap();
         std::fs::write(
-            &conf,
+            store_here.join(format!("n{i}.conf")),
             format!(
                 "server_name: n{i}\nlisten: 127.0.0.1:{}\njetstream {{ store_dir: \"{}\" }}\n\
                  cluster {{ name: relay, listen: 127.0.0.1:{}, routes: [{}] }}\n",
@@ -279,11 +285,11 @@ impl PrivateNats {
         )
         .unwrap();
         Self {
-            version: NatsVersion::Machine,
+            version,
             port: ports[i],
-            config: Some(conf),
+            config: Some(store.join(format!("n{i}.conf"))),
             store: store.to_owned(),
-            store_here: store.to_owned(),
+            store_here: store_here.to_owned(),
             process: None,
         }
     }
@@ -653,25 +659,39 @@ fn nats_relays_joining_and_crashing_under_a_backlog_store_each_event_once_in_ord
     });
 }
 
-/// Three NATS servers (the machine's 2.9.10) in one cluster, each on its own ports and store
-/// under one scratch directory, stopped and removed with the test.
+/// Three NATS servers in one cluster, each on its own ports and store under one scratch
+/// directory, stopped and removed with the test.
 struct PrivateNatsCluster {
     nodes: Vec<PrivateNats>,
     store: std::path::PathBuf,
 }
 
 impl PrivateNatsCluster {
-    fn start() -> Self {
-        let store = std::env::temp_dir().join(testkit::unique("relay-nats-cluster"));
+    fn start(version: NatsVersion) -> Self {
+        let name = testkit::unique("relay-nats-cluster");
+        let (store, store_here) = match version {
+            NatsVersion::Machine => {
+                let path = std::env::temp_dir().join(&name);
+                (path.clone(), path)
+            }
+            NatsVersion::Trixie => {
+                let inside = std::path::Path::new("/tmp").join(&name);
+                let root = crate::node::rabbitmq4_root();
+                (inside.clone(), root.join(inside.strip_prefix("/").unwrap()))
+            }
+        };
         let ports: Vec<u16> = (0..3).map(|_| testkit::free_port()).collect();
         let routes: Vec<u16> = (0..3).map(|_| testkit::free_port()).collect();
         let mut nodes: Vec<PrivateNats> = (0..3)
-            .map(|i| PrivateNats::node(i, &ports, &routes, &store))
+            .map(|i| PrivateNats::node(version, i, &ports, &routes, (&store, &store_here)))
             .collect();
         for node in &mut nodes {
             node.run();
         }
-        Self { nodes, store }
+        Self {
+            nodes,
+            store: store_here,
+        }
     }
 
     /// Every node's URL, comma-separated (what `NATS_URL` takes).
@@ -713,7 +733,7 @@ impl Drop for PrivateNatsCluster {
 fn nats_the_stream_leader_killed_on_a_3_node_cluster_loses_nothing_and_keeps_order() {
     host_runtime().block_on(async {
         let (pool, url) = fresh_database("nats_leader").await;
-        let mut cluster = PrivateNatsCluster::start();
+        let mut cluster = PrivateNatsCluster::start(NatsVersion::Machine);
         let stream = distribution::nats::scratch::unique_stream("leader");
         let mut config = nats_config(&url, &cluster.urls(), &stream);
         config.nats_replicas = 3;
@@ -865,28 +885,33 @@ fn nats_the_binary_refuses_what_it_lacks_then_ships_and_is_ready() {
 }
 
 /// T7.4's fold steps on NATS, end to end: the relay ships a history with rewinds across
-/// tenants, runs and branches to a private server, and a consumer group folds the stream into
-/// a database of its own with the demonstration projection; `fault` strikes the server while
-/// both work. The fold holds exactly the live history: every live intent once, in Lsn order
-/// per branch, nothing abandoned, nothing parked, nothing dead-lettered.
+/// tenants, runs and branches to private `servers` (a stream of `replicas`), and a consumer
+/// group folds `stream` into a database of its own with the demonstration projection; `fault`
+/// strikes the servers while both work. The fold holds exactly the live history: every live
+/// intent once, in Lsn order per branch, nothing abandoned, nothing parked, nothing
+/// dead-lettered.
 async fn the_fold_holds_exactly_the_live_history_through(
     label: &str,
-    version: NatsVersion,
-    fault: impl AsyncFnOnce(&mut PrivateNats),
+    (servers, replicas): (Vec<String>, usize),
+    stream: &str,
+    fault: impl AsyncFnOnce(),
 ) {
     use distribution::consumer::{Consumer, NatsConsumerConfig};
     use distribution::store::{EventTable, FoldStore};
 
     let (pool, url) = fresh_database(label).await;
     let (fold_pool, _) = fresh_database(&format!("{label}_consumer")).await;
-    let mut server = PrivateNats::start(version);
-    // The relay reaches the server through a proxy, cut while the runs rewind (a rewind
-    // abandons only what was not shipped); the consumer reaches it directly.
-    let proxy = BrokerProxy::start(&server.url()).unwrap();
-    let stream = distribution::nats::scratch::unique_stream(label);
-    let config = nats_config(&url, &proxy.url(), &stream);
+    // The relay reaches each server through a proxy, all cut while the runs rewind (a rewind
+    // abandons only what was not shipped); the consumer reaches them directly.
+    let proxies: Vec<BrokerProxy> = servers
+        .iter()
+        .map(|server| BrokerProxy::start(server).unwrap())
+        .collect();
+    let proxied: Vec<String> = proxies.iter().map(BrokerProxy::url).collect();
+    let mut config = nats_config(&url, &proxied.join(","), stream);
+    config.nats_replicas = replicas;
     let mut group = NatsConsumerConfig::new(config.nats_config().unwrap(), "projector").unwrap();
-    group.nats.servers = vec![server.url()];
+    group.nats.servers = servers;
     group.retry.max = Duration::from_millis(500);
     let relay = Relay::start(config).await.unwrap();
     let consumer = Consumer::on_nats(group, fold_pool.clone(), EventTable);
@@ -898,9 +923,9 @@ async fn the_fold_holds_exactly_the_live_history_through(
 
     let mut workload = Workload::new(label, 4, 2, 40);
     workload.rewind = true;
-    proxy.cut();
+    proxies.iter().for_each(BrokerProxy::cut);
     let mut ran = workload.run(&pool).await;
-    proxy.restore();
+    proxies.iter().for_each(BrokerProxy::restore);
     let mut all = ran.expected.clone();
     wait_until(
         "the first steps folded",
@@ -910,7 +935,7 @@ async fn the_fold_holds_exactly_the_live_history_through(
     .await;
     ran = workload.steps(&pool, ran.live, 41..=240).await;
     merge(&mut all, &ran.expected);
-    fault(&mut server).await;
+    fault().await;
     ran = workload.steps(&pool, ran.live, 241..=260).await;
     merge(&mut all, &ran.expected);
     until_folded_exactly(&fold, &all, "the live history folded").await;
@@ -924,20 +949,49 @@ async fn the_fold_holds_exactly_the_live_history_through(
 /// ... the server killed (SIGKILL) and started again on its store 1 s later.
 #[test]
 fn nats_the_fold_holds_exactly_the_live_history_through_a_server_kill() {
+    let mut server = PrivateNats::start(NatsVersion::Machine);
+    let stream = distribution::nats::scratch::unique_stream("fold_kill");
     host_runtime().block_on(the_fold_holds_exactly_the_live_history_through(
         "nats_fold_kill",
-        NatsVersion::Machine,
-        kill_and_restart,
+        (vec![server.url()], 1),
+        &stream,
+        async || kill_and_restart(&mut server).await,
     ));
 }
 
 /// ... the server frozen (SIGSTOP) for 3 s, past the relay's 2 s ack timeout, on NATS 2.10.
 #[test]
 fn nats_the_fold_holds_exactly_the_live_history_through_a_server_freeze_on_2_10() {
+    let mut server = PrivateNats::start(NatsVersion::Trixie);
+    let stream = distribution::nats::scratch::unique_stream("fold_freeze");
     host_runtime().block_on(the_fold_holds_exactly_the_live_history_through(
         "nats_fold_freeze",
-        NatsVersion::Trixie,
-        freeze,
+        (vec![server.url()], 1),
+        &stream,
+        async || freeze(&mut server).await,
+    ));
+}
+
+/// ... on a 3-node JetStream cluster of NATS 2.10, the stream on 3 replicas: the stream's
+/// leader killed (SIGKILL) while the relay ships and the group folds, and started again 2 s
+/// later. The relay's publishes find no stream during the election; the group's reader, whose
+/// server-side consumer may die with the leader, goes on from where it was.
+#[test]
+fn nats_the_fold_holds_exactly_the_live_history_through_a_leader_kill_on_a_2_10_cluster() {
+    let mut cluster = PrivateNatsCluster::start(NatsVersion::Trixie);
+    let stream = distribution::nats::scratch::unique_stream("fold_leader");
+    let servers = cluster.nodes.iter().map(PrivateNats::url).collect();
+    host_runtime().block_on(the_fold_holds_exactly_the_live_history_through(
+        "nats_fold_leader",
+        (servers, 3),
+        &stream,
+        async || {
+            let leader = cluster.leader_of(&stream).await;
+            cluster.nodes[leader].kill();
+            println!("killed n{leader}, the stream's leader");
+            tokio::time::sleep(Duration::from_secs(2)).await; // the outage's length
+            cluster.nodes[leader].run();
+        },
     ));
 }
 

@@ -67,7 +67,7 @@ impl Broker {
 
 impl Broker {
     /// The NATS side: the stream's configuration, and the group's name as its consumers use it.
-    fn nats(&self) -> Result<NatsConfig> {
+    pub fn nats(&self) -> Result<NatsConfig> {
         let Some(nats_url) = &self.nats_url else {
             bail!("NATS_URL (--nats-url) is required with RELAY_BROKER=nats");
         };

@@ -1,17 +1,21 @@
 //! `distribution group`: create a consumer group's queues before its service first runs,
 //! delete them when the service is retired, reset its fold to rebuild its projection, or adopt
-//! the outbox database's history on a branch after a failover.
+//! the outbox database's history on a branch after a failover. On NATS a group has no queues:
+//! the stream keeps every event for every group, `create` declares the stream and its
+//! dead-letter stream, and `delete` removes the group's dead letters.
 use anyhow::{Context, Result};
 use clap::Subcommand;
 use distribution::broker::{self, Group};
 
+use crate::BrokerChoice;
 use crate::dead_cli::Broker;
 
 #[derive(Debug, Subcommand)]
 pub enum GroupAction {
     /// Declare the group's partition queues (bound to the topology's exchange with the same
     /// routing keys) and its dead-letter queue. The group receives every event published from
-    /// then on; earlier ones are not replayed into it.
+    /// then on; earlier ones are not replayed into it. On NATS: declare the stream and the
+    /// dead-letter stream (a group there reads the stream from its stored position).
     Create {
         #[command(flatten)]
         broker: Broker,
@@ -20,6 +24,8 @@ pub enum GroupAction {
     },
     /// Delete the group's queues and dead-letter queue with what they hold. Other groups keep
     /// receiving; a relay goes on. A relay with the group in `RELAY_GROUPS` declares it again.
+    /// On NATS: delete the group's dead letters (its read positions live in its fold
+    /// database: `group reset` forgets them).
     Delete {
         #[command(flatten)]
         broker: Broker,
@@ -72,6 +78,12 @@ pub enum GroupAction {
 
 pub async fn run(action: GroupAction) -> Result<()> {
     match action {
+        GroupAction::Create { broker, name } if broker.broker == BrokerChoice::Nats => {
+            create_on_nats(&broker, &name).await?;
+        }
+        GroupAction::Delete { broker, name } if broker.broker == BrokerChoice::Nats => {
+            delete_on_nats(&broker, &name).await?;
+        }
         GroupAction::Create { broker, name } => {
             let group = Group::parse(&name).context("group name")?;
             let mut rabbit = broker.rabbit()?;
@@ -163,6 +175,51 @@ pub async fn run(action: GroupAction) -> Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+/// The group's name as its consumers give it on NATS (a subject token).
+fn nats_group(broker: &Broker, name: &str) -> Result<distribution::nats::NatsConfig> {
+    let nats = broker.nats()?;
+    distribution::consumer::NatsConsumerConfig::new(nats.clone(), name).context("group name")?;
+    Ok(nats)
+}
+
+/// `group create` on NATS: the stream keeps every event for every group, so nothing is the
+/// group's own; the stream and the dead-letter stream are declared (as a consumer would), so
+/// the group's first consumer finds them, and a stream of other settings is refused.
+async fn create_on_nats(broker: &Broker, name: &str) -> Result<()> {
+    let nats = nats_group(broker, name)?;
+    distribution::nats::Reading::connect(&nats)
+        .await
+        .context("declaring the stream and its dead-letter stream (NATS_URL)")?;
+    println!(
+        "group {name}: stream {} and dead-letter stream {} are ready; on NATS a group has no \
+         queues of its own: its consumers read the stream from the position their fold database \
+         stored (the first time, from their start setting), so it can replay what came before",
+        nats.stream,
+        distribution::nats::dead_letter_stream(&nats.stream)
+    );
+    Ok(())
+}
+
+/// `group delete` on NATS: the group's dead letters, for good. The stream stays (other groups
+/// read it); the group's positions stay in its fold database.
+async fn delete_on_nats(broker: &Broker, name: &str) -> Result<()> {
+    let nats = nats_group(broker, name)?;
+    let dead = distribution::nats::NatsDeadLetters::open(&nats, name)
+        .await
+        .context("cannot reach NATS (NATS_URL)")?;
+    let purged = dead
+        .purge(&distribution::broker::DeadFilter::All)
+        .await
+        .context("deleting the group's dead letters")?;
+    println!(
+        "group {name}: deleted its {purged} dead letters ({}.{name}); the stream stays for the \
+         other groups, and the group's read positions stay in its fold database \
+         (`distribution group reset` forgets them)",
+        distribution::nats::dead_letter_stream(&nats.stream)
+    );
     Ok(())
 }
 

@@ -1,20 +1,30 @@
 //! `distribution tail`: watch events arrive, one line each (key, kind, metadata), over
-//! `rabbit::Tail`; the payload only when asked.
+//! `rabbit::Tail` or `nats::NatsTail`; the payload only when asked.
 use std::io::Write;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use clap::Args;
 use distribution::RelayConfig;
-use distribution::rabbit::{Tail, TailFilter, Tailed};
-use distribution::store::{RunId, TenantId};
+use distribution::broker::{TailFilter, WireError};
+use distribution::nats::{NatsTail, NatsTailed};
+use distribution::rabbit::{Tail, Tailed};
+use distribution::store::{OutboxEvent, RunId, TenantId};
+
+use crate::BrokerChoice;
 
 /// `distribution tail`'s settings.
 #[derive(Debug, Args)]
 pub struct TailSettings {
+    /// The broker: RabbitMQ (`AMQP_URL`) or NATS JetStream (`NATS_URL`).
+    #[arg(long, env = "RELAY_BROKER", value_enum, default_value = "rabbitmq")]
+    broker: BrokerChoice,
     /// RabbitMQ (`amqps://` for TLS).
     #[arg(long, env = "AMQP_URL", hide_env_values = true)]
-    amqp_url: String,
-    /// Exchange name (as the relay's).
+    amqp_url: Option<String>,
+    /// NATS servers (comma-separated), with `--broker nats`.
+    #[arg(long, env = "NATS_URL", hide_env_values = true)]
+    nats_url: Option<String>,
+    /// Exchange name, or NATS stream (as the relay's).
     #[arg(long, env = "RELAY_TOPOLOGY", default_value = "outbox")]
     topology: String,
     /// Broker partitions (as the relay's: with --run, only the run's partition is watched).
@@ -37,17 +47,126 @@ pub struct TailSettings {
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     count: Option<u64>,
     /// Most messages the watcher's queue keeps while this terminal is behind; beyond, the
-    /// oldest are dropped (never the relay's or a consumer's).
+    /// oldest are dropped (never the relay's or a consumer's). RabbitMQ only: on NATS the
+    /// watch reads the stream, where a slow terminal only falls behind.
     #[arg(long, default_value_t = 10_000,
           value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     keep: u32,
 }
 
+/// One message as the tail shows it, whatever the broker.
+struct Seen {
+    /// Where it was published: the routing key (`p<N>`), or the NATS subject.
+    place: String,
+    /// What `place` is called in JSON: `routing_key` or `subject`.
+    place_name: &'static str,
+    message_id: Option<String>,
+    event: Result<OutboxEvent, WireError>,
+    body: Vec<u8>,
+}
+
+impl Seen {
+    fn kind(&self) -> &'static str {
+        distribution::broker::event_kind(&self.event)
+    }
+
+    fn properties(&self) -> Vec<(&'static str, String)> {
+        distribution::broker::event_properties(&self.event)
+    }
+}
+
+impl From<Tailed> for Seen {
+    fn from(tailed: Tailed) -> Self {
+        Self {
+            place: tailed.routing_key,
+            place_name: "routing_key",
+            message_id: tailed.message_id,
+            event: tailed.event,
+            body: tailed.body,
+        }
+    }
+}
+
+impl From<NatsTailed> for Seen {
+    fn from(tailed: NatsTailed) -> Self {
+        Self {
+            place: tailed.subject,
+            place_name: "subject",
+            message_id: tailed.message_id,
+            event: tailed.event,
+            body: tailed.body,
+        }
+    }
+}
+
+/// The watch on either broker.
+enum Watch {
+    Rabbit(Box<Tail>),
+    Nats(Box<NatsTail>),
+}
+
+impl Watch {
+    async fn next(&mut self) -> Result<Option<Seen>> {
+        Ok(match self {
+            Watch::Rabbit(tail) => tail.next().await?.map(Seen::from),
+            Watch::Nats(tail) => Some(tail.next().await?.into()),
+        })
+    }
+}
+
+/// Opens the watch the settings name, and says on stderr what it watches.
+async fn open(settings: &TailSettings, filter: TailFilter) -> Result<Watch> {
+    match settings.broker {
+        BrokerChoice::Nats => {
+            let Some(nats_url) = &settings.nats_url else {
+                bail!("NATS_URL (--nats-url) is required with RELAY_BROKER=nats");
+            };
+            let mut config = RelayConfig::nats("", nats_url.clone());
+            config.topology = settings.topology.clone();
+            config.partitions = settings.partitions;
+            let nats = config.nats_config()?;
+            let tail = NatsTail::open(&nats, filter).await.with_context(|| {
+                format!(
+                    "cannot watch stream {} (is NATS_URL right, and has a relay or consumer declared the stream?)",
+                    settings.topology
+                )
+            })?;
+            eprintln!(
+                "watching stream {} from its next message (Ctrl-C to stop)",
+                settings.topology
+            );
+            Ok(Watch::Nats(Box::new(tail)))
+        }
+        BrokerChoice::Rabbitmq => {
+            let Some(amqp_url) = &settings.amqp_url else {
+                bail!(
+                    "AMQP_URL (--amqp-url) is required: the RabbitMQ broker (or RELAY_BROKER=nats with NATS_URL)"
+                );
+            };
+            let mut config = RelayConfig::new("", amqp_url.clone());
+            config.topology = settings.topology.clone();
+            config.partitions = settings.partitions;
+            let rabbit = config.rabbit_config()?;
+            let tail = Tail::open(&rabbit, filter, settings.keep)
+                .await
+                .with_context(|| {
+                    format!(
+                        "cannot watch exchange {} (is AMQP_URL right, and has a relay or consumer declared the topology?)",
+                        settings.topology
+                    )
+                })?;
+            // Said on stderr: what follows on stdout is the events alone.
+            eprintln!(
+                "watching exchange {} through {} (Ctrl-C to stop)",
+                settings.topology,
+                tail.queue()
+            );
+            Ok(Watch::Rabbit(Box::new(tail)))
+        }
+    }
+}
+
 pub async fn run(settings: TailSettings) -> Result<()> {
-    let mut config = RelayConfig::new("", settings.amqp_url.clone());
-    config.topology = settings.topology.clone();
-    config.partitions = settings.partitions;
-    let rabbit = config.rabbit_config()?;
     let filter = TailFilter {
         tenant: settings
             .tenant
@@ -62,20 +181,7 @@ pub async fn run(settings: TailSettings) -> Result<()> {
             .transpose()
             .context("--run")?,
     };
-    let mut tail = Tail::open(&rabbit, filter, settings.keep)
-        .await
-        .with_context(|| {
-            format!(
-                "cannot watch exchange {} (is AMQP_URL right, and has a relay or consumer declared the topology?)",
-                settings.topology
-            )
-        })?;
-    // Said on stderr: what follows on stdout is the events alone.
-    eprintln!(
-        "watching exchange {} through {} (Ctrl-C to stop)",
-        settings.topology,
-        tail.queue()
-    );
+    let mut tail = open(&settings, filter).await?;
     let mut stdout = std::io::stdout().lock();
     let mut seen = 0u64;
     while settings.count.is_none_or(|count| seen < count) {
@@ -112,10 +218,10 @@ fn payload_text(body: &[u8]) -> (&'static str, String) {
 
 /// `p3 acme/run-1/main/7 intent written at=... type=... 42 B`, and the payload on the next line
 /// if asked.
-fn text_line(tailed: &Tailed, payload: bool) -> String {
+fn text_line(tailed: &Seen, payload: bool) -> String {
     let mut line = format!(
         "{} {} {}",
-        tailed.routing_key,
+        tailed.place,
         tailed.message_id.as_deref().unwrap_or("(no message id)"),
         tailed.kind()
     );
@@ -139,9 +245,9 @@ fn text_line(tailed: &Tailed, payload: bool) -> String {
 }
 
 /// One JSON object: the key, kind, properties and the host's headers; the payload if asked.
-fn json_line(tailed: &Tailed, payload: bool) -> serde_json::Value {
+fn json_line(tailed: &Seen, payload: bool) -> serde_json::Value {
     let mut object = serde_json::Map::new();
-    object.insert("routing_key".into(), tailed.routing_key.clone().into());
+    object.insert(tailed.place_name.into(), tailed.place.clone().into());
     object.insert("message_id".into(), tailed.message_id.clone().into());
     object.insert("kind".into(), tailed.kind().into());
     match &tailed.event {

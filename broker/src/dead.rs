@@ -1,8 +1,40 @@
-//! Dead letters, whatever the broker: which ones an operation takes, and how a message reads
-//! to a person (pure).
+//! Dead letters and watched events, whatever the broker: which ones an operation or a watch
+//! takes, and how a message reads to a person (pure).
 use store::{OutboxEvent, RunId, TenantId};
 
-use crate::WireError;
+use crate::{Partition, WireError, partition_of};
+
+/// What a tail (`distribution tail`) watches: every event, a tenant's, or one run's.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TailFilter {
+    /// Only this tenant's events.
+    pub tenant: Option<TenantId>,
+    /// Only this run's (with `tenant`: its partition alone is watched).
+    pub run: Option<RunId>,
+}
+
+impl TailFilter {
+    /// Whether a message is shown: every message without a filter; with one, only events of
+    /// that tenant (and run).
+    pub fn matches(&self, event: &Result<OutboxEvent, WireError>) -> bool {
+        if self.tenant.is_none() && self.run.is_none() {
+            return true;
+        }
+        event.as_ref().is_ok_and(|event| {
+            let branch = &event.key.branch;
+            self.tenant.as_ref().is_none_or(|t| branch.tenant == *t)
+                && self.run.as_ref().is_none_or(|r| branch.run == *r)
+        })
+    }
+
+    /// The partitions (of `partitions`) a tail watches: one for a tenant's run, else all.
+    pub fn partitions(&self, partitions: u16) -> Vec<Partition> {
+        match (&self.tenant, &self.run) {
+            (Some(tenant), Some(run)) => vec![partition_of(tenant, run, partitions)],
+            _ => (0..partitions.max(1)).map(Partition).collect(),
+        }
+    }
+}
 
 /// Which dead letters an operation takes: all of them, or those of a tenant, a run of it, or one
 /// message id. Messages that are not events (broken contract) only match `All` and `MessageId`.

@@ -10,6 +10,7 @@
 //! - `dead`: a group's dead letters read back, replayed, purged ([`NatsDeadLetters`]).
 //! - `reader`: for a consumer: a partition read in stream order ([`PartitionReader`]), dead
 //!   letters kept in a stream of their own ([`dead_letter`]).
+//! - `tail`: watching events arrive ([`NatsTail`]: ordered consumers from the next message).
 //! - `scratch` (feature `fixtures`): test streams deleted at the test process's exit.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
@@ -21,6 +22,7 @@ mod reader;
 #[cfg(feature = "fixtures")]
 pub mod scratch;
 mod stream;
+mod tail;
 mod wire;
 
 pub use attribute::{Answer, Verdict, attribute};
@@ -32,6 +34,7 @@ pub use reader::{
     declare_dead_letters,
 };
 pub use stream::{declare, remove};
+pub use tail::{NatsTail, NatsTailed};
 pub use wire::{
     CONTENT_TYPE, CORRELATION_ID, EXPECTED_STREAM, MSG_ID, TYPE, Unwritable, decode, envelope,
     headers,

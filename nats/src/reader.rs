@@ -135,6 +135,11 @@ impl Delivery {
     pub fn bytes(&self) -> usize {
         self.payload.len()
     }
+
+    /// The payload.
+    pub fn payload(&self) -> &[u8] {
+        &self.payload
+    }
 }
 
 /// One partition's messages in stream order, from a starting point.
@@ -144,7 +149,7 @@ pub struct PartitionReader {
     last_sequence: u64,
     floor: Floor,
     /// Turns true when the connection loses its server: the reader ends.
-    lost: Option<watch::Receiver<bool>>,
+    pub(crate) lost: Option<watch::Receiver<bool>>,
 }
 
 impl std::fmt::Debug for PartitionReader {

@@ -214,8 +214,8 @@ async fn a_server_that_is_not_there_is_a_fault_within_the_connect_timeout() {
 }
 
 /// The stream's own limits, read from the server's answers: a message over its
-/// `max_msg_size` is too large (its branch parks), a stream full with `discard: new` refuses
-/// (nacked: its branch cools and is retried), and the session stays up for the rest.
+/// `max_msg_size` is too large (its branch parks), a stream full with `discard: new` has no
+/// room (its branch waits and is retried, never parked), and the session stays up for the rest.
 #[tokio::test]
 async fn the_streams_limits_refuse_by_cause() {
     let config = config("limits", 1);
@@ -251,7 +251,7 @@ async fn the_streams_limits_refuse_by_cause() {
             Outcome::TooLarge,
             Outcome::Accepted,
             Outcome::Accepted,
-            Outcome::Nacked,
+            Outcome::NoRoom,
         ]
     );
     delete(&config.stream).await;

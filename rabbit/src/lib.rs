@@ -43,7 +43,7 @@ pub use rabbit::RabbitPublisher;
 pub use rabbit::preflight;
 pub use rabbit::{open, within};
 pub use reading::{Deliveries, RabbitDelivery, RabbitReading, StreamOffset};
-pub use tail::{Tail, TailFilter, Tailed};
+pub use tail::{Tail, Tailed};
 pub use topology::DEAD_LETTER_DELIVERY_LIMIT;
 pub use topology::DEFAULT_DELIVERY_LIMIT;
 pub use topology::QueueType;

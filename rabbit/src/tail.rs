@@ -7,44 +7,11 @@
 use futures_util::StreamExt;
 use lapin::options::{BasicConsumeOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
-use store::{OutboxEvent, RunId, TenantId};
+use store::OutboxEvent;
 
-use broker::{Error, Partition, WireError};
+use broker::{Error, TailFilter, WireError};
 
 use crate::{RabbitConfig, within};
-
-/// What a tail watches: every event, a tenant's, or one run's.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct TailFilter {
-    /// Only this tenant's events.
-    pub tenant: Option<TenantId>,
-    /// Only this run's (with `tenant`: its partition alone is bound).
-    pub run: Option<RunId>,
-}
-
-impl TailFilter {
-    /// Whether a message is shown: every message without a filter; with one, only events of
-    /// that tenant (and run).
-    pub fn matches(&self, event: &Result<OutboxEvent, WireError>) -> bool {
-        if self.tenant.is_none() && self.run.is_none() {
-            return true;
-        }
-        event.as_ref().is_ok_and(|event| {
-            let branch = &event.key.branch;
-            self.tenant.as_ref().is_none_or(|t| branch.tenant == *t)
-                && self.run.as_ref().is_none_or(|r| branch.run == *r)
-        })
-    }
-
-    /// The partitions whose routing keys the tail binds: one for a tenant's run, else all.
-    fn partitions(&self, config: &RabbitConfig) -> Vec<Partition> {
-        let topology = &config.topology;
-        match (&self.tenant, &self.run) {
-            (Some(tenant), Some(run)) => vec![topology.partition_of(tenant, run)],
-            _ => (0..topology.partitions()).map(Partition).collect(),
-        }
-    }
-}
 
 /// One message the tail saw.
 #[derive(Debug)]
@@ -125,7 +92,7 @@ impl Tail {
         )
         .await?;
         let queue = declared.name().clone();
-        for partition in filter.partitions(config) {
+        for partition in filter.partitions(config.topology.partitions()) {
             within(
                 "queue.bind",
                 limit,

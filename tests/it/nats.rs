@@ -1185,3 +1185,244 @@ fn nats_dead_letters_are_listed_shown_replayed_and_purged_by_the_cli() {
         distribution::nats::scratch::delete_stream(&testkit::nats_url(), &stream).await;
     });
 }
+
+/// `distribution group create|delete` with `RELAY_BROKER=nats`: a group has no queues there
+/// (the stream keeps every event for every group), so `create` declares the stream and its
+/// dead-letter stream, and `delete` removes the group's dead letters and no other group's; a
+/// name that cannot be a subject token is refused in one line.
+#[test]
+fn nats_group_create_declares_the_streams_and_delete_removes_only_the_groups_dead_letters() {
+    use distribution::nats::{NatsConfig, NatsDeadLetters};
+
+    host_runtime().block_on(async {
+        let stream = distribution::nats::scratch::unique_stream("group_cli");
+        let group = |args: &[&str]| {
+            let mut command = relay_command();
+            command
+                .arg("group")
+                .args(args)
+                .env("RELAY_BROKER", "nats")
+                .env("NATS_URL", testkit::nats_url())
+                .env("RELAY_TOPOLOGY", &stream)
+                .env("RELAY_PARTITIONS", "2");
+            async move {
+                let out = tokio::task::spawn_blocking(move || command.output().unwrap())
+                    .await
+                    .unwrap();
+                (
+                    out.status.code(),
+                    String::from_utf8_lossy(&out.stdout).into_owned(),
+                    String::from_utf8_lossy(&out.stderr).into_owned(),
+                )
+            }
+        };
+        let (code, created, stderr) = group(&["create", "projector"]).await;
+        assert_eq!(code, Some(0), "{created}{stderr}");
+        assert!(
+            created.contains(&format!(
+                "stream {stream} and dead-letter stream {stream}_dead are ready"
+            )),
+            "{created}"
+        );
+        let client = async_nats::connect(testkit::nats_url()).await.unwrap();
+        let context = async_nats::jetstream::new(client);
+        context.get_stream(&stream).await.unwrap();
+        for subject in ["projector", "projector", "other"] {
+            context
+                .publish_with_headers(
+                    format!("{stream}_dead.{subject}"),
+                    async_nats::HeaderMap::new(),
+                    "a letter".into(),
+                )
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+        }
+
+        let (code, deleted, stderr) = group(&["delete", "projector"]).await;
+        assert_eq!(code, Some(0), "{deleted}{stderr}");
+        assert!(deleted.contains("deleted its 2 dead letters"), "{deleted}");
+        let nats = NatsConfig::new(&testkit::nats_url(), &stream, 2).unwrap();
+        let depth = |group: &'static str| {
+            let nats = nats.clone();
+            async move {
+                NatsDeadLetters::open(&nats, group)
+                    .await
+                    .unwrap()
+                    .depth()
+                    .await
+                    .unwrap()
+            }
+        };
+        assert_eq!(depth("projector").await, 0);
+        assert_eq!(depth("other").await, 1, "another group's letter stays");
+        context.get_stream(&stream).await.unwrap();
+
+        let (code, _, stderr) = group(&["create", "Not A Token"]).await;
+        assert_eq!(code, Some(1), "{stderr}");
+        assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+        distribution::nats::scratch::delete_stream(&testkit::nats_url(), &stream).await;
+    });
+}
+
+/// `distribution tail` with `RELAY_BROKER=nats` watches the stream from its next message: one
+/// line each with the subject, message id, kind and metadata, the payload only when asked;
+/// `--tenant` and `--run` keep that run's events alone, in Lsn order (`--json`: one object per
+/// line, the subject under `subject`). A stream that does not exist is refused in one line, and
+/// the tail declares nothing.
+#[test]
+fn nats_tail_shows_each_event_once_from_the_next_message() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+
+    use distribution::store::{BranchId, EventType, Intent, IntentWriter, RunId, TenantId};
+
+    host_runtime().block_on(async {
+        let (pool, url) = fresh_database("nats_tail").await;
+        let stream = distribution::nats::scratch::unique_stream("tail");
+        let config = nats_config(&url, &testkit::nats_url(), &stream);
+        let tail_command = |args: &[&str]| {
+            let mut command = relay_command();
+            command
+                .arg("tail")
+                .args(args)
+                .env("RELAY_BROKER", "nats")
+                .env("NATS_URL", testkit::nats_url())
+                .env("RELAY_TOPOLOGY", &stream)
+                .env("RELAY_PARTITIONS", config.partitions.to_string());
+            command
+        };
+        // Before any stream: refused, in one line, and nothing declared.
+        let refused = tail_command(&[]).output().unwrap();
+        let stderr = String::from_utf8_lossy(&refused.stderr);
+        assert_eq!(refused.status.code(), Some(1), "{stderr}");
+        assert!(
+            stderr.contains(&format!("cannot watch stream {stream}"))
+                && stderr.trim().lines().count() == 1,
+            "{stderr}"
+        );
+        assert!(stored(&stream).await.is_empty());
+
+        // Something already in the stream, which the tails never show.
+        let writer = IntentWriter::default();
+        let mut conn = pool.acquire().await.unwrap();
+        let key = |tenant: &str, run: &str| {
+            BranchKey::new(
+                TenantId::new(tenant).unwrap(),
+                RunId::new(run).unwrap(),
+                BranchId::new("main").unwrap(),
+            )
+        };
+        let (watched, other, other_tenant) = (
+            key("tail-a", "r1"),
+            key("tail-a", "r2"),
+            key("tail-b", "r1"),
+        );
+        for branch in [&watched, &other, &other_tenant] {
+            writer.open_run(&mut conn, branch).await.unwrap();
+        }
+        writer
+            .append(&mut conn, &other, Lsn::new(1), b"before")
+            .await
+            .unwrap();
+        let relay = Relay::start(config.clone()).await.unwrap();
+        wait_until(
+            "the first event stored",
+            Duration::from_secs(30),
+            || async { stored(&stream).await.len() == 1 },
+        )
+        .await;
+
+        let tail = |args: &[&str]| {
+            let mut child = tail_command(args)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            let mut said = String::new();
+            BufReader::new(child.stderr.take().unwrap())
+                .read_line(&mut said)
+                .unwrap();
+            assert!(said.starts_with("watching stream"), "{said}");
+            child
+        };
+        let everything = tail(&["--payload", "--count", "5"]);
+        let one_run = tail(&[
+            "--json", "--tenant", "tail-a", "--run", "r1", "--count", "3",
+        ]);
+        for lsn in 1..=3u64 {
+            let payload = format!("secret {lsn}");
+            let intent = Intent::new(payload.as_bytes())
+                .event_type(EventType::new("order.placed").unwrap())
+                .header("region", "eu");
+            writer
+                .append_intent(&mut conn, &watched, Lsn::new(lsn), intent)
+                .await
+                .unwrap();
+        }
+        writer
+            .append(&mut conn, &other, Lsn::new(2), b"other")
+            .await
+            .unwrap();
+        writer
+            .append(&mut conn, &other_tenant, Lsn::new(1), b"other")
+            .await
+            .unwrap();
+        let finished = |child: std::process::Child| {
+            let output = child.wait_with_output().unwrap();
+            assert!(output.status.success(), "{output:?}");
+            String::from_utf8(output.stdout).unwrap()
+        };
+        let (everything, one_run) =
+            tokio::task::spawn_blocking(move || (finished(everything), finished(one_run)))
+                .await
+                .unwrap();
+        relay.shutdown().await;
+
+        let lines: Vec<serde_json::Value> = one_run
+            .lines()
+            .map(|line| serde_json::from_str(line).unwrap())
+            .collect();
+        let lsns: Vec<u64> = lines
+            .iter()
+            .map(|line| line["lsn"].as_u64().unwrap())
+            .collect();
+        assert_eq!(lsns, [1, 2, 3], "{one_run}");
+        for line in &lines {
+            assert_eq!(line["tenant"], "tail-a", "{line}");
+            assert_eq!(line["run"], "r1", "{line}");
+            assert_eq!(line["type"], "order.placed", "{line}");
+            assert_eq!(line["headers"]["region"], "eu", "{line}");
+            assert!(
+                line["subject"]
+                    .as_str()
+                    .unwrap()
+                    .starts_with(&format!("{stream}.p")),
+                "{line}"
+            );
+        }
+        assert!(!one_run.contains("secret"), "{one_run}");
+        for id in [
+            format!("{watched}/1"),
+            format!("{watched}/3"),
+            format!("{other}/2"),
+            format!("{other_tenant}/1"),
+        ] {
+            assert_eq!(
+                everything.matches(&format!(" {id} intent ")).count(),
+                1,
+                "{id} once in {everything}"
+            );
+        }
+        assert!(
+            !everything.contains(&format!("{other}/1 ")),
+            "from the next message: {everything}"
+        );
+        assert!(
+            everything.contains("payload (text): secret 2"),
+            "{everything}"
+        );
+        distribution::nats::scratch::delete_stream(&testkit::nats_url(), &stream).await;
+    });
+}

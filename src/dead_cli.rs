@@ -4,12 +4,13 @@
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
 use distribution::RelayConfig;
-use distribution::broker::{DeadFilter, Group};
-use distribution::nats::{NatsConfig, NatsDeadLetters};
-use distribution::rabbit::{DeadLetters, RabbitConfig};
-use distribution::store::{OutboxEvent, RunId, TenantId};
+use distribution::broker::{DeadFilter, DeadLetterView, Group};
+use distribution::nats::NatsConfig;
+use distribution::rabbit::RabbitConfig;
+use distribution::store::{RunId, TenantId};
 
 use crate::BrokerChoice;
+use crate::letters::{GroupBroker, GroupLetters};
 
 /// The broker and topology whose dead letters are read.
 #[derive(Clone, Debug, Args)]
@@ -66,7 +67,24 @@ impl Broker {
 }
 
 impl Broker {
-    /// The NATS side: the stream's configuration, and the group's name as its consumers use it.
+    /// Where the group's dead letters live, on the broker `--broker` names.
+    pub fn group_broker(&self) -> Result<GroupBroker> {
+        match self.broker {
+            BrokerChoice::Rabbitmq => Ok(GroupBroker::Rabbit(self.rabbit()?)),
+            BrokerChoice::Nats => {
+                let nats = self.nats()?;
+                // The group's name as its consumers give it (a subject token).
+                distribution::consumer::NatsConsumerConfig::new(nats.clone(), &self.group)
+                    .context("--group / RELAY_GROUP")?;
+                Ok(GroupBroker::Nats {
+                    nats,
+                    group: self.group.clone(),
+                })
+            }
+        }
+    }
+
+    /// The NATS side: the stream's configuration.
     pub fn nats(&self) -> Result<NatsConfig> {
         let Some(nats_url) = &self.nats_url else {
             bail!("NATS_URL (--nats-url) is required with RELAY_BROKER=nats");
@@ -145,76 +163,38 @@ impl Selection {
     }
 }
 
-/// A dead letter as this command shows it, whatever the broker.
-struct Shown<'a> {
-    position: u64,
-    message_id: Option<&'a str>,
-    kind: &'static str,
-    reason: Option<&'a str>,
-    event: &'a Result<OutboxEvent, distribution::broker::WireError>,
-    properties: Vec<(&'static str, String)>,
-    headers: Vec<(String, String)>,
-    body: &'a [u8],
+/// A dead letter on one line: position, message id, kind, reason.
+fn line(letter: &DeadLetterView) -> String {
+    format!(
+        "{:>5}  {:<48} {:<12} {}",
+        letter.position,
+        letter.message_id.as_deref().unwrap_or("(no message id)"),
+        letter.kind(),
+        letter.reason.as_deref().unwrap_or("(no reason)")
+    )
 }
 
-impl Shown<'_> {
-    fn line(&self) -> String {
-        format!(
-            "{:>5}  {:<48} {:<12} {}",
-            self.position,
-            self.message_id.unwrap_or("(no message id)"),
-            self.kind,
-            self.reason.unwrap_or("(no reason)")
-        )
+/// A dead letter whole: what it is, its headers, its body (text, or hex).
+fn print(letter: &DeadLetterView, message_id: &str) {
+    println!("position: {}", letter.position);
+    println!("message_id: {message_id}");
+    println!("kind: {}", letter.kind());
+    println!("reason: {}", letter.reason.as_deref().unwrap_or("(none)"));
+    if let Err(err) = &letter.event {
+        println!("not an event: {err}");
     }
-
-    fn print(&self, message_id: &str) {
-        println!("position: {}", self.position);
-        println!("message_id: {message_id}");
-        println!("kind: {}", self.kind);
-        println!("reason: {}", self.reason.unwrap_or("(none)"));
-        if let Err(err) = self.event {
-            println!("not an event: {err}");
-        }
-        for (name, value) in &self.properties {
-            println!("{name}: {value}");
-        }
-        for (name, value) in &self.headers {
-            println!("header {name}: {value}");
-        }
-        match std::str::from_utf8(self.body) {
-            Ok(text) => println!("body ({} bytes, UTF-8):\n{text}", self.body.len()),
-            Err(_) => {
-                let hex: String = self.body.iter().map(|b| format!("{b:02x}")).collect();
-                println!("body ({} bytes, hex):\n{hex}", self.body.len());
-            }
-        }
+    for (name, value) in letter.properties() {
+        println!("{name}: {value}");
     }
-}
-
-fn shown_rabbit(letter: &distribution::rabbit::DeadLetter) -> Shown<'_> {
-    Shown {
-        position: letter.position,
-        message_id: letter.message_id.as_deref(),
-        kind: letter.kind(),
-        reason: letter.reason.as_deref(),
-        event: &letter.event,
-        properties: letter.properties(),
-        headers: letter.header_texts(),
-        body: &letter.body,
+    for (name, value) in &letter.headers {
+        println!("header {name}: {value}");
     }
-}
-
-fn shown_nats(letter: &distribution::nats::NatsDeadLetter) -> Shown<'_> {
-    Shown {
-        position: letter.sequence,
-        message_id: letter.message_id.as_deref(),
-        kind: letter.kind(),
-        reason: letter.reason.as_deref(),
-        event: &letter.event,
-        properties: letter.properties(),
-        headers: letter.headers.clone(),
-        body: &letter.body,
+    match std::str::from_utf8(&letter.body) {
+        Ok(text) => println!("body ({} bytes, UTF-8):\n{text}", letter.body.len()),
+        Err(_) => {
+            let hex: String = letter.body.iter().map(|b| format!("{b:02x}")).collect();
+            println!("body ({} bytes, hex):\n{hex}", letter.body.len());
+        }
     }
 }
 
@@ -237,79 +217,31 @@ pub async fn run(action: DeadAction) -> Result<()> {
         | DeadAction::Replay { broker, .. }
         | DeadAction::Purge { broker, .. } => broker,
     };
-    if broker.broker == BrokerChoice::Nats {
-        return run_nats(action).await;
-    }
-    let rabbit = broker.rabbit()?;
-    let queue = rabbit.topology.dead_letter_queue();
-    let dead = DeadLetters::open(&rabbit)
-        .await
-        .context("cannot reach the broker (AMQP_URL)")?;
+    let group = broker.group_broker()?;
+    let place = group.place();
+    let dead = GroupLetters::open(&group).await.context(match group {
+        GroupBroker::Rabbit(_) => "cannot reach the broker (AMQP_URL)",
+        GroupBroker::Nats { .. } => "cannot reach NATS (NATS_URL)",
+    })?;
     match action {
         DeadAction::List { limit, .. } => {
-            let depth = dead
-                .depth()
-                .await
-                .with_context(|| format!("cannot read {queue} (has a consumer declared it?)"))?;
-            let letters = dead.list(limit).await?;
-            println!("{}", heading(u64::from(depth), limit, queue.as_str()));
-            for letter in &letters {
-                println!("{}", shown_rabbit(letter).line());
-            }
-        }
-        DeadAction::Show { message_id, .. } => {
-            let letter = dead.find(&message_id).await?.with_context(|| {
-                format!("no dead letter with message id {message_id} in {queue}")
+            let depth = dead.depth().await.with_context(|| match group {
+                GroupBroker::Rabbit(_) => {
+                    format!("cannot read {place} (has a consumer declared it?)")
+                }
+                GroupBroker::Nats { .. } => format!("cannot read {place}"),
             })?;
-            shown_rabbit(&letter).print(&message_id);
-        }
-        DeadAction::Replay { selection, .. } => {
-            let replayed = dead.replay(&selection.filter()?).await?;
-            println!(
-                "replayed {replayed} dead letter(s) to their partitions; the consumers fold them again"
-            );
-        }
-        DeadAction::Purge { selection, .. } => {
-            let purged = dead.purge(&selection.filter()?).await?;
-            println!("purged {purged} dead letter(s) from {queue}");
-        }
-    }
-    Ok(())
-}
-
-/// The same on NATS: the group's subject of the dead-letter stream.
-async fn run_nats(action: DeadAction) -> Result<()> {
-    let (broker, nats) = match &action {
-        DeadAction::List { broker, .. }
-        | DeadAction::Show { broker, .. }
-        | DeadAction::Replay { broker, .. }
-        | DeadAction::Purge { broker, .. } => (broker, broker.nats()?),
-    };
-    let group = broker.group.clone();
-    // The group's name as its consumers give it (a subject token).
-    distribution::consumer::NatsConsumerConfig::new(nats.clone(), &group)
-        .context("--group / RELAY_GROUP")?;
-    let place = format!(
-        "{}.{group}",
-        distribution::nats::dead_letter_stream(&nats.stream)
-    );
-    let dead = NatsDeadLetters::open(&nats, &group)
-        .await
-        .context("cannot reach NATS (NATS_URL)")?;
-    match action {
-        DeadAction::List { limit, .. } => {
-            let depth = dead.depth().await?;
             let letters = dead.list(limit).await?;
             println!("{}", heading(depth, limit, &place));
             for letter in &letters {
-                println!("{}", shown_nats(letter).line());
+                println!("{}", line(letter));
             }
         }
         DeadAction::Show { message_id, .. } => {
             let letter = dead.find(&message_id).await?.with_context(|| {
                 format!("no dead letter with message id {message_id} in {place}")
             })?;
-            shown_nats(&letter).print(&message_id);
+            print(&letter, &message_id);
         }
         DeadAction::Replay { selection, .. } => {
             let replayed = dead.replay(&selection.filter()?).await?;

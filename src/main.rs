@@ -24,6 +24,7 @@ mod console;
 mod dead_cli;
 mod demo;
 mod group_cli;
+mod letters;
 #[cfg(feature = "otlp")]
 mod otlp;
 mod outbox_cli;

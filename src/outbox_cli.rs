@@ -4,6 +4,7 @@ use anyhow::{Context, Result};
 
 use distribution::store::{self, Outbox};
 
+use crate::letters::{GroupBroker, GroupLetters};
 use crate::{Database, connect, dead_cli, demo};
 
 /// Every migration's SQL, in order, each under a comment with its version: what
@@ -181,85 +182,43 @@ pub(crate) async fn status(
             );
         }
     }
-    let groups = groups.into_iter().filter(|group| group.trim() != "none");
-    let amqp_url = match broker {
+    let (choice, amqp_url, nats_url) = match broker {
         None => return Ok(()),
-        Some(DeadLetterBroker::Nats(nats_url)) => {
-            return nats_dead_letters(&nats_url, &topology, groups).await;
-        }
-        Some(DeadLetterBroker::Rabbit(amqp_url)) => amqp_url,
+        Some(DeadLetterBroker::Rabbit(url)) => (crate::BrokerChoice::Rabbitmq, Some(url), None),
+        Some(DeadLetterBroker::Nats(url)) => (crate::BrokerChoice::Nats, None, Some(url)),
     };
     let mut unanswered = Vec::new();
-    for group in groups {
-        let broker = dead_cli::Broker {
-            broker: crate::BrokerChoice::Rabbitmq,
-            amqp_url: Some(amqp_url.clone()),
-            nats_url: None,
+    for group in groups.iter().map(|group| group.trim()) {
+        if group == "none" {
+            continue;
+        }
+        let kept = dead_cli::Broker {
+            broker: choice,
+            amqp_url: amqp_url.clone(),
+            nats_url: nats_url.clone(),
             topology: topology.clone(),
             partitions: 1,
-            group: group.trim().to_owned(),
+            group: group.to_owned(),
             queues: distribution::QueueSettings::default(),
-        };
-        let rabbit = broker.rabbit()?;
-        let queue = rabbit.topology.dead_letter_queue();
-        let depth = async {
-            distribution::rabbit::DeadLetters::open(&rabbit)
-                .await?
-                .depth()
-                .await
-        };
-        let list = match rabbit.topology.group() {
-            distribution::broker::Group::Default => "`distribution dead list`".to_owned(),
-            named => format!("`distribution dead list --group {named}`"),
-        };
-        match depth.await {
-            Ok(0) => println!("no dead letters in {queue}"),
-            Ok(depth) => println!("{depth} dead letter(s) in {queue}: {list} shows them"),
-            // RabbitMQ's answer to a passive declare of a queue that is not there.
-            Err(err) if err.to_string().contains("NOT_FOUND") => {
-                println!("{queue} does not exist: no consumer of the group declared its queues")
-            }
-            Err(err) => {
-                println!("dead letters in {queue}: unknown ({err})");
-                unanswered.push(queue.to_string());
-            }
         }
-    }
-    // Asked about dead letters and could not tell: not a success a script may read as "none".
-    match unanswered.as_slice() {
-        [] => Ok(()),
-        queues => anyhow::bail!(
-            "could not read the depth of {} (the broker refused or did not answer)",
-            queues.join(", ")
-        ),
-    }
-}
-
-/// `status`'s dead letters on NATS: each group's count on its subject of `<topology>_dead`.
-async fn nats_dead_letters(
-    nats_url: &str,
-    topology: &str,
-    groups: impl Iterator<Item = String>,
-) -> Result<()> {
-    let mut config = distribution::RelayConfig::nats("", nats_url);
-    config.topology = topology.to_owned();
-    let nats = config.nats_config()?;
-    let stream = distribution::nats::dead_letter_stream(&nats.stream);
-    let mut unanswered = Vec::new();
-    for group in groups {
-        let group = group.trim().to_owned();
-        let place = format!("{stream}.{group}");
-        let depth = async {
-            distribution::nats::NatsDeadLetters::open(&nats, &group)
-                .await?
-                .depth()
-                .await
+        .group_broker()?;
+        let place = kept.place();
+        let list = match (&kept, group) {
+            (GroupBroker::Rabbit(_), "default") => "`distribution dead list`".to_owned(),
+            (GroupBroker::Rabbit(_), named) => format!("`distribution dead list --group {named}`"),
+            (GroupBroker::Nats { .. }, group) => {
+                format!("`RELAY_BROKER=nats distribution dead list --group {group}`")
+            }
         };
+        let depth = async { GroupLetters::open(&kept).await?.depth().await };
         match depth.await {
             Ok(0) => println!("no dead letters in {place}"),
-            Ok(depth) => println!(
-                "{depth} dead letter(s) in {place}: `RELAY_BROKER=nats distribution dead list --group {group}` shows them"
-            ),
+            Ok(depth) => println!("{depth} dead letter(s) in {place}: {list} shows them"),
+            // RabbitMQ's answer to a passive declare of a queue that is not there.
+            Err(err) if err.to_string().contains("NOT_FOUND") => {
+                println!("{place} does not exist: no consumer of the group declared its queues")
+            }
+            // NATS: no dead-letter stream yet, said as such.
             Err(distribution::broker::Error::Refused(why)) => println!("{why}"),
             Err(err) => {
                 println!("dead letters in {place}: unknown ({err})");
@@ -267,10 +226,11 @@ async fn nats_dead_letters(
             }
         }
     }
+    // Asked about dead letters and could not tell: not a success a script may read as "none".
     match unanswered.as_slice() {
         [] => Ok(()),
         places => anyhow::bail!(
-            "could not count the dead letters of {} (NATS refused or did not answer)",
+            "could not read the depth of {} (the broker refused or did not answer)",
             places.join(", ")
         ),
     }

@@ -780,4 +780,130 @@ mod console {
         // The operator's role goes when `operator` drops, on a failure too.
         then_clean_up(test, drop_topology(&rabbit.topology)).await;
     }
+
+    /// The console with `RELAY_BROKER=nats`: the overview names the NATS server, what its acks
+    /// mean and what the stream holds; a group's dead letters (its subject of the dead-letter
+    /// stream) are counted, listed, shown whole and purged, and another group's are left alone.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn on_nats_the_console_shows_the_server_and_a_groups_dead_letters() {
+        use distribution::nats::{NatsConfig, NatsDeadLetters, Reading};
+
+        let (pool, url) = fresh_database("consolenats").await;
+        let operator = OperatorRole::create(&pool, &url, "nats").await;
+        let stream = distribution::nats::scratch::unique_stream("console");
+        let nats = NatsConfig::new(&testkit::nats_url(), &stream, 2).unwrap();
+        let test = async {
+            // The streams, as a consumer declares them, and two letters: the group's and
+            // another group's.
+            Reading::connect(&nats).await.unwrap();
+            let client = async_nats::connect(testkit::nats_url()).await.unwrap();
+            let context = async_nats::jetstream::new(client);
+            for (group, id) in [("projector", "kept-1"), ("other", "kept-2")] {
+                let mut headers = async_nats::HeaderMap::new();
+                headers.insert("Nats-Msg-Id", id);
+                headers.insert(
+                    distribution::broker::DEAD_LETTER_REASON,
+                    "contract: <b>not</b> an event",
+                );
+                context
+                    .publish_with_headers(
+                        format!("{stream}_dead.{group}"),
+                        headers,
+                        "<script>alert('body')</script>".into(),
+                    )
+                    .await
+                    .unwrap()
+                    .await
+                    .unwrap();
+            }
+            let addr = free_addr();
+            let _console = {
+                let running = Running(
+                    relay_command()
+                        .args(["console", "--listen", &addr])
+                        .env("DATABASE_URL", &operator.url)
+                        .env("RELAY_BROKER", "nats")
+                        .env("NATS_URL", testkit::nats_url())
+                        .env("RELAY_TOPOLOGY", &stream)
+                        .env("RELAY_PARTITIONS", "2")
+                        .env("RELAY_GROUPS", "projector")
+                        .stdout(Stdio::null())
+                        .stderr(Stdio::null())
+                        .spawn()
+                        .unwrap(),
+                );
+                wait_until("the console serves", Duration::from_secs(20), || async {
+                    http_send(&addr, "GET", "/console.css", &[], Vec::new())
+                        .await
+                        .is_some()
+                })
+                .await;
+                running
+            };
+            let get = |path: String| {
+                let addr = addr.clone();
+                async move {
+                    let (status, _, body) = http_send(&addr, "GET", &path, &[], Vec::new())
+                        .await
+                        .unwrap();
+                    assert_eq!(status, 200, "{path}: {body}");
+                    body
+                }
+            };
+            let overview = get("/".into()).await;
+            for expected in [
+                "NATS 2.9.10".to_owned(),
+                format!("stream {stream} holds 0 messages"),
+                "syncs JetStream to disk every 60 s".to_owned(),
+                "1 dead letter(s) wait".to_owned(),
+                format!("{stream}_dead.projector"),
+                "none on NATS".to_owned(),
+            ] {
+                assert!(overview.contains(&expected), "{expected:?} in {overview}");
+            }
+            let listed = get("/dead/projector".into()).await;
+            assert!(
+                listed.contains("kept-1") && !listed.contains("kept-2"),
+                "{listed}"
+            );
+            assert!(!listed.contains("<b>not</b>"), "escaped: {listed}");
+            let shown = get("/dead/projector/show?id=kept-1".into()).await;
+            assert!(
+                shown.contains("&lt;script&gt;alert(&#39;body&#39;)&lt;/script&gt;")
+                    || shown.contains("&lt;script&gt;alert('body')&lt;/script&gt;"),
+                "{shown}"
+            );
+            let csrf = csrf_of(&listed);
+            let (got, page) = post(
+                &addr,
+                "/dead/projector/act",
+                &[],
+                &format!("csrf={csrf}&action=purge&select=all&confirmed=yes"),
+            )
+            .await;
+            assert_eq!(got, 200, "{page}");
+            assert!(
+                page.contains("Purged 1 dead letter(s)") && page.contains("now holds 0"),
+                "{page}"
+            );
+            let depth = |group: &'static str| {
+                let nats = nats.clone();
+                async move {
+                    NatsDeadLetters::open(&nats, group)
+                        .await
+                        .unwrap()
+                        .depth()
+                        .await
+                        .unwrap()
+                }
+            };
+            assert_eq!(depth("projector").await, 0);
+            assert_eq!(depth("other").await, 1, "another group's letter stays");
+        };
+        then_clean_up(
+            test,
+            distribution::nats::scratch::delete_stream(&testkit::nats_url(), &stream),
+        )
+        .await;
+    }
 }

@@ -62,6 +62,37 @@ impl DeadFilter {
     }
 }
 
+/// A dead letter as an operator reads it, whatever the broker keeps it in (the CLI's `dead`
+/// and the console show these).
+#[derive(Debug)]
+pub struct DeadLetterView {
+    /// Where it is among the group's dead letters: its position in the dead-letter queue, from
+    /// 1 (RabbitMQ), or its sequence in the dead-letter stream (NATS).
+    pub position: u64,
+    /// Its message id (`tenant/run/branch/lsn`), if it has one.
+    pub message_id: Option<String>,
+    /// Why it was dead-lettered, as the consumer (or the broker) said.
+    pub reason: Option<String>,
+    /// The event it carries, or why it is not one (a message that broke the contract).
+    pub event: Result<OutboxEvent, WireError>,
+    /// Its headers as a person reads them, in order.
+    pub headers: Vec<(String, String)>,
+    /// The body, as kept.
+    pub body: Vec<u8>,
+}
+
+impl DeadLetterView {
+    /// What it carries: `intent`, `rewind`, `end`, or `not an event`.
+    pub fn kind(&self) -> &'static str {
+        event_kind(&self.event)
+    }
+
+    /// What a person looks for first ([`event_properties`]).
+    pub fn properties(&self) -> Vec<(&'static str, String)> {
+        event_properties(&self.event)
+    }
+}
+
 /// What a person looks for first in a message, from the event it carries (none for a message
 /// that is not one): when it was written (RFC 3339, not the header's microseconds), then the
 /// metadata it travelled with, those it has.

@@ -24,6 +24,7 @@ mod wire;
 pub use backoff::Backoff;
 pub use backoff::RetryPolicy;
 pub use dead::DeadFilter;
+pub use dead::DeadLetterView;
 pub use dead::TailFilter;
 pub use dead::event_kind;
 pub use dead::event_properties;

@@ -41,6 +41,19 @@ impl NatsDeadLetter {
     }
 }
 
+impl From<NatsDeadLetter> for broker::DeadLetterView {
+    fn from(letter: NatsDeadLetter) -> Self {
+        Self {
+            position: letter.sequence,
+            message_id: letter.message_id,
+            reason: letter.reason,
+            event: letter.event,
+            headers: letter.headers,
+            body: letter.body,
+        }
+    }
+}
+
 /// A session on one group's dead letters. Declares nothing: reading a stream that is not
 /// there (a mistyped name, no consumer ran yet) says so rather than creating it.
 pub struct NatsDeadLetters {

@@ -7,6 +7,7 @@
 //! - `stream`: the stream declared and read back ([`declare`]).
 //! - `attribute`: what the server's answer to one publish means for its event (pure).
 //! - `publisher`: [`NatsPublisher`]: pipelined publishes, acks awaited by a pump, fenced.
+//! - `checkup`: what an operator's console reads of the server and the stream ([`checkup`]).
 //! - `dead`: a group's dead letters read back, replayed, purged ([`NatsDeadLetters`]).
 //! - `reader`: for a consumer: a partition read in stream order ([`PartitionReader`]), dead
 //!   letters kept in a stream of their own ([`dead_letter`]).
@@ -15,6 +16,7 @@
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
 mod attribute;
+mod checkup;
 mod config;
 mod dead;
 mod publisher;
@@ -26,6 +28,7 @@ mod tail;
 mod wire;
 
 pub use attribute::{Answer, Verdict, attribute};
+pub use checkup::{NatsCheckup, checkup};
 pub use config::{MAX_ACKS_IN_FLIGHT, NatsConfig};
 pub use dead::{NatsDeadLetter, NatsDeadLetters};
 pub use publisher::{NatsPublisher, connect, durability_note, preflight};

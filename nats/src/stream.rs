@@ -8,7 +8,7 @@ use broker::Error;
 use crate::NatsConfig;
 
 /// JetStream's "stream not found" (`JSStreamNotFoundErr`).
-const STREAM_NOT_FOUND: u64 = 10059;
+pub(crate) const STREAM_NOT_FOUND: u64 = 10059;
 
 /// Makes sure the stream exists as the relay needs it, under the connect timeout: created with
 /// `config`'s settings if missing, and refused with a readable line if it exists otherwise.

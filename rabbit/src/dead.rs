@@ -73,6 +73,19 @@ impl DeadLetter {
     }
 }
 
+impl From<DeadLetter> for broker::DeadLetterView {
+    fn from(letter: DeadLetter) -> Self {
+        Self {
+            position: letter.position,
+            headers: letter.header_texts(),
+            message_id: letter.message_id,
+            reason: letter.reason,
+            event: letter.event,
+            body: letter.body,
+        }
+    }
+}
+
 /// Headers as a person reads them, in order: strings as text (invalid UTF-8 replaced),
 /// numbers and booleans as such, anything else (tables, arrays) as lapin shows it.
 pub(crate) fn header_texts(headers: &FieldTable) -> Vec<(String, String)> {

@@ -16,10 +16,11 @@ use axum::http::header;
 use axum::middleware;
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
-use distribution::rabbit::RabbitConfig;
 use distribution::store::Outbox;
 
+use crate::BrokerChoice;
 use crate::dead_cli::Broker;
+use crate::letters::GroupBroker;
 
 mod guard;
 mod lag;
@@ -41,11 +42,17 @@ pub struct ConsoleSettings {
     /// at least 16 characters. Required unless it listens on loopback.
     #[arg(long, env = "RELAY_CONSOLE_TOKEN", hide_env_values = true)]
     token: Option<String>,
-    /// RabbitMQ (`amqps://` for TLS): broker health and the dead letters. Without it the
-    /// console shows the database's side only.
+    /// The broker: RabbitMQ (`AMQP_URL`) or NATS JetStream (`NATS_URL`).
+    #[arg(long, env = "RELAY_BROKER", value_enum, default_value = "rabbitmq")]
+    broker: BrokerChoice,
+    /// RabbitMQ (`amqps://` for TLS): broker health and the dead letters. Without it (or
+    /// NATS_URL with RELAY_BROKER=nats) the console shows the database's side only.
     #[arg(long, env = "AMQP_URL", hide_env_values = true)]
     amqp_url: Option<String>,
-    /// Exchange name (as the relay's).
+    /// NATS servers (comma-separated), with `--broker nats`.
+    #[arg(long, env = "NATS_URL", hide_env_values = true)]
+    nats_url: Option<String>,
+    /// Exchange name, or NATS stream (as the relay's).
     #[arg(long, env = "RELAY_TOPOLOGY", default_value = "outbox")]
     topology: String,
     /// Broker partitions (as the relay's: a replayed letter goes to its run's partition).
@@ -82,28 +89,36 @@ impl ConsoleSettings {
         Ok(())
     }
 
-    /// Each group's broker settings (none without AMQP_URL).
-    fn brokers(&self) -> Result<Vec<(String, RabbitConfig)>> {
-        let Some(amqp_url) = &self.amqp_url else {
+    /// The broker's address as the console names it (none configured: `None`).
+    fn broker_url(&self) -> Option<&str> {
+        match self.broker {
+            BrokerChoice::Rabbitmq => self.amqp_url.as_deref(),
+            BrokerChoice::Nats => self.nats_url.as_deref(),
+        }
+    }
+
+    /// Each group's broker settings (none without the broker's URL).
+    fn brokers(&self) -> Result<Vec<(String, GroupBroker)>> {
+        if self.broker_url().is_none() {
             return Ok(Vec::new());
-        };
+        }
         self.groups
             .iter()
             .map(|group| group.trim())
             .filter(|group| !group.is_empty() && *group != "none")
             .map(|group| {
-                let rabbit = Broker {
-                    broker: crate::BrokerChoice::Rabbitmq,
-                    amqp_url: Some(amqp_url.clone()),
-                    nats_url: None,
+                let broker = Broker {
+                    broker: self.broker,
+                    amqp_url: self.amqp_url.clone(),
+                    nats_url: self.nats_url.clone(),
                     topology: self.topology.clone(),
                     partitions: self.partitions,
                     group: group.to_owned(),
                     queues: self.queues.clone(),
                 }
-                .rabbit()
+                .group_broker()
                 .with_context(|| format!("RELAY_GROUPS: {group}"))?;
-                Ok((group.to_owned(), rabbit))
+                Ok((group.to_owned(), broker))
             })
             .collect()
     }
@@ -112,8 +127,8 @@ impl ConsoleSettings {
 /// What every request shares.
 struct Console {
     outbox: Outbox,
-    /// Per group (in RELAY_GROUPS order): its broker settings.
-    brokers: Vec<(String, RabbitConfig)>,
+    /// Per group (in RELAY_GROUPS order): where its dead letters live.
+    brokers: Vec<(String, GroupBroker)>,
     /// The broker's addresses as shown: without credentials.
     broker_shown: String,
     token: Option<String>,
@@ -141,8 +156,7 @@ pub async fn run(settings: ConsoleSettings) -> Result<()> {
         outbox,
         brokers: settings.brokers()?,
         broker_shown: settings
-            .amqp_url
-            .as_deref()
+            .broker_url()
             .map(without_credentials)
             .unwrap_or_default(),
         token: settings.token.clone(),
@@ -204,7 +218,8 @@ async fn sample_lag(console: Arc<Console>) {
     }
 }
 
-/// An AMQP URL list as shown: each address's scheme, host, port and vhost, no user or password.
+/// A broker's URL list as shown: each address's scheme, host, port and vhost (AMQP), no user or
+/// password.
 fn without_credentials(urls: &str) -> String {
     urls.split(',')
         .map(|address| match url::Url::parse(address.trim()) {

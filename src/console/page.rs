@@ -2,7 +2,8 @@
 //! bodies are cut and shown as text or hex, and every form carries the CSRF token.
 use std::time::Duration;
 
-use distribution::rabbit::{Checkup, DeadLetter, QueueCount};
+use distribution::broker::DeadLetterView as DeadLetter;
+use distribution::rabbit::QueueCount;
 use distribution::store::{Backlog, BranchBacklog, ParkCause, ParkedBranch, RelayShare, TenantId};
 use maud::{DOCTYPE, Markup, html};
 
@@ -147,21 +148,39 @@ pub struct Overview {
     pub tenants: u64,
     pub page: u64,
     pub parked: usize,
-    /// `None`: no broker configured (AMQP_URL).
-    pub broker: Option<(String, Result<Checkup, String>)>,
+    /// `None`: no broker configured (AMQP_URL, or NATS_URL with RELAY_BROKER=nats).
+    pub broker: Option<(String, Result<BrokerStatus, String>)>,
     /// Per group (in RELAY_GROUPS order): its queues as the broker counts them.
     pub groups: Vec<GroupQueues>,
+}
+
+/// What the broker said when asked.
+pub struct BrokerStatus {
+    /// `Some(reason)` while RabbitMQ blocks publishing (a resource alarm).
+    pub blocked: Option<String>,
+    /// What it is (`RabbitMQ 3.10.8 (cluster ...)`, `NATS 2.9.10, stream ... holds N messages`).
+    pub what: String,
+    /// What an operator should know of it (NATS: what an ack means for durability).
+    pub note: Option<String>,
 }
 
 /// A consumer group's queues, as the broker counts them.
 pub struct GroupQueues {
     pub group: String,
-    /// Its dead-letter queue's name.
+    /// Where its dead letters are kept (queue, or NATS subject).
     pub dead_queue: String,
     /// How many dead letters (or why it is unknown).
-    pub dead: Result<u32, String>,
-    /// Its partition queues (or why they are unknown).
-    pub partitions: Result<Vec<QueueCount>, String>,
+    pub dead: Result<u64, String>,
+    /// What it reads.
+    pub partitions: Partitions,
+}
+
+/// What a group reads, as the broker counts it.
+pub enum Partitions {
+    /// RabbitMQ: its partition queues (or why they are unknown).
+    Queues(Result<Vec<QueueCount>, String>),
+    /// NATS: the stream, from its consumers' stored positions (no queues of its own).
+    Stream,
 }
 
 pub fn overview(data: &Overview, lag: &LagHistory, now: std::time::SystemTime) -> Markup {
@@ -170,7 +189,7 @@ pub fn overview(data: &Overview, lag: &LagHistory, now: std::time::SystemTime) -
         0 => "/".to_owned(),
         page => format!("/?page={page}"),
     };
-    let dead: u32 = data
+    let dead: u64 = data
         .groups
         .iter()
         .filter_map(|group| group.dead.as_ref().ok())
@@ -186,13 +205,15 @@ pub fn overview(data: &Overview, lag: &LagHistory, now: std::time::SystemTime) -
         section #broker {
             h2 { "Broker" }
             @match &data.broker {
-                None => p { "No broker configured: set AMQP_URL to see its health and the dead letters." },
-                Some((shown, Ok(checkup))) => p {
-                    span .state.(if checkup.blocked.is_some() { "bad" } else { "good" }) {
-                        @if let Some(reason) = &checkup.blocked { "blocked: " (reason) } @else { "up" }
+                None => p { "No broker configured: set AMQP_URL (or RELAY_BROKER=nats and NATS_URL) to see its health and the dead letters." },
+                Some((shown, Ok(status))) => {
+                    p {
+                        span .state.(if status.blocked.is_some() { "bad" } else { "good" }) {
+                            @if let Some(reason) = &status.blocked { "blocked: " (reason) } @else { "up" }
+                        }
+                        " " (status.what) " at " (shown)
                     }
-                    " " (checkup.version) " at " (shown)
-                    @if !checkup.version.cluster_name.is_empty() { " (cluster " (checkup.version.cluster_name) ")" }
+                    @if let Some(note) = &status.note { p .note { (note) } }
                 },
                 Some((shown, Err(err))) => p { span .state.bad { "down" } " " (shown) ": " (err) },
             }
@@ -204,7 +225,7 @@ pub fn overview(data: &Overview, lag: &LagHistory, now: std::time::SystemTime) -
             } @else {
                 table {
                     thead { tr {
-                        th { "group" } th { "dead letters" } th { "dead-letter queue" }
+                        th { "group" } th { "dead letters" } th { "dead letters kept in" }
                         th { "partition queues" } th { "messages ready" } th { "consumers" }
                     } }
                     tbody {
@@ -222,9 +243,11 @@ pub fn overview(data: &Overview, lag: &LagHistory, now: std::time::SystemTime) -
                         }
                     }
                 }
-                p .note { "Messages ready: what waits in the group's partition queues (not counting what a consumer holds unacked); a partition without a consumer is not folded." }
+                @if data.groups.iter().any(|group| matches!(group.partitions, Partitions::Queues(_))) {
+                    p .note { "Messages ready: what waits in the group's partition queues (not counting what a consumer holds unacked); a partition without a consumer is not folded." }
+                }
                 @for group in &data.groups {
-                    @if let Ok(queues) = &group.partitions {
+                    @if let Partitions::Queues(Ok(queues)) = &group.partitions {
                         details {
                             summary { "Partition queues of " (group.group) }
                             table .partitions {
@@ -296,10 +319,13 @@ pub fn overview(data: &Overview, lag: &LagHistory, now: std::time::SystemTime) -
 
 /// A group's partition queues in three cells: how many exist, messages ready, consumers
 /// (and how many partitions have none).
-fn partition_cells(partitions: &Result<Vec<QueueCount>, String>) -> Markup {
+fn partition_cells(partitions: &Partitions) -> Markup {
     match partitions {
-        Err(err) => html! { td colspan="3" { "unknown: " (err) } },
-        Ok(queues) => {
+        Partitions::Stream => html! {
+            td colspan="3" { "none on NATS: the group reads the stream from the positions its fold database stored" }
+        },
+        Partitions::Queues(Err(err)) => html! { td colspan="3" { "unknown: " (err) } },
+        Partitions::Queues(Ok(queues)) => {
             let counted: Vec<_> = queues.iter().filter_map(|queue| queue.counted).collect();
             let ready: u64 = counted.iter().map(|c| u64::from(c.messages)).sum();
             let consumers: u64 = counted.iter().map(|c| u64::from(c.consumers)).sum();
@@ -393,7 +419,7 @@ pub struct TenantLetters {
     /// The tenant's, among those read.
     pub letters: Vec<DeadLetter>,
     /// What the group's dead-letter queue holds in all.
-    pub depth: u32,
+    pub depth: u64,
 }
 
 pub fn tenant(data: &TenantPage, csrf: &str, now: std::time::SystemTime) -> Markup {
@@ -450,7 +476,7 @@ pub fn tenant(data: &TenantPage, csrf: &str, now: std::time::SystemTime) -> Mark
                     Ok(TenantLetters { letters, depth }) => {
                         p {
                             (letters.len()) " of the group's " (depth) " dead letter(s) are " (tenant) "'s"
-                            @if u64::from(*depth) > TENANT_LETTERS_READ { " (among the first " (TENANT_LETTERS_READ) " read)" }
+                            @if *depth > TENANT_LETTERS_READ { " (among the first " (TENANT_LETTERS_READ) " read)" }
                             "."
                         }
                         @if !letters.is_empty() {
@@ -544,7 +570,7 @@ fn selection_form(group: &str, csrf: &str) -> Markup {
 pub fn dead_list(
     group: &str,
     queue: &str,
-    depth: u32,
+    depth: u64,
     letters: &[DeadLetter],
     csrf: &str,
     now: std::time::SystemTime,
@@ -553,7 +579,7 @@ pub fn dead_list(
         (as_of(now, &format!("/dead/{group}")))
         p {
             (depth) " dead letter(s) in " code { (queue) }
-            @if u64::from(depth) > LETTERS_LISTED { " (the first " (LETTERS_LISTED) " below)" }
+            @if depth > LETTERS_LISTED { " (the first " (LETTERS_LISTED) " below)" }
             ". " b { "Replay" } " publishes them back to their partitions for the consumers to fold again (duplicates are ignored); "
             b { "purge" } " removes them for good. Both ask first."
         }
@@ -627,7 +653,7 @@ pub fn dead_show(group: &str, letter: &DeadLetter, csrf: &str) -> Markup {
         h2 { "Headers" }
         table #headers {
             tbody {
-                @for (name, value) in letter.header_texts() {
+                @for (name, value) in &letter.headers {
                     tr { td { (name) } td { code { (value) } } }
                 }
             }
@@ -789,7 +815,7 @@ mod tests {
             queue: name.into(),
             counted,
         };
-        let cells = partition_cells(&Ok(vec![
+        let cells = partition_cells(&Partitions::Queues(Ok(vec![
             queue(
                 "o.p0",
                 Some(Counted {
@@ -805,7 +831,7 @@ mod tests {
                 }),
             ),
             queue("o.p2", None),
-        ]))
+        ])))
         .into_string();
         assert_eq!(
             cells,

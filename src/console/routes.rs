@@ -5,8 +5,8 @@ use std::time::{Duration, SystemTime};
 use axum::extract::rejection::{FormRejection, QueryRejection};
 use axum::extract::{Form, Path, Query, State};
 use axum::http::StatusCode;
-use distribution::broker;
-use distribution::rabbit::{self, DeadFilter, DeadLetters, RabbitConfig};
+use distribution::broker::{self, DeadFilter};
+use distribution::rabbit;
 use distribution::store::{BranchId, BranchKey, RunId, TenantId};
 use maud::Markup;
 use serde::Deserialize;
@@ -14,6 +14,7 @@ use serde::Deserialize;
 use super::guard::{Failure, Page};
 use super::page::{self, DeadAction, Section};
 use super::{Console, Shared};
+use crate::letters::{GroupBroker, GroupLetters};
 
 impl Console {
     pub(super) fn groups(&self) -> Vec<String> {
@@ -27,17 +28,18 @@ impl Console {
         page::layout(title, section, &self.groups(), body)
     }
 
-    /// The group's broker settings, or a 404 page.
-    pub(super) fn group(&self, group: &str) -> Result<&RabbitConfig, Failure> {
+    /// Where the group's dead letters live, or a 404 page.
+    pub(super) fn group(&self, group: &str) -> Result<&GroupBroker, Failure> {
         self.brokers
             .iter()
             .find(|(name, _)| name == group)
-            .map(|(_, rabbit)| rabbit)
+            .map(|(_, broker)| broker)
             .ok_or_else(|| {
                 Failure::new(
                     StatusCode::NOT_FOUND,
                     if self.brokers.is_empty() {
-                        "no broker configured (AMQP_URL): there are no dead letters to show"
+                        "no broker configured (AMQP_URL, or NATS_URL with RELAY_BROKER=nats): \
+                         there are no dead letters to show"
                             .to_owned()
                     } else {
                         format!("{group} is not a consumer group of this console (RELAY_GROUPS)")
@@ -62,29 +64,37 @@ pub(super) async fn overview(
         .checked_mul(u64::from(page::TENANTS_PER_PAGE))
         .ok_or_else(|| Failure::bad("no such page"))?;
     let broker = async {
-        let (_, rabbit) = console.brokers.first()?;
-        let checkup = rabbit::checkup(rabbit, Duration::from_secs(2))
-            .await
-            .map_err(|err| err.to_string());
-        Some((console.broker_shown.clone(), checkup))
+        let (_, broker) = console.brokers.first()?;
+        let status = broker_status(broker).await.map_err(|err| err.to_string());
+        Some((console.broker_shown.clone(), status))
     };
     let groups =
-        futures_util::future::join_all(console.brokers.iter().map(|(group, rabbit)| async move {
+        futures_util::future::join_all(console.brokers.iter().map(|(group, broker)| async move {
             let queue_missing = |err: broker::Error| match err.to_string() {
                 text if text.contains("NOT_FOUND") => {
                     "no such queue: no consumer of the group declared it".to_owned()
                 }
                 text => text,
             };
+            let partitions = async {
+                match broker {
+                    GroupBroker::Rabbit(rabbit) => page::Partitions::Queues(
+                        rabbit::partition_queues(rabbit)
+                            .await
+                            .map_err(|err| err.to_string()),
+                    ),
+                    GroupBroker::Nats { .. } => page::Partitions::Stream,
+                }
+            };
             let (dead, partitions) = tokio::join!(
-                async { DeadLetters::open(rabbit).await?.depth().await },
-                rabbit::partition_queues(rabbit),
+                async { GroupLetters::open(broker).await?.depth().await },
+                partitions,
             );
             page::GroupQueues {
                 group: group.clone(),
-                dead_queue: rabbit.topology.dead_letter_queue().to_string(),
+                dead_queue: broker.place(),
                 dead: dead.map_err(queue_missing),
-                partitions: partitions.map_err(|err| err.to_string()),
+                partitions,
             }
         }));
     let (relays, backlog, parked, broker, groups) = tokio::join!(
@@ -112,6 +122,40 @@ pub(super) async fn overview(
         Section::Overview,
         page::overview(&data, &lag, SystemTime::now()),
     ))
+}
+
+/// What the overview says of the broker: RabbitMQ's checkup (a publish that a resource alarm
+/// would block), or NATS's version, durability and stream.
+async fn broker_status(broker: &GroupBroker) -> Result<page::BrokerStatus, broker::Error> {
+    Ok(match broker {
+        GroupBroker::Rabbit(rabbit) => {
+            let checkup = rabbit::checkup(rabbit, Duration::from_secs(2)).await?;
+            let mut what = checkup.version.to_string();
+            if !checkup.version.cluster_name.is_empty() {
+                what.push_str(&format!(" (cluster {})", checkup.version.cluster_name));
+            }
+            page::BrokerStatus {
+                blocked: checkup.blocked,
+                what,
+                note: None,
+            }
+        }
+        GroupBroker::Nats { nats, .. } => {
+            let checkup = distribution::nats::checkup(nats).await?;
+            let stream = match checkup.stream_messages {
+                Some(messages) => format!("stream {} holds {messages} messages", nats.stream),
+                None => format!(
+                    "no stream {} yet (no relay or consumer declared it)",
+                    nats.stream
+                ),
+            };
+            page::BrokerStatus {
+                blocked: None,
+                what: format!("NATS {}, {stream}", checkup.version),
+                note: checkup.durability,
+            }
+        }
+    })
 }
 
 pub(super) async fn parked(State(console): Shared) -> Page {
@@ -203,8 +247,8 @@ pub(super) struct ShowQuery {
 }
 
 pub(super) async fn dead_list(State(console): Shared, Path(group): Path<String>) -> Page {
-    let rabbit = console.group(&group)?;
-    let dead = DeadLetters::open(rabbit).await?;
+    let broker = console.group(&group)?;
+    let dead = GroupLetters::open(broker).await?;
     let depth = dead.depth().await?;
     let letters = dead.list(page::LETTERS_LISTED).await?;
     Ok(console.page(
@@ -212,7 +256,7 @@ pub(super) async fn dead_list(State(console): Shared, Path(group): Path<String>)
         Section::Dead,
         page::dead_list(
             &group,
-            rabbit.topology.dead_letter_queue().as_str(),
+            &broker.place(),
             depth,
             &letters,
             &console.csrf,
@@ -225,11 +269,11 @@ pub(super) async fn dead_list(State(console): Shared, Path(group): Path<String>)
 /// database and every group's dead-letter queue at once.
 pub(super) async fn tenant(State(console): Shared, Path(tenant): Path<String>) -> Page {
     let tenant = TenantId::new(tenant).map_err(Failure::bad)?;
-    let dead = futures_util::future::join_all(console.brokers.iter().map(|(group, rabbit)| {
+    let dead = futures_util::future::join_all(console.brokers.iter().map(|(group, broker)| {
         let tenant = tenant.clone();
         async move {
             let read = async {
-                let dead = DeadLetters::open(rabbit).await?;
+                let dead = GroupLetters::open(broker).await?;
                 let depth = dead.depth().await?;
                 let filter = DeadFilter::Tenant(tenant, None);
                 let letters = dead.list(page::TENANT_LETTERS_READ).await?;
@@ -275,18 +319,15 @@ pub(super) async fn dead_show(
     query: Result<Query<ShowQuery>, QueryRejection>,
 ) -> Page {
     let Query(ShowQuery { id }) = query?;
-    let rabbit = console.group(&group)?;
-    let letter = DeadLetters::open(rabbit)
+    let broker = console.group(&group)?;
+    let letter = GroupLetters::open(broker)
         .await?
         .find(&id)
         .await?
         .ok_or_else(|| {
             Failure::new(
                 StatusCode::NOT_FOUND,
-                format!(
-                    "no dead letter with message id {id} in {}",
-                    rabbit.topology.dead_letter_queue()
-                ),
+                format!("no dead letter with message id {id} in {}", broker.place()),
             )
         })?;
     Ok(console.page(
@@ -370,12 +411,12 @@ pub(super) async fn dead_act(
     Path(group): Path<String>,
     form: Result<Form<DeadForm>, FormRejection>,
 ) -> Page {
-    let rabbit = console.group(&group)?;
+    let broker = console.group(&group)?;
     let Form(form) = form?;
     console.check_csrf(&form.csrf)?;
     let (filter, fields, what) = selection(&form)?;
-    let dead = DeadLetters::open(rabbit).await?;
-    let queue = rabbit.topology.dead_letter_queue();
+    let dead = GroupLetters::open(broker).await?;
+    let queue = broker.place();
     if form.confirmed.as_deref() != Some("yes") {
         let letters = dead.list(page::LETTERS_COUNTED).await?;
         let matching = letters

@@ -1,6 +1,7 @@
 //! The partition tests (`it/partitions.rs`), alone in their binary: three private RabbitMQ
-//! nodes in network namespaces, cut and healed on a schedule timed against `net_ticktime`,
-//! which the tests of `tests/it` running beside them would blur (and which would starve them).
+//! nodes (or NATS servers) in network namespaces, cut and healed on a schedule timed against
+//! `net_ticktime` (or the servers' elections), which the tests of `tests/it` running beside
+//! them would blur (and which would starve them).
 #[path = "it/double.rs"]
 mod double;
 #[path = "it/harness.rs"]

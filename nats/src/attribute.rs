@@ -5,12 +5,18 @@ use broker::Outcome;
 /// The server's (or the client's) answer to one publish, in the terms that decide.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Answer {
-    /// Stored (or recognised as a duplicate of a stored message: `duplicate: true`) by the
-    /// stream named `ours` or not.
+    /// Stored (or recognised as a duplicate of a stored message: `duplicate: true` with its
+    /// sequence) by the stream named `ours` or not.
     Stored {
         /// The ack named the stream the relay declared.
         ours: bool,
     },
+    /// A copy with the same `Nats-Msg-Id` is in flight at the stream's leader, proposed to its
+    /// replicas but not yet stored: servers before 2.12 answer `duplicate: true` with sequence
+    /// 0, later ones refuse with 10158. Not known to be stored: a leader that loses its quorum
+    /// drops it (seen on 2.9 and 2.10 in a partition: hundreds of events acked so and never
+    /// stored, before this answer was told apart).
+    InFlight,
     /// No stream listens on the subject ("no responders"): deleted, or electing a leader.
     NoStream,
     /// No answer within the ack timeout: perhaps stored.
@@ -48,6 +54,9 @@ mod code {
     pub(super) const INSUFFICIENT_RESOURCES: u64 = 10023;
     /// `JSStorageResourcesExceededErr`: the account's storage is used up.
     pub(super) const STORAGE_EXCEEDED: u64 = 10047;
+    /// `JSStreamDuplicateMessageConflict` (2.12 and later): a copy with this message id is in
+    /// flight, not yet stored ([`super::Answer::InFlight`]).
+    pub(super) const DUPLICATE_IN_FLIGHT: u64 = 10158;
 }
 
 /// The verdict on one publish.
@@ -62,7 +71,8 @@ pub fn attribute(answer: Answer) -> Verdict {
         // Stored, but where no consumer of the relay's stream reads: routed nowhere of ours.
         Answer::Stored { ours: false } => (Outcome::Returned, false),
         Answer::NoStream => (Outcome::NotSent, true),
-        Answer::TimedOut | Answer::Lost => (Outcome::Unconfirmed, true),
+        Answer::TimedOut | Answer::Lost | Answer::InFlight => (Outcome::Unconfirmed, true),
+        Answer::Refused(code::DUPLICATE_IN_FLIGHT) => (Outcome::Unconfirmed, true),
         Answer::PayloadTooLarge | Answer::Refused(code::MESSAGE_TOO_LARGE) => {
             (Outcome::TooLarge, false)
         }
@@ -92,6 +102,7 @@ mod tests {
             Just(Answer::NoStream),
             Just(Answer::TimedOut),
             Just(Answer::Lost),
+            Just(Answer::InFlight),
             Just(Answer::PayloadTooLarge),
             prop_oneof![
                 Just(10054u64),
@@ -99,6 +110,7 @@ mod tests {
                 Just(10077),
                 Just(10023),
                 Just(10047),
+                Just(10158),
                 10000u64..10200
             ]
             .prop_map(Answer::Refused),
@@ -118,7 +130,7 @@ mod tests {
                 verdict.outcome == Outcome::Accepted,
                 answer == Answer::Stored { ours: true }
             );
-            if matches!(answer, Answer::TimedOut | Answer::Lost) {
+            if matches!(answer, Answer::TimedOut | Answer::Lost | Answer::InFlight | Answer::Refused(10158)) {
                 prop_assert_eq!(verdict.outcome, Outcome::Unconfirmed);
             }
             let refuses_branch = matches!(
@@ -149,5 +161,11 @@ mod tests {
         assert_eq!(attribute(Answer::Refused(10023)).outcome, Outcome::NoRoom);
         assert_eq!(attribute(Answer::Refused(10071)).outcome, Outcome::Nacked);
         assert!(attribute(Answer::NoStream).fault);
+        // A duplicate of a copy not yet stored is no ack.
+        assert_eq!(attribute(Answer::InFlight).outcome, Outcome::Unconfirmed);
+        assert_eq!(
+            attribute(Answer::Refused(10158)).outcome,
+            Outcome::Unconfirmed
+        );
     }
 }

@@ -339,9 +339,18 @@ async fn pump_acks(
             let answer = tokio::select! {
                 biased;
                 acked = tokio::time::timeout_at(batch.deadline, ack.into_future()) => match acked {
-                    Ok(Ok(ack)) => Answer::Stored {
-                        ours: ack.stream == config.stream,
-                    },
+                    Ok(Ok(ack)) => {
+                        tracing::trace!(sequence = ack.sequence, duplicate = ack.duplicate, "acked");
+                        if ack.duplicate && ack.sequence == 0 {
+                            // A duplicate of a copy still in flight, not yet stored (servers
+                            // before 2.12): no ack.
+                            Answer::InFlight
+                        } else {
+                            Answer::Stored {
+                                ours: ack.stream == config.stream,
+                            }
+                        }
+                    }
                     Ok(Err(err)) => answer_of(err.kind(), &err),
                     Err(_) => Answer::TimedOut,
                 },

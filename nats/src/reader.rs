@@ -282,7 +282,9 @@ impl PartitionReader {
     pub async fn next(&mut self) -> Result<Delivery, Error> {
         loop {
             let read = self.read().await?;
-            if self.floor.pass(read.delivery.sequence, read.published) {
+            let passed = self.floor.pass(read.delivery.sequence, read.published);
+            tracing::trace!(sequence = read.delivery.sequence, passed, "read");
+            if passed {
                 return Ok(read.delivery);
             }
         }

@@ -56,10 +56,20 @@ pub async fn read_stream(
         .last_sequence;
     let mut messages = Vec::new();
     for sequence in 1..=last {
-        let message = stream
-            .get_raw_message(sequence)
-            .await
-            .expect("a stored message");
+        // A cluster that just healed answers "temporarily unavailable" (10008) for a moment.
+        let mut tries = 0;
+        let message = loop {
+            match stream.get_raw_message(sequence).await {
+                Ok(message) => break message,
+                Err(err) if tries < 100 => {
+                    tries += 1;
+                    tracing::debug!(sequence, %err, "reading a stored message again");
+                    // Polling pace, not synchronisation.
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                }
+                Err(err) => panic!("stored message {sequence}: {err}"),
+            }
+        };
         let event = crate::decode(&message.headers, &message.payload);
         messages.push((message.subject.to_string(), event));
     }

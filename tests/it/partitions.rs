@@ -309,12 +309,13 @@ async fn partition(
 // rest are opt-in, each 3-5 minutes (two in CI took it past its 30 minutes). docs/operations.md,
 // "Tests", says why.
 
+/// One cluster at a time: partitions are timed against `net_ticktime` (RabbitMQ) and election
+/// timeouts (NATS), and two clusters booting or healing at once on two cores would blur that.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// Every shape at `length` on a partitionable cluster of `rabbit`, under load; prints each
 /// cut's cost and checks the run and the heals.
 async fn partitions(rabbit: Rabbit, queue_type: QueueType, length: Duration) {
-    // One cluster at a time: partitions are timed against `net_ticktime`, and two clusters
-    // booting or healing at once on two cores would blur that.
-    static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
     let _alone = ONE_AT_A_TIME.lock().await;
     crate::harness::capture_logs();
     let cluster =
@@ -381,4 +382,380 @@ async fn partitions_of_10_s_on_streams_on_rabbitmq_4_0() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn partitions_of_30_s_on_streams_on_rabbitmq_4_0() {
     partitions(Rabbit::V4_0, QueueType::Stream, Duration::from_secs(30)).await;
+}
+
+/// Three NATS servers (the machine's 2.9.10, or 2.10 from the root of `scripts/rabbitmq-root`),
+/// each in a network namespace of its own on a bridge of the cluster's own
+/// (`scripts/nats-cluster`), one JetStream cluster; stopped with its network when dropped.
+struct NatsNet {
+    dir: std::path::PathBuf,
+    root: Option<&'static std::path::Path>,
+    urls: Vec<String>,
+}
+
+impl NatsNet {
+    fn script() -> std::process::Command {
+        std::process::Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/nats-cluster"))
+    }
+
+    fn run(root: Option<&std::path::Path>, args: &[&std::ffi::OsStr]) -> String {
+        let mut script = Self::script();
+        if let Some(root) = root {
+            script.env("NATS_ROOT", root);
+        }
+        let output = script
+            .args(args)
+            .env("NATS_CLUSTER_OWNER", std::process::id().to_string())
+            .stdin(std::process::Stdio::null())
+            .output()
+            .expect("scripts/nats-cluster runs");
+        assert!(
+            output.status.success(),
+            "scripts/nats-cluster {args:?}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    }
+
+    /// Starts the cluster, on 2.10 when `on_2_10`.
+    fn start(label: &str, on_2_10: bool) -> Self {
+        // Clusters of test processes that were killed before their drops ran.
+        static SWEPT: std::sync::Once = std::sync::Once::new();
+        SWEPT.call_once(|| {
+            Self::run(None, &["sweep".as_ref()]);
+        });
+        let root = on_2_10.then(crate::node::rabbitmq4_root);
+        let dir = match root {
+            Some(root) => root.join("tmp").join(testkit::unique(label)),
+            None => std::env::temp_dir().join(testkit::unique(label)),
+        };
+        let urls = Self::run(root, &["start".as_ref(), dir.as_os_str()])
+            .trim()
+            .split(',')
+            .map(str::to_owned)
+            .collect();
+        Self { dir, root, urls }
+    }
+
+    fn cut(&self, a: End, b: End) {
+        Self::run(
+            self.root,
+            &[
+                "cut".as_ref(),
+                self.dir.as_os_str(),
+                a.to_string().as_ref(),
+                b.to_string().as_ref(),
+            ],
+        );
+    }
+
+    fn heal(&self) {
+        Self::run(self.root, &["heal".as_ref(), self.dir.as_os_str()]);
+    }
+
+    /// Waits until the cluster places a stream on three replicas (its JetStream peers all
+    /// known to its metadata leader), by creating and deleting one, within 60 s.
+    async fn until_ready(&self) {
+        let placed = || async {
+            let client = async_nats::connect(self.urls.clone()).await.ok()?;
+            let context = async_nats::jetstream::new(client);
+            let config = async_nats::jetstream::stream::Config {
+                name: "ready".into(),
+                subjects: vec!["ready".into()],
+                num_replicas: 3,
+                ..Default::default()
+            };
+            context.create_stream(config).await.ok()?;
+            context.delete_stream("ready").await.ok()
+        };
+        wait_until(
+            "the cluster placing R3 streams",
+            Duration::from_secs(60),
+            || async {
+                tokio::time::timeout(Duration::from_secs(5), placed())
+                    .await
+                    .ok()
+                    .flatten()
+                    .is_some()
+            },
+        )
+        .await;
+    }
+
+    /// The servers' view of `stream`, from the first that answers within 3 s: its leader
+    /// (1-based) and whether every replica is current.
+    async fn stream_state(&self, stream: &str) -> Option<(u8, bool)> {
+        for url in &self.urls {
+            let asked = async {
+                let client = async_nats::connect(url).await.ok()?;
+                let context = async_nats::jetstream::new(client);
+                let mut found = context.get_stream(stream).await.ok()?;
+                let info = found.info().await.ok()?;
+                let cluster = info.cluster.as_ref()?;
+                let leader: u8 = cluster
+                    .leader
+                    .as_ref()?
+                    .trim_start_matches('n')
+                    .parse()
+                    .ok()?;
+                let current = cluster.replicas.len() == 2
+                    && cluster.replicas.iter().all(|replica| replica.current);
+                Some((leader, current))
+            };
+            if let Ok(Some(state)) = tokio::time::timeout(Duration::from_secs(3), asked).await {
+                return Some(state);
+            }
+        }
+        None
+    }
+}
+
+impl Drop for NatsNet {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            // The servers' logs, kept for the failure's report.
+            let kept = std::env::temp_dir().join(format!(
+                "relay-nats-net-logs-{}",
+                self.dir.file_name().unwrap().to_string_lossy()
+            ));
+            for n in 1..=3 {
+                let _ = std::fs::create_dir_all(&kept);
+                let _ = std::fs::copy(
+                    self.dir.join(format!("n{n}/log")),
+                    kept.join(format!("n{n}.log")),
+                );
+            }
+            eprintln!("the NATS servers' logs are kept in {}", kept.display());
+        }
+        let mut script = Self::script();
+        if let Some(root) = self.root {
+            script.env("NATS_ROOT", root);
+        }
+        let _ = script
+            .arg("stop")
+            .arg(&self.dir)
+            .stdin(std::process::Stdio::null())
+            .status();
+    }
+}
+
+/// Network partitions of a NATS JetStream cluster (three servers in namespaces, the stream on
+/// three replicas), while a host writes on, a relay ships and a consumer group folds, all in
+/// this machine's namespace: the stream's leader cut off from the other two servers (they
+/// elect another; the old one can commit nothing), a follower cut off, and the relay and the
+/// consumer cut off from the leader's server (the servers whole), each for 10 s without a
+/// reset, then healed. What must hold: nothing lost, nothing stored twice, the fold exactly
+/// the live history in Lsn order per branch; and after each heal, every intent written before
+/// it acked within 30 s (printed for each cut). On 2.9.10 and 2.10.27 this found acked events
+/// missing from the stream (16 to 527 a run): a resend to a leader that still had the first
+/// copy in flight was answered `duplicate` with sequence 0, and that copy died with the
+/// leader's quorum (`nats::attribute`, `Answer::InFlight`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn nats_partitions_of_10_s_lose_nothing_on_2_10() {
+    nats_partitions(true).await;
+}
+
+/// The same on the machine's NATS 2.9.10. Opt-in: in 2 of about 8 runs there, a consumer
+/// group's reader skipped 16 events of one branch that the stream holds, in order (the fold
+/// held the branch's later events back, applied nothing wrongly, and waited for ever); the
+/// cause is not found (docs/operations.md, "On NATS JetStream").
+#[ignore = "opt-in (about 2 minutes; an open finding on 2.9.10): cargo test --test partitions -- --include-ignored nats"]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn nats_partitions_of_10_s_lose_nothing_on_2_9_10() {
+    nats_partitions(false).await;
+}
+
+async fn nats_partitions(on_2_10: bool) {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use distribution::consumer::{Consumer, NatsConsumerConfig};
+    use distribution::store::{EventTable, FoldStore, Lsn, Outbox};
+
+    use crate::harness::*;
+
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let cluster = tokio::task::block_in_place(|| NatsNet::start("relay-nats-net", on_2_10));
+    cluster.until_ready().await;
+    let (pool, url) = fresh_database("nats_partitions").await;
+    let (fold_pool, _) = fresh_database("nats_partitions_fold").await;
+    let stream = distribution::nats::scratch::unique_stream("partitions");
+    let mut config = relay_config(&url, "", &stream);
+    config.broker = distribution::BrokerKind::Nats;
+    config.nats_url = cluster.urls.join(",");
+    config.nats_replicas = 3;
+    config.nats_ack_timeout = Duration::from_secs(2);
+    let relay = distribution::Relay::start(config.clone()).await.unwrap();
+    let mut group = NatsConsumerConfig::new(config.nats_config().unwrap(), "projector").unwrap();
+    group.retry.max = Duration::from_millis(500);
+    let consumer = Consumer::on_nats(group, fold_pool.clone(), EventTable);
+    let progress = consumer.progress();
+    let (stop, mut stopped) = tokio::sync::watch::channel(false);
+    let folding = tokio::spawn(consumer.run(async move {
+        let _ = stopped.wait_for(|stop| *stop).await;
+    }));
+    let fold = FoldStore::new(fold_pool.clone());
+    let outbox = Outbox::new(pool.clone());
+
+    let workload = Workload::new("nats_part", 4, 2, 10);
+    let ran = workload.run(&pool).await;
+    let first = ran.expected.clone();
+    wait_until(
+        "the first steps folded",
+        Duration::from_secs(60),
+        || async { folded_count(&fold, &first).await == count(&first) },
+    )
+    .await;
+    let writing = Arc::new(AtomicBool::new(false));
+    let writer = crate::recorder::keep_writing(pool.clone(), workload, ran, writing.clone());
+
+    let length = Duration::from_secs(10);
+    let mut heals = Vec::new();
+    for shape in ["leader alone", "follower alone", "clients from leader"] {
+        let (leader, _) = cluster.stream_state(&stream).await.expect("a leader");
+        let follower = (1..=3u8).find(|&n| n != leader).unwrap();
+        let cuts: Vec<(End, End)> = match shape {
+            "leader alone" => (1..=3u8)
+                .filter(|&n| n != leader)
+                .map(|n| (End::Node(leader), End::Node(n)))
+                .collect(),
+            "follower alone" => (1..=3u8)
+                .filter(|&n| n != follower)
+                .map(|n| (End::Node(follower), End::Node(n)))
+                .collect(),
+            _ => vec![(End::Host, End::Node(leader))],
+        };
+        tokio::task::block_in_place(|| cuts.iter().for_each(|(a, b)| cluster.cut(*a, *b)));
+        tokio::time::sleep(length).await; // the cut's length, not a wait for a state
+        tokio::task::block_in_place(|| cluster.heal());
+        let healed = std::time::Instant::now();
+        let (heal_at, _) = oldest_pending(&pool).await;
+        wait_until(
+            "every intent written before the heal acked",
+            Duration::from_secs(120),
+            || async {
+                oldest_pending(&pool)
+                    .await
+                    .1
+                    .is_none_or(|oldest| oldest >= heal_at)
+            },
+        )
+        .await;
+        let heal = healed.elapsed();
+        wait_until(
+            "the stream whole again",
+            Duration::from_secs(60),
+            || async {
+                cluster
+                    .stream_state(&stream)
+                    .await
+                    .is_some_and(|(_, current)| current)
+            },
+        )
+        .await;
+        println!("NATS {shape} (leader n{leader}) for {length:?}: acked {heal:.1?} after the heal");
+        heals.push((shape, heal));
+    }
+
+    writing.store(true, Ordering::Release);
+    let all = writer.await.unwrap();
+    wait_until("backlog empty", Duration::from_secs(60), || async {
+        pending(&outbox).await == 0
+    })
+    .await;
+    // The stream itself: each event once, every live intent. A branch's events may be stored
+    // out of Lsn order: a leader change under a pipelined batch loses an earlier event with
+    // the old leader while the new one stores a later one, and the earlier is sent again
+    // (WIRE.md: a resend can follow a later message; the fold holds back). Counted, not
+    // refused.
+    let stored = distribution::nats::scratch::read_stream(&cluster.urls[0], &stream).await;
+    let mut last: std::collections::BTreeMap<_, Lsn> = std::collections::BTreeMap::new();
+    let mut seen = std::collections::BTreeSet::new();
+    let mut behind = 0;
+    for (_, event) in stored {
+        let event = event.unwrap();
+        assert!(
+            seen.insert(event.key.clone()),
+            "{:?} stored twice",
+            event.key
+        );
+        let before = last
+            .entry(event.key.branch.clone())
+            .or_insert(event.key.lsn);
+        if *before > event.key.lsn {
+            behind += 1;
+        } else {
+            *before = event.key.lsn;
+        }
+    }
+    println!("{behind} events stored after a later one of their branch");
+    let missing: Vec<String> = all
+        .iter()
+        .flat_map(|(branch, intents)| {
+            intents
+                .iter()
+                .filter(|(lsn, _)| {
+                    !seen.contains(&distribution::store::EventKey {
+                        branch: branch.clone(),
+                        lsn: *lsn,
+                    })
+                })
+                .map(move |(lsn, _)| format!("{branch}/{lsn}"))
+        })
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "{} live intents acked but not in the stream, the first: {:?}",
+        missing.len(),
+        &missing[..missing.len().min(10)]
+    );
+    // As `until_folded_exactly`, saying on a timeout which branches fell short and where the
+    // group stands (a finding, if it happens, needs that much).
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    while folded_count(&fold, &all).await != count(&all) {
+        if std::time::Instant::now() > deadline {
+            let mut short = Vec::new();
+            for tenant in tenants_of(&all) {
+                let folded = fold.folded(&tenant).await.unwrap();
+                for (branch, intents) in all.iter().filter(|(key, _)| key.tenant == tenant) {
+                    let got: Vec<u64> = folded
+                        .iter()
+                        .filter(|event| event.key.branch == *branch)
+                        .map(|event| event.key.lsn.get())
+                        .collect();
+                    if got.len() != intents.len() {
+                        short.push(format!(
+                            "{branch}: {} of {} folded, the last {:?}, the stream's last {:?}",
+                            got.len(),
+                            intents.len(),
+                            got.last(),
+                            last.get(branch)
+                        ));
+                    }
+                }
+            }
+            panic!(
+                "the fold fell short after 90 s: {short:?}; the group: {:?}; held back: {}",
+                progress.totals(),
+                sqlx::query_scalar::<_, i64>("SELECT count(*) FROM relay_fold_parked")
+                    .fetch_one(&fold_pool)
+                    .await
+                    .unwrap_or(-1)
+            );
+        }
+        // Polling pace, not synchronisation.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_folded_exactly(&fold, &all).await;
+    let _ = stop.send(true);
+    let stats = folding.await.unwrap().unwrap();
+    println!("the group: {stats:?}");
+    assert_eq!(stats.rejected, 0, "{stats:?}");
+    relay.shutdown().await;
+    for (shape, heal) in heals {
+        assert!(
+            heal < Duration::from_secs(30),
+            "NATS {shape}: intents written before the heal waited {heal:?} after it"
+        );
+    }
 }

@@ -109,9 +109,13 @@ async def main():
         }
         headers["x-relay-dead-letter-reason"] = reason
         headers["Nats-Msg-Id"] = f"{group}.{msg.metadata.sequence.stream}"
-        # Returns once the stream stored it (raises otherwise: nothing is then committed).
-        await js.publish(f"{dead_stream}.{group}", msg.data, stream=dead_stream,
-                         headers=headers)
+        # Returns once the stream stored it (raises otherwise: nothing is then committed). A
+        # duplicate answered with sequence 0 is a copy still in flight at the stream's leader,
+        # not stored (NATS before 2.12): not an ack.
+        ack = await js.publish(f"{dead_stream}.{group}", msg.data, stream=dead_stream,
+                               headers=headers)
+        if ack.duplicate and ack.seq == 0:
+            raise RuntimeError("dead letter in flight at the stream's leader, not stored yet")
 
     async def handle(batch):
         """Folds `batch` with the positions past it, dead-letters what the fold refuses."""

@@ -59,6 +59,13 @@ mod code {
     pub(super) const DUPLICATE_IN_FLIGHT: u64 = 10158;
 }
 
+/// Whether a stream's ack says the message is stored: not a `duplicate` answered with sequence
+/// 0, which servers before 2.12 give for a copy still in flight at the leader (proposed, not
+/// stored, and lost if the leader loses its quorum; [`Answer::InFlight`]).
+pub(crate) fn ack_stored(ack: &async_nats::jetstream::publish::PublishAck) -> bool {
+    !(ack.duplicate && ack.sequence == 0)
+}
+
 /// The verdict on one publish.
 ///
 /// Only a stored message of the relay's own stream is accepted. An answer that leaves the
@@ -147,6 +154,20 @@ mod tests {
             );
             prop_assert!(!(refuses_branch && verdict.fault), "{answer:?}: one cause, not two");
         }
+    }
+
+    #[test]
+    fn a_duplicate_with_sequence_0_is_no_ack() {
+        let ack = |duplicate, sequence| async_nats::jetstream::publish::PublishAck {
+            stream: "s".into(),
+            sequence,
+            domain: String::new(),
+            duplicate,
+            value: None,
+        };
+        assert!(ack_stored(&ack(false, 7)));
+        assert!(ack_stored(&ack(true, 7)));
+        assert!(!ack_stored(&ack(true, 0)));
     }
 
     #[test]

@@ -284,7 +284,11 @@ impl NatsDeadLetters {
                 .map_err(|err| Error::Unreachable(format!("replaying on NATS: {err}")))
         };
         match tokio::time::timeout(limit, work).await {
-            Ok(Ok(_)) => Ok(()),
+            Ok(Ok(ack)) if crate::attribute::ack_stored(&ack) => Ok(()),
+            Ok(Ok(_)) => Err(Error::Unreachable(
+                "replaying on NATS: a copy is in flight at the stream's leader, not stored yet"
+                    .into(),
+            )),
             Ok(Err(err)) => Err(err),
             Err(_) => Err(Error::Timeout {
                 operation: "replaying a dead letter on NATS",

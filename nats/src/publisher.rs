@@ -341,9 +341,7 @@ async fn pump_acks(
                 acked = tokio::time::timeout_at(batch.deadline, ack.into_future()) => match acked {
                     Ok(Ok(ack)) => {
                         tracing::trace!(sequence = ack.sequence, duplicate = ack.duplicate, "acked");
-                        if ack.duplicate && ack.sequence == 0 {
-                            // A duplicate of a copy still in flight, not yet stored (servers
-                            // before 2.12): no ack.
+                        if !crate::attribute::ack_stored(&ack) {
                             Answer::InFlight
                         } else {
                             Answer::Stored {

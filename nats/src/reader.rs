@@ -414,7 +414,11 @@ pub async fn dead_letter(
             .map_err(|err| Error::Unreachable(format!("dead-lettering on NATS: {err}")))
     };
     match tokio::time::timeout(limit, work).await {
-        Ok(Ok(_)) => Ok(()),
+        Ok(Ok(ack)) if crate::attribute::ack_stored(&ack) => Ok(()),
+        Ok(Ok(_)) => Err(Error::Unreachable(
+            "dead-lettering on NATS: a copy is in flight at the stream's leader, not stored yet"
+                .into(),
+        )),
         Ok(Err(err)) => Err(err),
         Err(_) => Err(Error::Timeout {
             operation: "dead-lettering on NATS",

@@ -14,8 +14,8 @@ use crate::dead_cli::Broker;
 pub enum GroupAction {
     /// Declare the group's partition queues (bound to the topology's exchange with the same
     /// routing keys) and its dead-letter queue. The group receives every event published from
-    /// then on; earlier ones are not replayed into it. On NATS: declare the stream and the
-    /// dead-letter stream (a group there reads the stream from its stored position).
+    /// then on; earlier ones are not replayed into it. On NATS a group has nothing to declare
+    /// (it reads the one stream from its stored position): says whether the stream is there.
     Create {
         #[command(flatten)]
         broker: Broker,
@@ -186,39 +186,49 @@ fn nats_group(broker: &Broker, name: &str) -> Result<distribution::nats::NatsCon
 }
 
 /// `group create` on NATS: the stream keeps every event for every group, so nothing is the
-/// group's own; the stream and the dead-letter stream are declared (as a consumer would), so
-/// the group's first consumer finds them, and a stream of other settings is refused.
+/// group's own to declare. It says whether the stream is there (the first relay or consumer
+/// declares it, with the settings they are given: declaring it here could give it others).
 async fn create_on_nats(broker: &Broker, name: &str) -> Result<()> {
     let nats = nats_group(broker, name)?;
-    distribution::nats::Reading::connect(&nats)
+    let checkup = distribution::nats::checkup(&nats)
         .await
-        .context("declaring the stream and its dead-letter stream (NATS_URL)")?;
+        .context("cannot reach NATS (NATS_URL)")?;
+    let stream = match checkup.stream_messages {
+        Some(messages) => format!("stream {} holds {messages} messages", nats.stream),
+        None => format!(
+            "stream {} does not exist yet: the first relay or consumer declares it",
+            nats.stream
+        ),
+    };
     println!(
-        "group {name}: stream {} and dead-letter stream {} are ready; on NATS a group has no \
-         queues of its own: its consumers read the stream from the position their fold database \
-         stored (the first time, from their start setting), so it can replay what came before",
-        nats.stream,
-        distribution::nats::dead_letter_stream(&nats.stream)
+        "group {name}: on NATS a group has no queues of its own, and nothing was declared; \
+         {stream}; the group's consumers read it from the position their fold database stored \
+         (the first time, from their start setting), so it can replay what came before"
     );
     Ok(())
 }
 
-/// `group delete` on NATS: the group's dead letters, for good. The stream stays (other groups
-/// read it); the group's positions stay in its fold database.
+/// `group delete` on NATS: the group's dead letters, for good (none kept yet: nothing to do).
+/// The stream stays (other groups read it); the group's positions stay in its fold database.
 async fn delete_on_nats(broker: &Broker, name: &str) -> Result<()> {
     let nats = nats_group(broker, name)?;
+    let place = format!(
+        "{}.{name}",
+        distribution::nats::dead_letter_stream(&nats.stream)
+    );
     let dead = distribution::nats::NatsDeadLetters::open(&nats, name)
         .await
         .context("cannot reach NATS (NATS_URL)")?;
-    let purged = dead
-        .purge(&distribution::broker::DeadFilter::All)
-        .await
-        .context("deleting the group's dead letters")?;
+    let purged = match dead.purge(&distribution::broker::DeadFilter::All).await {
+        Ok(purged) => purged,
+        // No dead-letter stream: no consumer kept a letter yet.
+        Err(distribution::broker::Error::Refused(_)) => 0,
+        Err(err) => return Err(err).context("deleting the group's dead letters"),
+    };
     println!(
-        "group {name}: deleted its {purged} dead letters ({}.{name}); the stream stays for the \
+        "group {name}: deleted its {purged} dead letters ({place}); the stream stays for the \
          other groups, and the group's read positions stay in its fold database \
-         (`distribution group reset` forgets them)",
-        distribution::nats::dead_letter_stream(&nats.stream)
+         (`distribution group reset` forgets them)"
     );
     Ok(())
 }

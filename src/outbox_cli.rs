@@ -219,7 +219,11 @@ pub(crate) async fn status(
                 println!("{place} does not exist: no consumer of the group declared its queues")
             }
             // NATS: no dead-letter stream yet, said as such.
-            Err(distribution::broker::Error::Refused(why)) => println!("{why}"),
+            Err(distribution::broker::Error::Refused(why))
+                if matches!(kept, GroupBroker::Nats { .. }) =>
+            {
+                println!("{why}")
+            }
             Err(err) => {
                 println!("dead letters in {place}: unknown ({err})");
                 unanswered.push(place);

@@ -54,7 +54,7 @@ pub fn describe_metrics(publishers: u16) {
     );
     describe_counter!(
         "relay_publish_failures_total",
-        "Intents the broker did not accept, per shard and outcome (nacked, returned, unconfirmed, not_sent)."
+        "Intents the broker did not accept, per shard and outcome (nacked, no_room, returned, too_large, unwritable, unconfirmed, not_sent)."
     );
     describe_counter!(
         "relay_publisher_restarts_total",

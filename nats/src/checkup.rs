@@ -13,7 +13,8 @@ pub struct NatsCheckup {
     /// Messages the relay's stream holds; `None` while there is no such stream (no relay or
     /// consumer declared it yet).
     pub stream_messages: Option<u64>,
-    /// What the version means for an acked event's durability ([`crate::durability_note`]).
+    /// What the version means for an acked event's durability ([`crate::durability_note`]),
+    /// for the stream's own replicas (the configuration's while there is no stream).
     pub durability: Option<String>,
 }
 
@@ -28,7 +29,7 @@ pub async fn checkup(config: &NatsConfig) -> Result<NatsCheckup, Error> {
             Ok(mut stream) => stream
                 .info()
                 .await
-                .map(|info| Some(info.state.messages))
+                .map(|info| Some((info.state.messages, info.config.num_replicas)))
                 .map_err(|err| {
                     Error::Unreachable(format!("reading NATS stream {}: {err}", config.stream))
                 }),
@@ -45,16 +46,16 @@ pub async fn checkup(config: &NatsConfig) -> Result<NatsCheckup, Error> {
             },
         }
     };
-    let stream_messages =
-        tokio::time::timeout(limit, read)
-            .await
-            .map_err(|_| Error::Timeout {
-                operation: "reading the NATS stream",
-                timeout_ms: limit.as_millis() as u64,
-            })??;
+    let stream = tokio::time::timeout(limit, read)
+        .await
+        .map_err(|_| Error::Timeout {
+            operation: "reading the NATS stream",
+            timeout_ms: limit.as_millis() as u64,
+        })??;
+    let replicas = stream.map_or(config.replicas, |(_, replicas)| replicas);
     Ok(NatsCheckup {
-        durability: crate::durability_note(&version, config.replicas),
+        durability: crate::durability_note(&version, replicas),
         version,
-        stream_messages,
+        stream_messages: stream.map(|(messages, _)| messages),
     })
 }

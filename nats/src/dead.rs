@@ -263,6 +263,21 @@ impl NatsDeadLetters {
     /// Deletes every dead letter `filter` takes, for good. Returns how many.
     pub async fn purge(&self, filter: &DeadFilter) -> Result<u64, Error> {
         let stream = self.stream().await?;
+        if *filter == DeadFilter::All {
+            // The group's subject at once, what came while it ran too; never another group's.
+            let limit = self.config.connect_timeout;
+            return match tokio::time::timeout(limit, stream.purge().filter(self.subject())).await {
+                Ok(Ok(purged)) => Ok(purged.purged),
+                Ok(Err(err)) => Err(Error::Unreachable(format!(
+                    "purging NATS subject {}: {err}",
+                    self.subject()
+                ))),
+                Err(_) => Err(Error::Timeout {
+                    operation: "purging a NATS subject",
+                    timeout_ms: limit.as_millis() as u64,
+                }),
+            };
+        }
         let mut purged = 0;
         for letter in self.scan(u64::MAX).await? {
             if filter.takes(letter.message_id.as_deref(), &letter.event) {

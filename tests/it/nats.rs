@@ -1187,11 +1187,12 @@ fn nats_dead_letters_are_listed_shown_replayed_and_purged_by_the_cli() {
 }
 
 /// `distribution group create|delete` with `RELAY_BROKER=nats`: a group has no queues there
-/// (the stream keeps every event for every group), so `create` declares the stream and its
-/// dead-letter stream, and `delete` removes the group's dead letters and no other group's; a
-/// name that cannot be a subject token is refused in one line.
+/// (the stream keeps every event for every group), so `create` declares nothing and says
+/// whether the stream is there, and `delete` removes the group's dead letters and no other
+/// group's (none kept yet: nothing to do, and no error); a name that cannot be a subject token
+/// is refused in one line.
 #[test]
-fn nats_group_create_declares_the_streams_and_delete_removes_only_the_groups_dead_letters() {
+fn nats_group_create_declares_nothing_and_delete_removes_only_the_groups_dead_letters() {
     use distribution::nats::{NatsConfig, NatsDeadLetters};
 
     host_runtime().block_on(async {
@@ -1219,14 +1220,32 @@ fn nats_group_create_declares_the_streams_and_delete_removes_only_the_groups_dea
         let (code, created, stderr) = group(&["create", "projector"]).await;
         assert_eq!(code, Some(0), "{created}{stderr}");
         assert!(
-            created.contains(&format!(
-                "stream {stream} and dead-letter stream {stream}_dead are ready"
-            )),
+            created.contains(&format!("stream {stream} does not exist yet"))
+                && created.contains("nothing was declared"),
             "{created}"
         );
+        assert!(stored(&stream).await.is_empty());
         let client = async_nats::connect(testkit::nats_url()).await.unwrap();
         let context = async_nats::jetstream::new(client);
-        context.get_stream(&stream).await.unwrap();
+        assert!(
+            context.get_stream(&stream).await.is_err(),
+            "declared nothing"
+        );
+        // No letter kept yet: nothing to delete, and no error.
+        let (code, deleted, stderr) = group(&["delete", "projector"]).await;
+        assert_eq!(code, Some(0), "{deleted}{stderr}");
+        assert!(deleted.contains("deleted its 0 dead letters"), "{deleted}");
+        // The streams, as a consumer declares them.
+        distribution::nats::Reading::connect(
+            &NatsConfig::new(&testkit::nats_url(), &stream, 2).unwrap(),
+        )
+        .await
+        .unwrap();
+        let (_, created, _) = group(&["create", "projector"]).await;
+        assert!(
+            created.contains(&format!("stream {stream} holds 0 messages")),
+            "{created}"
+        );
         for subject in ["projector", "projector", "other"] {
             context
                 .publish_with_headers(
@@ -1369,7 +1388,19 @@ fn nats_tail_shows_each_event_once_from_the_next_message() {
             .append(&mut conn, &other_tenant, Lsn::new(1), b"other")
             .await
             .unwrap();
-        let finished = |child: std::process::Child| {
+        // Each tail ends once it saw its count; one that misses an event is killed at 60 s
+        // and fails the test rather than hang it.
+        let finished = |mut child: std::process::Child| {
+            let deadline = std::time::Instant::now() + Duration::from_secs(60);
+            while child.try_wait().unwrap().is_none() {
+                if std::time::Instant::now() > deadline {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    panic!("a tail did not see its events within 60 s");
+                }
+                // Polling pace, not synchronisation.
+                std::thread::sleep(Duration::from_millis(50));
+            }
             let output = child.wait_with_output().unwrap();
             assert!(output.status.success(), "{output:?}");
             String::from_utf8(output.stdout).unwrap()

@@ -11,6 +11,8 @@ use crate::Backoff;
 /// A branch the broker refused events of, retried alone with its own backoff.
 #[derive(Debug)]
 pub(super) struct Cooling {
+    /// Why it was refused last: a refusal for another reason starts a new run of refusals.
+    pub(super) reason: &'static str,
     pub(super) attempts: u32,
     pub(super) first_failed: Instant,
     pub(super) retry_at: Instant,
@@ -57,11 +59,18 @@ impl<H> Window<H> {
             .cooling
             .entry(branch.clone())
             .or_insert_with(|| Cooling {
+                reason,
                 attempts: 0,
                 first_failed: now,
                 retry_at: now,
                 backoff: Backoff::new(retry),
             });
+        if cooling.reason != reason {
+            // A new cause (a full store emptied, then a nack): its own attempts and grace.
+            cooling.reason = reason;
+            cooling.attempts = 0;
+            cooling.first_failed = now;
+        }
         cooling.attempts = cooling.attempts.saturating_add(1);
         let attempts = cooling.attempts;
         let failing_for = now.saturating_duration_since(cooling.first_failed);

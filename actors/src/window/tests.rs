@@ -604,6 +604,15 @@ fn a_broker_with_no_room_never_parks_a_branch() {
             settled.refusals[0]
         );
     }
+    // Another cause after it starts its own run: a nack is not parked at once for the
+    // attempts the full store made.
+    answered(&mut window, &[key("full", 1)], &[Nacked]);
+    let settled = window.settle(start + Duration::from_secs(3_500)).unwrap();
+    assert_eq!(settled.refusals[0].attempts, 1);
+    assert!(matches!(
+        settled.refusals[0].action,
+        RefusalAction::RetryAfter(_)
+    ));
     answered(&mut window, &[key("full", 1)], &[Accepted]);
     let settled = window.settle(start + Duration::from_secs(3_600)).unwrap();
     assert_eq!(settled.acks, [key("full", 1)]);

@@ -1295,7 +1295,7 @@ fn nats_tail_shows_each_event_once_from_the_next_message() {
     use std::io::{BufRead, BufReader};
     use std::process::Stdio;
 
-    use distribution::store::{BranchId, EventType, Intent, IntentWriter, RunId, TenantId};
+    use distribution::store::{EventType, Intent, IntentWriter};
 
     host_runtime().block_on(async {
         let (pool, url) = fresh_database("nats_tail").await;
@@ -1326,17 +1326,10 @@ fn nats_tail_shows_each_event_once_from_the_next_message() {
         // Something already in the stream, which the tails never show.
         let writer = IntentWriter::default();
         let mut conn = pool.acquire().await.unwrap();
-        let key = |tenant: &str, run: &str| {
-            BranchKey::new(
-                TenantId::new(tenant).unwrap(),
-                RunId::new(run).unwrap(),
-                BranchId::new("main").unwrap(),
-            )
-        };
         let (watched, other, other_tenant) = (
-            key("tail-a", "r1"),
-            key("tail-a", "r2"),
-            key("tail-b", "r1"),
+            testkit::branch("tail-a", "r1", "main"),
+            testkit::branch("tail-a", "r2", "main"),
+            testkit::branch("tail-b", "r1", "main"),
         );
         for branch in [&watched, &other, &other_tenant] {
             writer.open_run(&mut conn, branch).await.unwrap();

@@ -412,14 +412,16 @@ impl RelayConfig {
             return Err(invalid(
                 var,
                 "(set)".into(),
-                "a RabbitMQ setting; with RELAY_BROKER=nats leave it unset (the stream keeps                  everything; RELAY_NATS_REPLICAS sets its replicas)",
+                "a RabbitMQ setting; with RELAY_BROKER=nats leave it unset (the stream keeps \
+                 everything; RELAY_NATS_REPLICAS sets its replicas)",
             ));
         }
-        if self.wire_mode != broker::WireMode::Plain {
+        if self.wire_mode == broker::WireMode::CloudEventsColon {
             return Err(invalid(
                 "RELAY_CLOUDEVENTS",
-                "(set)".into(),
-                "CloudEvents attributes are not written on NATS yet; leave it unset",
+                "colon".into(),
+                "cloudEvents:* is the AMQP binding's first prefix; on NATS `true` writes the NATS \
+                 binding's ce-* headers",
             ));
         }
         let mut nats = nats::NatsConfig::new(&self.nats_url, &self.topology, self.partitions)
@@ -438,6 +440,7 @@ impl RelayConfig {
                 invalid(var, value, &text)
             })?;
         nats.replicas = self.nats_replicas;
+        nats.wire_mode = self.wire_mode;
         nats.duplicate_window = self.nats_duplicate_window;
         nats.connect_timeout = self.nats_ack_timeout;
         nats.ack_timeout = self.nats_ack_timeout;
@@ -534,9 +537,21 @@ mod tests {
         let mut quorum = config.clone();
         quorum.queue_type = QueueType::Quorum;
         assert!(refused(&quorum).starts_with("RELAY_QUEUE_TYPE="));
+        assert!(!refused(&quorum).contains("  "), "one readable line");
         let mut cloudevents = config.clone();
         cloudevents.wire_mode = broker::WireMode::CloudEvents;
-        assert!(refused(&cloudevents).starts_with("RELAY_CLOUDEVENTS="));
+        cloudevents.validate().unwrap();
+        assert_eq!(
+            cloudevents.nats_config().unwrap().wire_mode,
+            broker::WireMode::CloudEvents,
+            "the adapter is told"
+        );
+        cloudevents.wire_mode = broker::WireMode::CloudEventsColon;
+        let text = refused(&cloudevents);
+        assert!(
+            text.starts_with("RELAY_CLOUDEVENTS=") && text.contains("ce-*"),
+            "{text}"
+        );
         config.topology = "relay.events".into();
         let text = refused(&config);
         assert!(

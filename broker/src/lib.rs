@@ -57,6 +57,7 @@ pub use wire::TYPE_REWIND;
 pub use wire::Value;
 pub use wire::WIRE_VERSION;
 pub use wire::WireMode;
+pub use wire::cloudevents_attributes;
 pub use wire::decode;
 pub use wire::envelope;
 pub use wire::message_id;

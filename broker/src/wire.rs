@@ -30,7 +30,9 @@ pub const CLOUDEVENTS_PREFIX: &str = "cloudEvents_";
 /// [`CLOUDEVENTS_PREFIX`]: [`WireMode::CloudEventsColon`].
 pub const CLOUDEVENTS_COLON_PREFIX: &str = "cloudEvents:";
 
-/// How events are written beside the contract's own properties and headers.
+/// How events are written beside the contract's own properties and headers. The prefixes below
+/// are the AMQP binding's, written on RabbitMQ; on NATS, `CloudEvents` writes the NATS binding's
+/// `ce-*` headers instead (the `nats` adapter) and `CloudEventsColon` is refused.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum WireMode {
     /// The contract alone (WIRE.md).
@@ -168,26 +170,14 @@ pub fn envelope(event: &OutboxEvent, mode: WireMode) -> Envelope {
     if let Some(prev) = event.epochs.prev {
         number("prev_epoch", prev.to_db());
     }
-    let kind = match (&event.kind, &meta.event_type) {
-        (EventKind::Intent, Some(event_type)) => event_type.as_str(),
-        (EventKind::Intent, None) => TYPE_INTENT,
-        (EventKind::Rewind { .. }, _) => TYPE_REWIND,
-        (EventKind::End, _) => TYPE_END,
-    };
+    let kind = message_type(event);
     let id = message_id(&event.key);
     if let Some(prefix) = mode.cloudevents_prefix() {
-        let time = event
-            .created_at
-            .to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
-        for (attribute, value) in [
-            ("specversion", "1.0"),
-            ("id", id.as_str()),
-            ("source", &format!("/{}/{}", branch.tenant, branch.run)),
-            ("type", kind),
-            ("time", &time),
-            ("subject", branch.branch.as_str()),
-        ] {
-            headers.insert(format!("{prefix}{attribute}"), Value::text(value));
+        for (attribute, value) in cloudevents_attributes(event) {
+            headers.insert(
+                format!("{prefix}{attribute}"),
+                Value::Text(value.into_bytes()),
+            );
         }
     }
     Envelope {
@@ -197,6 +187,39 @@ pub fn envelope(event: &OutboxEvent, mode: WireMode) -> Envelope {
         correlation_id: meta.correlation_id.clone(),
         headers,
     }
+}
+
+/// An event's `type`: the host's event type, or the relay's own for an untyped intent and for
+/// markers.
+fn message_type(event: &OutboxEvent) -> &str {
+    match (&event.kind, &event.meta.event_type) {
+        (EventKind::Intent, Some(event_type)) => event_type.as_str(),
+        (EventKind::Intent, None) => TYPE_INTENT,
+        (EventKind::Rewind { .. }, _) => TYPE_REWIND,
+        (EventKind::End, _) => TYPE_END,
+    }
+}
+
+/// An event's CloudEvents context attributes (WIRE.md, "CloudEvents"), each with its canonical
+/// string: `specversion`, `id` (the message id), `source` (`/<tenant>/<run>`), `type` (the
+/// message's type), `time` (`created_at` in RFC 3339, microseconds, `Z`) and `subject` (the
+/// branch). `datacontenttype` is not among them: each binding carries the content type its own
+/// way (AMQP's `content_type` property, a `ce-datacontenttype` header on NATS).
+pub fn cloudevents_attributes(event: &OutboxEvent) -> [(&'static str, String); 6] {
+    let branch = &event.key.branch;
+    [
+        ("specversion", "1.0".to_owned()),
+        ("id", message_id(&event.key)),
+        ("source", format!("/{}/{}", branch.tenant, branch.run)),
+        ("type", message_type(event).to_owned()),
+        (
+            "time",
+            event
+                .created_at
+                .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+        ),
+        ("subject", branch.branch.as_str().to_owned()),
+    ]
 }
 
 /// The metadata a message carries (empty for a version 1 or 2 message).

@@ -32,7 +32,7 @@ CONTRACT_HEADERS = {
     "traceparent", "tracestate",
 }
 # Prefixes that are never the host's: RabbitMQ's and the relay's, NATS's, CloudEvents'.
-NOT_HOST_PREFIXES = ("x-", "nats-", "cloudevents")
+NOT_HOST_PREFIXES = ("x-", "nats-", "cloudevents", "ce-")
 # The contract's numbers (WIRE.md): long long ints on AMQP, decimal text on NATS.
 NUMBER_HEADERS = {"wire_version", "lsn", "prev_lsn", "base_lsn", "created_at_us", "epoch",
                   "prev_epoch"}

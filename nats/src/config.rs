@@ -99,10 +99,10 @@ impl NatsConfig {
                 self.duplicate_window, self.ack_timeout
             ));
         }
-        if self.wire_mode != WireMode::Plain {
+        if self.wire_mode == WireMode::CloudEventsColon {
             return invalid(
-                "CloudEvents attributes are not written on NATS yet (its binding names them \
-                 ce-*); leave RELAY_CLOUDEVENTS unset"
+                "cloudEvents:* is the AMQP binding's first prefix; on NATS RELAY_CLOUDEVENTS=true \
+                 writes the NATS binding's ce-* headers"
                     .into(),
             );
         }
@@ -158,6 +158,8 @@ mod tests {
         );
         config.duplicate_window = Duration::from_secs(120);
         config.wire_mode = WireMode::CloudEvents;
-        assert!(config.validate().is_err());
+        config.validate().unwrap();
+        config.wire_mode = WireMode::CloudEventsColon;
+        assert!(config.validate().is_err(), "the AMQP binding's prefix");
     }
 }

@@ -43,6 +43,37 @@ pub async fn read_stream(
     url: &str,
     stream: &str,
 ) -> Vec<(String, Result<store::OutboxEvent, broker::WireError>)> {
+    read_raw(url, stream)
+        .await
+        .into_iter()
+        .map(|message| {
+            let event = crate::decode(&message.headers, &message.payload);
+            (message.subject.to_string(), event)
+        })
+        .collect()
+}
+
+/// Every header of every message of `stream`, in stream order, as (name, value) pairs in the
+/// order the server keeps them: what a test of the wire reads, in no client's types.
+pub async fn read_headers(url: &str, stream: &str) -> Vec<Vec<(String, String)>> {
+    read_raw(url, stream)
+        .await
+        .into_iter()
+        .map(|message| {
+            message
+                .headers
+                .iter()
+                .flat_map(|(name, values)| {
+                    values
+                        .iter()
+                        .map(move |value| (name.to_string(), value.as_str().to_owned()))
+                })
+                .collect()
+        })
+        .collect()
+}
+
+async fn read_raw(url: &str, stream: &str) -> Vec<async_nats::jetstream::message::StreamMessage> {
     let client = async_nats::connect(url).await.expect("NATS answers");
     let context = async_nats::jetstream::new(client);
     let Ok(mut stream) = context.get_stream(stream).await else {
@@ -70,8 +101,7 @@ pub async fn read_stream(
                 Err(err) => panic!("stored message {sequence}: {err}"),
             }
         };
-        let event = crate::decode(&message.headers, &message.payload);
-        messages.push((message.subject.to_string(), event));
+        messages.push(message);
     }
     messages
 }

@@ -5,6 +5,11 @@
 //! content type and correlation id in `x-type`, `x-content-type` and `x-correlation-id` (names
 //! no host header can take: `x-` is the contract's).
 //!
+//! With [`WireMode::CloudEvents`] every event also carries its CloudEvents attributes in the
+//! binary content mode of the CloudEvents NATS protocol binding: one header per attribute,
+//! named `ce-<attribute>` ([`CLOUDEVENTS_PREFIX`]), its value percent-encoded
+//! ([`cloudevents_value`]); the content type as `ce-datacontenttype`.
+//!
 //! NATS headers are lines of text read back trimmed, so a value with a line break, or with
 //! whitespace at either end, cannot travel unchanged; nor can a host header named `Nats-*`,
 //! which the server would act on. The store refuses both at append time (migration 18,
@@ -12,6 +17,7 @@
 //! refused, never altered.
 use async_nats::{HeaderMap, HeaderName, HeaderValue};
 use broker::{Envelope, NUMBER_HEADERS, Value, WireError, WireMode};
+use percent_encoding::{AsciiSet, CONTROLS, utf8_percent_encode};
 use store::OutboxEvent;
 
 /// The header of the message id (the server's deduplication key).
@@ -25,6 +31,20 @@ pub const TYPE: &str = "x-type";
 pub const CONTENT_TYPE: &str = "x-content-type";
 /// The event's correlation id (AMQP's `correlation_id` property).
 pub const CORRELATION_ID: &str = "x-correlation-id";
+
+/// The prefix of the CloudEvents attributes' headers (the NATS binding, binary content mode).
+pub(crate) const CLOUDEVENTS_PREFIX: &str = "ce-";
+
+/// What the CloudEvents NATS binding percent-encodes besides every byte of a character outside
+/// ASCII: controls, space, double quote and percent (3.1.3.2).
+const CLOUDEVENTS_ESCAPED: &AsciiSet = &CONTROLS.add(b' ').add(b'"').add(b'%');
+
+/// An attribute's header value in the CloudEvents NATS binding: its canonical string with
+/// space, `"`, `%`, controls and every character outside printable ASCII percent-encoded as
+/// UTF-8 bytes, in upper case (`Euro €` is `Euro%20%E2%82%AC`).
+pub(crate) fn cloudevents_value(value: &str) -> String {
+    utf8_percent_encode(value, CLOUDEVENTS_ESCAPED).to_string()
+}
 
 /// An event NATS cannot carry unchanged, and the header that says why.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -61,6 +81,12 @@ fn header_name(name: &str) -> Result<HeaderName, Unwritable> {
             reason: "a Nats-* name, which the NATS server acts on",
         });
     }
+    if name.len() >= 3 && name[..3].eq_ignore_ascii_case(CLOUDEVENTS_PREFIX) {
+        return Err(Unwritable {
+            header: name.to_owned(),
+            reason: "a ce-* name, which the CloudEvents NATS binding reads as an attribute",
+        });
+    }
     name.parse().map_err(|_| Unwritable {
         header: name.to_owned(),
         reason: "not a NATS header name",
@@ -68,9 +94,11 @@ fn header_name(name: &str) -> Result<HeaderName, Unwritable> {
 }
 
 /// The headers of an event's message (the body is the payload, unchanged); [`decode`]'s
-/// inverse. `stream` is the one stream that may store it (`Nats-Expected-Stream`).
+/// inverse. `stream` is the one stream that may store it (`Nats-Expected-Stream`). The
+/// configuration refuses [`WireMode::CloudEventsColon`] (the AMQP binding's old prefix); here it
+/// writes what `CloudEvents` does.
 pub fn headers(event: &OutboxEvent, mode: WireMode, stream: &str) -> Result<HeaderMap, Unwritable> {
-    let envelope = broker::envelope(event, mode);
+    let envelope = broker::envelope(event, WireMode::Plain);
     let mut headers = HeaderMap::new();
     for (name, value) in &envelope.headers {
         let text = match value {
@@ -87,6 +115,22 @@ pub fn headers(event: &OutboxEvent, mode: WireMode, stream: &str) -> Result<Head
     ] {
         if let Some(value) = value {
             headers.insert(name, header_value(name, value)?);
+        }
+    }
+    if mode != WireMode::Plain {
+        let content_type = envelope
+            .content_type
+            .as_deref()
+            .unwrap_or(broker::OCTET_STREAM);
+        for (attribute, value) in broker::cloudevents_attributes(event)
+            .into_iter()
+            .chain([("datacontenttype", content_type.to_owned())])
+        {
+            // Printable ASCII without spaces once encoded: a valid header value.
+            headers.insert(
+                format!("{CLOUDEVENTS_PREFIX}{attribute}"),
+                cloudevents_value(&value),
+            );
         }
     }
     if let Some(id) = &envelope.message_id {
@@ -109,6 +153,7 @@ pub fn envelope(headers: &HeaderMap) -> Envelope {
             CONTENT_TYPE => envelope.content_type = first.map(str::to_owned),
             CORRELATION_ID => envelope.correlation_id = first.map(str::to_owned),
             _ if name.len() >= 5 && name[..5].eq_ignore_ascii_case("nats-") => {}
+            _ if name.len() >= 3 && name[..3].eq_ignore_ascii_case(CLOUDEVENTS_PREFIX) => {}
             _ => {
                 let value = match (values.as_slice(), NUMBER_HEADERS.contains(&name)) {
                     ([one], true) => one
@@ -177,11 +222,62 @@ mod tests {
                 headers: host.into_iter().collect(),
                 ..Metadata::default()
             };
-            let written = headers(&event, WireMode::Plain, "events").unwrap();
-            let id = broker::message_id(&event.key);
-            prop_assert_eq!(written.get(MSG_ID).map(HeaderValue::as_str), Some(id.as_str()));
-            prop_assert_eq!(decode(&written, &event.payload).unwrap(), event);
+            for mode in [WireMode::Plain, WireMode::CloudEvents] {
+                let written = headers(&event, mode, "events").unwrap();
+                let id = broker::message_id(&event.key);
+                prop_assert_eq!(written.get(MSG_ID).map(HeaderValue::as_str), Some(id.as_str()));
+                prop_assert_eq!(decode(&written, &event.payload).unwrap(), event.clone());
+            }
         }
+
+        /// With CloudEvents, each attribute is a `ce-` header that a reader of the NATS binding
+        /// decodes (one round of percent-decoding, UTF-8 checked) back to its canonical string;
+        /// the content type among them, spaces and quotes included.
+        #[test]
+        fn cloudevents_attributes_are_ce_headers_a_binding_reader_decodes(
+            content_type in proptest::option::of("[a-z]{1,8}/[a-z+.-]{1,8}(; ?[a-z]{1,6}=(\"[ -!#-~]{0,8}\"|[a-z0-9-]{1,8}))?"),
+            typed in any::<bool>(),
+        ) {
+            let mut event = event();
+            event.meta.content_type = content_type.clone();
+            event.meta.event_type = typed.then(|| EventType::new("order.created").unwrap());
+            let written = headers(&event, WireMode::CloudEvents, "events").unwrap();
+            let expected = broker::cloudevents_attributes(&event).into_iter().chain([(
+                "datacontenttype",
+                content_type.unwrap_or_else(|| broker::OCTET_STREAM.to_owned()),
+            )]);
+            let mut count = 0;
+            for (attribute, value) in expected {
+                let name = format!("ce-{attribute}");
+                let raw = written.get(name.as_str()).map(HeaderValue::as_str);
+                let raw = raw.unwrap_or_else(|| panic!("no {name}"));
+                prop_assert!(raw.bytes().all(|b| (b'!'..=b'~').contains(&b) && b != b'"'), "{raw}");
+                let read = percent_encoding::percent_decode_str(raw).decode_utf8().unwrap();
+                prop_assert_eq!(read.as_ref(), value.as_str());
+                count += 1;
+            }
+            let written_ce = written.iter().filter(|(name, _)| {
+                let name: &str = name.as_ref();
+                name.starts_with("ce-")
+            });
+            prop_assert_eq!(written_ce.count(), count, "the binding's attributes and no more");
+        }
+    }
+
+    /// The binding's own example (3.1.3.2) and what a content type holds: space, `"` and `%`
+    /// are encoded, every other printable ASCII character is not.
+    #[test]
+    fn cloudevents_values_are_percent_encoded_as_the_binding_says() {
+        assert_eq!(
+            cloudevents_value("Euro \u{20ac} \u{1f600}"),
+            "Euro%20%E2%82%AC%20%F0%9F%98%80"
+        );
+        assert_eq!(
+            cloudevents_value("text/plain; charset=\"utf-8\"; q=100%"),
+            "text/plain;%20charset=%22utf-8%22;%20q=100%25"
+        );
+        let printable: String = ('!'..='~').filter(|c| !matches!(c, '"' | '%')).collect();
+        assert_eq!(cloudevents_value(&printable), printable);
     }
 
     /// What NATS would change or act on is refused, named, never altered.
@@ -194,6 +290,8 @@ mod tests {
             ("note", "padded\t", "either end"),
             ("Nats-Msg-Id", "x", "Nats-*"),
             ("nats-rollup", "all", "Nats-*"),
+            ("ce-id", "x", "ce-*"),
+            ("CE-Source", "x", "ce-*"),
         ] {
             let mut event = event();
             event.meta.headers = [(name.to_owned(), value.to_owned())].into();
@@ -231,6 +329,17 @@ mod tests {
             assert!(section.contains(&row), "WIRE.md lacks {row}");
         }
         assert!(section.contains(&format!("header `{EXPECTED_STREAM}: <topology>`")));
+        for attribute in broker::cloudevents_attributes(&event())
+            .map(|(attribute, _)| attribute)
+            .into_iter()
+            .chain(["datacontenttype"])
+        {
+            let name = format!("`{CLOUDEVENTS_PREFIX}{attribute}`");
+            assert!(
+                section.contains(&name),
+                "WIRE.md's NATS section lacks {name}"
+            );
+        }
         let numbers: Vec<String> = broker::NUMBER_HEADERS
             .iter()
             .map(|name| format!("`{name}`"))

@@ -217,6 +217,7 @@ const REQUIRED_OBJECTS: &[(&str, &str)] = &[
     ("relation", "relay_branch_status"),
     ("column", "relay_lease.beat"),
     ("column", "relay_member.beat"),
+    ("function", "relay_require_meta_0018"),
 ];
 
 /// Checks that the schema the relay needs is there, without changing anything: for a relay

@@ -29,7 +29,7 @@ pub(crate) const MAX_TRACESTATE_BYTES: usize = 512;
 
 /// Header names of the wire contract itself: a host header may not use them (compared without
 /// case), nor start with `x-` (RabbitMQ's and the relay's own), `nats-` (the NATS server's: it
-/// acts on them) or `cloudevents`.
+/// acts on them), `cloudevents` (the CloudEvents AMQP binding's) or `ce-` (its NATS binding's).
 pub const RESERVED_HEADERS: &[&str] = &[
     "wire_version",
     "kind",
@@ -50,7 +50,7 @@ pub const RESERVED_HEADERS: &[&str] = &[
 ];
 
 /// Whether `name` is the wire contract's or a broker's, not a host's: one of
-/// [`RESERVED_HEADERS`] (without case), or starting with `x-`, `nats-` or `cloudevents`. The
+/// [`RESERVED_HEADERS`] (without case), or starting with `x-`, `nats-`, `cloudevents` or `ce-`. The
 /// writer refuses such host headers, and a decoder takes every other long-string header for one
 /// of the host's.
 pub fn is_reserved_header(name: &str) -> bool {
@@ -59,6 +59,7 @@ pub fn is_reserved_header(name: &str) -> bool {
         || lower.starts_with("x-")
         || is_nats_header(&lower)
         || lower.starts_with("cloudevents")
+        || lower.starts_with("ce-")
 }
 
 /// Whether `name` is one the NATS server acts on (`Nats-*`, any case): a host's `Nats-Msg-Id`

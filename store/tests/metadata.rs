@@ -112,6 +112,20 @@ fn bad_cases() -> Vec<(&'static str, Metadata, &'static str)> {
             "header cloudEvents_type",
         ),
         (
+            "the CloudEvents NATS binding's header space",
+            with(|m| {
+                m.headers.insert("ce-id".into(), "x".into());
+            }),
+            "header ce-id",
+        ),
+        (
+            "the CloudEvents NATS binding's header space in upper case",
+            with(|m| {
+                m.headers.insert("CE-Type".into(), "x".into());
+            }),
+            "header CE-Type",
+        ),
+        (
             "a header the NATS server acts on",
             with(|m| {
                 m.headers.insert("Nats-Msg-Id".into(), "x".into());

@@ -17,6 +17,7 @@ const INTERNAL: &[&str] = &[
     "relay_ack_and_drain",
     "relay_require_id",
     "relay_require_meta",
+    "relay_require_meta_0018",
     "relay_fold_epoch_at",
     "relay_wait_replicated",
     // Triggers (lease and member beats): nobody calls them.

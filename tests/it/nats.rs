@@ -141,6 +141,107 @@ fn nats_broker_down_for_a_whole_run_then_everything_is_stored_once_in_order() {
     });
 }
 
+/// `RELAY_CLOUDEVENTS=true` on NATS: each message carries the CloudEvents NATS binding's
+/// attributes (binary content mode) as WIRE.md says, read here as a binding reader would (one
+/// round of percent-decoding), and still decodes to the event the host wrote.
+#[test]
+fn nats_cloudevents_attributes_travel_as_the_bindings_ce_headers() {
+    use distribution::store::{EventType, Intent, IntentWriter};
+    host_runtime().block_on(async {
+        let (pool, url) = fresh_database("nats_ce").await;
+        let stream = distribution::nats::scratch::unique_stream("ce");
+        let mut config = nats_config(&url, &testkit::nats_url(), &stream);
+        config.wire_mode = distribution::broker::WireMode::CloudEvents;
+        let relay = Relay::start(config).await.unwrap();
+        let branch = testkit::branch("acme", "run-ce", "main");
+        let intents = [
+            Intent::new(b"{\"n\":1}")
+                .event_type(EventType::new("order.placed").unwrap())
+                .content_type("text/plain; charset=\"utf-8\""),
+            Intent::new(b"raw"),
+        ];
+        let writer = IntentWriter::default();
+        let mut tx = pool.begin().await.unwrap();
+        writer.open_run(&mut tx, &branch).await.unwrap();
+        for (lsn, intent) in (1..).zip(intents) {
+            writer
+                .append_intent(&mut tx, &branch, Lsn::new(lsn), intent)
+                .await
+                .unwrap();
+        }
+        tx.commit().await.unwrap();
+        let nats = testkit::nats_url();
+        wait_until("both stored", Duration::from_secs(30), || async {
+            stored(&stream).await.len() == 2
+        })
+        .await;
+
+        let expected = [
+            (
+                "1",
+                "order.placed",
+                "text/plain;%20charset=%22utf-8%22",
+                "text/plain; charset=\"utf-8\"",
+            ),
+            (
+                "2",
+                "outbox.intent",
+                "application/octet-stream",
+                "application/octet-stream",
+            ),
+        ];
+        let messages = distribution::nats::scratch::read_headers(&nats, &stream).await;
+        let events = stored(&stream).await;
+        for ((headers, event), (lsn, kind, raw_type, content_type)) in
+            messages.iter().zip(&events).zip(expected)
+        {
+            let get = |name: &str| {
+                let found: Vec<&str> = headers
+                    .iter()
+                    .filter(|(n, _)| n.as_str() == name)
+                    .map(|(_, v)| v.as_str())
+                    .collect();
+                assert_eq!(found.len(), 1, "{name} once in {headers:?}");
+                found[0].to_owned()
+            };
+            let id = format!("acme/run-ce/main/{lsn}");
+            assert_eq!(get("Nats-Msg-Id"), id);
+            assert_eq!(get("ce-specversion"), "1.0");
+            assert_eq!(get("ce-id"), id);
+            assert_eq!(get("ce-source"), "/acme/run-ce");
+            assert_eq!(get("ce-subject"), "main");
+            assert_eq!(get("ce-type"), kind);
+            assert_eq!(get("ce-datacontenttype"), raw_type);
+            let time = get("ce-time");
+            let time = chrono::DateTime::parse_from_rfc3339(&time).unwrap();
+            assert_eq!(time, event.created_at, "ce-time is created_at");
+            let read = percent_encoding::percent_decode_str(raw_type)
+                .decode_utf8()
+                .unwrap();
+            assert_eq!(read, content_type, "one round of percent-decoding");
+            assert!(
+                !headers
+                    .iter()
+                    .any(|(name, _)| name.eq_ignore_ascii_case("content-type")),
+                "no Content-Type header: a binding reader takes the message for binary mode"
+            );
+            assert_eq!(event.key.lsn, Lsn::new(lsn.parse().unwrap()));
+        }
+        assert_eq!(events[0].payload, b"{\"n\":1}");
+        assert_eq!(
+            events[0].meta.content_type.as_deref(),
+            Some("text/plain; charset=\"utf-8\""),
+            "the contract's own header still carries it"
+        );
+        assert!(
+            events.iter().all(|e| e.meta.headers.is_empty()),
+            "no ce-* taken for the host's"
+        );
+        relay.shutdown().await;
+        distribution::nats::scratch::delete_stream(&nats, &stream).await;
+    });
+}
+
 /// Connections reset while the relay ships: acks that were on their way are lost, their
 /// events sent again with the same `Nats-Msg-Id`, and the stream drops the copies; each branch
 /// stays in order, nothing is lost, and the outbox empties.

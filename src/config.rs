@@ -105,9 +105,10 @@ pub struct RelayConfig {
     /// own. Env `RELAY_GROUPS`, default `default`.
     pub groups: Vec<broker::Group>,
     /// What is written beside the contract: nothing (the default), or CloudEvents attributes
-    /// too (binary content mode), as `cloudEvents_*` headers ([`broker::WireMode::CloudEvents`],
-    /// env `RELAY_CLOUDEVENTS=true`) or `cloudEvents:*` ([`broker::WireMode::CloudEventsColon`],
-    /// `RELAY_CLOUDEVENTS=colon`).
+    /// too (binary content mode), as each binding names them, `cloudEvents_*` headers on
+    /// RabbitMQ and `ce-*` on NATS ([`broker::WireMode::CloudEvents`], env
+    /// `RELAY_CLOUDEVENTS=true`), or `cloudEvents:*` on RabbitMQ alone
+    /// ([`broker::WireMode::CloudEventsColon`], `RELAY_CLOUDEVENTS=colon`).
     pub wire_mode: broker::WireMode,
     /// `/readyz` fails when more branches than this are parked. Env `RELAY_READY_MAX_PARKED`,
     /// default 100.

@@ -64,8 +64,9 @@ pub struct Settings {
         value_delimiter = ','
     )]
     pub groups: Vec<String>,
-    /// Also write CloudEvents attributes (binary content mode): `true` as `cloudEvents_*`
-    /// headers (the AMQP binding's prefix), `colon` as `cloudEvents:*` (its first prefix).
+    /// Also write CloudEvents attributes (binary content mode): `true` as each binding names
+    /// them (`cloudEvents_*` headers on RabbitMQ, `ce-*` on NATS), `colon` as `cloudEvents:*`
+    /// (the AMQP binding's first prefix; RabbitMQ only).
     #[arg(long, env = "RELAY_CLOUDEVENTS", value_enum, default_value = "false")]
     pub cloudevents: CloudEventsSetting,
     /// Publisher shards (one AMQP connection each). On streams, ignored: one shard per
@@ -399,9 +400,10 @@ pub enum BrokerSetting {
 pub enum CloudEventsSetting {
     /// The contract alone.
     False,
-    /// Headers `cloudEvents_<attribute>`, the CloudEvents AMQP binding's prefix.
+    /// Headers `cloudEvents_<attribute>` on RabbitMQ (the CloudEvents AMQP binding's prefix),
+    /// `ce-<attribute>` on NATS (its NATS binding's).
     True,
-    /// Headers `cloudEvents:<attribute>`, the binding's first prefix (what `true` wrote
-    /// before).
+    /// Headers `cloudEvents:<attribute>`, the AMQP binding's first prefix (what `true` wrote
+    /// before); refused on NATS.
     Colon,
 }

@@ -8,7 +8,10 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::ShortString;
 
 /// One batch read from the outbox: (seq, tenant, run, lsn, payload) per row.
-type Rows = Vec<(i64, String, String, i64, Vec<u8>)>;
+pub(crate) type Rows = Vec<(i64, String, String, i64, Vec<u8>)>;
+
+/// The keys of a batch's rows: (tenant, run, lsn) on branch `main`.
+pub(crate) type Keys = Vec<(String, String, i64)>;
 
 /// Reads every row of `url`'s outbox, tenant by tenant in `seq` order, in the relay's batches
 /// (1,000 events or 4 MiB of payload), one reader reading ahead of `connections` publishing
@@ -24,6 +27,32 @@ pub(crate) async fn read_and_publish(
     connections: usize,
     delete: bool,
 ) -> Result<(f64, usize)> {
+    let (amqp, topology) = (amqp.to_owned(), topology.clone());
+    read_and_send(url, payload_bytes, connections, move |pool, receiver| {
+        tokio::spawn(publish_batches(
+            amqp.clone(),
+            topology.clone(),
+            pool,
+            receiver,
+            delete,
+        ))
+    })
+    .await
+}
+
+/// A publishing connection's task: takes batches until the reader is done, returns how many
+/// events the broker acknowledged.
+pub(crate) type Publishing = tokio::task::JoinHandle<Result<usize>>;
+
+/// [`read_and_publish`]'s reader, for any broker: reads the outbox as it says and hands every
+/// `connections`-th batch to each of `connections` tasks that `spawn` starts (each given the
+/// pool and its batches). Returns events/s and the rows read.
+pub(crate) async fn read_and_send(
+    url: &str,
+    payload_bytes: u32,
+    connections: usize,
+    spawn: impl Fn(PgPool, tokio::sync::mpsc::Receiver<Rows>) -> Publishing,
+) -> Result<(f64, usize)> {
     let options: sqlx::postgres::PgConnectOptions = format!("{url}?sslmode=disable").parse()?;
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(connections as u32 + 1)
@@ -36,10 +65,7 @@ pub(crate) async fn read_and_publish(
     for _ in 0..connections {
         let (sender, receiver) = tokio::sync::mpsc::channel::<Rows>(2);
         senders.push(sender);
-        let (amqp, topology, pool) = (amqp.to_owned(), topology.clone(), pool.clone());
-        tasks.push(tokio::spawn(publish_batches(
-            amqp, topology, pool, receiver, delete,
-        )));
+        tasks.push(spawn(pool.clone(), receiver));
     }
     let tenants: Vec<String> =
         sqlx::query_scalar("SELECT DISTINCT tenant_id FROM relay_branch ORDER BY 1")
@@ -81,6 +107,16 @@ pub(crate) async fn read_and_publish(
     Ok((rate, read))
 }
 
+/// `BENCH_BOUND_DEPTH=<n>`: batches each connection keeps unsettled (2: the one just written
+/// and the one before; 4 connections x 2 x 4 MiB is the relay's 32 MiB budget).
+pub(crate) fn depth() -> usize {
+    std::env::var("BENCH_BOUND_DEPTH")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(2usize)
+        .max(1)
+}
+
 /// One publishing connection of [`read_and_publish`]; returns how many publishes were acked.
 async fn publish_batches(
     amqp: String,
@@ -101,13 +137,7 @@ async fn publish_batches(
         ..BasicPublishOptions::default()
     };
     let base = wire_like_properties(None);
-    // `BENCH_BOUND_DEPTH=<n>`: batches each connection keeps unsettled (2: the one just
-    // written and the one before; 4 connections x 2 x 4 MiB is the relay's 32 MiB budget).
-    let depth = std::env::var("BENCH_BOUND_DEPTH")
-        .ok()
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(2usize)
-        .max(1);
+    let depth = depth();
     let mut acked = 0;
     let mut unsettled = std::collections::VecDeque::new();
     while let Some(rows) = batches.recv().await {
@@ -163,21 +193,27 @@ async fn settle(
         acked += usize::from(confirm.await?.is_ack());
     }
     if delete {
-        let tenants: Vec<&str> = keys.iter().map(|(t, _, _)| t.as_str()).collect();
-        let runs: Vec<&str> = keys.iter().map(|(_, r, _)| r.as_str()).collect();
-        let lsns: Vec<i64> = keys.iter().map(|(_, _, l)| *l).collect();
-        let deleted = sqlx::query(
-            "DELETE FROM relay_outbox o
-              USING unnest($1::text[], $2::text[], $3::bigint[]) AS x(t, r, l)
-              WHERE o.tenant_id = x.t AND o.run_id = x.r AND o.branch_id = 'main' AND o.lsn = x.l",
-        )
-        .bind(&tenants)
-        .bind(&runs)
-        .bind(&lsns)
-        .execute(pool)
-        .await?
-        .rows_affected();
-        anyhow::ensure!(deleted as usize == keys.len(), "bound: deleted {deleted}");
+        delete_rows(pool, &keys).await?;
     }
     Ok(acked)
+}
+
+/// Deletes a settled batch's rows as `ack_outbox` would (by primary key, in one statement).
+pub(crate) async fn delete_rows(pool: &PgPool, keys: &Keys) -> Result<()> {
+    let tenants: Vec<&str> = keys.iter().map(|(t, _, _)| t.as_str()).collect();
+    let runs: Vec<&str> = keys.iter().map(|(_, r, _)| r.as_str()).collect();
+    let lsns: Vec<i64> = keys.iter().map(|(_, _, l)| *l).collect();
+    let deleted = sqlx::query(
+        "DELETE FROM relay_outbox o
+          USING unnest($1::text[], $2::text[], $3::bigint[]) AS x(t, r, l)
+          WHERE o.tenant_id = x.t AND o.run_id = x.r AND o.branch_id = 'main' AND o.lsn = x.l",
+    )
+    .bind(&tenants)
+    .bind(&runs)
+    .bind(&lsns)
+    .execute(pool)
+    .await?
+    .rows_affected();
+    anyhow::ensure!(deleted as usize == keys.len(), "bound: deleted {deleted}");
+    Ok(())
 }

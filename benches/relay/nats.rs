@@ -1,7 +1,8 @@
 //! Section 16: NATS JetStream (the machine's server, `NATS_URL`): the relay draining a backlog
 //! against the NATS ceiling written by hand (the relay's headers and acks, pipelined, no
-//! database), and the chapter's design, one publish awaited at a time, at 256 B and 64 KiB
-//! (`BENCH_ONLY=nats` runs it alone).
+//! database), against section 9's bound on NATS (the same backlog read out of PostgreSQL and
+//! published by hand), and the chapter's design, one publish awaited at a time, at 256 B and
+//! 64 KiB (`BENCH_ONLY=nats` runs it alone).
 use std::collections::VecDeque;
 
 use distribution::nats::NatsConfig;
@@ -88,6 +89,103 @@ async fn publish_by_hand(
     Ok(events.len() as f64 / started.elapsed().as_secs_f64())
 }
 
+/// Section 9's bound on NATS: the same backlog read out of PostgreSQL (`bound::read_and_send`)
+/// and published pipelined by hand on 4 connections with the relay's headers and window, each
+/// batch's rows deleted once its acks are in; events/s. What a relay on NATS can hope for here.
+async fn bound_drain(env: &mut Env, per_run: u32, bytes: u32) -> Result<f64> {
+    let (pool, url) = env.database("natsbound").await?;
+    let written = store::fixtures::fill_backlog(&pool, "t", 50, 20, per_run, bytes).await?;
+    env.checkpoint().await?;
+    let stream = stream("bound").await?;
+    let config = stream.clone();
+    let (rate, read) = super::bound::read_and_send(&url, bytes, 4, move |pool, batches| {
+        tokio::spawn(publish_rows(config.clone(), pool, batches))
+    })
+    .await?;
+    anyhow::ensure!(read as u64 == written, "bound: read {read} of {written}");
+    anyhow::ensure!(
+        Outbox::new(pool.clone())
+            .tenants_with_pending()
+            .await?
+            .is_empty(),
+        "bound: rows left after deleting every acked one"
+    );
+    drop_stream(&stream).await;
+    pool.close().await;
+    env.drop_database(&url).await?;
+    Ok(rate)
+}
+
+/// One publishing connection of [`bound_drain`]: every row published without waiting, at most
+/// [`IN_FLIGHT`] acks outstanding (the relay's window, and the client's limit it sets: a
+/// publish past it waits for an ack), awaited oldest first; a batch's rows deleted once its
+/// last ack is in.
+async fn publish_rows(
+    config: NatsConfig,
+    pool: PgPool,
+    mut batches: tokio::sync::mpsc::Receiver<super::bound::Rows>,
+) -> Result<usize> {
+    let (_client, context) = distribution::nats::connect(&config).await?;
+    let mut window = AckWindow::default();
+    while let Some(rows) = batches.recv().await {
+        window
+            .batches
+            .push_back((Vec::with_capacity(rows.len()), rows.len()));
+        for (_, tenant, run, lsn, payload) in rows {
+            let branch = testkit::branch(&tenant, &run, "main");
+            let event = testkit::intent(&branch, lsn as u64)
+                .payload(payload)
+                .build();
+            let headers = distribution::nats::headers(
+                &event,
+                distribution::broker::WireMode::Plain,
+                &config.stream,
+            )
+            .map_err(|unwritable| anyhow::anyhow!("{unwritable}"))?;
+            let subject = config.subject_of(&branch.tenant, &branch.run);
+            let message = async_nats::jetstream::message::PublishMessage::build()
+                .payload(event.payload.into())
+                .headers(headers);
+            while window.acks.len() >= IN_FLIGHT {
+                window.await_oldest(&pool).await?;
+            }
+            window
+                .acks
+                .push_back(context.send_publish(subject, message).await?);
+            let batch = window.batches.back_mut().expect("this batch");
+            batch.0.push((tenant, run, lsn));
+        }
+    }
+    while !window.acks.is_empty() {
+        window.await_oldest(&pool).await?;
+    }
+    Ok(window.acked)
+}
+
+/// [`publish_rows`]'s acks outstanding, oldest first, and each batch's rows with how many of its
+/// acks are still outstanding.
+#[derive(Default)]
+struct AckWindow {
+    acks: VecDeque<async_nats::jetstream::context::PublishAckFuture>,
+    batches: VecDeque<(super::bound::Keys, usize)>,
+    acked: usize,
+}
+
+impl AckWindow {
+    /// Awaits the oldest ack (a stored message); deletes its batch's rows if it was the last.
+    async fn await_oldest(&mut self, pool: &PgPool) -> Result<()> {
+        self.acks.pop_front().expect("an ack").await?;
+        let (_, outstanding) = self.batches.front_mut().expect("a batch");
+        *outstanding -= 1;
+        if *outstanding == 0 {
+            let (keys, _) = self.batches.pop_front().expect("a batch");
+            super::bound::delete_rows(pool, &keys).await?;
+            self.acked += keys.len();
+        }
+        Ok(())
+    }
+}
+
 /// The relay on NATS draining `50 x 20 x per_run` intents of `bytes` each.
 async fn relay_drain(env: &mut Env, per_run: u32, bytes: u32) -> Result<f64> {
     let (pool, url) = env.database("nats").await?;
@@ -123,6 +221,7 @@ pub(crate) async fn nats_rows(
         let per_run = (events / 1000).max(1) as u32;
         let events = sized_events(per_run as usize * 1000, bytes);
         let (mut one, mut four, mut relay, mut serial) = (vec![], vec![], vec![], vec![]);
+        let mut bound = vec![];
         for _ in 0..3 {
             let config = stream("ceiling").await?;
             one.push(publish_by_hand(&config, &events, 1, IN_FLIGHT).await?);
@@ -131,6 +230,7 @@ pub(crate) async fn nats_rows(
             four.push(publish_by_hand(&config, &events, 4, IN_FLIGHT).await?);
             drop_stream(&config).await;
             relay.push(relay_drain(env, per_run, bytes as u32).await?);
+            bound.push(bound_drain(env, per_run, bytes as u32).await?);
             let config = stream("serial").await?;
             let few = &events[..events.len().min(2_000)];
             serial.push(publish_by_hand(&config, few, 1, 1).await?);
@@ -140,11 +240,12 @@ pub(crate) async fn nats_rows(
             values.sort_by(f64::total_cmp);
             values[values.len() / 2]
         };
-        let (one, four, relay, serial) = (
+        let (one, four, relay, serial, bound) = (
             median(&mut one),
             median(&mut four),
             median(&mut relay),
             median(&mut serial),
+            median(&mut bound),
         );
         let n = events.len();
         row(
@@ -162,6 +263,15 @@ pub(crate) async fn nats_rows(
                 relay / one
             ),
             "50 tenants x 20 runs backlog, RELAY_BROKER=nats, defaults (4 shards); target >= 0.9",
+        );
+        row(
+            &format!("16. NATS {label}: bound by hand from PostgreSQL (read, publish, delete)"),
+            format!(
+                "{bound:.0} ev/s ({:.2} of the ceiling on 4 connections; the relay drains {:.2} of it)",
+                bound / four,
+                relay / bound
+            ),
+            "the same backlog read in the relay's batches, published pipelined on 4 connections with the relay's headers, each batch deleted once acked (section 9's bound); median of 3",
         );
         row(
             &format!("16. NATS {label}: one publish awaited at a time"),

@@ -5,7 +5,7 @@ use std::time::{Duration, SystemTime};
 
 use maud::{Markup, html};
 
-use super::page::age;
+use super::readable::{age, clock};
 
 /// Samples of the oldest waiting intent's age, one every `every`, the last `capacity` kept.
 #[derive(Debug)]
@@ -98,7 +98,7 @@ impl LagHistory {
             @match (plotted.last(), highest) {
                 (Some((_, (at, last))), Some(highest)) => {
                     p .readout {
-                        "Now " b { (age(*last)) } " (sampled " (super::page::clock(*at)) "); the highest in the plot "
+                        "Now " b { (age(*last)) } " (sampled " (clock(*at)) "); the highest in the plot "
                         b { (age(highest)) } "."
                     }
                     svg .lag xmlns="http://www.w3.org/2000/svg" width=(WIDTH) height={ (HEIGHT + 16.0) }
@@ -113,7 +113,7 @@ impl LagHistory {
                         polyline points=(line.join(" ")) {}
                         @for ((x, y), (at, sampled)) in &plotted {
                             circle cx=(x) cy=(y) r="3" {
-                                title { (super::page::clock(*at)) ": " (age(*sampled)) }
+                                title { (clock(*at)) ": " (age(*sampled)) }
                             }
                         }
                     }

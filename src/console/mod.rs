@@ -25,6 +25,7 @@ use crate::letters::GroupBroker;
 mod guard;
 mod lag;
 mod page;
+mod readable;
 mod routes;
 
 use guard::{guard, method_not_allowed, not_found};

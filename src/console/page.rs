@@ -1,13 +1,12 @@
 //! The console's pages, rendered from plain data (no I/O): every value is escaped by maud,
 //! bodies are cut and shown as text or hex, and every form carries the CSRF token.
-use std::time::Duration;
-
 use distribution::broker::DeadLetterView as DeadLetter;
 use distribution::rabbit::QueueCount;
 use distribution::store::{Backlog, BranchBacklog, ParkCause, ParkedBranch, RelayShare, TenantId};
 use maud::{DOCTYPE, Markup, html};
 
 use super::lag::LagHistory;
+use super::readable::{age, clock};
 
 /// Bytes of a dead letter's body shown; the rest is counted, not shown.
 pub const BODY_SHOWN: usize = 4096;
@@ -65,24 +64,6 @@ pub fn shown(body: &[u8], limit: usize) -> Shown {
             }
         }
     }
-}
-
-/// A duration as a person reads it: `850 ms`, `12 s`, `4 min 5 s`, `3 h 20 min`.
-pub fn age(duration: Duration) -> String {
-    let secs = duration.as_secs();
-    match secs {
-        0 => format!("{} ms", duration.as_millis()),
-        1..60 => format!("{secs} s"),
-        60..3600 => format!("{} min {} s", secs / 60, secs % 60),
-        _ => format!("{} h {} min", secs / 3600, secs % 3600 / 60),
-    }
-}
-
-/// A wall-clock time as a person reads it: `2026-12-05 19:03:12 UTC`.
-pub fn clock(at: std::time::SystemTime) -> String {
-    chrono::DateTime::<chrono::Utc>::from(at)
-        .format("%Y-%m-%d %H:%M:%S UTC")
-        .to_string()
 }
 
 /// When the page was read, and a link that reads it again.
@@ -760,6 +741,8 @@ svg.lag text { font-size: 11px; fill: #5a6572; } svg.lag line { stroke: #dde1e6;
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     #[test]
@@ -915,13 +898,5 @@ mod tests {
             .split_whitespace()
             .collect::<Vec<_>>()
             .join(" ")
-    }
-
-    #[test]
-    fn ages_read_as_a_person_reads_them() {
-        assert_eq!(age(Duration::from_millis(850)), "850 ms");
-        assert_eq!(age(Duration::from_secs(12)), "12 s");
-        assert_eq!(age(Duration::from_secs(245)), "4 min 5 s");
-        assert_eq!(age(Duration::from_secs(12_000)), "3 h 20 min");
     }
 }

@@ -7,7 +7,7 @@ pub(crate) type SentAt = Arc<Mutex<HashMap<EventKey, (Instant, usize)>>>;
 /// Records when the broker confirmed each event (first confirm wins), for latency. The time is
 /// taken when the whole batch's confirms are in, so it never understates a confirm.
 pub(crate) struct TimedPublisher {
-    pub(crate) inner: RabbitPublisher,
+    pub(crate) inner: Box<dyn Publisher>,
     pub(crate) confirmed: Arc<Mutex<HashMap<EventKey, Instant>>>,
     /// When each event was first handed to the publisher, and its batch's size: recorded for
     /// `BENCH_DUMP` only, so a plain run's publish path carries nothing more.
@@ -67,7 +67,7 @@ pub(crate) fn latency_rows(
         String::new()
     };
     row(
-        &format!("4. commit-to-confirm p50 / p99 ({label})"),
+        &format!("{} p50 / p99 ({label})", measured.measure),
         format!(
             "{:.1} / {:.1} ms = {:.1}x / {:.1}x the floor ({floor_p50:.1} / {floor_p99:.1} ms){short}",
             measured.p50,
@@ -76,7 +76,7 @@ pub(crate) fn latency_rows(
             measured.p99 / floor_p99.max(f64::EPSILON),
         ),
         &format!(
-            "{} events; floor: one outbox read + one confirmed publish under the same load, every 10 ms; as the events met it (the probe running at each commit) {:.1} / {:.1} ms; PostgreSQL {}; {}targets p50 <= 1.5x, p99 <= 2x",
+            "{} events; floor: one outbox read + one confirmed publish (on the same broker) under the same load, every 10 ms; as the events met it (the probe running at each commit) {:.1} / {:.1} ms; PostgreSQL {}; {}targets p50 <= 1.5x, p99 <= 2x",
             measured.events,
             measured.floor_at_commits.0,
             measured.floor_at_commits.1,
@@ -92,13 +92,15 @@ pub(crate) fn latency_rows(
         ),
     );
     row(
-        &format!("4. commit-to-confirm max ({label})"),
+        &format!("{} max ({label})", measured.measure),
         format!("{:.1} ms", measured.max),
         "",
     );
 }
 
 pub(crate) struct Latency {
+    /// What the rows call it: `4. commit-to-confirm` on RabbitMQ, `16. NATS commit-to-ack`.
+    pub(crate) measure: &'static str,
     pub(crate) p50: f64,
     pub(crate) p99: f64,
     pub(crate) max: f64,
@@ -188,6 +190,8 @@ pub(crate) struct Load {
     pub(crate) express_max_events: u32,
     /// Consumer groups bound (each its own queues); 0: the unnamed group alone.
     pub(crate) groups: u16,
+    /// Shipped to the machine's NATS (a stream of its own) rather than to RabbitMQ.
+    pub(crate) nats: bool,
 }
 
 impl Load {
@@ -201,6 +205,7 @@ impl Load {
             hot_backlog: 0,
             express_max_events: 32,
             groups: 0,
+            nats: false,
         }
     }
 
@@ -214,6 +219,7 @@ impl Load {
             hot_backlog,
             express_max_events,
             groups: 0,
+            nats: false,
         }
     }
 }
@@ -251,24 +257,22 @@ pub(crate) async fn latency(
     } else {
         (pool, url)
     };
-    let mut rabbit = env.rabbit("latency", 8)?;
-    rabbit.topology = rabbit.topology.declaring(groups(load.groups));
+    let target = Target::new(env, load).await?;
     if load.hot_backlog > 0 {
         store::fixtures::fill_backlog(&pool, "hot", 1, 20, load.hot_backlog / 20, PAYLOAD_BYTES)
             .await?;
     }
     let confirmed: Arc<Mutex<HashMap<EventKey, Instant>>> = Arc::default();
     let sent: Option<SentAt> = std::env::var_os("BENCH_DUMP").map(|_| Arc::default());
-    let (factory_rabbit, factory_confirmed, factory_sent) =
-        (rabbit.clone(), confirmed.clone(), sent.clone());
-    let mut config = env.relay_config(&url, &rabbit);
+    let (factory_target, factory_confirmed, factory_sent) =
+        (target.clone(), confirmed.clone(), sent.clone());
+    let mut config = target.relay_config(env, &url);
     config.supervisor.drainer.express_max_events = load.express_max_events;
-    config.groups = groups(load.groups);
     let relay = Relay::start_with(
         config,
         Arc::new(move |_| {
             Box::new(TimedPublisher {
-                inner: RabbitPublisher::new(factory_rabbit.clone()),
+                inner: factory_target.publisher(),
                 confirmed: factory_confirmed.clone(),
                 sent: factory_sent.clone(),
             }) as Box<dyn Publisher>
@@ -363,13 +367,13 @@ pub(crate) async fn latency(
     // The floor: whatever the design, an event needs at least one outbox read and one confirmed
     // publish after its commit. Time exactly that pair, every 10 ms, under the same load.
     let probe = {
-        let (outbox, rabbit) = (Outbox::new(pool.clone()), rabbit.clone());
+        let (outbox, target) = (Outbox::new(pool.clone()), target.clone());
         let writers_done = writers
             .iter()
             .map(|writer| writer.abort_handle())
             .collect::<Vec<_>>();
         tokio::spawn(async move {
-            let mut publisher = RabbitPublisher::new(rabbit);
+            let mut publisher = target.publisher();
             let event = synthetic_events(1);
             let tenant = TenantId::new("floor-probe").expect("valid id");
             // Per probe: when it started, and how long it took (ms).
@@ -475,10 +479,14 @@ pub(crate) async fn latency(
         std::fs::write(format!("{path}.{name}.floor"), out)?;
     }
     millis.sort_by(f64::total_cmp);
-    drop_topology(&env.amqp, &rabbit.topology).await?;
+    target.drop(env).await?;
     pool.close().await;
     Ok((
         Latency {
+            measure: match target {
+                Target::Rabbit(_) => "4. commit-to-confirm",
+                Target::Nats(_) => "16. NATS commit-to-ack",
+            },
             p50: percentile(&millis, 0.5),
             p99: percentile(&millis, 0.99),
             max: millis.last().copied().unwrap_or_default(),
@@ -490,4 +498,58 @@ pub(crate) async fn latency(
         },
         hot_left,
     ))
+}
+
+/// Where a latency measurement ships: a RabbitMQ topology or a NATS stream of its own.
+#[derive(Clone)]
+pub(crate) enum Target {
+    Rabbit(RabbitConfig),
+    Nats(distribution::nats::NatsConfig),
+}
+
+impl Target {
+    async fn new(env: &mut Env, load: &Load) -> Result<Self> {
+        if load.nats {
+            anyhow::ensure!(load.groups == 0, "groups are RabbitMQ's queues here");
+            return Ok(Target::Nats(super::nats::stream("latency").await?));
+        }
+        let mut rabbit = env.rabbit("latency", 8)?;
+        rabbit.topology = rabbit.topology.declaring(groups(load.groups));
+        Ok(Target::Rabbit(rabbit))
+    }
+
+    fn relay_config(&self, env: &Env, url: &str) -> RelayConfig {
+        match self {
+            Target::Rabbit(rabbit) => {
+                let mut config = env.relay_config(url, rabbit);
+                config.groups = rabbit.topology.declared_groups().to_vec();
+                config
+            }
+            Target::Nats(stream) => {
+                let mut config = RelayConfig::nats(url, super::nats::nats_url());
+                config.topology = stream.stream.clone();
+                config.partitions = stream.partitions;
+                config
+            }
+        }
+    }
+
+    fn publisher(&self) -> Box<dyn Publisher> {
+        match self {
+            Target::Rabbit(rabbit) => Box::new(RabbitPublisher::new(rabbit.clone())),
+            Target::Nats(stream) => {
+                Box::new(distribution::nats::NatsPublisher::new(stream.clone()))
+            }
+        }
+    }
+
+    async fn drop(&self, env: &Env) -> Result<()> {
+        match self {
+            Target::Rabbit(rabbit) => drop_topology(&env.amqp, &rabbit.topology).await,
+            Target::Nats(stream) => {
+                super::nats::drop_stream(stream).await;
+                Ok(())
+            }
+        }
+    }
 }

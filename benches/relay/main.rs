@@ -17,9 +17,9 @@
 //! 14. the consumer's pace: folding in batches against one transaction per delivery, a group
 //!     replaying a stream and a live group on classic and quorum queues (`BENCH_ONLY=fold`);
 //! 16. NATS JetStream: the relay's drain against a ceiling written by hand and against one
-//!     publish awaited at a time, and section 9's bound on NATS, at 256 B and 64 KiB
-//!     (`BENCH_ONLY=nats`); 16b: a consumer group replaying the stream against the relay's
-//!     drain (`BENCH_ONLY=natsfold` alone).
+//!     publish awaited at a time, and section 9's bound on NATS, at 256 B and 64 KiB, and
+//!     commit-to-ack latency against its floor (`BENCH_ONLY=nats`); 16b: a consumer group
+//!     replaying the stream against the relay's drain (`BENCH_ONLY=natsfold` alone).
 //!
 //! This file holds the modes, the order of the sections and the report; each section lives
 //! in a module of its own (`ceiling`, `sizes` and its hand-written `bound`, `latency` and

@@ -2,7 +2,8 @@
 //! against the NATS ceiling written by hand (the relay's headers and acks, pipelined, no
 //! database), against section 9's bound on NATS (the same backlog read out of PostgreSQL and
 //! published by hand), and the chapter's design, one publish awaited at a time, at 256 B and
-//! 64 KiB (`BENCH_ONLY=nats` runs it alone).
+//! 64 KiB, and commit-to-ack latency against its floor at section 4's load
+//! (`BENCH_ONLY=nats` runs it alone).
 use std::collections::VecDeque;
 
 use distribution::nats::NatsConfig;
@@ -13,12 +14,12 @@ use super::*;
 /// default).
 const IN_FLIGHT: usize = 1_024;
 
-fn nats_url() -> String {
+pub(crate) fn nats_url() -> String {
     std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
 }
 
 /// A stream of its own for one measurement, declared as the relay declares it.
-async fn stream(label: &str) -> Result<NatsConfig> {
+pub(crate) async fn stream(label: &str) -> Result<NatsConfig> {
     let name = unique(&format!("relay_bench_{label}")).replace('-', "_");
     let config = NatsConfig::new(&nats_url(), &name, 8)?;
     let (_client, context) = distribution::nats::connect(&config).await?;
@@ -26,7 +27,7 @@ async fn stream(label: &str) -> Result<NatsConfig> {
     Ok(config)
 }
 
-async fn drop_stream(config: &NatsConfig) {
+pub(crate) async fn drop_stream(config: &NatsConfig) {
     distribution::nats::scratch::delete_stream(&nats_url(), &config.stream).await;
 }
 
@@ -282,6 +283,14 @@ pub(crate) async fn nats_rows(
             "the chapter's design, from memory (no database): what the relay replaces",
         );
     }
+    // Commit-to-ack latency at section 4's load, against its floor (one outbox read and one
+    // acked publish) on NATS, timed in the same run.
+    let load = Load {
+        nats: true,
+        ..Load::busy()
+    };
+    let (measured, _) = latency(env, mode, Wake::Notify, &load).await?;
+    latency_rows(row, Wake::Notify.label(), &measured);
     Ok(())
 }
 

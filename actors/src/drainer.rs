@@ -67,6 +67,9 @@ pub struct DrainerState {
     /// The one timer, set at the window's next timeout (retries, the idle check): a drainer
     /// woken often, or with many cooling branches, keeps one.
     timer: Option<(Instant, Timer)>,
+    /// Branches of this tenant the broker had no room for (first refusals): a full store
+    /// refuses every branch, so its WARN is the 1st, 2nd, 4th, 8th ... of them, not one each.
+    no_room_branches: u64,
 }
 
 impl DrainerState {
@@ -361,7 +364,13 @@ impl Drainer {
             RefusalAction::RetryAfter(_) => {
                 // Its timer is the window's.
                 if *attempts == 1 && *reason == Outcome::NoRoom.label() {
-                    tracing::warn!(branch = %branch, reason, "the broker has no room for an event (its store is full, or the stream at its limits): the branch waits and is retried, never parked");
+                    state.no_room_branches += 1;
+                    let branches = state.no_room_branches;
+                    if branches.is_power_of_two() {
+                        tracing::warn!(branch = %branch, branches, reason, "the broker has no room for an event (its store is full, or the stream at its limits): its branches wait and are retried, never parked (branches: of this tenant so far)");
+                    } else {
+                        tracing::debug!(branch = %branch, branches, reason, "no room for a branch");
+                    }
                 } else if *attempts == 1 {
                     tracing::warn!(branch = %branch, reason, "the broker refused an event; retrying its branch alone");
                 }
@@ -461,6 +470,7 @@ impl Actor for Drainer {
             args,
             window,
             timer: None,
+            no_room_branches: 0,
         })
     }
 

@@ -33,7 +33,8 @@ pub struct NatsConfig {
     pub ack_timeout: Duration,
     /// Acks a publisher holds in flight, at most [`MAX_ACKS_IN_FLIGHT`].
     pub max_in_flight: usize,
-    /// How events are written. Only [`WireMode::Plain`] on NATS for now.
+    /// How events are written: the contract alone, or with CloudEvents attributes as the NATS
+    /// binding's `ce-*` headers ([`WireMode::CloudEvents`]); `CloudEventsColon` is refused.
     pub wire_mode: WireMode,
 }
 

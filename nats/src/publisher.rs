@@ -97,6 +97,9 @@ pub(crate) async fn open(
 struct Pending {
     outcomes: Vec<Outcome>,
     acks: Vec<(usize, PublishAckFuture)>,
+    /// Each ack's message id, in `acks`' order, kept only while TRACE is on (the ack trace
+    /// names the event: a partition test that finds an event lost needs its answer).
+    traced: Vec<String>,
     deadline: Instant,
     fault: Option<Error>,
     done: OnReport,
@@ -217,6 +220,8 @@ impl NatsPublisher {
         };
         let mut outcomes = vec![Outcome::NotSent; n_events];
         let mut acks = Vec::with_capacity(n_events);
+        let trace = tracing::enabled!(tracing::Level::TRACE);
+        let mut traced = Vec::new();
         let mut fault = None;
         for (index, event) in events.iter().enumerate() {
             // Fenced: the lease is gone, another relay may own the tenant now; the rest is
@@ -257,7 +262,12 @@ impl NatsPublisher {
             )
             .await;
             match written {
-                Ok(Ok(ack)) => acks.push((index, ack)),
+                Ok(Ok(ack)) => {
+                    if trace {
+                        traced.push(broker::message_id(&event.key));
+                    }
+                    acks.push((index, ack));
+                }
                 Ok(Err(err)) => {
                     let verdict = attribute(answer_of(err.kind(), &err));
                     outcomes[index] = verdict.outcome;
@@ -278,6 +288,7 @@ impl NatsPublisher {
         let pending = Pending {
             outcomes,
             acks,
+            traced,
             deadline: Instant::now() + config.ack_timeout,
             fault,
             done,
@@ -333,14 +344,20 @@ async fn pump_acks(
     mut lost: watch::Receiver<bool>,
 ) {
     while let Some(mut batch) = batches.recv().await {
-        for (index, ack) in std::mem::take(&mut batch.acks) {
+        let traced = std::mem::take(&mut batch.traced);
+        for (n, (index, ack)) in std::mem::take(&mut batch.acks).into_iter().enumerate() {
             // An ack already in is taken first; once the connection lost its server, no other
             // will come on it, so the batch is answered at once rather than at its deadline.
             let answer = tokio::select! {
                 biased;
                 acked = tokio::time::timeout_at(batch.deadline, ack.into_future()) => match acked {
                     Ok(Ok(ack)) => {
-                        tracing::trace!(sequence = ack.sequence, duplicate = ack.duplicate, "acked");
+                        tracing::trace!(
+                            id = traced.get(n).map(String::as_str),
+                            sequence = ack.sequence,
+                            duplicate = ack.duplicate,
+                            "acked"
+                        );
                         if !crate::attribute::ack_stored(&ack) {
                             Answer::InFlight
                         } else {

@@ -53,6 +53,26 @@ pub async fn read_stream(
         .collect()
 }
 
+/// Every message of `stream` on the server at `url`, in stream order: what it decodes to and
+/// when the server stored it (a copy stored again after the duplicate window is a second
+/// message, later by at least the window).
+pub async fn read_stream_stored_at(
+    url: &str,
+    stream: &str,
+) -> Vec<(
+    Result<store::OutboxEvent, broker::WireError>,
+    std::time::SystemTime,
+)> {
+    read_raw(url, stream)
+        .await
+        .into_iter()
+        .map(|message| {
+            let event = crate::decode(&message.headers, &message.payload);
+            (event, std::time::SystemTime::from(message.time))
+        })
+        .collect()
+}
+
 /// Every header of every message of `stream`, in stream order, as (name, value) pairs in the
 /// order the server keeps them: what a test of the wire reads, in no client's types.
 pub async fn read_headers(url: &str, stream: &str) -> Vec<Vec<(String, String)>> {

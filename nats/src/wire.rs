@@ -12,9 +12,11 @@
 //!
 //! NATS headers are lines of text read back trimmed, so a value with a line break, or with
 //! whitespace at either end, cannot travel unchanged; nor can a host header named `Nats-*`,
-//! which the server would act on. The store refuses both at append time (migration 18,
-//! `store::is_portable_header_value`); a row written before that is [`Unwritable`] here:
-//! refused, never altered.
+//! which the server would act on, or `ce-*`, which a CloudEvents reader takes for an
+//! attribute. The store refuses them at append time (migrations 18 and 19,
+//! `store::is_portable_header_value`, `store::is_reserved_header`); a row written before that is
+//! [`Unwritable`] here: refused, never altered. So is, with CloudEvents, a host's
+//! `Content-Type: application/cloudevents...`, which a binding reader takes for structured mode.
 use async_nats::{HeaderMap, HeaderName, HeaderValue};
 use broker::{Envelope, NUMBER_HEADERS, Value, WireError, WireMode};
 use percent_encoding::{AsciiSet, CONTROLS, utf8_percent_encode};
@@ -44,6 +46,17 @@ const CLOUDEVENTS_ESCAPED: &AsciiSet = &CONTROLS.add(b' ').add(b'"').add(b'%');
 /// UTF-8 bytes, in upper case (`Euro €` is `Euro%20%E2%82%AC`).
 pub(crate) fn cloudevents_value(value: &str) -> String {
     utf8_percent_encode(value, CLOUDEVENTS_ESCAPED).to_string()
+}
+
+/// Whether a host header would make a reader of the CloudEvents NATS binding take the message
+/// for structured mode: `Content-Type` (any case) starting with `application/cloudevents`
+/// (any case), the binding's test (section 3).
+fn takes_for_structured(name: &str, value: &str) -> bool {
+    const STRUCTURED: &str = "application/cloudevents";
+    name.eq_ignore_ascii_case("content-type")
+        && value
+            .get(..STRUCTURED.len())
+            .is_some_and(|start| start.eq_ignore_ascii_case(STRUCTURED))
 }
 
 /// An event NATS cannot carry unchanged, and the header that says why.
@@ -106,6 +119,13 @@ pub fn headers(event: &OutboxEvent, mode: WireMode, stream: &str) -> Result<Head
             Value::Number(number) => number.to_string(),
             Value::Other => continue,
         };
+        if mode != WireMode::Plain && takes_for_structured(name, &text) {
+            return Err(Unwritable {
+                header: name.clone(),
+                reason: "a Content-Type of application/cloudevents, which makes a CloudEvents \
+                         NATS reader take the message for structured mode",
+            });
+        }
         headers.insert(header_name(name)?, header_value(name, &text)?);
     }
     for (name, value) in [
@@ -299,6 +319,19 @@ mod tests {
             assert_eq!(refused.header, name);
             assert!(refused.reason.contains(reason), "{refused}");
         }
+        // With CloudEvents, a host's Content-Type that says structured mode; plain, it travels.
+        let mut structured = event();
+        structured.meta.headers = [(
+            "Content-Type".to_owned(),
+            "Application/CloudEvents+json".to_owned(),
+        )]
+        .into();
+        let refused = headers(&structured, WireMode::CloudEvents, "events").unwrap_err();
+        assert!(refused.reason.contains("structured mode"), "{refused}");
+        let written = headers(&structured, WireMode::Plain, "events").unwrap();
+        assert_eq!(decode(&written, b"{}").unwrap(), structured);
+        structured.meta.headers = [("content-type".to_owned(), "text/plain".to_owned())].into();
+        headers(&structured, WireMode::CloudEvents, "events").unwrap();
         let mut event = event();
         event.meta.headers = [("note".to_owned(), String::new())].into();
         let written = headers(&event, WireMode::Plain, "events").unwrap();

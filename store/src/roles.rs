@@ -128,6 +128,7 @@ pub fn roles_sql(roles: &Roles, on: RolesFor, schema: Option<&Schema>) -> Result
             "relay_close_run",
             "relay_require_id",
             "relay_require_meta",
+            "relay_require_meta_0018",
             "relay_current_epoch",
             "relay_ack_and_drain",
             "relay_retire_runs",

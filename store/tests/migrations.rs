@@ -109,6 +109,7 @@ async fn an_upgrade_keeps_the_roles_grants() {
     // functions yet).
     let grants = store::roles_sql(&roles, store::RolesFor::Outbox, None)
         .unwrap()
+        .replace("relay_require_meta_0018, ", "")
         .replace("relay_require_meta, ", "")
         .replace("relay_current_epoch, ", "")
         .replace(", relay_wait_replicated", "")
@@ -194,6 +195,9 @@ async fn an_upgrade_keeps_the_roles_grants() {
             ),
             (&operator, append, false),
             (&operator, drain, false),
+            // The script revokes both halves of the metadata check (migration 19 split it).
+            (&other, "relay_require_meta(jsonb)", false),
+            (&other, "relay_require_meta_0018(jsonb)", false),
             // Revoked from PUBLIC by its migration, whatever script ran before.
             (&other, "relay_release(text, text, text)", false),
             (&relay, "relay_release(text, text, text)", false),
@@ -260,4 +264,53 @@ async fn migrating_the_fold_after_the_whole_schema_and_back_is_a_no_op() {
     let fold_only = empty_database("mig_fold_first").await;
     store::migrate_fold(&fold_only).await.expect("fold first");
     store::migrate_fold(&fold_only).await.expect("fold again");
+}
+
+/// Migration 19 renames `relay_require_meta` and creates the check anew: a database whose
+/// grants were set (`distribution roles` revoking PUBLIC's) before it keeps them on the new
+/// function, not PUBLIC's default.
+#[tokio::test]
+async fn migration_19_keeps_the_metadata_checks_grants() {
+    let pool = empty_database("mig_19_grants").await;
+    let mut before = Migrator {
+        migrations: store::MIGRATOR
+            .iter()
+            .filter(|migration| migration.version <= 18)
+            .cloned()
+            .collect::<Vec<_>>()
+            .into(),
+        ..Migrator::DEFAULT
+    };
+    before.dangerous_set_table_name(store::MIGRATIONS_TABLE);
+    before.run(&pool).await.unwrap();
+    let other = format!("mig_19_other_{}", std::process::id());
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE ROLE {other}; REVOKE EXECUTE ON FUNCTION relay_require_meta(jsonb) FROM PUBLIC"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    store::migrate(&pool).await.unwrap();
+    let may = |function: &'static str| {
+        let (pool, other) = (pool.clone(), other.clone());
+        async move {
+            sqlx::query_scalar::<_, bool>("SELECT has_function_privilege($1, $2, 'EXECUTE')")
+                .bind(other)
+                .bind(function)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let new = may("relay_require_meta(jsonb)").await;
+    let old = may("relay_require_meta_0018(jsonb)").await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP ROLE {other}")))
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert!(!old, "the renamed function keeps its grants");
+    assert!(
+        !new,
+        "the new function takes the old one's grants, not PUBLIC's"
+    );
 }

@@ -209,7 +209,7 @@ impl ParkCause {
             }
             Self::TooLarge => "an event is larger than the broker's max_message_size",
             Self::Unwritable => {
-                "an event has a header NATS cannot carry unchanged (a value with a line break or whitespace at either end, a `Nats-*` name); only rows written before the store's migration 18, which refuses them at append"
+                "an event has a header NATS cannot carry unchanged (a value with a line break or whitespace at either end, a `Nats-*` or `ce-*` name); only rows written before the store's migrations 18 and 19, which refuse them at append (or, with CloudEvents, a host `Content-Type` of `application/cloudevents...`)"
             }
             Self::Unreadable => {
                 "a row of it cannot be read by this relay (its metadata does not decode: written past relay_append, or by a newer schema); the intents before it shipped"

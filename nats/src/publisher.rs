@@ -427,7 +427,8 @@ pub async fn preflight(config: &NatsConfig) -> Result<(Preflight, Option<String>
 
 /// What an operator should know of a server version: before 2.10 JetStream syncs its files to
 /// disk every 60 s and cannot be told otherwise, so an acked message can be lost in an OS
-/// crash or power cut of a single-replica stream (a process crash loses nothing).
+/// crash or power cut of a single-replica stream (a process crash loses nothing); and a 2.9
+/// cluster lost acked messages across partitions in the relay's partition test.
 pub fn durability_note(version: &str, replicas: usize) -> Option<String> {
     let mut parts = version
         .split('.')
@@ -435,10 +436,15 @@ pub fn durability_note(version: &str, replicas: usize) -> Option<String> {
     let (major, minor) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
     let old = (major, minor) < (2, 10);
     match (old, replicas) {
-        (true, _) => Some(format!(
+        (true, 1) => Some(format!(
             "NATS {version} syncs JetStream to disk every 60 s, fixed: an acked event can be lost \
              in an OS crash or power cut of the server (not in a process crash); 2.10 or later \
              with `jetstream {{ sync_interval: always }}` syncs each write"
+        )),
+        (true, _) => Some(format!(
+            "NATS {version} in a cluster loses acked events across network partitions (measured: \
+             docs/operations.md, \"On NATS JetStream\") and syncs JetStream to disk every 60 s, \
+             fixed; run 2.10 or later"
         )),
         (false, 1) => Some(format!(
             "NATS {version}: an ack means written to the OS, not to disk, unless the server runs \
@@ -455,7 +461,8 @@ mod tests {
 
     #[test]
     fn a_server_that_cannot_sync_each_write_is_named() {
-        assert!(durability_note("2.9.10", 3).unwrap().contains("every 60 s"));
+        assert!(durability_note("2.9.10", 1).unwrap().contains("every 60 s"));
+        assert!(durability_note("2.9.10", 3).unwrap().contains("partitions"));
         assert!(
             durability_note("2.10.27", 1)
                 .unwrap()

@@ -78,17 +78,7 @@ async fn a_legacy_database_is_adopted() {
 #[tokio::test]
 async fn an_upgrade_keeps_the_roles_grants() {
     let pool = empty_database("mig_grants").await;
-    let mut before = Migrator {
-        migrations: store::MIGRATOR
-            .iter()
-            .filter(|migration| migration.version <= 7)
-            .cloned()
-            .collect::<Vec<_>>()
-            .into(),
-        ..Migrator::DEFAULT
-    };
-    before.dangerous_set_table_name(store::MIGRATIONS_TABLE);
-    before.run(&pool).await.unwrap();
+    migrate_up_to(&pool, 7).await;
     let suffix = std::process::id();
     let [host, relay, consumer, other, operator] =
         ["host", "relay", "consumer", "other", "operator"]
@@ -236,6 +226,21 @@ async fn an_upgrade_keeps_the_roles_grants() {
     }
 }
 
+/// Applies the relay's migrations up to `version`, as a relay of that version left the schema.
+async fn migrate_up_to(pool: &sqlx::PgPool, version: i64) {
+    let mut before = Migrator {
+        migrations: store::MIGRATOR
+            .iter()
+            .filter(|migration| migration.version <= version)
+            .cloned()
+            .collect::<Vec<_>>()
+            .into(),
+        ..Migrator::DEFAULT
+    };
+    before.dangerous_set_table_name(store::MIGRATIONS_TABLE);
+    before.run(pool).await.unwrap();
+}
+
 /// Runs `future`, catching a panic so the caller can clean up first.
 async fn futures_catch<F: std::future::Future<Output = ()>>(
     future: F,
@@ -272,17 +277,7 @@ async fn migrating_the_fold_after_the_whole_schema_and_back_is_a_no_op() {
 #[tokio::test]
 async fn migration_19_keeps_the_metadata_checks_grants() {
     let pool = empty_database("mig_19_grants").await;
-    let mut before = Migrator {
-        migrations: store::MIGRATOR
-            .iter()
-            .filter(|migration| migration.version <= 18)
-            .cloned()
-            .collect::<Vec<_>>()
-            .into(),
-        ..Migrator::DEFAULT
-    };
-    before.dangerous_set_table_name(store::MIGRATIONS_TABLE);
-    before.run(&pool).await.unwrap();
+    migrate_up_to(&pool, 18).await;
     let other = format!("mig_19_other_{}", std::process::id());
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "CREATE ROLE {other}; REVOKE EXECUTE ON FUNCTION relay_require_meta(jsonb) FROM PUBLIC"

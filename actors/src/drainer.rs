@@ -28,6 +28,7 @@ use crate::{PublisherMessage, Reply, ShardId};
 
 mod api;
 mod budget;
+mod no_room;
 pub use api::{
     DrainerArgs, DrainerConfig, DrainerMessage, DrainerReport, DrainerReporter, StopReason,
 };
@@ -67,9 +68,9 @@ pub struct DrainerState {
     /// The one timer, set at the window's next timeout (retries, the idle check): a drainer
     /// woken often, or with many cooling branches, keeps one.
     timer: Option<(Instant, Timer)>,
-    /// Branches of this tenant the broker had no room for (first refusals): a full store
-    /// refuses every branch, so its WARN is the 1st, 2nd, 4th, 8th ... of them, not one each.
-    no_room_branches: u64,
+    /// Branches of this tenant the broker had no room for in the current episode (WARN on the
+    /// 1st, 2nd, 4th ... of them, not one each).
+    no_room: no_room::NoRoomNotice,
 }
 
 impl DrainerState {
@@ -308,6 +309,9 @@ impl Drainer {
             ),
             None => {}
         }
+        if settled.refusals.is_empty() && !settled.acks.is_empty() {
+            state.no_room.shipped();
+        }
         for refusal in &settled.refusals {
             if let Err(err) = self.refused(state, refusal).await {
                 return Self::store_failed(myself, err);
@@ -364,9 +368,8 @@ impl Drainer {
             RefusalAction::RetryAfter(_) => {
                 // Its timer is the window's.
                 if *attempts == 1 && *reason == Outcome::NoRoom.label() {
-                    state.no_room_branches += 1;
-                    let branches = state.no_room_branches;
-                    if branches.is_power_of_two() {
+                    let (branches, warn) = state.no_room.refused();
+                    if warn {
                         tracing::warn!(branch = %branch, branches, reason, "the broker has no room for an event (its store is full, or the stream at its limits): its branches wait and are retried, never parked (branches: of this tenant so far)");
                     } else {
                         tracing::debug!(branch = %branch, branches, reason, "no room for a branch");
@@ -470,7 +473,7 @@ impl Actor for Drainer {
             args,
             window,
             timer: None,
-            no_room_branches: 0,
+            no_room: no_room::NoRoomNotice::default(),
         })
     }
 

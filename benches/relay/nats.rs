@@ -39,6 +39,24 @@ fn sized_events(n: usize, bytes: usize) -> Vec<OutboxEvent> {
     events
 }
 
+/// An event's subject and message as the relay writes them (its headers, the payload as is).
+fn message_of(
+    config: &NatsConfig,
+    event: OutboxEvent,
+) -> Result<(String, async_nats::jetstream::message::PublishMessage)> {
+    let headers = distribution::nats::headers(
+        &event,
+        distribution::broker::WireMode::Plain,
+        &config.stream,
+    )
+    .map_err(|unwritable| anyhow::anyhow!("{unwritable}"))?;
+    let subject = config.subject_of(&event.key.branch.tenant, &event.key.branch.run);
+    let message = async_nats::jetstream::message::PublishMessage::build()
+        .payload(event.payload.into())
+        .headers(headers);
+    Ok((subject, message))
+}
+
 /// Publishes `events` over `connections` connections with the relay's headers, up to
 /// `in_flight` acks outstanding per connection (awaited oldest first; 1: the chapter's one at
 /// a time); events per second, every ack a stored message.
@@ -55,18 +73,9 @@ async fn publish_by_hand(
         tasks.push(tokio::spawn(async move {
             let (_client, context) = distribution::nats::connect(&config).await?;
             let mut acks = VecDeque::new();
-            for event in &slice {
-                let branch = &event.key.branch;
-                let headers = distribution::nats::headers(
-                    event,
-                    distribution::broker::WireMode::Plain,
-                    &config.stream,
-                )
-                .map_err(|unwritable| anyhow::anyhow!("{unwritable}"))?;
-                let message = async_nats::jetstream::message::PublishMessage::build()
-                    .payload(event.payload.clone().into())
-                    .headers(headers);
-                let subject = config.subject_of(&branch.tenant, &branch.run);
+            let sent = slice.len();
+            for event in slice {
+                let (subject, message) = message_of(&config, event)?;
                 acks.push_back(context.send_publish(subject, message).await?);
                 while acks.len() >= in_flight {
                     acks.pop_front().expect("an ack").await?;
@@ -75,7 +84,7 @@ async fn publish_by_hand(
             for ack in acks {
                 ack.await?;
             }
-            anyhow::Ok(slice.len())
+            anyhow::Ok(sent)
         }));
     }
     let mut stored = 0;
@@ -137,16 +146,7 @@ async fn publish_rows(
             let event = testkit::intent(&branch, lsn as u64)
                 .payload(payload)
                 .build();
-            let headers = distribution::nats::headers(
-                &event,
-                distribution::broker::WireMode::Plain,
-                &config.stream,
-            )
-            .map_err(|unwritable| anyhow::anyhow!("{unwritable}"))?;
-            let subject = config.subject_of(&branch.tenant, &branch.run);
-            let message = async_nats::jetstream::message::PublishMessage::build()
-                .payload(event.payload.into())
-                .headers(headers);
+            let (subject, message) = message_of(&config, event)?;
             while window.acks.len() >= IN_FLIGHT {
                 window.await_oldest(&pool).await?;
             }

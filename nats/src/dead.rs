@@ -234,9 +234,7 @@ impl NatsDeadLetters {
             let mut headers = HeaderMap::new();
             for (name, values) in letter.raw.iter() {
                 let name: &str = name.as_ref();
-                if name.len() >= 5 && name[..5].eq_ignore_ascii_case("nats-")
-                    || name == DEAD_LETTER_REASON
-                {
+                if crate::wire::is_server_header(name) || name == DEAD_LETTER_REASON {
                     continue;
                 }
                 for value in values {

@@ -392,7 +392,7 @@ pub async fn dead_letter(
     let mut headers = HeaderMap::new();
     for (name, values) in delivery.headers.iter() {
         let name: &str = name.as_ref();
-        if name.len() >= 5 && name[..5].eq_ignore_ascii_case("nats-") {
+        if crate::wire::is_server_header(name) {
             continue;
         }
         for value in values {

@@ -52,11 +52,19 @@ pub(crate) fn cloudevents_value(value: &str) -> String {
 /// for structured mode: `Content-Type` (any case) starting with `application/cloudevents`
 /// (any case), the binding's test (section 3).
 fn takes_for_structured(name: &str, value: &str) -> bool {
-    const STRUCTURED: &str = "application/cloudevents";
-    name.eq_ignore_ascii_case("content-type")
-        && value
-            .get(..STRUCTURED.len())
-            .is_some_and(|start| start.eq_ignore_ascii_case(STRUCTURED))
+    name.eq_ignore_ascii_case("content-type") && has_prefix(value, "application/cloudevents")
+}
+
+/// Whether a header is the NATS server's or client's (`Nats-*`, any case): never the event's.
+pub(crate) fn is_server_header(name: &str) -> bool {
+    has_prefix(name, "nats-")
+}
+
+/// Whether `text` starts with `prefix`, compared without ASCII case (never panics on a
+/// character boundary).
+fn has_prefix(text: &str, prefix: &str) -> bool {
+    text.get(..prefix.len())
+        .is_some_and(|start| start.eq_ignore_ascii_case(prefix))
 }
 
 /// An event NATS cannot carry unchanged, and the header that says why.
@@ -88,13 +96,13 @@ fn header_value(name: &str, value: &str) -> Result<HeaderValue, Unwritable> {
 }
 
 fn header_name(name: &str) -> Result<HeaderName, Unwritable> {
-    if name.len() >= 5 && name[..5].eq_ignore_ascii_case("nats-") {
+    if is_server_header(name) {
         return Err(Unwritable {
             header: name.to_owned(),
             reason: "a Nats-* name, which the NATS server acts on",
         });
     }
-    if name.len() >= 3 && name[..3].eq_ignore_ascii_case(CLOUDEVENTS_PREFIX) {
+    if has_prefix(name, CLOUDEVENTS_PREFIX) {
         return Err(Unwritable {
             header: name.to_owned(),
             reason: "a ce-* name, which the CloudEvents NATS binding reads as an attribute",
@@ -172,8 +180,7 @@ pub fn envelope(headers: &HeaderMap) -> Envelope {
             TYPE => envelope.kind = first.map(str::to_owned),
             CONTENT_TYPE => envelope.content_type = first.map(str::to_owned),
             CORRELATION_ID => envelope.correlation_id = first.map(str::to_owned),
-            _ if name.len() >= 5 && name[..5].eq_ignore_ascii_case("nats-") => {}
-            _ if name.len() >= 3 && name[..3].eq_ignore_ascii_case(CLOUDEVENTS_PREFIX) => {}
+            _ if is_server_header(name) || has_prefix(name, CLOUDEVENTS_PREFIX) => {}
             _ => {
                 let value = match (values.as_slice(), NUMBER_HEADERS.contains(&name)) {
                     ([one], true) => one

@@ -143,18 +143,6 @@ async fn an_upgrade_keeps_the_roles_grants() {
                 .unwrap()
         }
     };
-    let may = |role: &str, function: &str| {
-        let pool = pool.clone();
-        let (role, function) = (role.to_owned(), function.to_owned());
-        async move {
-            sqlx::query_scalar::<_, bool>("SELECT has_function_privilege($1, $2, 'EXECUTE')")
-                .bind(role)
-                .bind(function)
-                .fetch_one(&pool)
-                .await
-                .unwrap()
-        }
-    };
     let append = "relay_append(text, text, text, bigint, bytea, boolean, bigint, jsonb)";
     let drain = "relay_ack_and_drain(integer, text, bigint, text, text[], text[], bigint[], bigint, bigint, text[], text[], bigint[])";
     let fold = "relay_fold(text, text, text, text, bigint, bigint, bigint, text, text, timestamptz, bytea, jsonb, bigint, bigint)";
@@ -192,7 +180,11 @@ async fn an_upgrade_keeps_the_roles_grants() {
             (&other, "relay_release(text, text, text)", false),
             (&relay, "relay_release(text, text, text)", false),
         ] {
-            assert_eq!(may(role, function).await, expected, "{role} on {function}");
+            assert_eq!(
+                may_execute(&pool, role, function).await,
+                expected,
+                "{role} on {function}"
+            );
         }
         // Counts, ages and reasons, never a payload.
         for (role, table, expected) in [
@@ -224,6 +216,16 @@ async fn an_upgrade_keeps_the_roles_grants() {
     if let Err(panic) = checked {
         std::panic::resume_unwind(panic);
     }
+}
+
+/// Whether `role` may execute `function` (a signature).
+async fn may_execute(pool: &sqlx::PgPool, role: &str, function: &str) -> bool {
+    sqlx::query_scalar("SELECT has_function_privilege($1, $2, 'EXECUTE')")
+        .bind(role)
+        .bind(function)
+        .fetch_one(pool)
+        .await
+        .unwrap()
 }
 
 /// Applies the relay's migrations up to `version`, as a relay of that version left the schema.
@@ -286,19 +288,8 @@ async fn migration_19_keeps_the_metadata_checks_grants() {
     .await
     .unwrap();
     store::migrate(&pool).await.unwrap();
-    let may = |function: &'static str| {
-        let (pool, other) = (pool.clone(), other.clone());
-        async move {
-            sqlx::query_scalar::<_, bool>("SELECT has_function_privilege($1, $2, 'EXECUTE')")
-                .bind(other)
-                .bind(function)
-                .fetch_one(&pool)
-                .await
-                .unwrap()
-        }
-    };
-    let new = may("relay_require_meta(jsonb)").await;
-    let old = may("relay_require_meta_0018(jsonb)").await;
+    let new = may_execute(&pool, &other, "relay_require_meta(jsonb)").await;
+    let old = may_execute(&pool, &other, "relay_require_meta_0018(jsonb)").await;
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP ROLE {other}")))
         .execute(&pool)
         .await

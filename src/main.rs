@@ -20,6 +20,12 @@ use clap::{CommandFactory, Parser, Subcommand};
 use distribution::store;
 use distribution::{LogFormat, Settings};
 
+/// mimalloc rather than glibc's malloc, which cost the relay 1.1-2x the CPU per event
+/// (benches/HISTORY.md, issue 47).
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 mod console;
 mod dead_cli;
 mod demo;

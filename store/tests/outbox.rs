@@ -864,3 +864,89 @@ async fn a_parked_branch_is_held_its_delay_and_not_the_length_of_a_step_back(poo
         "not held for the step"
     );
 }
+
+/// The steady-state call skips a parked branch whole beside the branches in flight, drains
+/// every other branch, leaves another tenant's park alone, unparks a branch once one of its
+/// events is acked, and drains a parked branch again once its retry is due.
+#[sqlx::test(migrator = "store::MIGRATOR")]
+async fn ack_and_drain_skips_parked_and_in_flight_branches_and_an_ack_unparks(pool: PgPool) {
+    let outbox = Outbox::new(pool.clone());
+    let writer = IntentWriter::default().with_notify(false);
+    let parked = key("t", "r1", "b");
+    let flying = key("t", "r2", "b");
+    let free = key("t", "r3", "b");
+    let elsewhere = key("u", "r1", "b");
+    let mut conn = pool.acquire().await.unwrap();
+    for branch in [&parked, &flying, &free, &elsewhere] {
+        writer.open_run(&mut conn, branch).await.unwrap();
+        for lsn in 1..=3 {
+            writer
+                .append(&mut conn, branch, Lsn::new(lsn), b"x")
+                .await
+                .unwrap();
+        }
+    }
+    let hour = Duration::from_secs(3600);
+    let zero = Duration::ZERO;
+    outbox
+        .park_branch(&parked, "nacked", 5, zero, hour)
+        .await
+        .unwrap();
+    outbox
+        .park_branch(&elsewhere, "nacked", 5, zero, hour)
+        .await
+        .unwrap();
+    let tenant = &parked.tenant;
+    let in_flight = [EventKey {
+        branch: flying.clone(),
+        lsn: Lsn::new(2),
+    }];
+    let drained = outbox
+        .ack_and_drain(&Fence::open(), &[], tenant, 100, &in_flight)
+        .await
+        .unwrap();
+    let by_branch = lsns_by_branch(&drained);
+    assert_eq!(by_branch.get(&parked), None, "parked: skipped whole");
+    assert_eq!(by_branch[&flying], vec![3], "in flight up to 2");
+    assert_eq!(by_branch[&free], vec![1, 2, 3]);
+    assert_eq!(
+        lsns_by_branch(
+            &outbox
+                .ack_and_drain(&Fence::open(), &[], &elsewhere.tenant, 100, &[])
+                .await
+                .unwrap()
+        )
+        .get(&elsewhere),
+        None,
+        "the other tenant's park holds"
+    );
+    // An ack of the parked branch's event (a batch confirmed before it parked) unparks it,
+    // and only it: the other tenant's park is untouched.
+    let confirmed = [EventKey {
+        branch: parked.clone(),
+        lsn: Lsn::new(1),
+    }];
+    let drained = outbox
+        .ack_and_drain(&Fence::open(), &confirmed, tenant, 100, &[])
+        .await
+        .unwrap();
+    assert_eq!(lsns_by_branch(&drained)[&parked], vec![2, 3]);
+    let still: Vec<BranchKey> = outbox
+        .parked_branches()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|parked| parked.branch)
+        .collect();
+    assert_eq!(still, vec![elsewhere.clone()]);
+    // A park whose retry is due is drained again.
+    outbox
+        .park_branch(&parked, "nacked", 5, zero, zero)
+        .await
+        .unwrap();
+    let drained = outbox
+        .ack_and_drain(&Fence::open(), &[], tenant, 100, &[])
+        .await
+        .unwrap();
+    assert_eq!(lsns_by_branch(&drained)[&parked], vec![2, 3]);
+}

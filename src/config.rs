@@ -66,6 +66,9 @@ pub struct RelayConfig {
     /// NATS: longest wait for a connection, the stream's declaration and a batch's acks. Env
     /// `RELAY_NATS_ACK_TIMEOUT_MS`, default 5000.
     pub nats_ack_timeout: Duration,
+    /// NATS: a version the server must meet for `distribution run` to start (it checks at start
+    /// what the server says). Env `RELAY_NATS_SERVER_VERSION` (`>=2.10`), default none.
+    pub nats_server_version: Option<semver::VersionReq>,
     /// Exchange name; queues are `<topology>.p<N>`. Env `RELAY_TOPOLOGY`, default `outbox`.
     pub topology: String,
     /// Broker partitions (queues), keyed by (TenantId, RunId). Env `RELAY_PARTITIONS`, default 8.
@@ -197,6 +200,7 @@ impl RelayConfig {
             nats_replicas: 1,
             nats_duplicate_window: Duration::from_secs(120),
             nats_ack_timeout: Duration::from_secs(5),
+            nats_server_version: None,
             topology: "outbox".into(),
             partitions: 8,
             supervisor: SupervisorConfig::default(),

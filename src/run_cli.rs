@@ -91,9 +91,14 @@ async fn rabbit_preflight(config: &RelayConfig) -> Result<()> {
 }
 
 /// NATS at start: the stream declared and read back, the server's version logged with what it
-/// means for durability.
+/// means for durability, and held to `RELAY_NATS_SERVER_VERSION` if that is set.
 async fn nats_preflight(config: &RelayConfig) -> Result<()> {
     let nats = config.nats_config()?;
+    if let Some(required) = &config.nats_server_version {
+        let version = distribution::nats::server_version(&nats).await;
+        distribution::nats::version_refusal(version.as_deref(), required)
+            .map_err(|refusal| anyhow::anyhow!(refusal))?;
+    }
     match distribution::nats::preflight(&nats).await {
         Ok((preflight, version)) => {
             if let Some(version) = &version {

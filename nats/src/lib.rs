@@ -31,7 +31,9 @@ pub use attribute::{Answer, Verdict, attribute};
 pub use checkup::{NatsCheckup, checkup};
 pub use config::{MAX_ACKS_IN_FLIGHT, NatsConfig};
 pub use dead::{NatsDeadLetter, NatsDeadLetters};
-pub use publisher::{NatsPublisher, connect, durability_note, preflight};
+pub use publisher::{
+    NatsPublisher, connect, durability_note, preflight, server_version, version_refusal,
+};
 pub use reader::{
     Delivery, PartitionReader, ReadFrom, Reading, dead_letter, dead_letter_stream,
     declare_dead_letters,

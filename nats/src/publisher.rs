@@ -407,6 +407,13 @@ impl Publisher for NatsPublisher {
     }
 }
 
+/// The version a server of `config` says it runs, `None` if none answers: one connection,
+/// nothing declared (`distribution run` checks `RELAY_NATS_SERVER_VERSION` with it first).
+pub async fn server_version(config: &NatsConfig) -> Option<String> {
+    let (client, _) = connect(config).await.ok()?;
+    Some(client.server_info().version)
+}
+
 /// What a first connection says about NATS, and the server's version when it answered.
 /// `Err` when the stream exists with settings the relay cannot promise on, or the configuration
 /// is unusable: no retry fixes those.
@@ -422,6 +429,28 @@ pub async fn preflight(config: &NatsConfig) -> Result<(Preflight, Option<String>
         }
         Err(Error::InvalidConfig(why)) => Err(Error::InvalidConfig(why)),
         Err(other) => Ok((Preflight::Unreachable(other.to_string()), None)),
+    }
+}
+
+/// Whether a server may be used under `required` (`RELAY_NATS_SERVER_VERSION`): `Err` with one
+/// line saying why not. `version` is what the server said when the connection opened (`None`:
+/// it did not answer, so nothing can be checked and the relay must not start on trust).
+pub fn version_refusal(version: Option<&str>, required: &semver::VersionReq) -> Result<(), String> {
+    let Some(version) = version else {
+        return Err(format!(
+            "RELAY_NATS_SERVER_VERSION={required} is set and no NATS server answered to say its \
+             version; start the relay once one does"
+        ));
+    };
+    match semver::Version::parse(version) {
+        Ok(parsed) if required.matches(&parsed) => Ok(()),
+        Ok(_) => Err(format!(
+            "NATS {version} does not meet RELAY_NATS_SERVER_VERSION={required}"
+        )),
+        Err(err) => Err(format!(
+            "NATS said its version is {version:?}, which is not a version ({err}); \
+             RELAY_NATS_SERVER_VERSION={required} cannot be checked"
+        )),
     }
 }
 
@@ -457,7 +486,29 @@ pub fn durability_note(version: &str, replicas: usize) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::durability_note;
+    use super::{durability_note, version_refusal};
+
+    #[test]
+    fn a_server_below_the_required_version_is_refused_in_one_line() {
+        let at_least = |text: &str| semver::VersionReq::parse(text).unwrap();
+        assert_eq!(
+            version_refusal(Some("2.10.27"), &at_least(">=2.10")),
+            Ok(())
+        );
+        assert_eq!(version_refusal(Some("2.11.0"), &at_least(">=2.10")), Ok(()));
+        let old = version_refusal(Some("2.9.10"), &at_least(">=2.10")).unwrap_err();
+        assert!(
+            old.contains("NATS 2.9.10") && old.contains(">=2.10"),
+            "{old}"
+        );
+        let silent = version_refusal(None, &at_least(">=2.10")).unwrap_err();
+        assert!(silent.contains("no NATS server answered"), "{silent}");
+        let garbage = version_refusal(Some("two"), &at_least(">=2.10")).unwrap_err();
+        assert!(garbage.contains("not a version"), "{garbage}");
+        for refusal in [old, silent, garbage] {
+            assert!(!refusal.contains('\n'), "one line: {refusal}");
+        }
+    }
 
     #[test]
     fn a_server_that_cannot_sync_each_write_is_named() {

@@ -45,6 +45,12 @@ pub struct Settings {
     #[arg(long, env = "RELAY_NATS_ACK_TIMEOUT_MS", default_value_t = millis(defaults().nats_ack_timeout),
           value_parser = clap::value_parser!(u64).range(100..=600_000))]
     pub nats_ack_timeout_ms: u64,
+    /// NATS: a version the server must meet, or the relay does not start (`>=2.10`: before
+    /// 2.10 JetStream syncs to disk every 60 s, fixed, and its clusters lost acked events across
+    /// partitions). Checked at start against what the server says; no server answering is a
+    /// refusal too. Unset: a server before 2.10 is only warned about.
+    #[arg(long, env = "RELAY_NATS_SERVER_VERSION")]
+    pub nats_server_version: Option<semver::VersionReq>,
     /// Exchange name; queues are `<topology>.p<N>`.
     #[arg(long, env = "RELAY_TOPOLOGY", default_value_t = defaults().topology)]
     pub topology: String,
@@ -305,6 +311,13 @@ impl Settings {
         config.nats_replicas = usize::from(self.nats_replicas);
         config.nats_duplicate_window = Duration::from_secs(self.nats_duplicate_window_secs);
         config.nats_ack_timeout = Duration::from_millis(self.nats_ack_timeout_ms);
+        if broker == BrokerKind::RabbitMq && self.nats_server_version.is_some() {
+            return Err(ConfigError::Rejected(
+                "RELAY_NATS_SERVER_VERSION is a NATS setting; with RELAY_BROKER=rabbitmq leave it unset"
+                    .into(),
+            ));
+        }
+        config.nats_server_version = self.nats_server_version;
         config.topology = self.topology;
         config.partitions = self.partitions;
         self.queues.apply(&mut config)?;

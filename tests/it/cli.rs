@@ -437,6 +437,78 @@ fn skip_migrate_without_the_schema_fails_at_start_naming_what_is_missing() {
     });
 }
 
+/// RELAY_NATS_SERVER_VERSION holds the server to a version: the machine's server (2.9.10)
+/// under a requirement above its version is refused at start in one line naming the version and
+/// the setting, before any stream is declared; no server answering is a refusal too; under a
+/// requirement it meets the relay starts.
+#[test]
+fn a_nats_server_below_the_required_version_is_refused_before_anything_is_declared() {
+    host_runtime().block_on(async {
+        let (_pool, url) = empty_database("cli_nats_version").await;
+        let stream = distribution::nats::scratch::unique_stream("relay-version");
+        let run = |nats_url: &str, required: &str| {
+            let mut command = relay_command();
+            command
+                .arg("run")
+                .env("DATABASE_URL", &url)
+                .env("RELAY_BROKER", "nats")
+                .env("NATS_URL", nats_url)
+                .env("RELAY_TOPOLOGY", &stream)
+                .env("RELAY_METRICS_ADDR", "127.0.0.1:0")
+                .env("RELAY_NATS_ACK_TIMEOUT_MS", "1000")
+                .env("RELAY_NATS_SERVER_VERSION", required);
+            command
+        };
+        let client = async_nats::connect(testkit::nats_url()).await.unwrap();
+        let version = client.server_info().version;
+        let jetstream = async_nats::jetstream::new(client);
+        let (code, _, stderr) = output_within(
+            &mut run(&testkit::nats_url(), &format!(">{version}")),
+            Duration::from_secs(20),
+        );
+        assert_eq!(code, 1, "{stderr}");
+        let line = stderr.lines().find(|line| line.starts_with("error:"));
+        assert_eq!(
+            line,
+            Some(
+                format!("error: NATS {version} does not meet RELAY_NATS_SERVER_VERSION=>{version}")
+                    .as_str()
+            ),
+            "{stderr}"
+        );
+        assert!(
+            jetstream.get_stream(&stream).await.is_err(),
+            "a refused relay declared its stream"
+        );
+        // Nobody answering: nothing can be checked, so nothing starts.
+        let (code, _, stderr) = output_within(
+            &mut run("nats://127.0.0.1:1", &format!(">={version}")),
+            Duration::from_secs(20),
+        );
+        assert_eq!(code, 1, "{stderr}");
+        assert!(stderr.contains("no NATS server answered"), "{stderr}");
+        // Met: the relay runs (it declares its stream) until stopped.
+        let mut child = run(&testkit::nats_url(), &format!(">={version}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let declared = async {
+            while jetstream.get_stream(&stream).await.is_err() {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        };
+        let started = tokio::time::timeout(Duration::from_secs(20), declared).await;
+        let _ = child.kill();
+        let _ = child.wait();
+        distribution::nats::scratch::delete_stream(&testkit::nats_url(), &stream).await;
+        assert!(
+            started.is_ok(),
+            "a relay whose server meets the version did not start"
+        );
+    });
+}
+
 /// With RELAY_SCHEMA_WAIT_SECS, a relay started before its schema (beside the migration job,
 /// as deploy/kubernetes/relay.yaml does) says it waits, and runs once the schema is there,
 /// instead of crash-looping.

@@ -66,8 +66,10 @@ pub struct RelayConfig {
     /// NATS: longest wait for a connection, the stream's declaration and a batch's acks. Env
     /// `RELAY_NATS_ACK_TIMEOUT_MS`, default 5000.
     pub nats_ack_timeout: Duration,
-    /// NATS: a version the server must meet for `distribution run` to start (it checks at start
-    /// what the server says). Env `RELAY_NATS_SERVER_VERSION` (`>=2.10`), default none.
+    /// NATS: a version the server must meet for `distribution run` to start (it asks the
+    /// server it connects to, at start). Env `RELAY_NATS_SERVER_VERSION` (`>=2.10`), default
+    /// none. [`Relay::start`](crate::Relay::start) does not look at it: a host checks its
+    /// server itself (`nats::server_version`, `nats::version_refusal`).
     pub nats_server_version: Option<semver::VersionReq>,
     /// Exchange name; queues are `<topology>.p<N>`. Env `RELAY_TOPOLOGY`, default `outbox`.
     pub topology: String,

@@ -407,11 +407,12 @@ impl Publisher for NatsPublisher {
     }
 }
 
-/// The version a server of `config` says it runs, `None` if none answers: one connection,
-/// nothing declared (`distribution run` checks `RELAY_NATS_SERVER_VERSION` with it first).
-pub async fn server_version(config: &NatsConfig) -> Option<String> {
-    let (client, _) = connect(config).await.ok()?;
-    Some(client.server_info().version)
+/// The version the server `config` connects to says it runs, or why no connection opened: one
+/// connection, nothing declared (`distribution run` checks `RELAY_NATS_SERVER_VERSION` with it
+/// before its preflight).
+pub async fn server_version(config: &NatsConfig) -> Result<String, Error> {
+    let (client, _) = connect(config).await?;
+    Ok(client.server_info().version)
 }
 
 /// What a first connection says about NATS, and the server's version when it answered.
@@ -433,20 +434,31 @@ pub async fn preflight(config: &NatsConfig) -> Result<(Preflight, Option<String>
 }
 
 /// Whether a server may be used under `required` (`RELAY_NATS_SERVER_VERSION`): `Err` with one
-/// line saying why not. `version` is what the server said when the connection opened (`None`:
-/// it did not answer, so nothing can be checked and the relay must not start on trust).
-pub fn version_refusal(version: Option<&str>, required: &semver::VersionReq) -> Result<(), String> {
-    let Some(version) = version else {
-        return Err(format!(
-            "RELAY_NATS_SERVER_VERSION={required} is set and no NATS server answered to say its \
-             version; start the relay once one does"
-        ));
-    };
+/// line saying why not. `version` is what the server said when the connection opened, or why
+/// no connection opened (then nothing can be checked, and the relay must not start on trust).
+/// A release candidate or development build counts as its version (`2.11.0-RC.1` is 2.11.0):
+/// a semver requirement alone would refuse every pre-release.
+pub fn version_refusal(
+    version: Result<&str, &Error>,
+    required: &semver::VersionReq,
+) -> Result<(), String> {
+    let version = version.map_err(|err| {
+        format!(
+            "RELAY_NATS_SERVER_VERSION={required} is set and the server's version cannot be read \
+             ({err}); start the relay once a server answers"
+        )
+    })?;
     match semver::Version::parse(version) {
-        Ok(parsed) if required.matches(&parsed) => Ok(()),
-        Ok(_) => Err(format!(
-            "NATS {version} does not meet RELAY_NATS_SERVER_VERSION={required}"
-        )),
+        Ok(mut parsed) => {
+            parsed.pre = semver::Prerelease::EMPTY;
+            if required.matches(&parsed) {
+                Ok(())
+            } else {
+                Err(format!(
+                    "NATS {version} does not meet RELAY_NATS_SERVER_VERSION={required}"
+                ))
+            }
+        }
         Err(err) => Err(format!(
             "NATS said its version is {version:?}, which is not a version ({err}); \
              RELAY_NATS_SERVER_VERSION={required} cannot be checked"
@@ -491,21 +503,28 @@ mod tests {
     #[test]
     fn a_server_below_the_required_version_is_refused_in_one_line() {
         let at_least = |text: &str| semver::VersionReq::parse(text).unwrap();
+        assert_eq!(version_refusal(Ok("2.10.27"), &at_least(">=2.10")), Ok(()));
+        assert_eq!(version_refusal(Ok("2.11.0"), &at_least(">=2.10")), Ok(()));
         assert_eq!(
-            version_refusal(Some("2.10.27"), &at_least(">=2.10")),
+            version_refusal(Ok("2.11.0-RC.1"), &at_least(">=2.10")),
             Ok(())
         );
-        assert_eq!(version_refusal(Some("2.11.0"), &at_least(">=2.10")), Ok(()));
-        let old = version_refusal(Some("2.9.10"), &at_least(">=2.10")).unwrap_err();
-        assert!(
-            old.contains("NATS 2.9.10") && old.contains(">=2.10"),
-            "{old}"
+        let old = version_refusal(Ok("2.9.10"), &at_least(">=2.10")).unwrap_err();
+        assert_eq!(
+            old,
+            "NATS 2.9.10 does not meet RELAY_NATS_SERVER_VERSION=>=2.10"
         );
-        let silent = version_refusal(None, &at_least(">=2.10")).unwrap_err();
-        assert!(silent.contains("no NATS server answered"), "{silent}");
-        let garbage = version_refusal(Some("two"), &at_least(">=2.10")).unwrap_err();
+        let candidate = version_refusal(Ok("2.10.0-RC.1"), &at_least(">=2.11")).unwrap_err();
+        assert!(candidate.contains("NATS 2.10.0-RC.1"), "{candidate}");
+        let down = broker::Error::Unreachable("connection refused".into());
+        let silent = version_refusal(Err(&down), &at_least(">=2.10")).unwrap_err();
+        assert!(
+            silent.contains("cannot be read") && silent.contains("connection refused"),
+            "{silent}"
+        );
+        let garbage = version_refusal(Ok("two"), &at_least(">=2.10")).unwrap_err();
         assert!(garbage.contains("not a version"), "{garbage}");
-        for refusal in [old, silent, garbage] {
+        for refusal in [old, candidate, silent, garbage] {
             assert!(!refusal.contains('\n'), "one line: {refusal}");
         }
     }

@@ -872,12 +872,13 @@ async fn a_parked_branch_is_held_its_delay_and_not_the_length_of_a_step_back(poo
 async fn ack_and_drain_skips_parked_and_in_flight_branches_and_an_ack_unparks(pool: PgPool) {
     let outbox = Outbox::new(pool.clone());
     let writer = IntentWriter::default().with_notify(false);
-    let parked = key("t", "r1", "b");
-    let flying = key("t", "r2", "b");
-    let free = key("t", "r3", "b");
-    let elsewhere = key("u", "r1", "b");
+    let parked = key("t", "r1", "parked");
+    let also_parked = key("t", "r4", "also-parked");
+    let flying = key("t", "r2", "flying");
+    let free = key("t", "r3", "free");
+    let elsewhere = key("u", "r1", "parked");
     let mut conn = pool.acquire().await.unwrap();
-    for branch in [&parked, &flying, &free, &elsewhere] {
+    for branch in [&parked, &also_parked, &flying, &free, &elsewhere] {
         writer.open_run(&mut conn, branch).await.unwrap();
         for lsn in 1..=3 {
             writer
@@ -890,6 +891,10 @@ async fn ack_and_drain_skips_parked_and_in_flight_branches_and_an_ack_unparks(po
     let zero = Duration::ZERO;
     outbox
         .park_branch(&parked, "nacked", 5, zero, hour)
+        .await
+        .unwrap();
+    outbox
+        .park_branch(&also_parked, "nacked", 5, zero, hour)
         .await
         .unwrap();
     outbox
@@ -907,6 +912,7 @@ async fn ack_and_drain_skips_parked_and_in_flight_branches_and_an_ack_unparks(po
         .unwrap();
     let by_branch = lsns_by_branch(&drained);
     assert_eq!(by_branch.get(&parked), None, "parked: skipped whole");
+    assert_eq!(by_branch.get(&also_parked), None, "parked: skipped whole");
     assert_eq!(by_branch[&flying], vec![3], "in flight up to 2");
     assert_eq!(by_branch[&free], vec![1, 2, 3]);
     assert_eq!(
@@ -921,7 +927,7 @@ async fn ack_and_drain_skips_parked_and_in_flight_branches_and_an_ack_unparks(po
         "the other tenant's park holds"
     );
     // An ack of the parked branch's event (a batch confirmed before it parked) unparks it,
-    // and only it: the other tenant's park is untouched.
+    // and only it: the tenant's other parked branch and the other tenant's park stay.
     let confirmed = [EventKey {
         branch: parked.clone(),
         lsn: Lsn::new(1),
@@ -930,15 +936,20 @@ async fn ack_and_drain_skips_parked_and_in_flight_branches_and_an_ack_unparks(po
         .ack_and_drain(&Fence::open(), &confirmed, tenant, 100, &[])
         .await
         .unwrap();
-    assert_eq!(lsns_by_branch(&drained)[&parked], vec![2, 3]);
-    let still: Vec<BranchKey> = outbox
+    let by_branch = lsns_by_branch(&drained);
+    assert_eq!(by_branch[&parked], vec![2, 3]);
+    assert_eq!(by_branch.get(&also_parked), None, "still parked");
+    let mut still: Vec<BranchKey> = outbox
         .parked_branches()
         .await
         .unwrap()
         .into_iter()
         .map(|parked| parked.branch)
         .collect();
-    assert_eq!(still, vec![elsewhere.clone()]);
+    still.sort();
+    let mut expected = vec![also_parked.clone(), elsewhere.clone()];
+    expected.sort();
+    assert_eq!(still, expected);
     // A park whose retry is due is drained again.
     outbox
         .park_branch(&parked, "nacked", 5, zero, zero)

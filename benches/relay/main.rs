@@ -1,7 +1,8 @@
 //! The relay benchmark, side by side in one run on this machine's PostgreSQL and RabbitMQ.
 //!
 //! `cargo bench --bench relay` (full) or `cargo bench --bench relay -- --quick` (under a minute).
-//! Prints a table and writes it to `benches/results.md` with the date, commit and machine:
+//! Prints a table and writes it with the date, commit and machine to `benches/results.md` (a
+//! full run only; a quick run or one with any `BENCH_*` setting writes `target/bench-partial.md`):
 //! 1. raw ceiling: pipelined confirmed publishes, no database (1 channel, and one per shard);
 //! 2. seed-style baseline: drain 100, publish-and-await one at a time, ack;
 //! 3. this relay draining a pre-filled backlog (50 tenants x 20 runs);
@@ -428,10 +429,34 @@ fn main() -> Result<()> {
         machine(),
         if quick { " -- --quick" } else { "" }
     );
-    std::fs::write(
-        concat!(env!("CARGO_MANIFEST_DIR"), "/benches/results.md"),
-        report,
-    )?;
-    println!("written to benches/results.md");
+    // Only a full run with no BENCH_* setting replaces benches/results.md (the table the repository
+    // keeps); any other run writes target/bench-partial.md, to be copied into HISTORY.md.
+    let settings = partial_settings(std::env::vars());
+    let path = if quick || !settings.is_empty() {
+        concat!(env!("CARGO_MANIFEST_DIR"), "/target/bench-partial.md")
+    } else {
+        concat!(env!("CARGO_MANIFEST_DIR"), "/benches/results.md")
+    };
+    let report = if settings.is_empty() {
+        report
+    } else {
+        format!("{report}\nSettings: {}\n", settings.join(", "))
+    };
+    if let Some(dir) = std::path::Path::new(path).parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(path, report)?;
+    println!("written to {path}");
     Ok(())
+}
+
+/// The BENCH_* variables that make a run partial or unlike the full one (all but BENCH_QUICK,
+/// which the mode already says), as `NAME=value`, sorted.
+fn partial_settings(vars: impl Iterator<Item = (String, String)>) -> Vec<String> {
+    let mut settings: Vec<String> = vars
+        .filter(|(name, _)| name.starts_with("BENCH_") && name != "BENCH_QUICK")
+        .map(|(name, value)| format!("{name}={value}"))
+        .collect();
+    settings.sort();
+    settings
 }

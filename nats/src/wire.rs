@@ -83,13 +83,18 @@ impl std::fmt::Display for Unwritable {
 }
 
 fn header_value(name: &str, value: &str) -> Result<HeaderValue, Unwritable> {
-    if !store::is_portable_header_value(value) {
+    owned_header_value(name, value.to_owned())
+}
+
+/// [`header_value`] for a value already owned: it becomes the header value without a copy.
+fn owned_header_value(name: &str, value: String) -> Result<HeaderValue, Unwritable> {
+    if !store::is_portable_header_value(&value) {
         return Err(Unwritable {
             header: name.to_owned(),
             reason: "a line break or whitespace at either end, which NATS headers do not keep",
         });
     }
-    value.parse().map_err(|_| Unwritable {
+    HeaderValue::try_from(value).map_err(|_| Unwritable {
         header: name.to_owned(),
         reason: "not a NATS header value",
     })
@@ -119,22 +124,25 @@ fn header_name(name: &str) -> Result<HeaderName, Unwritable> {
 /// configuration refuses [`WireMode::CloudEventsColon`] (the AMQP binding's old prefix); here it
 /// writes what `CloudEvents` does.
 pub fn headers(event: &OutboxEvent, mode: WireMode, stream: &str) -> Result<HeaderMap, Unwritable> {
-    let envelope = broker::envelope(event, WireMode::Plain);
+    let mut envelope = broker::envelope(event, WireMode::Plain);
     let mut headers = HeaderMap::new();
-    for (name, value) in &envelope.headers {
+    // Taken by value: each value's bytes become its header value without another copy (the
+    // relay builds these for every event it ships).
+    for (name, value) in std::mem::take(&mut envelope.headers) {
         let text = match value {
-            Value::Text(bytes) => String::from_utf8_lossy(bytes).into_owned(),
+            Value::Text(bytes) => String::from_utf8(bytes)
+                .unwrap_or_else(|err| String::from_utf8_lossy(err.as_bytes()).into_owned()),
             Value::Number(number) => number.to_string(),
             Value::Other => continue,
         };
-        if mode != WireMode::Plain && takes_for_structured(name, &text) {
+        if mode != WireMode::Plain && takes_for_structured(&name, &text) {
             return Err(Unwritable {
-                header: name.clone(),
+                header: name,
                 reason: "a Content-Type of application/cloudevents, which makes a CloudEvents \
                          NATS reader take the message for structured mode",
             });
         }
-        headers.insert(header_name(name)?, header_value(name, &text)?);
+        headers.insert(header_name(&name)?, owned_header_value(&name, text)?);
     }
     for (name, value) in [
         (TYPE, &envelope.kind),

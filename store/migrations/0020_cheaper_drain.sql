@@ -2,8 +2,11 @@
 -- looks at parked branches only when the tenant has one. Before, the drain probed
 -- `relay_parked_branch` for every row it read and the ack for every event it retired (two
 -- thousand index probes per batch of 1,000, on a table that is almost always empty). With a
--- parked branch the drain is 0017's (a probe per row: its cost grows with the rows read, not
--- with how many branches are parked), and the ack probes once per branch acked.
+-- parked branch the drain probes per row as 0017's did (its cost grows with the rows read, not
+-- with how many branches are parked), and the ack probes once per branch acked. The drain
+-- stays one query: PostgreSQL evaluates `NOT v_parked OR NOT EXISTS (...)` left to right and
+-- never runs the probe while v_parked is false (EXPLAIN ANALYZE under a generic plan: the
+-- subplan "never executed"; with a park, one loop per row).
 -- Same signature, same results. Whether the tenant has a parked branch is read in its own
 -- statement, so a park or release that commits between it and the drain counts from the next
 -- call (the relay parks a branch and only then drains again; an operator's release wakes the
@@ -49,9 +52,9 @@ BEGIN
         END IF;
     END IF;
     -- At most p_limit rows holding at most p_max_bytes of payload in all; the first row always
-    -- comes, however large. The two forms differ only in the parked branches' filter, the
-    -- second being 0017's drain unchanged.
-    IF p_limit > 0 AND NOT v_parked THEN
+    -- comes, however large. Without a parked branch the OR stops at `NOT v_parked` and no row
+    -- probes the table; with one, each row is probed as in 0017.
+    IF p_limit > 0 THEN
         RETURN QUERY
         SELECT d.run_id, d.branch_id, d.lsn, d.prev_lsn, d.base_lsn, d.payload, d.created_at,
                d.kind, d.parent_branch_id, d.rewound_to, d.meta, d.epoch, d.prev_epoch
@@ -62,26 +65,11 @@ BEGIN
                        SELECT 1 FROM unnest(p_fly_runs, p_fly_branches, p_fly_lsns)
                                   AS f(run_id, branch_id, lsn)
                         WHERE f.run_id = o.run_id AND f.branch_id = o.branch_id AND o.lsn <= f.lsn)
-                 ORDER BY o.seq
-                 LIMIT p_limit) d
-         WHERE d.upto <= p_max_bytes OR d.upto = octet_length(d.payload)
-         ORDER BY d.seq;
-    ELSIF p_limit > 0 THEN
-        RETURN QUERY
-        SELECT d.run_id, d.branch_id, d.lsn, d.prev_lsn, d.base_lsn, d.payload, d.created_at,
-               d.kind, d.parent_branch_id, d.rewound_to, d.meta, d.epoch, d.prev_epoch
-          FROM (SELECT o.*, sum(octet_length(o.payload)) OVER (ORDER BY o.seq) AS upto
-                  FROM relay_outbox o
-                 WHERE o.tenant_id = p_tenant
-                   AND NOT EXISTS (
-                       SELECT 1 FROM unnest(p_fly_runs, p_fly_branches, p_fly_lsns)
-                                  AS f(run_id, branch_id, lsn)
-                        WHERE f.run_id = o.run_id AND f.branch_id = o.branch_id AND o.lsn <= f.lsn)
-                   AND NOT EXISTS (
+                   AND (NOT v_parked OR NOT EXISTS (
                        SELECT 1 FROM relay_parked_branch p
                         WHERE p.tenant_id = o.tenant_id AND p.run_id = o.run_id
                           AND p.branch_id = o.branch_id AND p.retry_at > clock_timestamp()
-                          AND p.parked_at <= clock_timestamp())
+                          AND p.parked_at <= clock_timestamp()))
                  ORDER BY o.seq
                  LIMIT p_limit) d
          WHERE d.upto <= p_max_bytes OR d.upto = octet_length(d.payload)

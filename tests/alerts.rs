@@ -153,14 +153,18 @@ mod alerts {
 
             let waiting = TenantId::new("waiting").unwrap();
             let parked_line = format!("relay_parked_branches{{tenant=\"{waiting}\"}} 1");
+            // The backlog gauges cover the tenants drained when a refresh starts: the first
+            // refresh may come before the waiting tenant's drainer (a CI run scraped then).
+            let backlog_line = format!("relay_backlog_oldest_age_seconds{{tenant=\"{waiting}\"}}");
             wait_until(
-                "the relay reports the parked branch and a confirm",
+                "the relay reports the parked branch, the waiting tenant's backlog and a confirm",
                 Duration::from_secs(30),
                 || async {
                     http_get(&addr, "/metrics")
                         .await
                         .is_some_and(|(_, scraped)| {
                             scraped.contains(&parked_line)
+                                && scraped.contains(&backlog_line)
                                 && scraped.contains("relay_write_to_confirm_seconds_count 1")
                         })
                 },

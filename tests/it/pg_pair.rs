@@ -182,7 +182,14 @@ impl PgPair {
     /// A primary (database `relay`, streaming replication allowed) and an asynchronous standby
     /// that caught up with it.
     pub fn start(version: Postgres, label: &str) -> Self {
-        Self::start_with(version, label, Vec::new())
+        Self::start_with(version, label, Vec::new(), "", true)
+    }
+
+    /// A primary alone (database `relay`, no standby), `settings` added to its
+    /// `postgresql.conf`: a server set as production sets it where this machine's is not
+    /// (the machine's runs with autovacuum off).
+    pub fn alone(version: Postgres, label: &str, settings: &str) -> Self {
+        Self::start_with(version, label, Vec::new(), settings, false)
     }
 
     /// [`PgPair::start`], each server's wall clock `clock` (PostgreSQL 15 only: libfaketime is
@@ -193,10 +200,16 @@ impl PgPair {
             Postgres::V15,
             "libfaketime is installed for 15 only"
         );
-        Self::start_with(version, label, clock.env())
+        Self::start_with(version, label, clock.env(), "", true)
     }
 
-    fn start_with(version: Postgres, label: &str, env: Vec<String>) -> Self {
+    fn start_with(
+        version: Postgres,
+        label: &str,
+        env: Vec<String>,
+        settings: &str,
+        standby: bool,
+    ) -> Self {
         let n = PAIRS.fetch_add(1, Ordering::SeqCst);
         let dir = format!("/var/tmp/relay-pgpair-{}-{n}-{label}", std::process::id());
         let host_dir = version.host_path(&dir);
@@ -228,13 +241,13 @@ impl PgPair {
             "initdb",
         );
         let conf = version.host_path(&format!("{}/postgresql.conf", primary.data));
-        let mut settings = std::fs::read_to_string(&conf).unwrap();
-        settings.push_str(&format!(
+        let mut conf_text = std::fs::read_to_string(&conf).unwrap();
+        conf_text.push_str(&format!(
             "listen_addresses = '127.0.0.1'\nport = {port}\nunix_socket_directories = '/tmp'\n\
              wal_level = replica\nmax_wal_senders = 10\nwal_keep_size = '256MB'\n\
-             max_connections = 100\ncluster_name = 's0'\n"
+             max_connections = 100\ncluster_name = 's0'\n{settings}\n"
         ));
-        std::fs::write(&conf, settings).unwrap();
+        std::fs::write(&conf, conf_text).unwrap();
         let mut pair = Self {
             version,
             dir,
@@ -247,7 +260,9 @@ impl PgPair {
         };
         pair.start_server(&pair.primary.data.clone());
         pair.psql(pair.primary.port, "CREATE DATABASE relay");
-        pair.clone_standby();
+        if standby {
+            pair.clone_standby();
+        }
         pair
     }
 

@@ -11,6 +11,15 @@
 //!    commits/s with each, unpaced; `BENCH_ONLY=wakecost` runs 4a alone);
 //! 5. peak RSS of the standalone relay draining a small and a 10x larger backlog;
 //! 6. database queries per second and CPU of the relay while 1,000 tenants sit idle;
+//! 7. quiet tenants' latency alone and beside a hot backlog, with and without the express lane
+//!    (`BENCH_ONLY=fairness`);
+//! 8. the lag gauges' read over a million pending intents (`BENCH_ONLY=gauges`);
+//! 9. the drain at 256 B, 64 KiB and 256 KiB against the pipelined ceiling and a bound written
+//!    by hand, with CPU per process and peak RSS (`BENCH_ONLY=sizes`);
+//! 10. one, two and three relays sharing tenants and joining a backlog (`BENCH_ONLY=join`);
+//! 11. 100,000 tenants: drain, peak RSS, the host beside it, idle cost (`BENCH_ONLY=scale`);
+//! 12. full metadata against the payload alone: appends, the ceiling, the drain
+//!     (`BENCH_ONLY=meta`; `metadrain` the drains alone, `drainmeta` or `drainplain` one of them);
 //! 13. classic, quorum and stream queues on one node and on a private 3-node cluster, and a
 //!     consumer group replaying a stream (`BENCH_ONLY=queues` runs this section alone); 13b:
 //!     on RabbitMQ 4.0, streams written with and without a shard per partition

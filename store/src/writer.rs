@@ -51,7 +51,7 @@ pub struct IntentWriter {
     max_payload_bytes: usize,
     /// Whether each append NOTIFYs relays on commit. Default on. Measured cost: PostgreSQL
     /// serialises the commits of notifying transactions, which halved commit throughput at 8
-    /// concurrent writers on the reference machine (see ARCHITECTURE.md). An embedded relay can
+    /// concurrent writers on the reference machine (benches/DECISIONS.md). An embedded relay can
     /// be woken in-process instead (`RelayHandle::waker`), a standalone relay after the commit
     /// ([`IntentWriter::wake_relays`]); polling catches everything regardless.
     notify: bool,

@@ -22,7 +22,7 @@ pub struct DrainerConfig {
     /// Delays between retries after a batch had failures.
     pub retry: RetryPolicy,
     /// Batches of one tenant in flight at once. Default 1: on the 2-core reference machine a
-    /// window of 4 raised load without lowering latency (see ARCHITECTURE.md); a wider window
+    /// window of 4 raised load without lowering latency (benches/DECISIONS.md); a wider window
     /// pays where the broker round trip, not CPU, dominates.
     pub max_batches_in_flight: usize,
     /// A drainer with nothing to do for this long stops and frees what it holds; the next

@@ -76,6 +76,12 @@ impl Backoff {
     }
 }
 
+/// The house's rule for repeated failures: WARN on the 1st, 2nd, 4th, 8th ... in a row, and
+/// at most DEBUG between, so an hour-long outage logs a dozen lines, not one per attempt.
+pub fn warn_worthy(failures: u64) -> bool {
+    failures.is_power_of_two()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -7,7 +7,8 @@
 //! - `wire`: the wire contract as an [`Envelope`] (see `broker/WIRE.md`), message ids, modes.
 //! - `partition`: the stable `(TenantId, RunId)` -> [`Partition`] map, consumer [`Group`]s.
 //! - `health`: [`BrokerHealth`], what the publishers last learned, for readiness probes.
-//! - `backoff`: [`Backoff`] and [`RetryPolicy`], retry delays that never give up.
+//! - `backoff`: [`Backoff`] and [`RetryPolicy`], retry delays that never give up, and
+//!   [`warn_worthy`], which of repeated failures to WARN on.
 //! - `probe`: [`CallProbe`], records which threads call the broker client.
 //! - `error`: the one [`Error`] type, and [`WireError`] for a message off the contract.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
@@ -23,6 +24,7 @@ mod wire;
 
 pub use backoff::Backoff;
 pub use backoff::RetryPolicy;
+pub use backoff::warn_worthy;
 pub use dead::DeadFilter;
 pub use dead::DeadLetterView;
 pub use dead::TailFilter;

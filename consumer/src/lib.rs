@@ -24,6 +24,19 @@
 //!   commits), the rest of its batch is folded without it, and the partition keeps flowing.
 //!   Later intents of that branch wait (parked) behind it: re-publish it to the exchange once
 //!   the cause is fixed and the branch resumes in order.
+//!
+//! The modules:
+//! - `config`: [`ConsumerConfig`] (RabbitMQ), [`NatsConsumerConfig`], [`StreamStart`].
+//! - `batch`: [`FoldBatch`], a batch's bounds, and `BatchPlan`, which deliveries of a batch the
+//!   next attempt folds and which are dead-lettered (pure).
+//! - `verdict`: a fold's result to ack, retry or dead-letter, with its reason (pure).
+//! - `stream`: on streams, skip, fold or stop at a retention gap (pure).
+//! - `settle`: a batch's fold, whatever the broker, behind a small transport (dead-letter one
+//!   delivery, ack a batch).
+//! - `serve`: the RabbitMQ partition loop; `nats_serve`: the NATS one.
+//! - `stats`: [`FoldStats`] and [`ConsumerProgress`], the running totals.
+//! - `fold_consumer`: [`FoldConsumer`], the demonstration fold: partitions consumed into a
+//!   [`store::FoldStore`] (the tests' and benches' consumer).
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
 use std::future::Future;

@@ -154,7 +154,7 @@ where
                 }
                 Attempt::Failed(why) => {
                     let delay = retry.next_delay();
-                    if retry.failures().is_power_of_two() {
+                    if broker::warn_worthy(retry.failures()) {
                         let first = plan
                             .to_fold()
                             .first()
@@ -337,7 +337,7 @@ where
             // Never read past silently (a gap, a stream created again): said on every attempt
             // until an operator acts.
             tracing::error!(partition, system = self.system, error = %err, retry_in_ms, "consumer cannot go on");
-        } else if backoff.failures().is_power_of_two() {
+        } else if broker::warn_worthy(backoff.failures()) {
             tracing::warn!(partition, system = self.system, error = %err, retry_in_ms, "consumer session failed; reconnecting");
         }
         tokio::select! {

@@ -9,14 +9,7 @@ use store::{
     LeaseBook, LeasePlan, LeaseStep, LeaseStore, Lsn, Outbox, RelayId, RunId, Sightings, TenantId,
     bucket_of,
 };
-
-fn key(tenant: &str, run: &str, branch: &str) -> BranchKey {
-    BranchKey::new(
-        TenantId::new(tenant).unwrap(),
-        RunId::new(run).unwrap(),
-        BranchId::new(branch).unwrap(),
-    )
-}
+use testkit::branch as key;
 
 /// Claims for `relay` up to `n` buckets, as its keeper would once it has seen the rows (read
 /// now) unchanged for `seen_for` on its [`Sightings`]' clock (passed there, not waited):

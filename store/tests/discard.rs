@@ -6,15 +6,11 @@ use std::time::Duration;
 use sqlx::PgPool;
 use store::{
     BranchId, BranchKey, Discarded, Error, EventKey, EventKind, FoldModel, FoldOutcome,
-    IntentWriter, Lsn, Outbox, RunId, TenantId,
+    IntentWriter, Lsn, Outbox,
 };
 
 fn key(run: &str, branch: &str) -> BranchKey {
-    BranchKey::new(
-        TenantId::new("t").unwrap(),
-        RunId::new(run).unwrap(),
-        BranchId::new(branch).unwrap(),
-    )
+    testkit::branch("t", run, branch)
 }
 
 /// `1..=5` on `branch` (a new run), the first two shipped, the branch parked.

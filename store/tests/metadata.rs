@@ -5,17 +5,12 @@ use std::collections::BTreeMap;
 
 use sqlx::{Acquire, PgPool};
 use store::{
-    BranchId, BranchKey, Error, EventType, FoldOutcome, Intent, IntentWriter, Lsn,
-    MAX_HEADER_BYTES, MAX_HEADERS, Metadata, Outbox, OutboxEvent, Projection, RewindNotice, RunId,
-    TenantId,
+    BranchKey, Error, EventType, FoldOutcome, Intent, IntentWriter, Lsn, MAX_HEADER_BYTES,
+    MAX_HEADERS, Metadata, Outbox, OutboxEvent, Projection, RewindNotice,
 };
 
 fn key(run: &str) -> BranchKey {
-    BranchKey::new(
-        TenantId::new("t").unwrap(),
-        RunId::new(run).unwrap(),
-        BranchId::new("main").unwrap(),
-    )
+    testkit::branch("t", run, "main")
 }
 
 fn writer() -> IntentWriter {

@@ -6,16 +6,9 @@ use sqlx::Acquire;
 use sqlx::PgPool;
 use store::{
     BranchId, BranchKey, Error, EventKey, EventKind, Fence, IntentWriter, Lsn, Outbox, OutboxEvent,
-    RunId, TenantId,
+    TenantId,
 };
-
-fn key(tenant: &str, run: &str, branch: &str) -> BranchKey {
-    BranchKey::new(
-        TenantId::new(tenant).unwrap(),
-        RunId::new(run).unwrap(),
-        BranchId::new(branch).unwrap(),
-    )
-}
+use testkit::branch as key;
 
 fn lsns_by_branch(events: &[OutboxEvent]) -> BTreeMap<BranchKey, Vec<u64>> {
     let mut by_branch: BTreeMap<BranchKey, Vec<u64>> = BTreeMap::new();

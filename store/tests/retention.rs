@@ -6,16 +6,9 @@ use std::time::Duration;
 use sqlx::PgPool;
 use store::{
     BranchId, BranchKey, Closed, Error, EventKey, EventKind, FoldOutcome, FoldStore, IntentWriter,
-    Lsn, Outbox, OutboxEvent, Retention, RunId, TenantId, retire_folded_runs, retire_runs,
+    Lsn, Outbox, OutboxEvent, Retention, TenantId, retire_folded_runs, retire_runs,
 };
-
-fn key(tenant: &str, run: &str, branch: &str) -> BranchKey {
-    BranchKey::new(
-        TenantId::new(tenant).unwrap(),
-        RunId::new(run).unwrap(),
-        BranchId::new(branch).unwrap(),
-    )
-}
+use testkit::branch as key;
 
 fn writer() -> IntentWriter {
     IntentWriter::default().with_notify(false)

@@ -9,7 +9,7 @@ use proptest::prelude::*;
 use sqlx::{PgConnection, PgPool};
 use store::{
     BranchId, BranchKey, EventKind, EventTable, FoldModel, FoldOutcome, FoldStore, OutboxEvent,
-    Projection, RewindNotice, RunId, TenantId,
+    Projection, RewindNotice, TenantId,
 };
 
 async fn fresh_database(label: &str) -> PgPool {
@@ -156,11 +156,7 @@ fn marker(
 }
 
 fn key(tenant: &TenantId, run: &str, branch: &str) -> BranchKey {
-    BranchKey::new(
-        tenant.clone(),
-        RunId::new(run).unwrap(),
-        BranchId::new(branch).unwrap(),
-    )
+    testkit::branch(tenant.as_str(), run, branch)
 }
 
 /// The scenario of the issue, step by step: abandoned events applied before the marker are

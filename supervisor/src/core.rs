@@ -202,11 +202,6 @@ enum CheckState {
     Spent,
 }
 
-/// Logs a restart storm without flooding: the 1st, 2nd, 4th, 8th... consecutive failure at WARN.
-fn storm_worthy(failures: u64) -> bool {
-    failures.is_power_of_two()
-}
-
 impl<H: Handle> Core<H> {
     /// A core that starts every publisher.
     pub(crate) fn new(config: CoreConfig) -> Self {
@@ -361,7 +356,7 @@ impl<H: Handle> Core<H> {
             .increment(1);
         let delay = slot.backoff.next_delay();
         let failures = slot.backoff.failures();
-        if storm_worthy(failures) {
+        if broker::warn_worthy(failures) {
             tracing::warn!(shard = shard.0, failures, retry_in_ms = delay.as_millis() as u64, reason = %why, "publisher down; restarting");
         } else {
             tracing::debug!(shard = shard.0, failures, reason = %why, "publisher down; restarting");

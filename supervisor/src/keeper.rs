@@ -75,7 +75,7 @@ impl Failures {
             }
             Err(err) => {
                 self.count += 1;
-                if self.count.is_power_of_two() {
+                if broker::warn_worthy(self.count) {
                     tracing::warn!(failures = self.count, error = %err, "{what} failed; will retry");
                 } else {
                     tracing::debug!(failures = self.count, error = %err, "{what} failed; will retry");

@@ -14,7 +14,7 @@ impl NoRoomNotice {
     /// one to WARN on.
     pub(super) fn refused(&mut self) -> (u64, bool) {
         self.branches += 1;
-        (self.branches, self.branches.is_power_of_two())
+        (self.branches, broker::warn_worthy(self.branches))
     }
 
     /// A settle with acks and no refusal: the broker has room again.

@@ -194,7 +194,7 @@ impl<H: Handle> Core<H> {
         metrics::counter!("relay_drainer_restarts_total").increment(1);
         let (delay, failures) = self.restart_later(tenant.clone(), backoff, now);
         let retry_in_ms = delay.as_millis() as u64;
-        if storm_worthy(failures) {
+        if broker::warn_worthy(failures) {
             tracing::warn!(tenant = %tenant, failures, retry_in_ms, reason = %why, "drainer down; restarting");
         } else {
             tracing::debug!(tenant = %tenant, failures, retry_in_ms, reason = %why, "drainer down; restarting");

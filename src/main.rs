@@ -41,7 +41,7 @@ mod tail_cli;
 mod proxy;
 mod serve;
 
-use outbox_cli::{discard, migrate, print_roles, print_sql, release, retire, status};
+use outbox_cli::{Tables, discard, migrate, print_roles, print_sql, release, retire, status};
 use run_cli::run;
 
 /// Which broker a command works on (`RELAY_BROKER`, as the relay's).
@@ -306,7 +306,7 @@ fn main() -> ExitCode {
             consumer: consumer.clone(),
             operator: operator.clone(),
         };
-        return match print_roles(roles, *fold_database, schema.as_ref()) {
+        return match print_roles(roles, Tables::of(*fold_database), schema.as_ref()) {
             Ok(()) => ExitCode::SUCCESS,
             Err(err) => {
                 eprintln!("error: {}", one_line(&err));
@@ -343,7 +343,7 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
-            Command::Migrate { database, fold } => migrate(&database, fold).await,
+            Command::Migrate { database, fold } => migrate(&database, Tables::of(fold)).await,
             Command::Run(_) => run(config.expect("parsed above")).await,
             Command::Status {
                 database,
@@ -380,11 +380,11 @@ fn main() -> ExitCode {
                 retention_secs,
                 batch,
                 fold,
-            } => retire(&database, retention_secs, batch, fold).await,
+            } => retire(&database, retention_secs, batch, Tables::of(fold)).await,
             Command::Console(settings) => console::run(*settings).await,
             Command::Demo { broker } => demo::run(broker).await,
             Command::Sql { fold } => {
-                print_sql(fold);
+                print_sql(Tables::of(fold));
                 Ok(())
             }
             Command::Roles { .. } => unreachable!("printed before the runtime starts"),

@@ -7,13 +7,28 @@ use distribution::store::{self, Outbox};
 use crate::letters::{GroupBroker, GroupLetters};
 use crate::{Database, connect, dead_cli, demo};
 
+/// Which of the relay's databases a command works on (its `--fold` or `--fold-database`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Tables {
+    /// The host's database: the outbox, with the fold beside it.
+    Outbox,
+    /// A consumer's own database: the fold's tables alone.
+    FoldOnly,
+}
+
+impl Tables {
+    /// The tables a command's `--fold` flag names.
+    pub(crate) fn of(fold: bool) -> Self {
+        if fold { Self::FoldOnly } else { Self::Outbox }
+    }
+}
+
 /// Every migration's SQL, in order, each under a comment with its version: what
 /// `distribution migrate` applies (and records in `relay_migrations`).
-pub(crate) fn print_sql(fold: bool) {
-    let migrator = if fold {
-        &*store::FOLD_MIGRATOR
-    } else {
-        &*store::MIGRATOR
+pub(crate) fn print_sql(tables: Tables) {
+    let migrator = match tables {
+        Tables::FoldOnly => &*store::FOLD_MIGRATOR,
+        Tables::Outbox => &*store::MIGRATOR,
     };
     for migration in migrator.iter() {
         println!(
@@ -28,7 +43,7 @@ pub(crate) fn print_sql(fold: bool) {
 /// The grants of `distribution roles`.
 pub(crate) fn print_roles(
     roles: store::Roles,
-    fold_database: bool,
+    tables: Tables,
     schema: Option<&store::Schema>,
 ) -> Result<()> {
     if roles.host.is_none()
@@ -38,14 +53,14 @@ pub(crate) fn print_roles(
     {
         anyhow::bail!("name at least one role: --host, --relay, --consumer or --operator");
     }
-    if fold_database && (roles.host.is_some() || roles.relay.is_some() || roles.operator.is_some())
+    if tables == Tables::FoldOnly
+        && (roles.host.is_some() || roles.relay.is_some() || roles.operator.is_some())
     {
         anyhow::bail!("a consumer's database (--fold-database) has grants for --consumer only");
     }
-    let on = if fold_database {
-        store::RolesFor::Fold
-    } else {
-        store::RolesFor::Outbox
+    let on = match tables {
+        Tables::FoldOnly => store::RolesFor::Fold,
+        Tables::Outbox => store::RolesFor::Outbox,
     };
     print!("{}", store::roles_sql(&roles, on, schema)?);
     Ok(())
@@ -65,8 +80,8 @@ pub(crate) async fn migrate_in(url: &str, schema: Option<&store::Schema>) -> Res
     Ok(())
 }
 
-pub(crate) async fn migrate(database: &Database, fold: bool) -> Result<()> {
-    if fold {
+pub(crate) async fn migrate(database: &Database, tables: Tables) -> Result<()> {
+    if tables == Tables::FoldOnly {
         let pool = connect(&database.database_url, database.schema.as_ref()).await?;
         if let Some(schema) = &database.schema {
             store::create_schema(&pool, schema).await?;
@@ -115,19 +130,22 @@ pub(crate) async fn retire(
     database: &Database,
     retention_secs: u64,
     batch: u32,
-    fold: bool,
+    tables: Tables,
 ) -> Result<()> {
     let pool = connect(&database.database_url, database.schema.as_ref()).await?;
     let retention = store::Retention {
         keep: std::time::Duration::from_secs(retention_secs),
         batch,
     };
-    if fold {
-        let runs = store::retire_folded_runs(&pool, retention).await?;
-        println!("retired the fold state of {runs} completed runs");
-    } else {
-        let runs = store::retire_runs(&pool, retention).await?;
-        println!("retired {runs} closed runs");
+    match tables {
+        Tables::FoldOnly => {
+            let runs = store::retire_folded_runs(&pool, retention).await?;
+            println!("retired the fold state of {runs} completed runs");
+        }
+        Tables::Outbox => {
+            let runs = store::retire_runs(&pool, retention).await?;
+            println!("retired {runs} closed runs");
+        }
     }
     Ok(())
 }

@@ -137,10 +137,48 @@ pub enum FoldError<E> {
     Projection(#[source] E),
 }
 
+/// What `relay_fold` says of a delivery or of an intent it releases (its `action` column;
+/// WIRE.md, "The fold").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Action {
+    Apply,
+    Undo,
+    End,
+    Hold,
+    Duplicate,
+    Abandoned,
+    Superseded,
+    Adopt,
+}
+
+impl TryFrom<String> for Action {
+    type Error = UnknownAction;
+
+    fn try_from(action: String) -> Result<Self, UnknownAction> {
+        Ok(match action.as_str() {
+            "apply" => Self::Apply,
+            "undo" => Self::Undo,
+            "end" => Self::End,
+            "hold" => Self::Hold,
+            "duplicate" => Self::Duplicate,
+            "abandoned" => Self::Abandoned,
+            "superseded" => Self::Superseded,
+            "adopt" => Self::Adopt,
+            _ => return Err(UnknownAction(action)),
+        })
+    }
+}
+
+/// An `action` this relay does not know (a fold function newer than the relay).
+#[derive(Debug, thiserror::Error)]
+#[error("relay_fold returned the unknown action {0:?}")]
+pub(crate) struct UnknownAction(String);
+
 /// One row of `relay_fold`'s answer.
 #[derive(Debug, sqlx::FromRow)]
 pub(crate) struct Step {
-    action: String,
+    #[sqlx(try_from = "String")]
+    action: Action,
     branch_id: String,
     lsn: i64,
     prev_lsn: i64,
@@ -336,10 +374,10 @@ pub async fn apply<P: Projection>(
     // An adopted delivery: first the history the database lost is undone (undo rows whose
     // `rewound_to` is the delivery's branch), then the delivery's own verdict follows.
     let mut undone = None;
-    if verdict.action == "adopt" {
+    if verdict.action == Action::Adopt {
         let mut count = 0u32;
         while let Some(step) = steps.next_if(|step| {
-            step.action == "undo" && step.rewound_to.as_deref() == Some(key.branch.as_str())
+            step.action == Action::Undo && step.rewound_to.as_deref() == Some(key.branch.as_str())
         }) {
             let notice = RewindNotice {
                 branch: BranchKey::new(
@@ -362,17 +400,20 @@ pub async fn apply<P: Projection>(
     }
     let steps: Vec<Step> = steps.collect();
     // Released intents (an end marker released with them is not counted).
-    let released = steps.iter().filter(|step| step.action == "apply").count();
+    let released = steps
+        .iter()
+        .filter(|step| step.action == Action::Apply)
+        .count();
     let released = u32::try_from(released).unwrap_or(u32::MAX);
-    let outcome = match verdict.action.as_str() {
-        "apply" => {
+    let outcome = match verdict.action {
+        Action::Apply => {
             projection
                 .apply(tx, event)
                 .await
                 .map_err(FoldError::Projection)?;
             FoldOutcome::Applied { released }
         }
-        "undo" => {
+        Action::Undo => {
             let notice = RewindNotice {
                 branch: key.clone(),
                 fork: Lsn::from_db(verdict.lsn),
@@ -385,21 +426,21 @@ pub async fn apply<P: Projection>(
                 .map_err(FoldError::Projection)?;
             FoldOutcome::Rewound { released }
         }
-        "end" => {
+        Action::End => {
             projection
                 .end(tx, event)
                 .await
                 .map_err(FoldError::Projection)?;
             FoldOutcome::Ended
         }
-        "hold" => FoldOutcome::Parked,
-        "duplicate" => FoldOutcome::Duplicate,
-        "abandoned" => FoldOutcome::Abandoned,
-        "superseded" => FoldOutcome::Superseded,
-        other => {
-            return Err(Error::Database(sqlx::Error::Protocol(format!(
-                "relay_fold returned the unknown action {other:?}"
-            )))
+        Action::Hold => FoldOutcome::Parked,
+        Action::Duplicate => FoldOutcome::Duplicate,
+        Action::Abandoned => FoldOutcome::Abandoned,
+        Action::Superseded => FoldOutcome::Superseded,
+        Action::Adopt => {
+            return Err(Error::Database(sqlx::Error::Protocol(
+                "relay_fold said adopt twice for one delivery".into(),
+            ))
             .into());
         }
     };
@@ -418,7 +459,7 @@ pub async fn apply<P: Projection>(
             base_lsn: Lsn::from_db(step.base_lsn),
             payload: step.payload.unwrap_or_default(),
             created_at: step.created_at.unwrap_or(event.created_at),
-            kind: if step.action == "end" {
+            kind: if step.action == Action::End {
                 EventKind::End
             } else {
                 EventKind::Intent

@@ -8,8 +8,8 @@ use ractor::ActorRef;
 
 use store::BranchKey;
 
-use crate::shard::shard_of;
-use crate::{Lane, PublisherMessage, ShardId, Sharding};
+use crate::mailbox::PublisherMessage;
+use crate::shard::{Lane, ShardId, Sharding, shard_of};
 
 /// Slot -> live publisher (or none while it is being restarted): a plain value, each copy
 /// its own.

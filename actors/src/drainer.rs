@@ -21,17 +21,16 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use store::{EventKey, OutboxEvent};
 use tracing::Instrument;
 
+use crate::mailbox::{DrainerMessage, PublisherMessage, Reply};
+use crate::shard::ShardId;
 use crate::window::{
     Dispatch, Next, Refusal, RefusalAction, StallNotice, Window, WindowConfig, Woken,
 };
-use crate::{PublisherMessage, Reply, ShardId};
 
 mod api;
 mod budget;
 mod no_room;
-pub use api::{
-    DrainerArgs, DrainerConfig, DrainerMessage, DrainerReport, DrainerReporter, StopReason,
-};
+pub use api::{DrainerArgs, DrainerConfig, DrainerReport, DrainerReporter, StopReason};
 use budget::{Held, Permits};
 
 /// A store call under `limit`. A connection that goes silent mid-call (a network or a

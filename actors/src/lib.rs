@@ -4,32 +4,34 @@
 //! - `directory`: [`PublisherDirectory`], the live publisher of each shard: the supervisor's copy and each drainer's, kept in step by message.
 //! - `publisher`: [`PublisherActor`], one per shard: publishes batches, replies with outcomes.
 //! - `drainer`: [`Drainer`], one per tenant: drain -> publish -> ack the confirmed prefix.
+//! - `mailbox`: what drainers and publishers say to each other ([`DrainerMessage`],
+//!   [`PublisherMessage`], [`Reply`]); neither actor imports the other.
 //! - `window`: the drainer's in-flight window as a pure state machine (what to ack, retry, park).
-//! - [`Backoff`] / [`RetryPolicy`] (from `broker`): the never-giving-up retry delays both use.
+//! - [`broker::Backoff`] / [`broker::RetryPolicy`]: the never-giving-up retry delays both use.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
 mod directory;
 mod drainer;
+mod mailbox;
 mod publisher;
 mod shard;
 mod window;
 
-use broker::{Backoff, RetryPolicy};
 pub use directory::PublisherDirectory;
 pub use drainer::Drainer;
 pub use drainer::DrainerArgs;
 pub use drainer::DrainerConfig;
-pub use drainer::DrainerMessage;
 pub use drainer::DrainerReport;
 pub use drainer::DrainerReporter;
 pub use drainer::StopReason;
+pub use mailbox::DrainerMessage;
+pub use mailbox::PublisherMessage;
+pub use mailbox::Reply;
 pub use publisher::DEFAULT_MAX_UNCONFIRMED;
 pub use publisher::FAILURE_OUTCOMES;
 pub use publisher::PublisherActor;
 pub use publisher::PublisherArgs;
 pub use publisher::PublisherFactory;
-pub use publisher::PublisherMessage;
-pub use publisher::Reply;
 pub use shard::Lane;
 pub use shard::ShardId;
 pub use shard::Sharding;

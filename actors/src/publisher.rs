@@ -1,12 +1,12 @@
 //! One publisher actor per shard: the only place the relay calls the broker.
 use std::sync::Arc;
 
-use broker::{OnReport, Outcome, Publisher};
+use broker::{OnReport, Publisher};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
-use store::{Fence, OutboxEvent};
 use tracing::Instrument;
 
-use crate::{DrainerMessage, ShardId};
+use crate::mailbox::PublisherMessage;
+use crate::shard::ShardId;
 
 /// Makes the broker client of a shard. Called in `pre_start`, so it must not do I/O: the
 /// RabbitMQ adapter connects lazily on its first publish.
@@ -14,69 +14,6 @@ pub type PublisherFactory = Arc<dyn Fn(ShardId) -> Box<dyn Publisher> + Send + S
 
 /// Default bound on events written but not yet confirmed, per publisher.
 pub const DEFAULT_MAX_UNCONFIRMED: usize = 20_000;
-
-/// Where the outcomes of one part of a drainer's batch go: answered exactly once, by
-/// [`Reply::answer`], or, if it is dropped unanswered (the publisher died with the part in its
-/// mailbox or in flight, or gave up on it), at once with every event unconfirmed. So a drainer
-/// never waits on a timer for a publisher that is gone, and only the drainers with parts on a
-/// dead publisher hear of it.
-#[derive(Debug)]
-pub struct Reply {
-    drainer: ActorRef<DrainerMessage>,
-    batch: u64,
-    shard: ShardId,
-    answered: bool,
-}
-
-impl Reply {
-    /// The answer for part `shard` of `drainer`'s batch `batch`.
-    pub fn new(drainer: ActorRef<DrainerMessage>, batch: u64, shard: ShardId) -> Self {
-        Self {
-            drainer,
-            batch,
-            shard,
-            answered: false,
-        }
-    }
-
-    /// Sends `outcomes` (one per event of the part, in order). The drainer may have died
-    /// meanwhile; it re-drains from the store, so a lost answer is safe.
-    pub fn answer(mut self, outcomes: Vec<Outcome>) {
-        self.answered = true;
-        let _ = self.drainer.cast(DrainerMessage::Confirmed {
-            batch: self.batch,
-            shard: self.shard,
-            outcomes,
-        });
-    }
-}
-
-impl Drop for Reply {
-    fn drop(&mut self) {
-        if !self.answered {
-            // No outcomes: every event of the part counts as unconfirmed.
-            let _ = self.drainer.cast(DrainerMessage::Confirmed {
-                batch: self.batch,
-                shard: self.shard,
-                outcomes: Vec::new(),
-            });
-        }
-    }
-}
-
-/// Messages to a publisher.
-#[derive(Debug)]
-pub enum PublisherMessage {
-    /// Publish `events` (each branch's events in Lsn order) and answer `reply`.
-    Publish {
-        /// Events in the order to publish.
-        events: Vec<OutboxEvent>,
-        /// Who gets the outcomes (answered even if this publisher dies first).
-        reply: Reply,
-        /// The tenant's lease: nothing is written once it is closed.
-        fence: Fence,
-    },
-}
 
 /// Arguments of a publisher.
 #[derive(Clone)]
@@ -273,9 +210,12 @@ mod tests {
 
     use broker::BoxFuture;
     use chrono::Utc;
-    use store::{BranchId, BranchKey, EventKey, EventKind, Lsn, RunId, TenantId};
+    use store::{
+        BranchId, BranchKey, EventKey, EventKind, Fence, Lsn, OutboxEvent, RunId, TenantId,
+    };
 
     use super::*;
+    use crate::mailbox::{DrainerMessage, Reply};
 
     /// A broker that takes every write and never confirms anything: it keeps each batch's
     /// callback until it is dropped.

@@ -20,7 +20,9 @@ use broker::Outcome;
 use chrono::{DateTime, Utc};
 use store::{BranchKey, EventKey, Lsn};
 
-use crate::{Backoff, Lane, RetryPolicy, ShardId};
+use broker::{Backoff, RetryPolicy};
+
+use crate::shard::{Lane, ShardId};
 
 mod refusal;
 mod settle;

@@ -2,7 +2,8 @@
 //! takes, and how a message reads to a person (pure).
 use store::{OutboxEvent, RunId, TenantId};
 
-use crate::{Partition, WireError, partition_of};
+use crate::error::WireError;
+use crate::partition::{Partition, partition_of};
 
 /// What a tail (`distribution tail`) watches: every event, a tenant's, or one run's.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

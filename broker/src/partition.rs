@@ -6,7 +6,7 @@
 //! count. Changing the partition count remaps runs; do it only with the relay drained.
 use store::{RunId, TenantId};
 
-use crate::Error;
+use crate::error::Error;
 
 /// A partition of the topology (on RabbitMQ, a queue per group).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]

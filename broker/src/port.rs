@@ -4,7 +4,7 @@ use std::pin::Pin;
 
 use store::{Fence, OutboxEvent};
 
-use crate::Error;
+use crate::error::Error;
 
 /// A boxed, sendable future (the port is object-safe so tests can inject a fault broker).
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;

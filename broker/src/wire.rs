@@ -65,7 +65,7 @@ pub const TYPE_REWIND: &str = "outbox.rewind";
 /// The `type` of an end marker (a closed run's last message).
 pub const TYPE_END: &str = "outbox.end";
 
-use crate::WireError;
+use crate::error::WireError;
 
 /// An event's `message_id` (WIRE.md): `tenant/run/branch/lsn`. Ids are at most 64 bytes each, so
 /// this stays far below the 255-byte AMQP short-string limit.

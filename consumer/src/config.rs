@@ -8,7 +8,7 @@ use broker::{Partition, RetryPolicy};
 
 use rabbit::RabbitConfig;
 
-use crate::FoldBatch;
+use crate::batch::FoldBatch;
 
 /// How a [`Consumer`] runs.
 #[derive(Clone, Debug)]

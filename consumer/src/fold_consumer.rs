@@ -9,7 +9,9 @@ use broker::{Error, Partition, RetryPolicy};
 
 use rabbit::RabbitConfig;
 
-use crate::{Consumer, ConsumerConfig, FoldStats};
+use crate::Consumer;
+use crate::config::ConsumerConfig;
+use crate::stats::FoldStats;
 
 /// Consumes partitions into a [`FoldStore`] (the project's own [`EventTable`] projection):
 /// the demonstration fold the tests and the demo use. See [`Consumer`] for your own tables.

@@ -68,7 +68,7 @@ pub use stats::{ConsumerProgress, FoldStats};
 use nats_serve::NatsServe;
 use serve::Serve;
 use settle::{Db, Folder};
-use stats::totals;
+use stats::{Observer, totals};
 
 /// Folds the relay's messages into a user's [`Projection`], exactly once, in order.
 ///
@@ -96,9 +96,6 @@ pub struct Consumer<P> {
     progress: Arc<Mutex<Vec<FoldStats>>>,
     observer: Option<Observer>,
 }
-
-/// Called with a partition's running totals after each of its deliveries.
-pub(crate) type Observer = Arc<dyn Fn(Partition, FoldStats) + Send + Sync>;
 
 /// What a consumer reads.
 #[derive(Debug)]

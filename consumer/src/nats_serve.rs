@@ -19,7 +19,7 @@ use tokio::sync::watch;
 use broker::{Backoff, Error, Partition};
 use nats::{Delivery, ReadFrom};
 
-use crate::NatsConsumerConfig;
+use crate::config::NatsConsumerConfig;
 use crate::settle::{Db, Folder, Incoming, Transport};
 
 /// One NATS partition's loop.

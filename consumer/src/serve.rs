@@ -10,7 +10,7 @@ use broker::{Backoff, Error, Partition};
 
 use rabbit::{QueueType, RabbitDelivery, RabbitReading};
 
-use crate::ConsumerConfig;
+use crate::config::ConsumerConfig;
 use crate::settle::{Folder, Incoming, Transport};
 use crate::stream::{StreamStep, stream_step, subscribe_at};
 

@@ -15,8 +15,8 @@ use tracing::Instrument;
 use broker::{Backoff, Error, Partition, RetryPolicy, WireError};
 
 use crate::batch::{BatchPlan, Slot};
+use crate::stats::{FoldStats, Observer};
 use crate::verdict::{DeadReason, Verdict, verdict};
-use crate::{FoldStats, Observer};
 
 mod fold;
 use fold::{Subscribed, fold_span};

@@ -1,6 +1,7 @@
 //! What a consumer did: per partition, summed, readable while it runs.
 use std::sync::{Arc, Mutex};
 
+use broker::Partition;
 use store::FoldOutcome;
 
 /// What a consumer did (per partition, or summed).
@@ -99,6 +100,9 @@ impl ConsumerProgress {
             .clone()
     }
 }
+
+/// Called with a partition's running totals after each of its deliveries.
+pub(crate) type Observer = Arc<dyn Fn(Partition, FoldStats) + Send + Sync>;
 
 pub(crate) fn totals(progress: &Mutex<Vec<FoldStats>>) -> FoldStats {
     progress

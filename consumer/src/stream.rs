@@ -3,7 +3,7 @@
 
 use rabbit::StreamOffset;
 
-use crate::StreamStart;
+use crate::config::StreamStart;
 
 /// What a stream consumer does with a delivery at `offset` when it expects `expected` next
 /// (pure). RabbitMQ's stream offsets are not dense: every segment after the first begins with

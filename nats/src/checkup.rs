@@ -3,7 +3,7 @@
 use async_nats::jetstream::context::GetStreamErrorKind;
 use broker::Error;
 
-use crate::NatsConfig;
+use crate::config::NatsConfig;
 
 /// What [`checkup`] found.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -13,7 +13,7 @@ pub struct NatsCheckup {
     /// Messages the relay's stream holds; `None` while there is no such stream (no relay or
     /// consumer declared it yet).
     pub stream_messages: Option<u64>,
-    /// What the version means for an acked event's durability ([`crate::durability_note`]),
+    /// What the version means for an acked event's durability ([`crate::publisher::durability_note`]),
     /// for the stream's own replicas (the configuration's while there is no stream).
     pub durability: Option<String>,
 }
@@ -21,7 +21,7 @@ pub struct NatsCheckup {
 /// Connects to `config`'s servers and reads the version and the stream's state, each step
 /// within `config.connect_timeout`.
 pub async fn checkup(config: &NatsConfig) -> Result<NatsCheckup, Error> {
-    let (client, context) = crate::connect(config).await?;
+    let (client, context) = crate::connection::connect(config).await?;
     let version = client.server_info().version;
     let limit = config.connect_timeout;
     let read = async {
@@ -54,7 +54,7 @@ pub async fn checkup(config: &NatsConfig) -> Result<NatsCheckup, Error> {
         })??;
     let replicas = stream.map_or(config.replicas, |(_, replicas)| replicas);
     Ok(NatsCheckup {
-        durability: crate::durability_note(&version, replicas),
+        durability: crate::publisher::durability_note(&version, replicas),
         version,
         stream_messages: stream.map(|(messages, _)| messages),
     })

@@ -8,7 +8,9 @@ use async_nats::jetstream::stream::{RawMessageErrorKind, Stream};
 use broker::{DEAD_LETTER_REASON, DeadFilter, Error, WireError};
 use store::OutboxEvent;
 
-use crate::{EXPECTED_STREAM, MSG_ID, NatsConfig, dead_letter_stream};
+use crate::config::NatsConfig;
+use crate::stream::dead_letter_stream;
+use crate::wire::{EXPECTED_STREAM, MSG_ID};
 
 /// One dead letter of a group.
 #[derive(Debug)]
@@ -80,7 +82,7 @@ fn missing(kind: &RawMessageErrorKind) -> bool {
 impl NatsDeadLetters {
     /// Connects to the servers of `config` for `group`'s dead letters.
     pub async fn open(config: &NatsConfig, group: &str) -> Result<Self, Error> {
-        let (client, context) = crate::connect(config).await?;
+        let (client, context) = crate::connection::connect(config).await?;
         Ok(Self {
             _client: client,
             context,
@@ -146,7 +148,7 @@ impl NatsDeadLetters {
                     message.subject
                 )));
             }
-            let event = crate::decode(&message.headers, &message.payload);
+            let event = crate::wire::decode(&message.headers, &message.payload);
             let message_id = match &event {
                 Ok(event) => Some(broker::message_id(&event.key)),
                 Err(_) => message.headers.get(MSG_ID).map(|id| id.as_str().to_owned()),

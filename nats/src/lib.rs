@@ -3,8 +3,11 @@
 //! headers.
 //!
 //! - `config`: [`NatsConfig`]: servers, the stream, the partitions' subjects, timeouts.
+//! - `connection`: [`connect`]: the first server that answers, a JetStream context, and the
+//!   flag that says the connection lost its server.
 //! - `wire`: the envelope as NATS headers ([`headers`], [`decode`]); what cannot travel.
-//! - `stream`: the stream declared and read back ([`declare`]).
+//! - `stream`: the stream declared and read back ([`declare`]), the dead letters' stream's
+//!   name ([`dead_letter_stream`]).
 //! - `attribute`: what the server's answer to one publish means for its event (pure).
 //! - `publisher`: [`NatsPublisher`]: pipelined publishes, acks awaited by a pump, fenced.
 //! - `checkup`: what an operator's console reads of the server and the stream ([`checkup`]).
@@ -18,6 +21,7 @@
 mod attribute;
 mod checkup;
 mod config;
+mod connection;
 mod dead;
 mod publisher;
 mod reader;
@@ -30,15 +34,11 @@ mod wire;
 pub use attribute::{Answer, Verdict, attribute};
 pub use checkup::{NatsCheckup, checkup};
 pub use config::{MAX_ACKS_IN_FLIGHT, NatsConfig};
+pub use connection::connect;
 pub use dead::{NatsDeadLetter, NatsDeadLetters};
-pub use publisher::{
-    NatsPublisher, connect, durability_note, preflight, server_version, version_refusal,
-};
-pub use reader::{
-    Delivery, PartitionReader, ReadFrom, Reading, dead_letter, dead_letter_stream,
-    declare_dead_letters,
-};
-pub use stream::{declare, remove};
+pub use publisher::{NatsPublisher, durability_note, preflight, server_version, version_refusal};
+pub use reader::{Delivery, PartitionReader, ReadFrom, Reading, dead_letter, declare_dead_letters};
+pub use stream::{dead_letter_stream, declare, remove};
 pub use tail::{NatsTail, NatsTailed};
 pub use wire::{
     CONTENT_TYPE, CORRELATION_ID, EXPECTED_STREAM, MSG_ID, TYPE, Unwritable, decode, envelope,

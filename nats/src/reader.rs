@@ -19,7 +19,9 @@ use futures_util::StreamExt;
 use store::OutboxEvent;
 use tokio::sync::watch;
 
-use crate::{MSG_ID, NatsConfig};
+use crate::config::NatsConfig;
+use crate::stream::dead_letter_stream;
+use crate::wire::MSG_ID;
 
 /// Where a reader with no stored position starts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -123,7 +125,7 @@ impl Delivery {
 
     /// The event it carries, or why it is not one.
     pub fn decode(&self) -> Result<OutboxEvent, WireError> {
-        crate::decode(&self.headers, &self.payload)
+        crate::wire::decode(&self.headers, &self.payload)
     }
 
     /// Its `Nats-Msg-Id`.
@@ -162,7 +164,7 @@ impl std::fmt::Debug for PartitionReader {
 
 /// A consumer's connection to the stream: partitions read, dead letters kept. Once the
 /// connection loses its server every reader of it ends (the client's own reconnect is held back
-/// for the relay's sake, see [`crate::connect`]): the consumer opens another connection and
+/// for the relay's sake, see [`crate::connection::connect`]): the consumer opens another connection and
 /// reads on from the position its fold stored.
 pub struct Reading {
     _client: async_nats::Client,
@@ -180,11 +182,11 @@ impl std::fmt::Debug for Reading {
 }
 
 impl Reading {
-    /// Connects (as the relay does) and makes sure the stream (as [`crate::declare`]: a
+    /// Connects (as the relay does) and makes sure the stream (as [`crate::stream::declare`]: a
     /// consumer may start before any relay) and the dead-letter stream exist.
     pub async fn connect(config: &NatsConfig) -> Result<Self, Error> {
-        let (client, context, lost) = crate::publisher::open(config).await?;
-        crate::declare(&context, config).await?;
+        let (client, context, lost) = crate::connection::open(config).await?;
+        crate::stream::declare(&context, config).await?;
         declare_dead_letters(&context, config).await?;
         Ok(Self {
             _client: client,
@@ -332,12 +334,6 @@ struct Read {
     published: async_nats::datetime::DateTime,
 }
 
-/// The stream a consumer's dead letters are kept in: `<stream>_dead`, subjects
-/// `<stream>_dead.<group>`.
-pub fn dead_letter_stream(stream: &str) -> String {
-    format!("{stream}_dead")
-}
-
 /// Makes sure the dead-letter stream exists (file storage, kept until its limits: none), and
 /// refuses one read back otherwise, under the connect timeout.
 pub async fn declare_dead_letters(context: &Context, config: &NatsConfig) -> Result<(), Error> {
@@ -402,7 +398,7 @@ pub async fn dead_letter(
     let reason = reason.replace(['\r', '\n'], " ");
     headers.insert(DEAD_LETTER_REASON, reason.trim());
     headers.insert(MSG_ID, format!("{group}.{}", delivery.sequence));
-    headers.insert(crate::EXPECTED_STREAM, stream.as_str());
+    headers.insert(crate::wire::EXPECTED_STREAM, stream.as_str());
     let subject = format!("{stream}.{group}");
     let limit = config.ack_timeout.max(Duration::from_millis(1));
     let work = async {

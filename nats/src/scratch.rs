@@ -47,7 +47,7 @@ pub async fn read_stream(
         .await
         .into_iter()
         .map(|message| {
-            let event = crate::decode(&message.headers, &message.payload);
+            let event = crate::wire::decode(&message.headers, &message.payload);
             (message.subject.to_string(), event)
         })
         .collect()
@@ -67,7 +67,7 @@ pub async fn read_stream_stored_at(
         .await
         .into_iter()
         .map(|message| {
-            let event = crate::decode(&message.headers, &message.payload);
+            let event = crate::wire::decode(&message.headers, &message.payload);
             (event, std::time::SystemTime::from(message.time))
         })
         .collect()
@@ -132,7 +132,7 @@ pub async fn delete_stream(url: &str, stream: &str) {
         let context = async_nats::jetstream::new(client);
         let _ = context.delete_stream(stream).await;
         let _ = context
-            .delete_stream(crate::dead_letter_stream(stream))
+            .delete_stream(crate::stream::dead_letter_stream(stream))
             .await;
     }
 }

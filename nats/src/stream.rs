@@ -5,7 +5,7 @@ use async_nats::jetstream::context::GetStreamErrorKind;
 use async_nats::jetstream::stream::{Config, RetentionPolicy, StorageType};
 use broker::Error;
 
-use crate::NatsConfig;
+use crate::config::NatsConfig;
 
 /// JetStream's "stream not found" (`JSStreamNotFoundErr`).
 pub(crate) const STREAM_NOT_FOUND: u64 = 10059;
@@ -47,10 +47,10 @@ pub async fn declare(context: &Context, config: &NatsConfig) -> Result<(), Error
 /// the connect timeout; one already gone is skipped. For tools that made a stream of their own
 /// (`distribution demo`), never the relay.
 pub async fn remove(config: &NatsConfig) -> Result<(), Error> {
-    let (_client, context) = crate::connect(config).await?;
+    let (_client, context) = crate::connection::connect(config).await?;
     for name in [
         config.stream.clone(),
-        crate::dead_letter_stream(&config.stream),
+        crate::stream::dead_letter_stream(&config.stream),
     ] {
         let deleted = tokio::time::timeout(config.connect_timeout, context.delete_stream(&name))
             .await
@@ -173,4 +173,10 @@ mod tests {
             assert!(text.contains(says) && text.contains("events"), "{text}");
         }
     }
+}
+
+/// The stream a consumer's dead letters are kept in: `<stream>_dead`, subjects
+/// `<stream>_dead.<group>`.
+pub fn dead_letter_stream(stream: &str) -> String {
+    format!("{stream}_dead")
 }

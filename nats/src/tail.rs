@@ -9,7 +9,7 @@ use store::OutboxEvent;
 
 use broker::{Error, TailFilter, WireError};
 
-use crate::NatsConfig;
+use crate::config::NatsConfig;
 use crate::reader::{Delivery, PartitionReader, ReadFrom};
 
 /// One message the tail saw.
@@ -45,7 +45,7 @@ impl NatsTail {
     /// Connects (as the relay does) and reads each partition the filter watches from the next
     /// message stored. The stream must exist (a relay or consumer declared it).
     pub async fn open(config: &NatsConfig, filter: TailFilter) -> Result<Self, Error> {
-        let (client, context, lost) = crate::publisher::open(config).await?;
+        let (client, context, lost) = crate::connection::open(config).await?;
         let mut messages = SelectAll::new();
         for partition in filter.partitions(config.partitions) {
             let mut reader =

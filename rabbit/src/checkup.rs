@@ -9,7 +9,8 @@ use lapin::types::FieldTable;
 
 use broker::Error;
 
-use crate::{BrokerVersion, RabbitConfig, within};
+use crate::rabbit::{RabbitConfig, within};
+use crate::version::BrokerVersion;
 
 /// What [`checkup`] found.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -31,7 +32,7 @@ const PROBE_ROUTING_KEY: &str = "amq.relay.checkup";
 /// `connection.blocked` instead. Waits at most `config.connect_timeout` for each step and
 /// `wait` for the verdict.
 pub async fn checkup(config: &RabbitConfig, wait: Duration) -> Result<Checkup, Error> {
-    let version = crate::server_version(config).await?;
+    let version = crate::version::server_version(config).await?;
     let connection = config.connect_named("outbox-relay-checkup").await?;
     let mut events = std::pin::pin!(connection.events_listener());
     let limit = config.connect_timeout;
@@ -80,7 +81,7 @@ pub async fn checkup(config: &RabbitConfig, wait: Duration) -> Result<Checkup, E
     drop(channel);
     match verdict {
         Ok(Ok(blocked)) => Ok(Checkup { version, blocked }),
-        Ok(Err(err)) => Err(crate::amqp_error(err)),
+        Ok(Err(err)) => Err(crate::connect::amqp_error(err)),
         Err(_) => Err(Error::Timeout {
             operation: "basic.publish confirm",
             timeout_ms: wait.as_millis() as u64,

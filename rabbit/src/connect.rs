@@ -310,3 +310,19 @@ impl Subscriber for WithoutReturnedMessages {
         self.inner().current_span()
     }
 }
+
+/// A lapin error as the core's: the connection or channel failed ([`broker::Error::Channel`]).
+pub(crate) fn amqp_error(err: lapin::Error) -> broker::Error {
+    broker::Error::channel(err)
+}
+
+/// `?` on a lapin result, in the core's error: `channel.basic_qos(..).await.amqp()?`.
+pub(crate) trait Amqp<T> {
+    fn amqp(self) -> Result<T, broker::Error>;
+}
+
+impl<T> Amqp<T> for Result<T, lapin::Error> {
+    fn amqp(self) -> Result<T, broker::Error> {
+        self.map_err(amqp_error)
+    }
+}

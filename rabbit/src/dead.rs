@@ -18,7 +18,7 @@ use store::OutboxEvent;
 
 use broker::{Error, WireError};
 
-use crate::{RabbitConfig, within};
+use crate::rabbit::{RabbitConfig, within};
 
 pub use broker::DEAD_LETTER_REASON;
 
@@ -122,7 +122,7 @@ fn header_text(value: &AMQPValue) -> String {
 #[derive(Debug)]
 pub struct DeadLetters {
     config: RabbitConfig,
-    connection: crate::ClosingConnection,
+    connection: crate::connect::ClosingConnection,
 }
 
 /// Closes `channel` politely, but gives up after the connect timeout: a node that went away
@@ -366,7 +366,7 @@ impl DeadLetters {
                 .as_ref()
                 .map(|id| id.to_string()),
             reason,
-            event: crate::decode(&delivery.properties, &delivery.data),
+            event: crate::wire::decode(&delivery.properties, &delivery.data),
             headers,
             body: delivery.data.clone(),
         };

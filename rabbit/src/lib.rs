@@ -53,19 +53,3 @@ pub use version::{BrokerVersion, STREAM_WORKAROUNDS, server_version};
 pub use wire::decode;
 pub use wire::envelope;
 pub use wire::properties as encode;
-
-/// A lapin error as the core's: the connection or channel failed ([`broker::Error::Channel`]).
-pub(crate) fn amqp_error(err: lapin::Error) -> broker::Error {
-    broker::Error::channel(err)
-}
-
-/// `?` on a lapin result, in the core's error: `channel.basic_qos(..).await.amqp()?`.
-pub(crate) trait Amqp<T> {
-    fn amqp(self) -> Result<T, broker::Error>;
-}
-
-impl<T> Amqp<T> for Result<T, lapin::Error> {
-    fn amqp(self) -> Result<T, broker::Error> {
-        self.map_err(amqp_error)
-    }
-}

@@ -31,14 +31,15 @@ use tokio::sync::watch;
 use lapin::Channel;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 
-use crate::ClosingConnection;
+use crate::connect::ClosingConnection;
 use store::{Fence, OutboxEvent};
 
 use broker::{
     BoxFuture, BrokerHealth, CallProbe, Error, OnReport, Outcome, PublishReport, Publisher,
 };
 
-use crate::{QueueType, Topology, wire};
+use crate::topology::{QueueType, Topology};
+use crate::wire;
 use confirms::{PendingBatch, SessionFate, Writer, confirm_pump};
 use flow::{Flow, QUEUED_AHEAD_BYTES, follow_flow, written};
 use session::{open_at, refused_at_run_time};

@@ -14,7 +14,9 @@ use store::OutboxEvent;
 
 use broker::{DEAD_LETTER_REASON, Error, Partition, WireError};
 
-use crate::{BROKER_HEADERS, ClosingConnection, RabbitConfig, open, within};
+use crate::connect::ClosingConnection;
+use crate::dead::BROKER_HEADERS;
+use crate::rabbit::{RabbitConfig, open, within};
 
 /// Where a stream subscription starts (`x-stream-offset`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -75,7 +77,7 @@ impl RabbitDelivery {
 
     /// The event it carries, or why it is not one.
     pub fn decode(&self) -> Result<OutboxEvent, WireError> {
-        crate::decode(&self.0.properties, &self.0.data)
+        crate::wire::decode(&self.0.properties, &self.0.data)
     }
 }
 

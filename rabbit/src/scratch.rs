@@ -28,14 +28,14 @@ pub fn unique(label: &str) -> String {
 /// For a test of this clean-up: declares a topology named [`unique`]`(label)` (2 partitions)
 /// on the broker at `url` and leaves a message in its partition 1; returns its name.
 pub async fn leave_a_topology(url: &str, label: &str) -> Result<String, broker::Error> {
-    let topology = crate::Topology::new(&unique(label), 2)?;
+    let topology = crate::topology::Topology::new(&unique(label), 2)?;
     let connection = Connection::connect(url, ConnectionProperties::default())
         .await
-        .map_err(crate::amqp_error)?;
+        .map_err(crate::connect::amqp_error)?;
     let channel = connection
         .create_channel()
         .await
-        .map_err(crate::amqp_error)?;
+        .map_err(crate::connect::amqp_error)?;
     topology.declare(&channel).await?;
     channel
         .basic_publish(
@@ -46,9 +46,9 @@ pub async fn leave_a_topology(url: &str, label: &str) -> Result<String, broker::
             Default::default(),
         )
         .await
-        .map_err(crate::amqp_error)?
+        .map_err(crate::connect::amqp_error)?
         .await
-        .map_err(crate::amqp_error)?;
+        .map_err(crate::connect::amqp_error)?;
     let _ = connection.close(200, "left behind".into()).await;
     Ok(topology.exchange().to_string())
 }

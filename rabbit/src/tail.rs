@@ -11,7 +11,7 @@ use store::OutboxEvent;
 
 use broker::{Error, TailFilter, WireError};
 
-use crate::{RabbitConfig, within};
+use crate::rabbit::{RabbitConfig, within};
 
 /// One message the tail saw.
 #[derive(Debug)]
@@ -49,7 +49,7 @@ impl Tailed {
 #[derive(Debug)]
 pub struct Tail {
     // Held for the queue's life: the exclusive queue goes with the connection.
-    _connection: crate::ClosingConnection,
+    _connection: crate::connect::ClosingConnection,
     deliveries: lapin::Consumer,
     filter: TailFilter,
     queue: String,
@@ -139,8 +139,8 @@ impl Tail {
     /// The next message the filter takes; `None` when the broker ended the subscription.
     pub async fn next(&mut self) -> Result<Option<Tailed>, Error> {
         while let Some(delivery) = self.deliveries.next().await {
-            let delivery = delivery.map_err(crate::amqp_error)?;
-            let event = crate::decode(&delivery.properties, &delivery.data);
+            let delivery = delivery.map_err(crate::connect::amqp_error)?;
+            let event = crate::wire::decode(&delivery.properties, &delivery.data);
             if !self.filter.matches(&event) {
                 continue;
             }

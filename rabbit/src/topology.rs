@@ -5,7 +5,7 @@ use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptio
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{Channel, ExchangeKind};
 
-use crate::Amqp;
+use crate::connect::Amqp;
 use store::{RunId, TenantId};
 
 /// The kind of RabbitMQ queue the topology declares.

@@ -12,7 +12,7 @@ use lapin::uri::AMQPUri;
 
 use broker::Error;
 
-use crate::RabbitConfig;
+use crate::rabbit::RabbitConfig;
 
 /// What a broker says it is.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -153,7 +153,7 @@ pub(crate) async fn read_start_at(
         .parse()
         .map_err(|why: String| Error::InvalidConfig(format!("not a valid AMQP URI: {why}")))?;
     let unreachable = |err: std::io::Error| Error::Unreachable(err.to_string());
-    let runtime = lapin::runtime::default_runtime().map_err(crate::amqp_error)?;
+    let runtime = lapin::runtime::default_runtime().map_err(crate::connect::amqp_error)?;
     let mut stream = uri
         .connect_with_config_async(tls.as_ref(), &runtime)
         .await

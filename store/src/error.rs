@@ -1,5 +1,5 @@
 //! The store's one error type, in the caller's words.
-use crate::{BranchKey, Lsn};
+use crate::key::{BranchKey, Lsn};
 
 /// What went wrong in the outbox.
 #[derive(Debug, thiserror::Error)]
@@ -15,7 +15,7 @@ pub enum Error {
         /// The offending value (truncated).
         value: String,
     },
-    /// An intent's metadata breaks a rule of [`crate::Metadata`] (SQLSTATE `RL112` from
+    /// An intent's metadata breaks a rule of [`crate::meta::Metadata`] (SQLSTATE `RL112` from
     /// `relay_append`). Nothing was written.
     #[error("invalid metadata {field}: {reason}")]
     InvalidMetadata {
@@ -66,18 +66,18 @@ pub enum Error {
     #[error("run {tenant}/{run} is already open")]
     RunAlreadyOpen {
         /// Tenant of the run.
-        tenant: crate::TenantId,
+        tenant: crate::key::TenantId,
         /// The run.
-        run: crate::RunId,
+        run: crate::key::RunId,
     },
     /// The run was closed ([`crate::IntentWriter::close_run`]): nothing more is appended or
     /// rewound. Nothing was written.
     #[error("run {tenant}/{run} was closed at lsn {head}")]
     RunClosed {
         /// Tenant of the run.
-        tenant: crate::TenantId,
+        tenant: crate::key::TenantId,
         /// The run.
-        run: crate::RunId,
+        run: crate::key::RunId,
         /// The live branch's last intent before the end marker.
         head: Lsn,
     },
@@ -85,9 +85,9 @@ pub enum Error {
     #[error("run {tenant}/{run} does not exist (open it first)")]
     UnknownRun {
         /// Tenant of the run.
-        tenant: crate::TenantId,
+        tenant: crate::key::TenantId,
         /// The run.
-        run: crate::RunId,
+        run: crate::key::RunId,
     },
     /// A delivery of a run the fold has retired (`relay_fold_retire`): a redelivery after the
     /// retention, or an event held up for longer than it. Never applied: dead-letter it.

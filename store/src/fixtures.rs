@@ -2,7 +2,7 @@
 //! faster than appending intent by intent. Never compiled into the relay.
 use sqlx::PgPool;
 
-use crate::Error;
+use crate::error::Error;
 
 /// Opens `tenants x runs` runs (`<prefix><t>` / `r<n>` / `main`) and appends `per_run` intents
 /// to each, with `payload_bytes`-byte payloads, interleaved across runs in insertion order.
@@ -27,7 +27,7 @@ pub async fn fill_backlog_with(
     runs: u32,
     per_run: u32,
     payload_bytes: u32,
-    meta: Option<&crate::Metadata>,
+    meta: Option<&crate::meta::Metadata>,
 ) -> Result<u64, Error> {
     open_branches(pool, prefix, tenants, runs, per_run).await?;
     let meta = meta.filter(|meta| !meta.is_empty()).map(sqlx::types::Json);

@@ -24,10 +24,11 @@ use std::future::Future;
 use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, PgPool};
 
+use crate::error::Error;
 use crate::error::{detail_value, sql_state};
-use crate::{
-    BranchId, BranchKey, Error, EventKey, EventKind, Lsn, Metadata, OutboxEvent, TenantId,
-};
+use crate::key::{BranchId, BranchKey, EventKey, Lsn, TenantId};
+use crate::meta::Metadata;
+use crate::outbox::{EventKind, OutboxEvent};
 
 /// What folding one delivery did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -584,7 +585,7 @@ fn flatten(err: FoldError<Error>) -> Error {
 }
 
 impl FoldStore {
-    /// The fold on `pool` (migrated with [`crate::migrate`]).
+    /// The fold on `pool` (migrated with [`crate::migrations::migrate`]).
     pub fn new(pool: PgPool) -> Self {
         Self { pool }
     }

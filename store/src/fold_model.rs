@@ -1,6 +1,6 @@
 //! WIRE.md's consumer rules ("What a consumer must do", with "Epochs") as an in-memory state
 //! machine, written from the text alone: no database, no I/O. It is the oracle the real fold
-//! (`relay_fold`, through [`crate::fold`]) is tested against (`store/tests/rewind_fold.rs`: the
+//! (`relay_fold`, through [`crate::fold::fold`]) is tested against (`store/tests/rewind_fold.rs`: the
 //! same deliveries, the same outcome for each, the same projection), and a fold for consumers
 //! that keep their state in memory.
 //!
@@ -10,9 +10,10 @@
 //! is refused changes nothing.
 use std::collections::{BTreeMap, HashMap};
 
-use crate::{
-    BranchId, BranchKey, Epoch, Error, EventKey, EventKind, FoldOutcome, Lsn, OutboxEvent,
-};
+use crate::error::Error;
+use crate::fold::FoldOutcome;
+use crate::key::{BranchId, BranchKey, EventKey, Lsn};
+use crate::outbox::{Epoch, EventKind, OutboxEvent};
 
 /// What the model keeps of one branch (WIRE.md: "Keep per branch").
 #[derive(Clone, Debug)]
@@ -448,7 +449,7 @@ mod tests {
     use chrono::Utc;
 
     use super::*;
-    use crate::{RunId, TenantId};
+    use crate::key::{RunId, TenantId};
 
     fn branch(name: &str) -> BranchKey {
         BranchKey::new(

@@ -2,7 +2,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use crate::Error;
+use crate::error::Error;
 
 /// Longest id accepted for a tenant, run or branch, in bytes. Keeps every AMQP short string the
 /// relay builds from ids (message id, routing key) below the protocol's 255-byte limit.

@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use crate::TenantId;
+use crate::key::TenantId;
 
 mod sightings;
 mod sql;
@@ -42,7 +42,7 @@ pub struct Bucket(pub u16);
 
 /// The bucket of a tenant: FNV-1a 64 over the tenant id's bytes, modulo [`LEASE_BUCKETS`].
 pub fn bucket_of(tenant: &TenantId) -> Bucket {
-    Bucket((crate::fnv1a(&[tenant.as_str()]) % u64::from(LEASE_BUCKETS)) as u16)
+    Bucket((crate::hash::fnv1a(&[tenant.as_str()]) % u64::from(LEASE_BUCKETS)) as u16)
 }
 
 /// The identity of one relay process (host, pid, start time): unique per start.

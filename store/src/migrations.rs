@@ -1,7 +1,7 @@
 //! The relay's schema in a database: the embedded migrations (the outbox's, with the fold's
 //! among them, and the fold's alone for a consumer's database), running them, and checking
 //! that a schema migrated by someone else has what the relay needs.
-use crate::Error;
+use crate::error::Error;
 
 /// Where the relay records its migrations: a table of its own, so a host's own sqlx migrations
 /// (in `_sqlx_migrations`) and the relay's never see each other.

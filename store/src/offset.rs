@@ -3,7 +3,7 @@
 //! resumes exactly after the last folded message, with no redelivery window.
 use sqlx::PgConnection;
 
-use crate::Error;
+use crate::error::Error;
 
 /// The offset a consumer of stream `queue` resumes at: the `x-stream-offset` of the message
 /// after the last one it folded. `None`: nothing stored yet (a new group, or one reset).
@@ -33,7 +33,7 @@ pub async fn save_stream_offset(
 }
 
 /// Forgets everything the fold knows (branch cursors, held-back events, retired horizons, the
-/// [`crate::EventTable`] events, stream offsets) and returns how many branches it knew: the
+/// [`crate::fold::EventTable`] events, stream offsets) and returns how many branches it knew: the
 /// first step of rebuilding a projection from a stream's first retained offset. Call it in the
 /// transaction that empties your projection's own tables, with the group's consumers stopped.
 pub async fn reset_fold(conn: &mut PgConnection) -> Result<u64, Error> {
@@ -49,7 +49,7 @@ pub async fn reset_fold(conn: &mut PgConnection) -> Result<u64, Error> {
 /// dead letters in order after. False when the fold has no state for the branch.
 pub async fn adopt_branch(
     conn: &mut PgConnection,
-    branch: &crate::BranchKey,
+    branch: &crate::key::BranchKey,
 ) -> Result<bool, Error> {
     let armed: bool = sqlx::query_scalar("SELECT relay_fold_adopt($1, $2, $3)")
         .bind(branch.tenant.as_str())

@@ -4,7 +4,10 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 
-use crate::{BranchId, Error, EventKey, Fence, Lsn, Metadata, TenantId};
+use crate::error::Error;
+use crate::key::{BranchId, EventKey, Lsn, TenantId};
+use crate::lease::Fence;
+use crate::meta::Metadata;
 
 mod backlog;
 mod parked;
@@ -124,7 +127,7 @@ impl std::fmt::Debug for OutboxEvent {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Discarded {
     /// The new live branch the run goes on on.
-    pub live: crate::BranchKey,
+    pub live: crate::key::BranchKey,
     /// The last shipped Lsn of the discarded branch: live history ends there on it.
     pub fork: Lsn,
     /// How many waiting intents were discarded (never exported).
@@ -157,7 +160,7 @@ impl Backlog {
 #[derive(Clone, Debug, PartialEq)]
 pub struct BranchBacklog {
     /// The branch.
-    pub branch: crate::BranchKey,
+    pub branch: crate::key::BranchKey,
     /// Pending intents.
     pub pending: u64,
     /// The first waiting Lsn (the next to ship).
@@ -192,7 +195,7 @@ impl From<u32> for DrainLimit {
 #[derive(Clone, Debug, PartialEq)]
 pub struct ParkedBranch {
     /// The branch.
-    pub branch: crate::BranchKey,
+    pub branch: crate::key::BranchKey,
     /// Why it is parked, by cause (with the way out).
     pub cause: ParkCause,
     /// The stored reason: the broker's last refusal, or the row that cannot be read and why.
@@ -316,7 +319,7 @@ macro_rules! event_columns {
 }
 
 impl Outbox {
-    /// The outbox on `pool` (migrated with [`crate::migrate`]).
+    /// The outbox on `pool` (migrated with [`crate::migrations::migrate`]).
     pub fn new(pool: PgPool) -> Self {
         Self {
             pool,
@@ -560,7 +563,7 @@ fn fenced_or(err: sqlx::Error, fence: &Fence) -> Error {
 /// intent it cannot ship, and whatever came before ships.
 fn events_of(tenant: &TenantId, rows: Vec<EventRow>) -> Result<Vec<OutboxEvent>, Error> {
     let mut events: Vec<OutboxEvent> = Vec::with_capacity(rows.len());
-    let mut stopped: Vec<crate::BranchKey> = Vec::new();
+    let mut stopped: Vec<crate::key::BranchKey> = Vec::new();
     for row in rows {
         let event = match event_of(tenant, row) {
             Ok(event) if stopped.contains(&event.key.branch) => continue,

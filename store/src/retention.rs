@@ -17,7 +17,7 @@ use std::time::Duration;
 use sqlx::PgPool;
 use sqlx::postgres::types::PgInterval;
 
-use crate::Error;
+use crate::error::Error;
 
 /// How much is retired per batch, and after how long.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

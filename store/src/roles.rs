@@ -22,8 +22,9 @@
 //! The write functions and `relay_fold` are `SECURITY DEFINER` (they act as the objects'
 //! owner), so the roles need no privilege on the tables behind them. PostgreSQL grants EXECUTE on
 //! every new function to PUBLIC; the script revokes that for the relay's functions.
+use crate::error::Error;
+use crate::schema::Schema;
 use crate::schema::identifier;
-use crate::{Error, Schema};
 
 /// The roles to grant to; each must already exist (`CREATE ROLE ... LOGIN`).
 #[derive(Clone, Debug, Default)]
@@ -41,9 +42,9 @@ pub struct Roles {
 /// Which database the grants are for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RolesFor {
-    /// The host's database, migrated with [`crate::migrate`] (outbox and fold).
+    /// The host's database, migrated with [`crate::migrations::migrate`] (outbox and fold).
     Outbox,
-    /// A consumer's own database, migrated with [`crate::migrate_fold`] (the fold only).
+    /// A consumer's own database, migrated with [`crate::migrations::migrate_fold`] (the fold only).
     Fold,
 }
 

@@ -6,7 +6,7 @@
 //! `search_path` is never touched.
 use sqlx::postgres::PgConnectOptions;
 
-use crate::Error;
+use crate::error::Error;
 
 /// A schema name: lowercase ASCII letters, digits and `_`, starting with a letter or `_`, at
 /// most 63 bytes, not `pg_*` or `information_schema` (so it never needs quoting).
@@ -90,7 +90,7 @@ impl std::fmt::Display for Schema {
     }
 }
 
-/// Creates `schema` if it does not exist (before [`crate::migrate`] on a pool whose options
+/// Creates `schema` if it does not exist (before [`crate::migrations::migrate`] on a pool whose options
 /// carry it).
 pub async fn create_schema(pool: &sqlx::PgPool, schema: &Schema) -> Result<(), Error> {
     // The name is validated: no quoting or injection possible.

@@ -6,7 +6,7 @@
 //! [`remote_context`] turns an event's trace context back into a parent or a link for the
 //! relay's publish span and the consumer's fold span. Without the feature, or outside a
 //! sampled span, nothing is filled.
-use crate::Metadata;
+use crate::meta::Metadata;
 
 #[cfg(feature = "otel")]
 pub(crate) fn fill_from_current_span(meta: &mut Metadata) {

@@ -4,7 +4,9 @@
 //! [`crate::Outbox::tenants_with_pending`] as the correctness path.
 use sqlx::postgres::PgListener;
 
-use crate::{Error, NOTIFY_CHANNEL, TenantId};
+use crate::NOTIFY_CHANNEL;
+use crate::error::Error;
+use crate::key::TenantId;
 
 /// A listening connection.
 #[derive(Debug)]

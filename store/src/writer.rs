@@ -18,8 +18,11 @@ use std::borrow::Cow;
 
 use sqlx::PgConnection;
 
+use crate::error::Error;
 use crate::error::{database_message, detail_text, detail_value, sql_state};
-use crate::{BranchId, BranchKey, Error, Intent, Lsn, RunId, Schema, TenantId};
+use crate::key::{BranchId, BranchKey, Lsn, RunId, TenantId};
+use crate::meta::Intent;
+use crate::schema::Schema;
 
 /// Default largest payload, 256 KiB: far below RabbitMQ's default `max_message_size` (16 MiB
 /// since 4.0, 128 MiB on 3.x) and small
@@ -79,8 +82,8 @@ impl IntentWriter {
         }
     }
 
-    /// Names the relay's tables in `schema` (created by [`crate::create_schema`] and
-    /// [`crate::migrate`] on connections with [`Schema::apply`]) instead of
+    /// Names the relay's tables in `schema` (created by [`crate::schema::create_schema`] and
+    /// [`crate::migrations::migrate`] on connections with [`Schema::apply`]) instead of
     /// relying on the host's `search_path`; the host's own statements are not affected.
     pub fn with_schema(mut self, schema: Schema) -> Self {
         self.schema = Some(schema);

@@ -28,6 +28,7 @@ mod publishers;
 mod shutdown;
 mod timers;
 pub(crate) use leases::LeaseCall;
+pub use leases::{LeaseConfig, LeasesAt};
 use leases::{LeaseStage, Leases};
 use timers::Timers;
 
@@ -96,7 +97,7 @@ pub(crate) struct CoreConfig {
     /// often ([`Command::CheckBroker`]); `None`: never (no check was given).
     pub(crate) broker_check: Option<Duration>,
     /// Lease TTL and heartbeat.
-    pub(crate) lease: crate::LeaseConfig,
+    pub(crate) lease: LeaseConfig,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]

@@ -26,28 +26,8 @@ use store::{LeaseStore, Outbox, RelayId, Sightings};
 
 use tokio::sync::{Notify, mpsc};
 
-use crate::core::LeaseCall;
-use crate::{LeasesAt, SupervisorMessage};
-
-/// Lease timings.
-#[derive(Clone, Copy, Debug)]
-pub struct LeaseConfig {
-    /// How long a lease (and a membership) lasts without renewal: the longest a dead relay's
-    /// tenants wait for another relay. Default 5 s.
-    pub ttl: Duration,
-    /// How often leases are renewed, shares rebalanced and pending tenants polled. Must be well
-    /// below `ttl` (at most a third). Default 1 s.
-    pub heartbeat: Duration,
-}
-
-impl Default for LeaseConfig {
-    fn default() -> Self {
-        Self {
-            ttl: Duration::from_secs(5),
-            heartbeat: Duration::from_secs(1),
-        }
-    }
-}
+use crate::core::{LeaseCall, LeaseConfig, LeasesAt};
+use crate::messages::SupervisorMessage;
 
 /// One kind of call's failures in a row: logged at WARN the 1st, 2nd, 4th, 8th... time, else
 /// at DEBUG, and its recovery once.

@@ -2,23 +2,26 @@
 //! restarts what fails with backoff, notices new work (NOTIFY + polling), reports lag.
 //!
 //! - `core`: the decisions (drainers, publishers, leases and their heartbeat, timers), pure.
-//! - `keeper`: the task that runs the core's lease calls against PostgreSQL, the pending-tenant
-//!   poll, and [`LeaseConfig`].
-//! - `tree`: [`RelaySupervisor`], its [`SupervisorArgs`], [`SupervisorConfig`], [`SupervisorMessage`].
+//!   The leases' settings ([`LeaseConfig`]) and answers ([`LeasesAt`]) live with them.
+//! - `keeper`: the task that runs the core's lease calls against PostgreSQL, and the
+//!   pending-tenant poll.
+//! - `messages`: what the supervisor is told ([`SupervisorMessage`], [`TreeSnapshot`]).
+//! - `tree`: [`RelaySupervisor`], its [`SupervisorArgs`] and [`SupervisorConfig`].
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
 mod core;
 mod keeper;
+mod messages;
 mod tree;
 mod waiting;
 
 pub use actors::Sharding;
-pub use keeper::LeaseConfig;
-pub use tree::LeasesAt;
+pub use core::LeaseConfig;
+pub use core::LeasesAt;
+pub use messages::SupervisorMessage;
+pub use messages::TreeSnapshot;
 pub use tree::RelaySupervisor;
 pub use tree::SupervisorArgs;
 pub use tree::SupervisorConfig;
-pub use tree::SupervisorMessage;
-pub use tree::TreeSnapshot;
 pub use tree::{BROKER_CHECK_EVERY, BrokerCheck};
 pub use tree::{PENDING_GAUGE_CAP, TENANT_GAUGES};

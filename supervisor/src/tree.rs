@@ -24,13 +24,11 @@ use tokio::sync::{Notify, mpsc};
 
 use crate::core::{Command, Core, CoreConfig, Handle};
 use crate::keeper::{Keeper, KeeperCall, poll_pending};
+use crate::messages::{SupervisorMessage, TreeSnapshot};
 
 mod api;
 mod gauges;
-pub use api::{
-    BROKER_CHECK_EVERY, BrokerCheck, LeasesAt, SupervisorArgs, SupervisorConfig, SupervisorMessage,
-    TreeSnapshot,
-};
+pub use api::{BROKER_CHECK_EVERY, BrokerCheck, SupervisorArgs, SupervisorConfig};
 use gauges::{Gauges, tasks_alive};
 pub use gauges::{PENDING_GAUGE_CAP, TENANT_GAUGES};
 

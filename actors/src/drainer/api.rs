@@ -2,11 +2,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use broker::Outcome;
 use store::{Fence, Outbox, TenantId};
 use tokio::sync::Semaphore;
 
-use crate::{PublisherDirectory, RetryPolicy, ShardId};
+use broker::RetryPolicy;
+
+use crate::directory::PublisherDirectory;
 
 /// How a drainer works.
 #[derive(Clone, Copy, Debug)]
@@ -125,7 +126,7 @@ pub struct DrainerArgs {
     /// The outbox.
     pub outbox: Outbox,
     /// The live publisher of each shard when it starts: the drainer's own copy, kept up to
-    /// date by [`DrainerMessage::Publisher`].
+    /// date by [`crate::DrainerMessage::Publisher`].
     pub publishers: PublisherDirectory,
     /// Events in flight across the whole relay, shared by every drainer: one permit per event.
     pub budget: Arc<Semaphore>,
@@ -156,7 +157,7 @@ pub enum DrainerReport {
     /// It took a `Drain` (its drain starts now): a later wake-up needs a `Drain` of its own.
     WakeTaken,
     /// Its drain found nothing and nothing is in flight, at this activity number: it retires
-    /// after `idle_retire`, or sooner when told to ([`DrainerMessage::Retire`]).
+    /// after `idle_retire`, or sooner when told to ([`crate::DrainerMessage::Retire`]).
     Idle {
         /// The window's activity count then.
         activity: u64,
@@ -165,41 +166,3 @@ pub enum DrainerReport {
 
 /// Sends a drainer's reports (with its actor id) to its supervisor.
 pub type DrainerReporter = Arc<dyn Fn(ractor::ActorId, DrainerReport) + Send + Sync>;
-
-/// Messages to a drainer.
-#[derive(Debug)]
-pub enum DrainerMessage {
-    /// There may be pending work: drain unless a batch is in flight or a retry is scheduled.
-    Drain,
-    /// The drainer's one timer fired: the window says what is due.
-    Tick,
-    /// A publisher's outcomes for the part of batch `batch` it was given.
-    Confirmed {
-        /// Batch number.
-        batch: u64,
-        /// The shard that answered.
-        shard: ShardId,
-        /// One outcome per event sent to that shard, in order.
-        outcomes: Vec<Outcome>,
-    },
-    /// A batch none of whose parts could be sent (no live publisher): settle it.
-    Unsent,
-    /// The broker is back (a publisher recovered): a tenant backing off after a failed batch
-    /// drains now ([`crate::window`]'s `resume`); otherwise nothing.
-    Resume,
-    /// Graceful shutdown: finish the batch in flight (or abandon it to a timeout), then stop.
-    Finish,
-    /// The publisher of `slot` changed: send its events to `publisher` from now on (none: it is
-    /// being restarted; batches for it are not sent, and retried after backoff).
-    Publisher {
-        /// The slot (shard and lane, [`PublisherDirectory::slot`]).
-        slot: ShardId,
-        /// Its live publisher, if any.
-        publisher: Option<ractor::ActorRef<crate::PublisherMessage>>,
-    },
-    /// Retire now if still idle since `activity` (tenants wait for a drainer slot).
-    Retire {
-        /// The activity count of the [`DrainerReport::Idle`] this answers.
-        activity: u64,
-    },
-}

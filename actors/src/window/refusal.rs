@@ -6,7 +6,7 @@ use broker::Outcome;
 use store::BranchKey;
 
 use super::{Due, Window};
-use crate::Backoff;
+use broker::Backoff;
 
 /// A branch the broker refused events of, retried alone with its own backoff.
 #[derive(Debug)]

@@ -3,11 +3,12 @@ use std::time::Duration;
 
 use lapin::ConnectionProperties;
 
-use crate::ClosingConnection;
+use crate::connect::ClosingConnection;
 
 use broker::Error;
 
-use crate::{AmqpTls, Topology};
+use crate::connect::AmqpTls;
+use crate::topology::Topology;
 
 /// How to reach RabbitMQ.
 #[derive(Clone, Debug)]
@@ -100,7 +101,7 @@ impl RabbitConfig {
         let properties = ConnectionProperties::default().with_connection_name(name.into());
         match self.connect(properties).await {
             Ok((connection, _)) => Ok(connection),
-            Err(ConnectFailure::Failed(err)) => Err(crate::amqp_error(err)),
+            Err(ConnectFailure::Failed(err)) => Err(crate::connect::amqp_error(err)),
             Err(ConnectFailure::TimedOut) => Err(Error::Unreachable(format!(
                 "no connection within {} ms",
                 self.connect_timeout.as_millis()

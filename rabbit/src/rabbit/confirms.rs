@@ -133,7 +133,7 @@ pub(crate) fn attribute(
 /// refusal, a closed channel, a failed write) makes the next session declare the topology
 /// again ([`RabbitConfig::forget_declared`]).
 pub(crate) struct SessionFate {
-    pub(crate) config: crate::RabbitConfig,
+    pub(crate) config: crate::rabbit::RabbitConfig,
     /// The index of the address the session's connection went to.
     pub(crate) address: usize,
 }
@@ -220,7 +220,7 @@ pub(crate) async fn confirm_pump(
                 said[index] = Some(outcome);
                 if let Some(err) = err {
                     size_limit_seen = size_limit_seen.or(size_limit(&err));
-                    fault.get_or_insert(crate::amqp_error(err));
+                    fault.get_or_insert(crate::connect::amqp_error(err));
                 }
             }
         }

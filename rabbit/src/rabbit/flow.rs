@@ -17,7 +17,7 @@ pub async fn within<T>(
     future: impl Future<Output = Result<T, lapin::Error>>,
 ) -> Result<T, Error> {
     match tokio::time::timeout(limit, future).await {
-        Ok(result) => result.map_err(crate::amqp_error),
+        Ok(result) => result.map_err(crate::connect::amqp_error),
         Err(_) => Err(Error::Timeout {
             operation,
             timeout_ms: limit.as_millis() as u64,
@@ -100,7 +100,7 @@ where
     };
     match output {
         Some(Ok(confirm)) => Ok(confirm),
-        Some(Err(err)) => Err(crate::amqp_error(err)),
+        Some(Err(err)) => Err(crate::connect::amqp_error(err)),
         None => Err(Error::Timeout {
             operation: "basic.publish",
             timeout_ms: limit.as_millis() as u64,

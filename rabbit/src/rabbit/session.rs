@@ -3,7 +3,7 @@ use std::time::Duration;
 
 use lapin::{Channel, ConnectionProperties};
 
-use crate::ClosingConnection;
+use crate::connect::ClosingConnection;
 
 use super::config::{ConnectFailure, RabbitConfig};
 use super::flow::within;
@@ -87,7 +87,7 @@ pub(crate) fn refused_or(err: lapin::Error, otherwise: impl FnOnce(String) -> Er
 }
 
 /// A refusal's text, with the way out where the relay knows it: a dead-letter queue declared
-/// by a relay before `x-delivery-limit` was set on it ([`crate::DEAD_LETTER_DELIVERY_LIMIT`])
+/// by a relay before `x-delivery-limit` was set on it ([`crate::topology::DEAD_LETTER_DELIVERY_LIMIT`])
 /// cannot be declared again with it, and on RabbitMQ 4 it drops a letter read 20 times.
 pub(crate) fn explain(refusal: String) -> String {
     let old_dead_queue = refusal.contains("inequivalent arg 'x-delivery-limit'")
@@ -104,7 +104,7 @@ pub(crate) fn explain(refusal: String) -> String {
          `rabbitmqctl set_policy --apply-to quorum_queues relay-dead '\\.dead$' \
          '{{\"delivery-limit\": {limit}}}'`, replay or purge them (`distribution dead`), then \
          delete the empty queue: the relay declares it again, with the limit)",
-        limit = crate::DEAD_LETTER_DELIVERY_LIMIT
+        limit = crate::topology::DEAD_LETTER_DELIVERY_LIMIT
     )
 }
 

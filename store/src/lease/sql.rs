@@ -4,7 +4,7 @@ use std::time::Duration;
 use sqlx::PgPool;
 
 use super::*;
-use crate::Error;
+use crate::error::Error;
 
 /// The lease tables' SQL. Cheap to clone (a pool handle). Give it its own small pool, so
 /// heartbeats never queue behind drains.

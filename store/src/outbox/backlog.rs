@@ -1,7 +1,8 @@
 //! What waits: pending tenants, backlog and oldest age, readiness facts.
 use std::time::Duration;
 
-use crate::{Error, TenantId};
+use crate::error::Error;
+use crate::key::TenantId;
 
 use super::*;
 

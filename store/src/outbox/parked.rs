@@ -2,7 +2,8 @@
 //! read): parked, released, discarded, and why.
 use std::time::Duration;
 
-use crate::{BranchId, Error, TenantId};
+use crate::error::Error;
+use crate::key::{BranchId, TenantId};
 
 use super::*;
 
@@ -12,7 +13,7 @@ impl Outbox {
     /// unparks it.
     pub async fn park_branch(
         &self,
-        branch: &crate::BranchKey,
+        branch: &crate::key::BranchKey,
         reason: &str,
         attempts: u32,
         failing_for: Duration,
@@ -45,7 +46,7 @@ impl Outbox {
     pub async fn release(
         &self,
         tenant: &TenantId,
-        run: Option<&crate::RunId>,
+        run: Option<&crate::key::RunId>,
         branch: Option<&BranchId>,
     ) -> Result<u64, Error> {
         // `relay_release` (an operator's role may call it) also wakes the relays at once.
@@ -67,7 +68,7 @@ impl Outbox {
     /// branch is parked with events waiting.
     pub async fn discard_branch(
         &self,
-        branch: &crate::BranchKey,
+        branch: &crate::key::BranchKey,
         to: &BranchId,
     ) -> Result<Discarded, Error> {
         let (fork, discarded): (i64, i64) =

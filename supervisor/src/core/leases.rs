@@ -15,7 +15,38 @@ use std::time::{Duration, Instant};
 use store::{Bucket, LeaseBook, LeasePlan, LeaseStep, TenantId, bucket_of};
 
 use super::*;
-use crate::LeasesAt;
+
+/// Lease timings.
+#[derive(Clone, Copy, Debug)]
+pub struct LeaseConfig {
+    /// How long a lease (and a membership) lasts without renewal: the longest a dead relay's
+    /// tenants wait for another relay. Default 5 s.
+    pub ttl: Duration,
+    /// How often leases are renewed, shares rebalanced and pending tenants polled. Must be well
+    /// below `ttl` (at most a third). Default 1 s.
+    pub heartbeat: Duration,
+}
+
+impl Default for LeaseConfig {
+    fn default() -> Self {
+        Self {
+            ttl: Duration::from_secs(5),
+            heartbeat: Duration::from_secs(1),
+        }
+    }
+}
+
+/// Leases as a renewal or claim left them, with the instant its statement was sent: a
+/// fence's deadline counts from `sent` (PostgreSQL's `now()` in the statement is no earlier),
+/// never from when the call was commanded, so time a call spends queued behind others is
+/// never counted as lease time.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeasesAt {
+    /// `(bucket, epoch)` of each lease.
+    pub leases: Vec<(Bucket, i64)>,
+    /// When the statement was sent.
+    pub sent: std::time::Instant,
+}
 
 /// A call the actor runs against the lease tables for the core, in the order commanded.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -66,7 +97,7 @@ pub(super) struct Leases {
 }
 
 impl Leases {
-    pub(super) fn new(config: crate::LeaseConfig) -> Self {
+    pub(super) fn new(config: LeaseConfig) -> Self {
         Self {
             book: LeaseBook::new(config.ttl),
             plan: LeasePlan::new(),

@@ -4,8 +4,8 @@ use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 use proptest::prelude::*;
 
+use super::leases::LeasesAt;
 use super::*;
-use crate::LeasesAt;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct Fake(u64);
@@ -42,7 +42,7 @@ fn config(max_drainers: usize) -> CoreConfig {
         finish_grace: Duration::from_secs(10),
         broker_check: Some(Duration::from_millis(500)),
         // Beats far apart: a test that wants one asks for it ([`Leasing::beat`]).
-        lease: crate::LeaseConfig {
+        lease: LeaseConfig {
             ttl: Duration::from_secs(3 * 3_600),
             heartbeat: Duration::from_secs(3_600),
         },
@@ -1172,7 +1172,7 @@ proptest! {
         let tenants = tenants_in_distinct_buckets(5);
         let start = Instant::now();
         let mut core = Core::new(CoreConfig {
-            lease: crate::LeaseConfig {
+            lease: LeaseConfig {
                 ttl: Duration::from_secs(3),
                 heartbeat: Duration::from_secs(1),
             },

@@ -1,29 +1,12 @@
 //! What the supervisor is given and told: its configuration, arguments and messages.
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use actors::{
-    DrainerConfig, DrainerMessage, DrainerReport, PublisherFactory, PublisherMessage, ShardId,
-    Sharding,
-};
+use actors::{DrainerConfig, PublisherFactory, Sharding};
 use broker::RetryPolicy;
-use ractor::{ActorId, ActorRef, RpcReplyPort};
-use store::{Bucket, LeaseStore, Outbox, RelayId, TenantId};
+use store::{LeaseStore, Outbox};
 
-use crate::keeper::LeaseConfig;
-
-/// Leases as a renewal or claim left them, with the instant its statement was sent: a
-/// fence's deadline counts from `sent` (PostgreSQL's `now()` in the statement is no earlier),
-/// never from when the call was commanded, so time a call spends queued behind others is
-/// never counted as lease time.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct LeasesAt {
-    /// `(bucket, epoch)` of each lease.
-    pub leases: Vec<(Bucket, i64)>,
-    /// When the statement was sent.
-    pub sent: std::time::Instant,
-}
+use crate::core::LeaseConfig;
 
 /// How the tree runs.
 #[derive(Clone, Copy, Debug)]
@@ -125,56 +108,4 @@ impl std::fmt::Debug for SupervisorArgs {
             .field("config", &self.config)
             .finish_non_exhaustive()
     }
-}
-
-/// The live actors, for status and for tests that kill them.
-#[derive(Clone, Debug)]
-pub struct TreeSnapshot {
-    /// Publisher of each slot (none while restarting): the bulk lane's shards, then the
-    /// express lane's.
-    pub publishers: Vec<Option<ActorRef<PublisherMessage>>>,
-    /// Drainer of each tenant this relay is draining now.
-    pub drainers: BTreeMap<TenantId, ActorRef<DrainerMessage>>,
-    /// Lease buckets this relay holds.
-    pub buckets_held: usize,
-    /// This relay's id in the lease tables.
-    pub relay_id: RelayId,
-    /// Tasks alive on the relay's runtime (actors, timers, connections): bounded by the
-    /// drainers alive, never by the tenants seen (`relay_runtime_tasks`).
-    pub tasks_alive: usize,
-}
-
-/// Messages to the supervisor.
-#[derive(Debug)]
-pub enum SupervisorMessage {
-    /// The keeper's answer to a heartbeat: the live relays and the leases renewed, with
-    /// their epochs (`None`: that call failed).
-    LeaseBeaten {
-        /// Relays alive, this one included.
-        members: Option<u32>,
-        /// Leases still this relay's.
-        renewed: Option<LeasesAt>,
-    },
-    /// The keeper's answer to a claim: the buckets claimed, with their epochs (`None`: the
-    /// call failed).
-    LeaseClaimed(Option<LeasesAt>),
-    /// Every tenant with pending intents, from the poller (sent empty too: waiting tenants
-    /// it no longer lists leave the queue); those in buckets held are drained.
-    Pending(Vec<TenantId>),
-    /// Refresh backlog gauges.
-    MetricsTick,
-    /// A tenant's intents just committed.
-    Notified(TenantId),
-    /// The core's next timeout may be due.
-    Tick,
-    /// A shard's publisher published successfully: reset its backoff.
-    PublisherHealthy(ShardId),
-    /// A drainer's report (it took a wake-up, or found nothing to do).
-    Drainer(ActorId, DrainerReport),
-    /// What a broker check found (true: it took a connection).
-    BrokerChecked(bool),
-    /// The live actors.
-    Snapshot(RpcReplyPort<TreeSnapshot>),
-    /// Graceful shutdown: let drainers finish their batch, then stop.
-    Finish(RpcReplyPort<()>),
 }

@@ -1,5 +1,5 @@
 //! The store's one error type, in the caller's words.
-use crate::key::{BranchKey, Lsn};
+use crate::key::{BranchKey, Lsn, RunId, TenantId};
 
 /// What went wrong in the outbox.
 #[derive(Debug, thiserror::Error)]
@@ -284,5 +284,65 @@ pub(crate) fn database_message(err: &sqlx::Error) -> String {
     match err {
         sqlx::Error::Database(db) => db.message().to_owned(),
         other => other.to_string(),
+    }
+}
+
+/// The SQL functions' refusals of a branch (their SQLSTATEs: `0003_write_api.sql`,
+/// `0007_discard_branch.sql`) as typed errors, in one table; anything else is a database
+/// error. `lsn` is the Lsn appended or the fork point, if any.
+pub(crate) fn refusal(err: sqlx::Error, key: &BranchKey, lsn: Option<Lsn>) -> Error {
+    let lsn_of = |name| detail_value(&err, name).map(Lsn::from_db);
+    let known = match sql_state(&err).as_deref() {
+        Some("RL103") => lsn_of("head_lsn")
+            .zip(lsn)
+            .map(|(head, lsn)| Error::LsnNotAboveHead {
+                branch: key.clone(),
+                lsn,
+                head,
+            }),
+        Some("RL104") => Some(Error::UnknownBranch {
+            branch: key.clone(),
+        }),
+        Some("RL105") => lsn_of("abandoned_at_lsn").map(|at| Error::BranchAbandoned {
+            branch: key.clone(),
+            at,
+        }),
+        Some("RL106") => Some(Error::RunAlreadyOpen {
+            tenant: key.tenant.clone(),
+            run: key.run.clone(),
+        }),
+        Some("RL108") => {
+            lsn_of("base_lsn")
+                .zip(lsn_of("head_lsn"))
+                .zip(lsn)
+                .map(|((base, head), at)| Error::ForkOutsideBranch {
+                    branch: key.clone(),
+                    at,
+                    base,
+                    head,
+                })
+        }
+        Some("RL109") => Some(Error::NoRoomForMarker {
+            branch: key.clone(),
+        }),
+        Some("RL110") => Some(closed(&err, &key.tenant, &key.run)),
+        Some("RL111") => Some(Error::NotParked {
+            branch: key.clone(),
+        }),
+        Some("RL112") => Some(Error::InvalidMetadata {
+            field: detail_text(&err, "field").unwrap_or_else(|| "meta".to_owned()),
+            reason: database_message(&err),
+        }),
+        _ => None,
+    };
+    known.unwrap_or(Error::Database(err))
+}
+
+/// `RL110`, a closed run, as [`Error::RunClosed`].
+pub(crate) fn closed(err: &sqlx::Error, tenant: &TenantId, run: &RunId) -> Error {
+    Error::RunClosed {
+        tenant: tenant.clone(),
+        run: run.clone(),
+        head: Lsn::from_db(detail_value(err, "head_lsn").unwrap_or(0)),
     }
 }

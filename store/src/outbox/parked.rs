@@ -80,26 +80,14 @@ impl Outbox {
                 .fetch_one(&self.pool)
                 .await
                 .map_err(|err| match crate::error::sql_state(&err).as_deref() {
-                    Some("RL111") => Error::NotParked {
-                        branch: branch.clone(),
-                    },
-                    Some("RL104") => Error::UnknownBranch {
-                        branch: branch.clone(),
-                    },
-                    Some("RL105") => Error::BranchAbandoned {
-                        branch: branch.clone(),
-                        at: Lsn::from_db(
-                            crate::error::detail_value(&err, "abandoned_at_lsn").unwrap_or(0),
-                        ),
-                    },
                     Some("RL107") | Some("23505") => Error::BranchExists {
-                        branch: crate::BranchKey::new(
+                        branch: crate::key::BranchKey::new(
                             branch.tenant.clone(),
                             branch.run.clone(),
                             to.clone(),
                         ),
                     },
-                    _ => Error::Database(err),
+                    _ => crate::error::refusal(err, branch, None),
                 })?;
         Ok(Discarded {
             live: crate::BranchKey::new(branch.tenant.clone(), branch.run.clone(), to.clone()),

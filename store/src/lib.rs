@@ -10,7 +10,8 @@
 //! - `wakeup`: [`Wakeups`], LISTEN for tenants whose intents just committed.
 //! - `fold`: the consumer's exactly-once fold ([`FoldStore`]): idempotent on `(BranchKey, Lsn)`
 //!   and proving Lsn order per branch.
-//! - `fold_model`: [`FoldModel`], WIRE.md's consumer rules in memory (the fold's oracle).
+//! - `fold_model` (feature `fixtures`): `FoldModel`, WIRE.md's consumer rules in memory (the
+//!   fold's oracle in tests; no production build carries it).
 //! - `retention`: retirement of closed runs in the host's and the consumers' databases
 //!   ([`retire_runs`], [`retire_folded_runs`]).
 //! - `roles`: least-privilege grants for host, relay and consumer roles ([`roles_sql`]).
@@ -30,6 +31,7 @@ mod error;
 #[cfg(feature = "fixtures")]
 pub mod fixtures;
 mod fold;
+#[cfg(feature = "fixtures")]
 mod fold_model;
 mod hash;
 mod key;
@@ -57,6 +59,7 @@ pub use fold::Projection;
 pub use fold::RewindNotice;
 pub use fold::fold;
 pub use fold::{FoldSteps, apply as apply_fold, verdicts as fold_verdicts};
+#[cfg(feature = "fixtures")]
 pub use fold_model::FoldModel;
 pub use hash::fnv1a;
 pub use key::BranchId;

@@ -33,14 +33,14 @@ pub enum DrainerMessage {
     /// The publisher of `slot` changed: send its events to `publisher` from now on (none: it is
     /// being restarted; batches for it are not sent, and retried after backoff).
     Publisher {
-        /// The slot (shard and lane, [`PublisherDirectory::slot`]).
+        /// The slot (shard and lane, [`crate::PublisherDirectory::slot`]).
         slot: ShardId,
         /// Its live publisher, if any.
         publisher: Option<ActorRef<PublisherMessage>>,
     },
     /// Retire now if still idle since `activity` (tenants wait for a drainer slot).
     Retire {
-        /// The activity count of the [`DrainerReport::Idle`] this answers.
+        /// The activity count of the [`crate::DrainerReport::Idle`] this answers.
         activity: u64,
     },
 }

@@ -152,11 +152,11 @@ pub(crate) enum Action {
     Adopt,
 }
 
-impl TryFrom<String> for Action {
-    type Error = UnknownAction;
-
-    fn try_from(action: String) -> Result<Self, UnknownAction> {
-        Ok(match action.as_str() {
+impl Action {
+    /// The action `relay_fold` named; an unknown one (a fold function newer than this relay)
+    /// is a protocol error, retried as a database fault, never a delivery's fault.
+    fn of(action: &str) -> Result<Self, Error> {
+        Ok(match action {
             "apply" => Self::Apply,
             "undo" => Self::Undo,
             "end" => Self::End,
@@ -165,21 +165,19 @@ impl TryFrom<String> for Action {
             "abandoned" => Self::Abandoned,
             "superseded" => Self::Superseded,
             "adopt" => Self::Adopt,
-            _ => return Err(UnknownAction(action)),
+            other => {
+                return Err(Error::Database(sqlx::Error::Protocol(format!(
+                    "relay_fold returned the unknown action {other:?}"
+                ))));
+            }
         })
     }
 }
 
-/// An `action` this relay does not know (a fold function newer than the relay).
-#[derive(Debug, thiserror::Error)]
-#[error("relay_fold returned the unknown action {0:?}")]
-pub(crate) struct UnknownAction(String);
-
 /// One row of `relay_fold`'s answer.
 #[derive(Debug, sqlx::FromRow)]
 pub(crate) struct Step {
-    #[sqlx(try_from = "String")]
-    action: Action,
+    action: String,
     branch_id: String,
     lsn: i64,
     prev_lsn: i64,
@@ -375,10 +373,10 @@ pub async fn apply<P: Projection>(
     // An adopted delivery: first the history the database lost is undone (undo rows whose
     // `rewound_to` is the delivery's branch), then the delivery's own verdict follows.
     let mut undone = None;
-    if verdict.action == Action::Adopt {
+    if Action::of(&verdict.action)? == Action::Adopt {
         let mut count = 0u32;
         while let Some(step) = steps.next_if(|step| {
-            step.action == Action::Undo && step.rewound_to.as_deref() == Some(key.branch.as_str())
+            step.action == "undo" && step.rewound_to.as_deref() == Some(key.branch.as_str())
         }) {
             let notice = RewindNotice {
                 branch: BranchKey::new(
@@ -399,14 +397,17 @@ pub async fn apply<P: Projection>(
         undone = Some(count);
         verdict = steps.next().ok_or_else(no_verdict)?;
     }
-    let steps: Vec<Step> = steps.collect();
+    // The steps after the verdict: the intents (and end markers) it released, in order.
+    let steps: Vec<(Action, Step)> = steps
+        .map(|step| Ok((Action::of(&step.action)?, step)))
+        .collect::<Result<_, Error>>()?;
     // Released intents (an end marker released with them is not counted).
     let released = steps
         .iter()
-        .filter(|step| step.action == Action::Apply)
+        .filter(|(action, _)| *action == Action::Apply)
         .count();
     let released = u32::try_from(released).unwrap_or(u32::MAX);
-    let outcome = match verdict.action {
+    let outcome = match Action::of(&verdict.action)? {
         Action::Apply => {
             projection
                 .apply(tx, event)
@@ -446,7 +447,7 @@ pub async fn apply<P: Projection>(
         }
     };
     // Intents held back earlier that this delivery released, in the order to apply them.
-    for step in steps {
+    for (action, step) in steps {
         let released_event = OutboxEvent {
             key: EventKey {
                 branch: BranchKey::new(
@@ -460,7 +461,7 @@ pub async fn apply<P: Projection>(
             base_lsn: Lsn::from_db(step.base_lsn),
             payload: step.payload.unwrap_or_default(),
             created_at: step.created_at.unwrap_or(event.created_at),
-            kind: if step.action == Action::End {
+            kind: if action == Action::End {
                 EventKind::End
             } else {
                 EventKind::Intent

@@ -10,8 +10,8 @@
 //! - `wakeup`: [`Wakeups`], LISTEN for tenants whose intents just committed.
 //! - `fold`: the consumer's exactly-once fold ([`FoldStore`]): idempotent on `(BranchKey, Lsn)`
 //!   and proving Lsn order per branch.
-//! - `fold_model` (feature `fixtures`): `FoldModel`, WIRE.md's consumer rules in memory (the
-//!   fold's oracle in tests; no production build carries it).
+//! - `fold_model`: [`FoldModel`], WIRE.md's consumer rules in memory (the fold's oracle in
+//!   tests, and a fold for consumers that keep their state in memory, WIRE.md).
 //! - `retention`: retirement of closed runs in the host's and the consumers' databases
 //!   ([`retire_runs`], [`retire_folded_runs`]).
 //! - `roles`: least-privilege grants for host, relay and consumer roles ([`roles_sql`]).
@@ -31,7 +31,6 @@ mod error;
 #[cfg(feature = "fixtures")]
 pub mod fixtures;
 mod fold;
-#[cfg(feature = "fixtures")]
 mod fold_model;
 mod hash;
 mod key;
@@ -59,7 +58,6 @@ pub use fold::Projection;
 pub use fold::RewindNotice;
 pub use fold::fold;
 pub use fold::{FoldSteps, apply as apply_fold, verdicts as fold_verdicts};
-#[cfg(feature = "fixtures")]
 pub use fold_model::FoldModel;
 pub use hash::fnv1a;
 pub use key::BranchId;

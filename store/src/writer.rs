@@ -52,9 +52,9 @@ pub struct Closed {
 pub struct IntentWriter {
     /// Largest payload accepted, in bytes. Default: [`DEFAULT_MAX_PAYLOAD_BYTES`].
     max_payload_bytes: usize,
-    /// Whether each append NOTIFYs relays on commit. Default on. Measured cost: PostgreSQL
-    /// serialises the commits of notifying transactions, which halved commit throughput at 8
-    /// concurrent writers on the reference machine (benches/DECISIONS.md). An embedded relay can
+    /// Whether each append NOTIFYs relays on commit. Default on. Its cost: PostgreSQL
+    /// serialises the commits of notifying transactions, which lowers commit throughput with
+    /// several concurrent writers (measured in benches/DECISIONS.md). An embedded relay can
     /// be woken in-process instead (`RelayHandle::waker`), a standalone relay after the commit
     /// ([`IntentWriter::wake_relays`]); polling catches everything regardless.
     notify: bool,

@@ -37,19 +37,13 @@ pub fn growth(series: &[f64], slack: Slack) -> Option<String> {
     })
 }
 
-/// Why any sample after the warm-up is above `bound`, or `None`.
+/// Why any sample is above `bound` (the first too: lag has no warm-up), or `None`.
 pub fn above(series: &[f64], bound: f64) -> Option<String> {
-    let third = series.len() / 3;
-    series[third..]
+    series
         .iter()
         .enumerate()
-        .find(|(_, value)| **value > bound)
-        .map(|(at, value)| {
-            format!(
-                "sample {} is {value:.1}, above its bound {bound:.1}",
-                third + at
-            )
-        })
+        .find(|(_, value)| !(**value <= bound))
+        .map(|(at, value)| format!("sample {at} is {value:.1}, above its bound {bound:.1}"))
 }
 
 fn highest(samples: &[f64]) -> f64 {
@@ -93,10 +87,14 @@ mod tests {
     }
 
     #[test]
-    fn a_bound_is_judged_after_the_warm_up_only() {
-        assert_eq!(above(&[99.0, 5.0, 5.0, 5.0, 5.0, 5.0], 10.0), None);
-        let why = above(&[5.0, 5.0, 5.0, 5.0, 11.0, 5.0], 10.0).unwrap();
-        assert!(why.starts_with("sample 4 is 11.0"), "{why}");
+    fn a_bound_is_judged_on_every_sample_and_a_missing_one_breaks_it() {
+        assert_eq!(above(&[5.0, 10.0, 5.0], 10.0), None);
+        let why = above(&[11.0, 5.0, 5.0], 10.0).unwrap();
+        assert!(why.starts_with("sample 0 is 11.0"), "{why}");
+        assert!(
+            above(&[5.0, f64::NAN], 10.0).is_some(),
+            "NaN is not within a bound"
+        );
     }
 
     proptest! {

@@ -14,7 +14,7 @@
 //! The database is a private PostgreSQL 17 (`it/pg_pair.rs`) with autovacuum on: this machine's
 //! server runs with it off, and an outbox, every row inserted then deleted, lives on vacuum.
 //!
-//! - `cargo test --test soak` (CI): a 120 s smoke, a sample every 10 s, one fault of each kind
+//! - `cargo test --test soak` (CI): a 100 s smoke, a sample every 10 s, one fault of each kind
 //!   (at 17, 52 and 87 s), relay B stopped at 30, 60 and 90 s.
 //! - `SOAK_SECS=3600 cargo test --test soak -- --nocapture`: the full run, a sample a minute;
 //!   it writes its table to `benches/soak.md`. Any run writes it to the target's temporary
@@ -75,7 +75,7 @@ mod soak {
                     secs.parse::<u64>()
                         .expect("SOAK_SECS is a number of seconds")
                 })
-                .unwrap_or(120);
+                .unwrap_or(100);
             // Two samples in each third at the least (`judge::JUDGED_FROM`), with room to spare.
             assert!(secs >= 90, "SOAK_SECS={secs}: a soak runs 90 s or more");
             if secs >= 600 {
@@ -650,7 +650,7 @@ mod soak {
                     tokio::time::Instant::now() + plan.sample_every,
                     plan.sample_every,
                 );
-                // Half a period in, so that the smoke's two minutes hold one fault of each
+                // Half a period in, so that the smoke's 100 s hold one fault of each
                 // kind (at 17, 52 and 87 s).
                 let mut faulting = tokio::time::interval_at(
                     tokio::time::Instant::now() + plan.fault_every / 2,

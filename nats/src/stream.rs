@@ -124,6 +124,12 @@ fn check(found: &Config, config: &NatsConfig) -> Result<(), Error> {
     Ok(())
 }
 
+/// The stream a consumer's dead letters are kept in: `<stream>_dead`, subjects
+/// `<stream>_dead.<group>`.
+pub fn dead_letter_stream(stream: &str) -> String {
+    format!("{stream}_dead")
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -173,10 +179,4 @@ mod tests {
             assert!(text.contains(says) && text.contains("events"), "{text}");
         }
     }
-}
-
-/// The stream a consumer's dead letters are kept in: `<stream>_dead`, subjects
-/// `<stream>_dead.<group>`.
-pub fn dead_letter_stream(stream: &str) -> String {
-    format!("{stream}_dead")
 }

@@ -42,7 +42,7 @@ pub fn above(series: &[f64], bound: f64) -> Option<String> {
     series
         .iter()
         .enumerate()
-        .find(|(_, value)| !(**value <= bound))
+        .find(|(_, value)| value.is_nan() || **value > bound)
         .map(|(at, value)| format!("sample {at} is {value:.1}, above its bound {bound:.1}"))
 }
 

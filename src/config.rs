@@ -7,6 +7,7 @@ use broker::CallProbe;
 use rabbit::{QueueType, RabbitConfig, StreamRetention, Topology};
 use supervisor::SupervisorConfig;
 
+mod bounds;
 mod settings;
 pub use settings::{QueueSettings, Settings, unknown_relay_variables};
 
@@ -283,31 +284,11 @@ impl RelayConfig {
         {
             return Err(invalid("RELAY_SCHEMA", schema.clone(), &err.to_string()));
         }
-        if self.supervisor.shards == 0 {
-            return Err(invalid("RELAY_SHARDS", "0".into(), "must be at least 1"));
-        }
-        if self.supervisor.drainer.batch_size == 0 || self.supervisor.drainer.batch_size > 100_000 {
-            return Err(invalid(
-                "RELAY_BATCH_SIZE",
-                self.supervisor.drainer.batch_size.to_string(),
-                "must be 1 to 100000",
-            ));
-        }
-        if self.supervisor.poll_interval < Duration::from_millis(10) {
-            return Err(invalid(
-                "RELAY_POLL_MS",
-                self.supervisor.poll_interval.as_millis().to_string(),
-                "must be at least 10",
-            ));
-        }
+        bounds::SHARDS.check(self.supervisor.shards)?;
+        bounds::BATCH_SIZE.check(self.supervisor.drainer.batch_size)?;
+        bounds::POLL_MS.check_ms(self.supervisor.poll_interval)?;
         let batch_bytes = self.supervisor.drainer.batch_max_bytes;
-        if !(1024..=(256 << 20)).contains(&batch_bytes) {
-            return Err(invalid(
-                "RELAY_BATCH_MAX_BYTES",
-                batch_bytes.to_string(),
-                "must be 1024 to 268435456",
-            ));
-        }
+        bounds::BATCH_MAX_BYTES.check(batch_bytes)?;
         if self.supervisor.max_in_flight_bytes < batch_bytes as usize {
             return Err(invalid(
                 "RELAY_MAX_IN_FLIGHT_BYTES",
@@ -315,33 +296,12 @@ impl RelayConfig {
                 "must be at least RELAY_BATCH_MAX_BYTES",
             ));
         }
-        for (var, timeout) in [
-            ("RELAY_AMQP_CONNECT_TIMEOUT_MS", self.amqp_connect_timeout),
-            ("RELAY_AMQP_CONFIRM_TIMEOUT_MS", self.amqp_confirm_timeout),
-        ] {
-            if !(Duration::from_millis(100)..=Duration::from_secs(600)).contains(&timeout) {
-                return Err(invalid(
-                    var,
-                    timeout.as_millis().to_string(),
-                    "must be 100 to 600000",
-                ));
-            }
-        }
-        if self.supervisor.drainer.park_after_attempts == 0 {
-            return Err(invalid(
-                "RELAY_PARK_AFTER_ATTEMPTS",
-                "0".into(),
-                "must be at least 1",
-            ));
-        }
+        bounds::AMQP_CONNECT_TIMEOUT_MS.check_ms(self.amqp_connect_timeout)?;
+        bounds::AMQP_CONFIRM_TIMEOUT_MS.check_ms(self.amqp_confirm_timeout)?;
+        bounds::PARK_AFTER_ATTEMPTS.check(self.supervisor.drainer.park_after_attempts)?;
         let lease = self.supervisor.lease;
-        if lease.heartbeat < Duration::from_millis(50) {
-            return Err(invalid(
-                "RELAY_LEASE_HEARTBEAT_MS",
-                lease.heartbeat.as_millis().to_string(),
-                "must be at least 50",
-            ));
-        }
+        bounds::LEASE_HEARTBEAT_MS.check_ms(lease.heartbeat)?;
+        bounds::LEASE_TTL_MS.check_ms(lease.ttl)?;
         if lease.ttl < lease.heartbeat * 3 {
             return Err(invalid(
                 "RELAY_LEASE_TTL_MS",
@@ -349,23 +309,9 @@ impl RelayConfig {
                 "must be at least three heartbeats (RELAY_LEASE_HEARTBEAT_MS x 3)",
             ));
         }
-        if self.supervisor.drainer.max_batches_in_flight == 0 {
-            return Err(invalid(
-                "RELAY_BATCHES_IN_FLIGHT",
-                "0".into(),
-                "must be at least 1",
-            ));
-        }
-        if self.worker_threads == 0 {
-            return Err(invalid("RELAY_THREADS", "0".into(), "must be at least 1"));
-        }
-        if self.db_connections < 2 {
-            return Err(invalid(
-                "RELAY_DB_CONNECTIONS",
-                self.db_connections.to_string(),
-                "must be at least 2",
-            ));
-        }
+        bounds::BATCHES_IN_FLIGHT.check(self.supervisor.drainer.max_batches_in_flight)?;
+        bounds::THREADS.check(self.worker_threads)?;
+        bounds::DB_CONNECTIONS.check(self.db_connections)?;
         Ok(())
     }
 

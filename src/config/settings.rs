@@ -78,16 +78,16 @@ pub struct Settings {
     /// Publisher shards (one AMQP connection each). On streams, ignored: one shard per
     /// partition.
     #[arg(long, env = "RELAY_SHARDS", default_value_t = defaults().supervisor.shards,
-          value_parser = clap::value_parser!(u16).range(1..=256))]
+          value_parser = clap::value_parser!(u16).range(super::bounds::SHARDS.range()))]
     pub shards: u16,
     /// Most events drained and published at once per tenant.
     #[arg(long, env = "RELAY_BATCH_SIZE", default_value_t = defaults().supervisor.drainer.batch_size,
-          value_parser = clap::value_parser!(u32).range(1..=100_000))]
+          value_parser = clap::value_parser!(u32).range(super::bounds::BATCH_SIZE.range()))]
     pub batch_size: u32,
     /// Batches of one tenant in flight at once.
     #[arg(long, env = "RELAY_BATCHES_IN_FLIGHT",
           default_value_t = defaults().supervisor.drainer.max_batches_in_flight as u32,
-          value_parser = clap::value_parser!(u32).range(1..=64))]
+          value_parser = clap::value_parser!(u32).range(super::bounds::BATCHES_IN_FLIGHT.range()))]
     pub batches_in_flight: u32,
     /// Batches of at most this many events take each shard's express publisher (quiet tenants
     /// never wait behind a backlog); 0: no express lane.
@@ -96,7 +96,7 @@ pub struct Settings {
     pub express_max_events: u32,
     /// Most payload bytes in one batch (the first event always comes).
     #[arg(long, env = "RELAY_BATCH_MAX_BYTES", default_value_t = defaults().supervisor.drainer.batch_max_bytes,
-          value_parser = clap::value_parser!(u32).range(1024..=(256 << 20)))]
+          value_parser = clap::value_parser!(u32).range(super::bounds::BATCH_MAX_BYTES.range()))]
     pub batch_max_bytes: u32,
     /// Events in flight across the relay (the memory bound, in events).
     #[arg(long, env = "RELAY_MAX_IN_FLIGHT", default_value_t = defaults().supervisor.max_in_flight as u64,
@@ -113,19 +113,19 @@ pub struct Settings {
     pub max_drainers: u32,
     /// How often pending tenants are polled, in ms (the path behind NOTIFY).
     #[arg(long, env = "RELAY_POLL_MS", default_value_t = millis(defaults().supervisor.poll_interval),
-          value_parser = clap::value_parser!(u64).range(10..=3_600_000))]
+          value_parser = clap::value_parser!(u64).range(super::bounds::POLL_MS.range_u64()))]
     pub poll_ms: u64,
     /// Lease lifetime in ms: a dead relay's tenants move after about this long.
     #[arg(long, env = "RELAY_LEASE_TTL_MS", default_value_t = millis(defaults().supervisor.lease.ttl),
-          value_parser = clap::value_parser!(u64).range(150..=600_000))]
+          value_parser = clap::value_parser!(u64).range(super::bounds::LEASE_TTL_MS.range_u64()))]
     pub lease_ttl_ms: u64,
     /// Lease renewal period in ms (at most a third of the TTL).
     #[arg(long, env = "RELAY_LEASE_HEARTBEAT_MS", default_value_t = millis(defaults().supervisor.lease.heartbeat),
-          value_parser = clap::value_parser!(u64).range(50..=200_000))]
+          value_parser = clap::value_parser!(u64).range(super::bounds::LEASE_HEARTBEAT_MS.range_u64()))]
     pub lease_heartbeat_ms: u64,
     /// Refusals in a row after which a branch is parked.
     #[arg(long, env = "RELAY_PARK_AFTER_ATTEMPTS", default_value_t = defaults().supervisor.drainer.park_after_attempts,
-          value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+          value_parser = clap::value_parser!(u32).range(super::bounds::PARK_AFTER_ATTEMPTS.range()))]
     pub park_after_attempts: u32,
     /// How long a parked branch waits before it is tried again, in ms.
     #[arg(long, env = "RELAY_PARK_RETRY_MS", default_value_t = millis(defaults().supervisor.drainer.park_retry),
@@ -142,22 +142,22 @@ pub struct Settings {
     pub publish_replicated_timeout_ms: u64,
     /// Runtime threads of the relay.
     #[arg(long, env = "RELAY_THREADS", default_value_t = defaults().worker_threads as u16,
-          value_parser = clap::value_parser!(u16).range(1..=256))]
+          value_parser = clap::value_parser!(u16).range(super::bounds::THREADS.range()))]
     pub threads: u16,
     /// Database connections for drains and acks.
     #[arg(long, env = "RELAY_DB_CONNECTIONS", default_value_t = defaults().db_connections,
-          value_parser = clap::value_parser!(u32).range(2..=1000))]
+          value_parser = clap::value_parser!(u32).range(super::bounds::DB_CONNECTIONS.range()))]
     pub db_connections: u32,
     /// Where `/metrics`, `/healthz` and `/readyz` are served.
     #[arg(long, env = "RELAY_METRICS_ADDR", default_value_t = defaults().metrics_addr)]
     pub metrics_addr: SocketAddr,
     /// Longest wait for a broker connection, in ms.
     #[arg(long, env = "RELAY_AMQP_CONNECT_TIMEOUT_MS", default_value_t = millis(defaults().amqp_connect_timeout),
-          value_parser = clap::value_parser!(u64).range(100..=600_000))]
+          value_parser = clap::value_parser!(u64).range(super::bounds::AMQP_CONNECT_TIMEOUT_MS.range_u64()))]
     pub amqp_connect_timeout_ms: u64,
     /// Longest wait for a batch's confirms, in ms.
     #[arg(long, env = "RELAY_AMQP_CONFIRM_TIMEOUT_MS", default_value_t = millis(defaults().amqp_confirm_timeout),
-          value_parser = clap::value_parser!(u64).range(100..=600_000))]
+          value_parser = clap::value_parser!(u64).range(super::bounds::AMQP_CONFIRM_TIMEOUT_MS.range_u64()))]
     pub amqp_confirm_timeout_ms: u64,
     /// PEM file of certificates trusted for `amqps://` besides the system's roots.
     #[arg(long, env = "RELAY_AMQP_CA_FILE")]

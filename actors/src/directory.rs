@@ -9,7 +9,7 @@ use ractor::ActorRef;
 use store::BranchKey;
 
 use crate::mailbox::PublisherMessage;
-use crate::shard::{Lane, ShardId, Sharding, shard_of};
+use crate::shard::{Lane, Lanes, ShardId, Sharding, shard_of};
 
 /// Slot -> live publisher (or none while it is being restarted): a plain value, each copy
 /// its own.
@@ -22,11 +22,12 @@ pub struct PublisherDirectory {
 }
 
 impl PublisherDirectory {
-    /// A directory of `shards` empty slots, twice as many with an `express` lane; branches
+    /// A directory of `shards` empty slots, twice as many with an express lane; branches
     /// go to shards as `sharding` says (with [`Sharding::Partition`], `shards` is the number
     /// of partitions).
-    pub fn new(shards: u16, express: bool, sharding: Sharding) -> Self {
+    pub fn new(shards: u16, lanes: Lanes, sharding: Sharding) -> Self {
         let shards = shards.max(1);
+        let express = lanes == Lanes::BulkAndExpress;
         let slots = usize::from(shards) * if express { 2 } else { 1 };
         Self {
             shards,
@@ -98,11 +99,11 @@ mod tests {
                 RunId::new(run).unwrap(),
                 BranchId::new(branch).unwrap(),
             );
-            let directory = PublisherDirectory::new(partitions, true, Sharding::Partition);
+            let directory = PublisherDirectory::new(partitions, Lanes::BulkAndExpress, Sharding::Partition);
             let shard = directory.shard_of(&key);
             prop_assert_eq!(shard.0, broker::partition_of(&key.tenant, &key.run, partitions).0);
             prop_assert_eq!(directory.slot(shard, Lane::Express).0, partitions + shard.0);
-            let by_branch = PublisherDirectory::new(partitions, true, Sharding::Branch);
+            let by_branch = PublisherDirectory::new(partitions, Lanes::BulkAndExpress, Sharding::Branch);
             prop_assert_eq!(by_branch.shard_of(&key), shard_of(&key, partitions));
         }
     }

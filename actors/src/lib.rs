@@ -33,5 +33,6 @@ pub use publisher::PublisherActor;
 pub use publisher::PublisherArgs;
 pub use publisher::PublisherFactory;
 pub use shard::Lane;
+pub use shard::Lanes;
 pub use shard::ShardId;
 pub use shard::Sharding;

@@ -23,6 +23,16 @@ pub enum Lane {
     Express,
 }
 
+/// The lanes a relay runs: the bulk lane alone, or an express lane beside it (each shard then
+/// has two publishers).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lanes {
+    /// Every batch on the bulk lane.
+    BulkOnly,
+    /// Small batches on the express lane, the rest on the bulk lane.
+    BulkAndExpress,
+}
+
 /// How branches are spread over publisher shards.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Sharding {

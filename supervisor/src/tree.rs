@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use actors::{
-    Drainer, DrainerArgs, DrainerMessage, DrainerReport, PublisherActor, PublisherArgs,
+    Drainer, DrainerArgs, DrainerMessage, DrainerReport, Lanes, PublisherActor, PublisherArgs,
     PublisherDirectory, PublisherMessage, ShardId, StopReason,
 };
 use broker::{Backoff, RetryPolicy};
@@ -260,11 +260,12 @@ impl Actor for RelaySupervisor {
         _myself: ActorRef<Self::Msg>,
         args: SupervisorArgs,
     ) -> Result<SupervisorState, ActorProcessingErr> {
-        let directory = PublisherDirectory::new(
-            args.config.shards,
-            args.config.drainer.express_max_events > 0,
-            args.config.sharding,
-        );
+        let lanes = if args.config.drainer.express_max_events > 0 {
+            Lanes::BulkAndExpress
+        } else {
+            Lanes::BulkOnly
+        };
+        let directory = PublisherDirectory::new(args.config.shards, lanes, args.config.sharding);
         let core = Core::new(CoreConfig {
             publishers: directory.slots(),
             max_drainers: args.config.max_drainers,

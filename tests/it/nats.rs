@@ -377,9 +377,11 @@ impl PrivateNats {
             store_here.join(format!("n{i}.conf")),
             format!(
                 "server_name: n{i}\nlisten: 127.0.0.1:{}\njetstream {{ store_dir: \"{}\" }}\n\
+                 log_file: \"{}\"\n\
                  cluster {{ name: relay, listen: 127.0.0.1:{}, routes: [{}] }}\n",
                 ports[i],
                 store.join(format!("n{i}")).display(),
+                store.join(format!("n{i}.log")).display(),
                 routes[i],
                 routes_list.join(", ")
             ),
@@ -801,6 +803,49 @@ impl PrivateNatsCluster {
         urls.join(",")
     }
 
+    /// Waits until the cluster places a stream on all three nodes: a fresh cluster elects its
+    /// JetStream meta leader, and learns of its peers, seconds after its servers answer (a
+    /// loaded machine took more than 30 s once). Until then a 3-replica stream is refused with
+    /// "no suitable peers for placement", which a test of a fault should not count against it.
+    async fn formed(&mut self) {
+        let probe = distribution::nats::scratch::unique_stream("probe");
+        let started = std::time::Instant::now();
+        let first = self.nodes[0].url();
+        let placed = async || {
+            let Ok(client) = async_nats::connect(&first).await else {
+                return false;
+            };
+            let context = async_nats::jetstream::new(client);
+            let created = context
+                .create_stream(async_nats::jetstream::stream::Config {
+                    name: probe.clone(),
+                    subjects: vec![format!("{probe}.>")],
+                    num_replicas: 3,
+                    ..Default::default()
+                })
+                .await;
+            created.is_ok() && context.delete_stream(&probe).await.is_ok()
+        };
+        while !placed().await {
+            for (i, node) in self.nodes.iter_mut().enumerate() {
+                if let Some(process) = node.process.as_mut()
+                    && let Ok(Some(status)) = process.0.try_wait()
+                {
+                    panic!("n{i} exited ({status}) before the cluster formed; its log follows");
+                }
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(90),
+                "the NATS cluster placed no 3-replica stream in 90 s; the nodes' logs follow"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        println!(
+            "the NATS cluster placed a 3-replica stream {:.1} s after its servers answered",
+            started.elapsed().as_secs_f64()
+        );
+    }
+
     /// The node leading `stream`, asked of any node that answers.
     async fn leader_of(&self, stream: &str) -> usize {
         for node in &self.nodes {
@@ -821,7 +866,19 @@ impl PrivateNatsCluster {
 
 impl Drop for PrivateNatsCluster {
     fn drop(&mut self) {
-        self.nodes.clear();
+        if std::thread::panicking() {
+            // The servers' own account of a failed run, before the store goes.
+            for i in 0..3 {
+                let log = std::fs::read_to_string(self.store.join(format!("n{i}.log")))
+                    .unwrap_or_default();
+                let lines: Vec<&str> = log.lines().collect();
+                println!("---- n{i}'s log, its last 60 lines ----");
+                for line in &lines[lines.len().saturating_sub(60)..] {
+                    println!("{line}");
+                }
+            }
+        }
+        self.nodes.clear(); // each node removes the store it shares with the others
         let _ = std::fs::remove_dir_all(&self.store);
     }
 }
@@ -1028,12 +1085,17 @@ async fn the_fold_holds_exactly_the_live_history_through(
     let mut ran = workload.run(&pool).await;
     proxies.iter().for_each(BrokerProxy::restore);
     let mut all = ran.expected.clone();
+    let restored = std::time::Instant::now();
     wait_until(
         "the first steps folded",
         Duration::from_secs(30),
         || async { folded_count(&fold, &all).await == count(&all) },
     )
     .await;
+    println!(
+        "{label}: the first steps folded {:.1} s after the relay's links came back",
+        restored.elapsed().as_secs_f64()
+    );
     ran = workload.steps(&pool, ran.live, 41..=240).await;
     merge(&mut all, &ran.expected);
     fault().await;
@@ -1082,18 +1144,22 @@ fn nats_the_fold_holds_exactly_the_live_history_through_a_leader_kill_on_a_2_10_
     let mut cluster = PrivateNatsCluster::start(NatsVersion::Trixie);
     let stream = distribution::nats::scratch::unique_stream("fold_leader");
     let servers = cluster.nodes.iter().map(PrivateNats::url).collect();
-    host_runtime().block_on(the_fold_holds_exactly_the_live_history_through(
-        "nats_fold_leader",
-        (servers, 3),
-        &stream,
-        async || {
-            let leader = cluster.leader_of(&stream).await;
-            cluster.nodes[leader].kill();
-            println!("killed n{leader}, the stream's leader");
-            tokio::time::sleep(Duration::from_secs(2)).await; // the outage's length
-            cluster.nodes[leader].run();
-        },
-    ));
+    host_runtime().block_on(async {
+        cluster.formed().await;
+        the_fold_holds_exactly_the_live_history_through(
+            "nats_fold_leader",
+            (servers, 3),
+            &stream,
+            async || {
+                let leader = cluster.leader_of(&stream).await;
+                cluster.nodes[leader].kill();
+                println!("killed n{leader}, the stream's leader");
+                tokio::time::sleep(Duration::from_secs(2)).await; // the outage's length
+                cluster.nodes[leader].run();
+            },
+        )
+        .await
+    });
 }
 
 /// `distribution dead` on NATS (`RELAY_BROKER=nats`): a consumer group kept a message that is

@@ -9,7 +9,7 @@ use supervisor::SupervisorConfig;
 
 mod bounds;
 mod settings;
-pub use settings::{QueueSettings, Settings, unknown_relay_variables};
+pub use settings::{BrokerArgs, QueueSettings, Settings, unknown_relay_variables};
 
 /// A configuration value that cannot be used. One readable line, naming the variable.
 #[derive(Debug, thiserror::Error)]
@@ -35,13 +35,14 @@ fn first_line(text: &str) -> String {
     line.strip_prefix("error: ").unwrap_or(line).to_owned()
 }
 
-/// Which broker a relay publishes to.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// Which broker a relay publishes to (`RELAY_BROKER`: `rabbitmq` or `nats`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum BrokerKind {
-    /// RabbitMQ, over AMQP 0-9-1 (`rabbit`).
+    /// RabbitMQ (AMQP 0-9-1) at `AMQP_URL`.
     #[default]
+    #[value(name = "rabbitmq")]
     RabbitMq,
-    /// NATS JetStream (`nats`).
+    /// NATS JetStream at `NATS_URL`.
     Nats,
 }
 
@@ -275,6 +276,7 @@ impl RelayConfig {
                 "expected postgres://user@host:port/database",
             ));
         }
+        bounds::PARTITIONS.check(self.partitions)?;
         match self.broker {
             BrokerKind::RabbitMq => drop(self.rabbit_config()?),
             BrokerKind::Nats => drop(self.nats_config()?),
@@ -471,6 +473,62 @@ mod tests {
         config.validate().unwrap();
         config.supervisor.shards = 0;
         assert!(config.validate().is_err());
+        // Partitions past the command line's range are refused in code too (they were not).
+        config.supervisor.shards = 8;
+        config.partitions = 1025;
+        assert_eq!(
+            config.validate().unwrap_err().to_string(),
+            "RELAY_PARTITIONS=\"1025\" is invalid: must be 1 to 1024"
+        );
+    }
+
+    /// The broker as every command reads it: the chosen broker's address, its topology and
+    /// partitions carried into the configuration, a missing address refused in one line
+    /// naming it.
+    #[test]
+    fn broker_args_name_the_missing_address_and_carry_the_topology() {
+        // Built by hand: a parse would read this machine's AMQP_URL and NATS_URL.
+        let args = |broker, amqp: Option<&str>, nats: Option<&str>| BrokerArgs {
+            broker,
+            amqp_url: amqp.map(str::to_owned),
+            nats_url: nats.map(str::to_owned),
+            topology: "t".into(),
+            partitions: 3,
+        };
+        let rabbit = args(
+            BrokerKind::RabbitMq,
+            Some("amqp://127.0.0.1"),
+            Some("nats://x"),
+        );
+        assert_eq!(rabbit.url(), Some("amqp://127.0.0.1"));
+        let config = rabbit.broker_config().unwrap();
+        assert_eq!(
+            (config.broker, config.topology.as_str(), config.partitions),
+            (BrokerKind::RabbitMq, "t", 3)
+        );
+        let nats = args(BrokerKind::Nats, Some("amqp://127.0.0.1"), None);
+        assert_eq!(nats.url(), None);
+        assert_eq!(
+            nats.broker_config().unwrap_err().to_string(),
+            "NATS_URL (--nats-url) is required with RELAY_BROKER=nats"
+        );
+        let none = args(BrokerKind::RabbitMq, None, Some("nats://x"));
+        assert!(
+            none.broker_config()
+                .unwrap_err()
+                .to_string()
+                .starts_with("AMQP_URL (--amqp-url) is required")
+        );
+        // The command line's range: what the relay's validate refuses (above) is refused at
+        // the door too.
+        use clap::Parser;
+        #[derive(Debug, Parser)]
+        struct Cli {
+            #[command(flatten)]
+            broker: BrokerArgs,
+        }
+        let err = Cli::try_parse_from(["x", "--partitions", "1025"]).unwrap_err();
+        assert!(err.to_string().contains("1..=1024"), "{err}");
     }
 
     /// On NATS: the servers are required, RabbitMQ's own settings are refused rather than

@@ -18,7 +18,6 @@ use axum::response::IntoResponse;
 use axum::routing::{get, post};
 use distribution::store::Outbox;
 
-use crate::BrokerChoice;
 use crate::dead_cli::Broker;
 use crate::letters::GroupBroker;
 
@@ -43,23 +42,10 @@ pub struct ConsoleSettings {
     /// at least 16 characters. Required unless it listens on loopback.
     #[arg(long, env = "RELAY_CONSOLE_TOKEN", hide_env_values = true)]
     token: Option<String>,
-    /// The broker: RabbitMQ (`AMQP_URL`) or NATS JetStream (`NATS_URL`).
-    #[arg(long, env = "RELAY_BROKER", value_enum, default_value = "rabbitmq")]
-    broker: BrokerChoice,
-    /// RabbitMQ (`amqps://` for TLS): broker health and the dead letters. Without it (or
-    /// NATS_URL with RELAY_BROKER=nats) the console shows the database's side only.
-    #[arg(long, env = "AMQP_URL", hide_env_values = true)]
-    amqp_url: Option<String>,
-    /// NATS servers (comma-separated), with `--broker nats`.
-    #[arg(long, env = "NATS_URL", hide_env_values = true)]
-    nats_url: Option<String>,
-    /// Exchange name, or NATS stream (as the relay's).
-    #[arg(long, env = "RELAY_TOPOLOGY", default_value = "outbox")]
-    topology: String,
-    /// Broker partitions (as the relay's: a replayed letter goes to its run's partition).
-    #[arg(long, env = "RELAY_PARTITIONS", default_value_t = 8,
-          value_parser = clap::value_parser!(u16).range(1..=1024))]
-    partitions: u16,
+    /// The broker: its health and the dead letters. Without its URL the console shows the
+    /// database's side only.
+    #[command(flatten)]
+    broker: distribution::BrokerArgs,
     /// Consumer groups whose dead letters are shown (as the relay's RELAY_GROUPS).
     #[arg(
         long,
@@ -90,17 +76,9 @@ impl ConsoleSettings {
         Ok(())
     }
 
-    /// The broker's address as the console names it (none configured: `None`).
-    fn broker_url(&self) -> Option<&str> {
-        match self.broker {
-            BrokerChoice::Rabbitmq => self.amqp_url.as_deref(),
-            BrokerChoice::Nats => self.nats_url.as_deref(),
-        }
-    }
-
     /// Each group's broker settings (none without the broker's URL).
     fn brokers(&self) -> Result<Vec<(String, GroupBroker)>> {
-        if self.broker_url().is_none() {
+        if self.broker.url().is_none() {
             return Ok(Vec::new());
         }
         self.groups
@@ -109,11 +87,7 @@ impl ConsoleSettings {
             .filter(|group| !group.is_empty() && *group != "none")
             .map(|group| {
                 let broker = Broker {
-                    broker: self.broker,
-                    amqp_url: self.amqp_url.clone(),
-                    nats_url: self.nats_url.clone(),
-                    topology: self.topology.clone(),
-                    partitions: self.partitions,
+                    place: self.broker.clone(),
                     group: group.to_owned(),
                     queues: self.queues.clone(),
                 }
@@ -157,7 +131,8 @@ pub async fn run(settings: ConsoleSettings) -> Result<()> {
         outbox,
         brokers: settings.brokers()?,
         broker_shown: settings
-            .broker_url()
+            .broker
+            .url()
             .map(without_credentials)
             .unwrap_or_default(),
         token: settings.token.clone(),

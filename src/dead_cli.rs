@@ -3,35 +3,19 @@
 //! stream).
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
-use distribution::RelayConfig;
 use distribution::broker::{DeadFilter, DeadLetterView, Group};
 use distribution::nats::NatsConfig;
 use distribution::rabbit::RabbitConfig;
 use distribution::store::{RunId, TenantId};
+use distribution::{BrokerArgs, BrokerKind};
 
-use crate::BrokerChoice;
 use crate::letters::{GroupBroker, GroupLetters};
 
 /// The broker and topology whose dead letters are read.
 #[derive(Clone, Debug, Args)]
 pub struct Broker {
-    /// The broker: RabbitMQ (`AMQP_URL`) or NATS JetStream (`NATS_URL`).
-    #[arg(long, env = "RELAY_BROKER", value_enum, default_value = "rabbitmq")]
-    pub broker: BrokerChoice,
-    /// RabbitMQ (`amqps://` for TLS).
-    #[arg(long, env = "AMQP_URL", hide_env_values = true)]
-    pub amqp_url: Option<String>,
-    /// NATS servers (comma-separated), with `--broker nats`.
-    #[arg(long, env = "NATS_URL", hide_env_values = true)]
-    pub nats_url: Option<String>,
-    /// Exchange (or NATS stream) name; the dead-letter queue is `<topology>.dead` (on NATS the
-    /// stream `<topology>_dead`).
-    #[arg(long, env = "RELAY_TOPOLOGY", default_value = "outbox")]
-    pub topology: String,
-    /// Broker partitions (a replayed message goes to its run's partition).
-    #[arg(long, env = "RELAY_PARTITIONS", default_value_t = 8,
-          value_parser = clap::value_parser!(u16).range(1..=1024))]
-    pub partitions: u16,
+    #[command(flatten)]
+    pub place: BrokerArgs,
     /// The consumer group (`default`: the unnamed group's `<topology>.p<N>` and
     /// `<topology>.dead`; a name: `<topology>.<group>.p<N>` and `<topology>.<group>.dead`; on
     /// NATS the group's subject `<topology>_dead.<group>`).
@@ -44,20 +28,13 @@ pub struct Broker {
 
 impl Broker {
     pub fn rabbit(&self) -> Result<RabbitConfig> {
-        if self.broker == BrokerChoice::Nats {
+        if self.place.broker == BrokerKind::Nats {
             bail!(
                 "RELAY_BROKER=nats: this command reads RabbitMQ's queues only (docs/operations.md, \
                  \"On NATS JetStream\", says what runs on NATS)"
             );
         }
-        let Some(amqp_url) = &self.amqp_url else {
-            bail!(
-                "AMQP_URL (--amqp-url) is required: the RabbitMQ broker (or RELAY_BROKER=nats with NATS_URL)"
-            );
-        };
-        let mut config = RelayConfig::new("", amqp_url.clone());
-        config.topology = self.topology.clone();
-        config.partitions = self.partitions;
+        let mut config = self.place.broker_config()?;
         self.queues.apply(&mut config)?;
         let group = Group::parse(&self.group).context("--group / RELAY_GROUP")?;
         let mut rabbit = config.rabbit_config()?;
@@ -69,9 +46,9 @@ impl Broker {
 impl Broker {
     /// Where the group's dead letters live, on the broker `--broker` names.
     pub fn group_broker(&self) -> Result<GroupBroker> {
-        match self.broker {
-            BrokerChoice::Rabbitmq => Ok(GroupBroker::Rabbit(self.rabbit()?)),
-            BrokerChoice::Nats => {
+        match self.place.broker {
+            BrokerKind::RabbitMq => Ok(GroupBroker::Rabbit(self.rabbit()?)),
+            BrokerKind::Nats => {
                 let nats = self.nats()?;
                 // The group's name as its consumers give it (a subject token).
                 distribution::consumer::NatsConsumerConfig::new(nats.clone(), &self.group)
@@ -86,13 +63,7 @@ impl Broker {
 
     /// The NATS side: the stream's configuration.
     pub fn nats(&self) -> Result<NatsConfig> {
-        let Some(nats_url) = &self.nats_url else {
-            bail!("NATS_URL (--nats-url) is required with RELAY_BROKER=nats");
-        };
-        let mut config = RelayConfig::nats("", nats_url.clone());
-        config.topology = self.topology.clone();
-        config.partitions = self.partitions;
-        Ok(config.nats_config()?)
+        Ok(self.place.broker_config()?.nats_config()?)
     }
 }
 

@@ -17,8 +17,8 @@ use distribution::store::{
 };
 use distribution::{Relay, RelayConfig};
 
-use crate::BrokerChoice;
 use crate::proxy::BrokerProxy;
+use distribution::BrokerKind;
 use sqlx::{Connection, PgConnection, PgPool};
 
 const TENANTS: [&str; 3] = ["acme", "globex", "initech"];
@@ -120,17 +120,17 @@ async fn agent_run(
 }
 
 /// The broker's URL.
-fn broker_url(broker: BrokerChoice) -> String {
+fn broker_url(broker: BrokerKind) -> String {
     match broker {
-        BrokerChoice::Rabbitmq => std::env::var("AMQP_URL")
+        BrokerKind::RabbitMq => std::env::var("AMQP_URL")
             .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into()),
-        BrokerChoice::Nats => {
+        BrokerKind::Nats => {
             std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
         }
     }
 }
 
-pub(crate) async fn run(broker: BrokerChoice) -> Result<()> {
+pub(crate) async fn run(broker: BrokerKind) -> Result<()> {
     let base_url = std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
     let broker_url = broker_url(broker);
@@ -148,13 +148,13 @@ pub(crate) async fn run(broker: BrokerChoice) -> Result<()> {
         .context("DATABASE_URL has no database")?;
     let url = format!("{server}/{database}");
     let (outcome, removed) = match broker {
-        BrokerChoice::Rabbitmq => {
+        BrokerKind::RabbitMq => {
             let topology = format!("relay-demo-{stamp}");
             let outcome = walk(&url, broker, &broker_url, &topology).await;
             // Its exchange and queues go too, whatever the walk's outcome.
             (outcome, remove_topology(&broker_url, &topology).await)
         }
-        BrokerChoice::Nats => {
+        BrokerKind::Nats => {
             let stream = format!("relay_demo_{stamp}");
             let outcome = walk(&url, broker, &broker_url, &stream).await;
             // Its streams go too, whatever the walk's outcome.
@@ -203,10 +203,10 @@ fn chrono_free_stamp() -> u128 {
         .unwrap_or_default()
 }
 
-async fn walk(url: &str, broker: BrokerChoice, broker_url: &str, topology: &str) -> Result<()> {
+async fn walk(url: &str, broker: BrokerKind, broker_url: &str, topology: &str) -> Result<()> {
     let broker_name = match broker {
-        BrokerChoice::Rabbitmq => "RabbitMQ",
-        BrokerChoice::Nats => "NATS JetStream",
+        BrokerKind::RabbitMq => "RabbitMQ",
+        BrokerKind::Nats => "NATS JetStream",
     };
     let pool = PgPool::connect(url).await?;
     store::migrate(&pool).await?;
@@ -221,8 +221,8 @@ async fn walk(url: &str, broker: BrokerChoice, broker_url: &str, topology: &str)
         proxy.addr()
     );
     let mut config = match broker {
-        BrokerChoice::Rabbitmq => RelayConfig::new(url, proxy.url()),
-        BrokerChoice::Nats => RelayConfig::nats(url, proxy.url()),
+        BrokerKind::RabbitMq => RelayConfig::new(url, proxy.url()),
+        BrokerKind::Nats => RelayConfig::nats(url, proxy.url()),
     };
     config.topology = topology.to_owned();
     config.partitions = PARTITIONS;
@@ -269,7 +269,7 @@ async fn walk(url: &str, broker: BrokerChoice, broker_url: &str, topology: &str)
     let (stop_tx, _) = tokio::sync::watch::channel(false);
     let mut consumers = Vec::new();
     match broker {
-        BrokerChoice::Rabbitmq => {
+        BrokerKind::RabbitMq => {
             let consumer = FoldConsumer::new(fold_config.rabbit_config()?);
             for partition in 0..partitions {
                 let (consumer, fold, mut stop) =
@@ -285,7 +285,7 @@ async fn walk(url: &str, broker: BrokerChoice, broker_url: &str, topology: &str)
                 }));
             }
         }
-        BrokerChoice::Nats => {
+        BrokerKind::Nats => {
             // A consumer group folding the stream into the same projection (`EventTable`).
             let group = NatsConsumerConfig::new(fold_config.nats_config()?, "demo")?;
             let consumer = Consumer::on_nats(group, pool.clone(), store::EventTable);

@@ -7,8 +7,8 @@ use anyhow::{Context, Result};
 use clap::Subcommand;
 use distribution::broker::{self, Group};
 
-use crate::BrokerChoice;
 use crate::dead_cli::Broker;
+use distribution::BrokerKind;
 
 #[derive(Debug, Subcommand)]
 pub enum GroupAction {
@@ -78,10 +78,10 @@ pub enum GroupAction {
 
 pub async fn run(action: GroupAction) -> Result<()> {
     match action {
-        GroupAction::Create { broker, name } if broker.broker == BrokerChoice::Nats => {
+        GroupAction::Create { broker, name } if broker.place.broker == BrokerKind::Nats => {
             create_on_nats(&broker, &name).await?;
         }
-        GroupAction::Delete { broker, name } if broker.broker == BrokerChoice::Nats => {
+        GroupAction::Delete { broker, name } if broker.place.broker == BrokerKind::Nats => {
             delete_on_nats(&broker, &name).await?;
         }
         GroupAction::Create { broker, name } => {

@@ -21,6 +21,7 @@ mod telemetry;
 pub use actors::PublisherFactory;
 pub use actors::ShardId;
 pub use broker;
+pub use config::BrokerArgs;
 pub use config::BrokerKind;
 pub use config::ConfigError;
 pub use config::QueueSettings;

@@ -44,16 +44,6 @@ mod serve;
 use outbox_cli::{Tables, discard, migrate, print_roles, print_sql, release, retire, status};
 use run_cli::run;
 
-/// Which broker a command works on (`RELAY_BROKER`, as the relay's).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
-pub(crate) enum BrokerChoice {
-    /// RabbitMQ at `AMQP_URL`.
-    #[default]
-    Rabbitmq,
-    /// NATS JetStream at `NATS_URL`.
-    Nats,
-}
-
 /// Ships committed export intents from PostgreSQL to RabbitMQ (or NATS JetStream), in order
 /// per branch, at least once. Every flag can be set by its environment variable instead.
 #[derive(Debug, Parser)]
@@ -98,20 +88,9 @@ enum Command {
     Status {
         #[command(flatten)]
         database: Database,
-        /// The broker whose dead letters are counted: RabbitMQ (`AMQP_URL`) or NATS JetStream
-        /// (`NATS_URL`).
-        #[arg(long, env = "RELAY_BROKER", value_enum, default_value = "rabbitmq")]
-        broker: BrokerChoice,
-        /// RabbitMQ, to count the dead letters (`<topology>.dead`); without it they are not shown.
-        #[arg(long, env = "AMQP_URL", hide_env_values = true)]
-        amqp_url: Option<String>,
-        /// NATS servers, to count the dead letters (`<topology>_dead.<group>`) with
-        /// `--broker nats`; without them they are not shown.
-        #[arg(long, env = "NATS_URL", hide_env_values = true)]
-        nats_url: Option<String>,
-        /// Exchange name.
-        #[arg(long, env = "RELAY_TOPOLOGY", default_value = "outbox")]
-        topology: String,
+        /// The broker whose dead letters are counted; without its URL they are not shown.
+        #[command(flatten)]
+        broker: distribution::BrokerArgs,
         /// Consumer groups whose dead letters are counted (as the relay's `RELAY_GROUPS`).
         #[arg(
             long,
@@ -186,7 +165,7 @@ enum Command {
     Demo {
         /// The broker the demo ships to: RabbitMQ at AMQP_URL, or NATS JetStream at NATS_URL.
         #[arg(long, value_enum, default_value = "rabbitmq")]
-        broker: BrokerChoice,
+        broker: distribution::BrokerKind,
     },
     /// Print the schema's SQL (every migration, in order) for hosts with another migration
     /// tool; then run the relay with --skip-migrate.
@@ -348,17 +327,8 @@ fn main() -> ExitCode {
             Command::Status {
                 database,
                 broker,
-                amqp_url,
-                nats_url,
-                topology,
                 groups,
-            } => {
-                let url = match broker {
-                    BrokerChoice::Rabbitmq => amqp_url.map(outbox_cli::DeadLetterBroker::Rabbit),
-                    BrokerChoice::Nats => nats_url.map(outbox_cli::DeadLetterBroker::Nats),
-                };
-                status(&database, url, topology, groups).await
-            }
+            } => status(&database, broker, groups).await,
             Command::Dead { action } => dead_cli::run(action).await,
             Command::Group { action } => group_cli::run(action).await,
             Command::Tail(settings) => tail_cli::run(*settings).await,

@@ -150,16 +150,9 @@ pub(crate) async fn retire(
     Ok(())
 }
 
-/// Where `status` counts dead letters: the broker and its URL.
-pub(crate) enum DeadLetterBroker {
-    Rabbit(String),
-    Nats(String),
-}
-
 pub(crate) async fn status(
     database: &Database,
-    broker: Option<DeadLetterBroker>,
-    topology: String,
+    broker: distribution::BrokerArgs,
     groups: Vec<String>,
 ) -> Result<()> {
     let outbox = Outbox::new(connect(&database.database_url, database.schema.as_ref()).await?);
@@ -200,22 +193,16 @@ pub(crate) async fn status(
             );
         }
     }
-    let (choice, amqp_url, nats_url) = match broker {
-        None => return Ok(()),
-        Some(DeadLetterBroker::Rabbit(url)) => (crate::BrokerChoice::Rabbitmq, Some(url), None),
-        Some(DeadLetterBroker::Nats(url)) => (crate::BrokerChoice::Nats, None, Some(url)),
-    };
+    if broker.url().is_none() {
+        return Ok(());
+    }
     let mut unanswered = Vec::new();
     for group in groups.iter().map(|group| group.trim()) {
         if group == "none" {
             continue;
         }
         let kept = dead_cli::Broker {
-            broker: choice,
-            amqp_url: amqp_url.clone(),
-            nats_url: nats_url.clone(),
-            topology: topology.clone(),
-            partitions: 1,
+            place: broker.clone(),
             group: group.to_owned(),
             queues: distribution::QueueSettings::default(),
         }

@@ -2,35 +2,20 @@
 //! `rabbit::Tail` or `nats::NatsTail`; the payload only when asked.
 use std::io::Write;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use clap::Args;
-use distribution::RelayConfig;
+use distribution::BrokerKind;
 use distribution::broker::{TailFilter, WireError};
 use distribution::nats::{NatsTail, NatsTailed};
 use distribution::rabbit::{Tail, Tailed};
 use distribution::store::{OutboxEvent, RunId, TenantId};
 
-use crate::BrokerChoice;
-
 /// `distribution tail`'s settings.
 #[derive(Debug, Args)]
 pub struct TailSettings {
-    /// The broker: RabbitMQ (`AMQP_URL`) or NATS JetStream (`NATS_URL`).
-    #[arg(long, env = "RELAY_BROKER", value_enum, default_value = "rabbitmq")]
-    broker: BrokerChoice,
-    /// RabbitMQ (`amqps://` for TLS).
-    #[arg(long, env = "AMQP_URL", hide_env_values = true)]
-    amqp_url: Option<String>,
-    /// NATS servers (comma-separated), with `--broker nats`.
-    #[arg(long, env = "NATS_URL", hide_env_values = true)]
-    nats_url: Option<String>,
-    /// Exchange name, or NATS stream (as the relay's).
-    #[arg(long, env = "RELAY_TOPOLOGY", default_value = "outbox")]
-    topology: String,
-    /// Broker partitions (as the relay's: with --run, only the run's partition is watched).
-    #[arg(long, env = "RELAY_PARTITIONS", default_value_t = 8,
-          value_parser = clap::value_parser!(u16).range(1..=1024))]
-    partitions: u16,
+    /// The broker watched (with --run, only the run's partition).
+    #[command(flatten)]
+    broker: distribution::BrokerArgs,
     /// Only this tenant's events.
     #[arg(long)]
     tenant: Option<String>,
@@ -116,49 +101,37 @@ impl Watch {
 
 /// Opens the watch the settings name, and says on stderr what it watches.
 async fn open(settings: &TailSettings, filter: TailFilter) -> Result<Watch> {
-    match settings.broker {
-        BrokerChoice::Nats => {
-            let Some(nats_url) = &settings.nats_url else {
-                bail!("NATS_URL (--nats-url) is required with RELAY_BROKER=nats");
-            };
-            let mut config = RelayConfig::nats("", nats_url.clone());
-            config.topology = settings.topology.clone();
-            config.partitions = settings.partitions;
+    let config = settings.broker.broker_config()?;
+    let topology = &settings.broker.topology;
+    match settings.broker.broker {
+        BrokerKind::Nats => {
             let nats = config.nats_config()?;
             let tail = NatsTail::open(&nats, filter).await.with_context(|| {
                 format!(
                     "cannot watch stream {} (is NATS_URL right, and has a relay or consumer declared the stream?)",
-                    settings.topology
+                    topology
                 )
             })?;
             eprintln!(
                 "watching stream {} from its next message (Ctrl-C to stop)",
-                settings.topology
+                topology
             );
             Ok(Watch::Nats(Box::new(tail)))
         }
-        BrokerChoice::Rabbitmq => {
-            let Some(amqp_url) = &settings.amqp_url else {
-                bail!(
-                    "AMQP_URL (--amqp-url) is required: the RabbitMQ broker (or RELAY_BROKER=nats with NATS_URL)"
-                );
-            };
-            let mut config = RelayConfig::new("", amqp_url.clone());
-            config.topology = settings.topology.clone();
-            config.partitions = settings.partitions;
+        BrokerKind::RabbitMq => {
             let rabbit = config.rabbit_config()?;
             let tail = Tail::open(&rabbit, filter, settings.keep)
                 .await
                 .with_context(|| {
                     format!(
                         "cannot watch exchange {} (is AMQP_URL right, and has a relay or consumer declared the topology?)",
-                        settings.topology
+                        topology
                     )
                 })?;
             // Said on stderr: what follows on stdout is the events alone.
             eprintln!(
                 "watching exchange {} through {} (Ctrl-C to stop)",
-                settings.topology,
+                topology,
                 tail.queue()
             );
             Ok(Watch::Rabbit(Box::new(tail)))

@@ -50,6 +50,7 @@ impl Bound {
     }
 }
 
+pub(crate) const PARTITIONS: Bound = Bound::new("RELAY_PARTITIONS", 1, 1024);
 pub(crate) const SHARDS: Bound = Bound::new("RELAY_SHARDS", 1, 256);
 pub(crate) const BATCH_SIZE: Bound = Bound::new("RELAY_BATCH_SIZE", 1, 100_000);
 pub(crate) const BATCHES_IN_FLIGHT: Bound = Bound::new("RELAY_BATCHES_IN_FLIGHT", 1, 64);

@@ -14,6 +14,67 @@ fn millis(duration: Duration) -> u64 {
     duration.as_millis() as u64
 }
 
+/// Where the broker is and how its topology is named: the relay's own variables, read the same
+/// way by the relay and by every command that talks to its broker (`status`, `dead`, `group`,
+/// `tail`, `console`), so an operator sets them once for all.
+#[derive(Clone, Debug, clap::Args)]
+pub struct BrokerArgs {
+    /// The broker: RabbitMQ (`AMQP_URL`) or NATS JetStream (`NATS_URL`).
+    #[arg(long, env = "RELAY_BROKER", value_enum, default_value = "rabbitmq")]
+    pub broker: BrokerKind,
+    /// RabbitMQ (`amqps://` for TLS); required with RabbitMQ (a relay starts while it is down).
+    #[arg(long, env = "AMQP_URL", hide_env_values = true)]
+    pub amqp_url: Option<String>,
+    /// NATS servers, comma-separated (`nats://host:4222`); required with NATS.
+    #[arg(long, env = "NATS_URL", hide_env_values = true)]
+    pub nats_url: Option<String>,
+    /// The exchange (queues `<topology>.p<N>`, dead letters `<topology>.dead`), or on NATS the
+    /// stream (subjects `<topology>.p<N>`, dead letters in `<topology>_dead`).
+    #[arg(long, env = "RELAY_TOPOLOGY", default_value_t = defaults().topology)]
+    pub topology: String,
+    /// Broker partitions, keyed by (tenant, run): a run's events, and a replayed dead letter,
+    /// go to its run's partition.
+    #[arg(long, env = "RELAY_PARTITIONS", default_value_t = defaults().partitions,
+          value_parser = clap::value_parser!(u16).range(super::bounds::PARTITIONS.range()))]
+    pub partitions: u16,
+}
+
+impl BrokerArgs {
+    /// The chosen broker's address, if given.
+    pub fn url(&self) -> Option<&str> {
+        match self.broker {
+            BrokerKind::RabbitMq => self.amqp_url.as_deref(),
+            BrokerKind::Nats => self.nats_url.as_deref(),
+        }
+    }
+
+    /// A relay's configuration for this broker and topology, on no database (what a command
+    /// that reads the broker alone builds its broker's settings from); refused with one line
+    /// naming the missing address.
+    pub fn broker_config(&self) -> Result<RelayConfig, ConfigError> {
+        let mut config = match (self.broker, &self.amqp_url, &self.nats_url) {
+            (BrokerKind::RabbitMq, Some(url), _) => RelayConfig::new("", url.clone()),
+            (BrokerKind::RabbitMq, None, _) => return Err(amqp_url_missing()),
+            (BrokerKind::Nats, _, Some(url)) => RelayConfig::nats("", url.clone()),
+            (BrokerKind::Nats, _, None) => {
+                return Err(ConfigError::Rejected(
+                    "NATS_URL (--nats-url) is required with RELAY_BROKER=nats".into(),
+                ));
+            }
+        };
+        config.topology = self.topology.clone();
+        config.partitions = self.partitions;
+        Ok(config)
+    }
+}
+
+fn amqp_url_missing() -> ConfigError {
+    ConfigError::Rejected(
+        "AMQP_URL (--amqp-url) is required: the RabbitMQ broker (or RELAY_BROKER=nats with NATS_URL)"
+            .into(),
+    )
+}
+
 /// Every setting of a relay as a command-line flag with its environment variable, default and
 /// bounds (`distribution run --help` lists them). [`RelayConfig::from_env`] reads the same
 /// variables through this parser.
@@ -23,16 +84,9 @@ pub struct Settings {
     /// PostgreSQL holding the outbox (`?sslmode=require` for TLS).
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: String,
-    /// The broker events go to: RabbitMQ (`AMQP_URL`) or NATS JetStream (`NATS_URL`).
-    #[arg(long, env = "RELAY_BROKER", value_enum, default_value = "rabbitmq")]
-    pub broker: BrokerSetting,
-    /// RabbitMQ (`amqps://` for TLS); required unless the broker is NATS. The broker may be
-    /// down at start.
-    #[arg(long, env = "AMQP_URL", hide_env_values = true)]
-    pub amqp_url: Option<String>,
-    /// NATS servers, comma-separated (`nats://host:4222`); required when the broker is NATS.
-    #[arg(long, env = "NATS_URL", hide_env_values = true)]
-    pub nats_url: Option<String>,
+    /// The broker, its address and its topology: what every command that talks to it reads.
+    #[command(flatten)]
+    pub broker: BrokerArgs,
     /// NATS: replicas of the stream the relay creates (1 on one server, 3 on a cluster).
     #[arg(long, env = "RELAY_NATS_REPLICAS", default_value_t = defaults().nats_replicas as u8,
           value_parser = clap::value_parser!(u8).range(1..=5))]
@@ -51,13 +105,6 @@ pub struct Settings {
     /// refusal too. Unset: a server before 2.10 is only warned about.
     #[arg(long, env = "RELAY_NATS_SERVER_VERSION")]
     pub nats_server_version: Option<semver::VersionReq>,
-    /// Exchange name; queues are `<topology>.p<N>`.
-    #[arg(long, env = "RELAY_TOPOLOGY", default_value_t = defaults().topology)]
-    pub topology: String,
-    /// Broker partitions (queues), keyed by (tenant, run).
-    #[arg(long, env = "RELAY_PARTITIONS", default_value_t = defaults().partitions,
-          value_parser = clap::value_parser!(u16).range(1..=1024))]
-    pub partitions: u16,
     /// Queue type, stream retention and the quorum delivery limit.
     #[command(flatten)]
     pub queues: QueueSettings,
@@ -291,23 +338,21 @@ impl QueueSettings {
 impl Settings {
     /// The configuration these settings describe, validated (cross-field rules included).
     pub fn into_config(self) -> Result<RelayConfig, ConfigError> {
-        let broker = match self.broker {
-            BrokerSetting::Rabbitmq => BrokerKind::RabbitMq,
-            BrokerSetting::Nats => BrokerKind::Nats,
-        };
-        let amqp_url = match (broker, self.amqp_url) {
+        let BrokerArgs {
+            broker,
+            amqp_url,
+            nats_url,
+            topology,
+            partitions,
+        } = self.broker;
+        let amqp_url = match (broker, amqp_url) {
             (_, Some(url)) => url,
             (BrokerKind::Nats, None) => String::new(),
-            (BrokerKind::RabbitMq, None) => {
-                return Err(ConfigError::Rejected(
-                    "AMQP_URL (--amqp-url) is required: the RabbitMQ broker events go to (or RELAY_BROKER=nats with NATS_URL)"
-                        .into(),
-                ));
-            }
+            (BrokerKind::RabbitMq, None) => return Err(amqp_url_missing()),
         };
         let mut config = RelayConfig::new(self.database_url, amqp_url);
         config.broker = broker;
-        config.nats_url = self.nats_url.unwrap_or_default();
+        config.nats_url = nats_url.unwrap_or_default();
         config.nats_replicas = usize::from(self.nats_replicas);
         config.nats_duplicate_window = Duration::from_secs(self.nats_duplicate_window_secs);
         config.nats_ack_timeout = Duration::from_millis(self.nats_ack_timeout_ms);
@@ -318,8 +363,8 @@ impl Settings {
             ));
         }
         config.nats_server_version = self.nats_server_version;
-        config.topology = self.topology;
-        config.partitions = self.partitions;
+        config.topology = topology;
+        config.partitions = partitions;
         self.queues.apply(&mut config)?;
         config.groups = groups(&self.groups)?;
         config.wire_mode = match self.cloudevents {
@@ -397,15 +442,6 @@ pub enum ReplicationSetting {
     Sync,
     /// On every streaming standby.
     All,
-}
-
-/// `RELAY_BROKER`: where events go.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum BrokerSetting {
-    /// RabbitMQ (`AMQP_URL`).
-    Rabbitmq,
-    /// NATS JetStream (`NATS_URL`).
-    Nats,
 }
 
 /// `RELAY_CLOUDEVENTS`: whether, and under which prefix, CloudEvents attributes are written.

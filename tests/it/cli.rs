@@ -142,8 +142,8 @@ fn bad_settings_exit_2_naming_the_variable() {
     assert_eq!(code, 2, "{stderr}");
     assert!(
         stderr.contains(
-            "AMQP_URL (--amqp-url) is required: the RabbitMQ broker events go to (or \
-             RELAY_BROKER=nats with NATS_URL)"
+            "AMQP_URL (--amqp-url) is required: the RabbitMQ broker (or RELAY_BROKER=nats \
+             with NATS_URL)"
         ),
         "{stderr}"
     );

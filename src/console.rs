@@ -42,8 +42,8 @@ pub struct ConsoleSettings {
     /// at least 16 characters. Required unless it listens on loopback.
     #[arg(long, env = "RELAY_CONSOLE_TOKEN", hide_env_values = true)]
     token: Option<String>,
-    /// The broker: its health and the dead letters. Without its URL the console shows the
-    /// database's side only.
+    // The broker: its health and the dead letters. Without its URL the console shows the
+    // database's side only.
     #[command(flatten)]
     broker: distribution::BrokerArgs,
     /// Consumer groups whose dead letters are shown (as the relay's RELAY_GROUPS).

@@ -84,11 +84,12 @@ enum Command {
     },
     /// Run the relay until Ctrl-C or SIGTERM.
     Run(Box<Settings>),
-    /// Backlog and lag per tenant, parked branches, and (with AMQP_URL) the dead-letter queue.
+    /// Backlog and lag per tenant, parked branches, and (with AMQP_URL, or NATS_URL on NATS)
+    /// each group's dead letters.
     Status {
         #[command(flatten)]
         database: Database,
-        /// The broker whose dead letters are counted; without its URL they are not shown.
+        // The broker whose dead letters are counted; without its URL they are not shown.
         #[command(flatten)]
         broker: distribution::BrokerArgs,
         /// Consumer groups whose dead letters are counted (as the relay's `RELAY_GROUPS`).

@@ -13,7 +13,7 @@ use distribution::store::{OutboxEvent, RunId, TenantId};
 /// `distribution tail`'s settings.
 #[derive(Debug, Args)]
 pub struct TailSettings {
-    /// The broker watched (with --run, only the run's partition).
+    // The broker watched (with --run, only the run's partition).
     #[command(flatten)]
     broker: distribution::BrokerArgs,
     /// Only this tenant's events.

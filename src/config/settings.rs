@@ -22,10 +22,13 @@ pub struct BrokerArgs {
     /// The broker: RabbitMQ (`AMQP_URL`) or NATS JetStream (`NATS_URL`).
     #[arg(long, env = "RELAY_BROKER", value_enum, default_value = "rabbitmq")]
     pub broker: BrokerKind,
-    /// RabbitMQ (`amqps://` for TLS); required with RabbitMQ (a relay starts while it is down).
+    /// RabbitMQ (`amqps://` for TLS). `run`, `dead`, `group` and `tail` need it on RabbitMQ (a
+    /// relay starts while the broker is down); without it `status` and `console` show the
+    /// database's side only.
     #[arg(long, env = "AMQP_URL", hide_env_values = true)]
     pub amqp_url: Option<String>,
-    /// NATS servers, comma-separated (`nats://host:4222`); required with NATS.
+    /// NATS servers, comma-separated (`nats://host:4222`): on NATS, what AMQP_URL is on
+    /// RabbitMQ.
     #[arg(long, env = "NATS_URL", hide_env_values = true)]
     pub nats_url: Option<String>,
     /// The exchange (queues `<topology>.p<N>`, dead letters `<topology>.dead`), or on NATS the
@@ -33,7 +36,7 @@ pub struct BrokerArgs {
     #[arg(long, env = "RELAY_TOPOLOGY", default_value_t = defaults().topology)]
     pub topology: String,
     /// Broker partitions, keyed by (tenant, run): a run's events, and a replayed dead letter,
-    /// go to its run's partition.
+    /// go to its run's partition (`tail --run` watches that one alone).
     #[arg(long, env = "RELAY_PARTITIONS", default_value_t = defaults().partitions,
           value_parser = clap::value_parser!(u16).range(super::bounds::PARTITIONS.range()))]
     pub partitions: u16,
@@ -84,7 +87,7 @@ pub struct Settings {
     /// PostgreSQL holding the outbox (`?sslmode=require` for TLS).
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: String,
-    /// The broker, its address and its topology: what every command that talks to it reads.
+    /// The broker, its address and its topology, as every command that talks to it reads them.
     #[command(flatten)]
     pub broker: BrokerArgs,
     /// NATS: replicas of the stream the relay creates (1 on one server, 3 on a cluster).

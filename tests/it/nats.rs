@@ -422,9 +422,24 @@ impl PrivateNats {
                 ])
                 .arg(&self.store),
         };
+        // A cluster's node writes its log to a file (its configuration says where); what it
+        // says before the log opens (a bad configuration, a panic) goes to `n<i>.err` beside it.
+        let stderr = match &self.config {
+            Some(config) => std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(
+                    self.store_here
+                        .join(config.file_name().unwrap())
+                        .with_extension("err"),
+                )
+                .unwrap()
+                .into(),
+            None => std::process::Stdio::null(),
+        };
         let child = command
             .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
+            .stderr(stderr)
             .spawn()
             .expect("nats-server (Debian's nats-server package)");
         self.process = Some(Process(child));
@@ -785,16 +800,19 @@ impl PrivateNatsCluster {
         };
         let ports: Vec<u16> = (0..3).map(|_| testkit::free_port()).collect();
         let routes: Vec<u16> = (0..3).map(|_| testkit::free_port()).collect();
-        let mut nodes: Vec<PrivateNats> = (0..3)
+        let nodes: Vec<PrivateNats> = (0..3)
             .map(|i| PrivateNats::node(version, i, &ports, &routes, (&store, &store_here)))
             .collect();
-        for node in &mut nodes {
-            node.run();
-        }
-        Self {
+        // The cluster first, then its servers: one that never answers panics in `run`, and
+        // the cluster's drop prints every node's log.
+        let mut cluster = Self {
             nodes,
             store: store_here,
+        };
+        for node in &mut cluster.nodes {
+            node.run();
         }
+        cluster
     }
 
     /// Every node's URL, comma-separated (what `NATS_URL` takes).
@@ -868,11 +886,10 @@ impl Drop for PrivateNatsCluster {
     fn drop(&mut self) {
         if std::thread::panicking() {
             // The servers' own account of a failed run, before the store goes.
-            for i in 0..3 {
-                let log = std::fs::read_to_string(self.store.join(format!("n{i}.log")))
-                    .unwrap_or_default();
+            for file in (0..3).flat_map(|i| [format!("n{i}.err"), format!("n{i}.log")]) {
+                let log = std::fs::read_to_string(self.store.join(&file)).unwrap_or_default();
                 let lines: Vec<&str> = log.lines().collect();
-                println!("---- n{i}'s log, its last 60 lines ----");
+                println!("---- {file}, its last 60 lines ----");
                 for line in &lines[lines.len().saturating_sub(60)..] {
                     println!("{line}");
                 }

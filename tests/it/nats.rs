@@ -821,10 +821,11 @@ impl PrivateNatsCluster {
         urls.join(",")
     }
 
-    /// Waits until the cluster places a stream on all three nodes: a fresh cluster elects its
-    /// JetStream meta leader, and learns of its peers, seconds after its servers answer (a
-    /// loaded machine took more than 30 s once). Until then a 3-replica stream is refused with
-    /// "no suitable peers for placement", which a test of a fault should not count against it.
+    /// Waits until the cluster places a stream on all three nodes: a fresh 2.10 cluster does so
+    /// about 10 s after its servers answer (measured here, idle and loaded alike). Until then a
+    /// 3-replica stream is refused with "no suitable peers for placement", which a test of a
+    /// fault should not count against its own clock (CI once timed out 30 s into a test that
+    /// started before the cluster formed).
     async fn formed(&mut self) {
         let probe = distribution::nats::scratch::unique_stream("probe");
         let started = std::time::Instant::now();
@@ -856,6 +857,7 @@ impl PrivateNatsCluster {
                 started.elapsed() < Duration::from_secs(90),
                 "the NATS cluster placed no 3-replica stream in 90 s; the nodes' logs follow"
             );
+            // Polling pace, not synchronisation.
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         println!(

@@ -2,6 +2,7 @@
 //!
 //! - `config`: [`RelayConfig`], read from the environment or built in code; fails fast.
 //! - `relay`: [`Relay`] and [`RelayHandle`]: the actor tree on its own runtime threads.
+//! - `readiness`: [`Readiness`], the rules of the binary's `/readyz`, for a host's own probe.
 //! - `testing` (feature `test-tools`): `BrokerProxy`, a TCP proxy you own, to take "the broker"
 //!   down in a test without stopping it.
 //! - `telemetry`: [`describe_metrics`], [`prometheus_builder`] (lag histogram buckets),
@@ -15,6 +16,7 @@ mod config;
 mod database;
 #[cfg(feature = "test-tools")]
 mod proxy;
+mod readiness;
 mod relay;
 mod telemetry;
 
@@ -33,6 +35,7 @@ pub use database::connect_options;
 pub use database::{APPLICATION_NAME, connect_database};
 pub use nats;
 pub use rabbit;
+pub use readiness::{NotReady, Readiness};
 pub use relay::Relay;
 pub use relay::RelayError;
 pub use relay::RelayHandle;

@@ -377,6 +377,13 @@ impl RelayHandle {
         self.broker.clone()
     }
 
+    /// This relay's readiness probe (the binary's `/readyz`): `outbox` is best on a small
+    /// pool of its own (one connection), so a busy relay pool does not make the probe time
+    /// out; more than `max_parked` parked branches is not ready.
+    pub fn readiness(&self, outbox: store::Outbox, max_parked: u64) -> crate::Readiness {
+        crate::Readiness::new(outbox, self.broker_health(), self.probe(), max_parked)
+    }
+
     /// What `/readyz` reads of this relay.
     pub fn probe(&self) -> RelayProbe {
         RelayProbe {

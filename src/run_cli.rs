@@ -56,11 +56,7 @@ pub(crate) async fn run(config: RelayConfig) -> Result<()> {
         listener,
         serve::Probes {
             metrics,
-            outbox: Outbox::new(probe_pool),
-            broker: relay.broker_health(),
-            relay: relay.probe(),
-            without_buckets: serve::WithoutBuckets::default(),
-            max_parked,
+            readiness: relay.readiness(Outbox::new(probe_pool), max_parked),
         },
     );
     tracing::info!(%metrics_addr, "relay running");

@@ -115,7 +115,8 @@ impl NatsPublisher {
                 broken.clone(),
                 lost.clone(),
             ));
-            self.health.report(true);
+            // Up only once the stream stores a batch (`pump_acks`): a server cut off from its
+            // cluster's leader connects and stores nothing.
             self.session = Some(Session {
                 _client: client,
                 context,

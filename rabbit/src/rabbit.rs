@@ -140,7 +140,9 @@ impl RabbitPublisher {
                             refused_at_run_time(why);
                         }
                     })?;
-            self.health.report(true);
+            // Not reported up here: a session that opens is no proof the broker takes writes
+            // (a node cut off from its cluster's majority accepts connections and confirms
+            // nothing); a confirmed batch is (`confirms`).
             self.config.mark_declared();
             within(
                 "confirm.select",

@@ -127,6 +127,19 @@ impl Double {
         })
     }
 
+    /// The real broker behind the script, reporting each session and batch to `health` (as a
+    /// relay's own publishers do, for its readiness).
+    pub fn rabbit_reporting(
+        config: RabbitConfig,
+        health: distribution::broker::BrokerHealth,
+        script: Script,
+    ) -> Box<dyn Publisher> {
+        Box::new(Self {
+            broker: Broker::Rabbit(Box::new(RabbitPublisher::new(config).with_health(health))),
+            script,
+        })
+    }
+
     /// NATS JetStream behind the script.
     pub fn nats(config: NatsConfig, script: Script) -> Box<dyn Publisher> {
         Box::new(Self {

@@ -73,13 +73,104 @@ struct Cost {
     whole: Duration,
     /// The nodes restarted by hand to get there (see [`await_whole`]).
     restarted: Vec<u8>,
+    /// What the relays' readiness (`/readyz`) said while the cut held.
+    said: Said,
+    /// From the heal until both relays answered ready.
+    ready_again: Duration,
+}
+
+/// What the relays' readiness probes answered while a cut held, asked every 250 ms.
+#[derive(Debug, Default)]
+struct Said {
+    asked: usize,
+    not_ready: usize,
+    /// The first "not ready", how long after the cut began, and why.
+    first: Option<(Duration, String)>,
+    /// "Ready" answered though the broker had confirmed nothing to either relay for
+    /// [`STUCK`] (known only where the test sees the confirms).
+    ready_while_stuck: usize,
+}
+
+/// No confirm for this long (twice the scene's confirm timeout) is a relay that cannot ship:
+/// each batch sent meanwhile has timed out, so its publishers have reported the broker down.
+const STUCK: Duration = Duration::from_secs(4);
+
+impl std::fmt::Display for Said {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "not ready in {} of {} answers, ready while nothing was confirmed for {STUCK:?} in {}",
+            self.not_ready, self.asked, self.ready_while_stuck
+        )?;
+        if let Some((after, why)) = &self.first {
+            write!(f, ", first {after:.1?} into the cut: {why}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Asks each relay's readiness every 250 ms until `stop` says so; `taken`, where the test
+/// sees them, counts the events the broker confirmed.
+fn listen(
+    readiness: std::sync::Arc<[distribution::Readiness]>,
+    taken: Option<std::sync::Arc<crate::under_load::Refusals>>,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> tokio::task::JoinHandle<Said> {
+    tokio::spawn(async move {
+        let began = Instant::now();
+        let mut said = Said::default();
+        let mut last_taken = (taken.as_ref().map(|taken| taken.taken()), Instant::now());
+        while !*stop.borrow() {
+            for probe in readiness.iter() {
+                let answer = probe.check().await;
+                said.asked += 1;
+                let now = taken.as_ref().map(|taken| taken.taken());
+                if now != last_taken.0 {
+                    last_taken = (now, Instant::now());
+                }
+                match answer {
+                    Err(why) => {
+                        said.not_ready += 1;
+                        said.first
+                            .get_or_insert_with(|| (began.elapsed(), why.to_string()));
+                    }
+                    Ok(()) if now.is_some() && last_taken.1.elapsed() >= STUCK => {
+                        said.ready_while_stuck += 1;
+                    }
+                    Ok(()) => {}
+                }
+            }
+            // Asking pace, as a kubelet's probe period; not synchronisation.
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        said
+    })
+}
+
+/// From `healed`, until every relay answers ready (at most 60 s).
+async fn until_ready(readiness: &[distribution::Readiness], healed: Instant) -> Duration {
+    let mut last = Vec::new();
+    while healed.elapsed() < Duration::from_secs(60) {
+        last.clear();
+        for probe in readiness {
+            if let Err(why) = probe.check().await {
+                last.push(why.to_string());
+            }
+        }
+        if last.is_empty() {
+            return healed.elapsed();
+        }
+        // Asking pace, as above.
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    panic!("a relay was still not ready 60 s after the heal: {last:?}");
 }
 
 impl std::fmt::Display for Cost {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{:?} for {:?} around node {} (leader {}): worst lag {:.1?}, {} applied meanwhile, heal {:.1?}, whole again {:.1?} later (nodes restarted by hand: {:?})",
+            "{:?} for {:?} around node {} (leader {}): worst lag {:.1?}, {} applied meanwhile, heal {:.1?}, both relays ready {:.1?} after the heal, whole again {:.1?} later (nodes restarted by hand: {:?}); readiness while cut: {}",
             self.shape,
             self.length,
             self.around,
@@ -87,8 +178,10 @@ impl std::fmt::Display for Cost {
             self.during,
             self.applied_during,
             self.heal,
+            self.ready_again,
             self.whole,
-            self.restarted
+            self.restarted,
+            self.said
         )
     }
 }
@@ -266,16 +359,20 @@ async fn partition(
     };
     let (cut_at, _) = oldest_pending(pool).await;
     let applied = scene.folding.totals().applied;
+    let (stop_listening, stop) = tokio::sync::watch::channel(false);
     tokio::task::block_in_place(|| {
         for (a, b) in &cuts {
             cluster.cut(*a, *b);
         }
     });
+    let listening = listen(scene.readiness.clone(), Some(scene.refusals.clone()), stop);
     // The cut's length: the fault's own duration, sampled for the lag meanwhile.
     let during = worst_lag(pool, cut_at, length).await;
     let applied_during = scene.folding.totals().applied - applied;
+    stop_listening.send_replace(true);
     tokio::task::block_in_place(|| cluster.heal());
     let healed = Instant::now();
+    let said = listening.await.expect("the readiness listener ran");
     let (heal_at, _) = oldest_pending(pool).await;
     wait_until(
         "every intent written before the heal acked",
@@ -289,6 +386,7 @@ async fn partition(
     )
     .await;
     let heal = healed.elapsed();
+    let ready_again = until_ready(&scene.readiness, healed).await;
     let whole = Instant::now();
     let restarted = tokio::task::block_in_place(|| await_whole(cluster));
     let whole = whole.elapsed();
@@ -302,6 +400,8 @@ async fn partition(
         heal,
         whole,
         restarted,
+        said,
+        ready_again,
     }
 }
 
@@ -333,6 +433,22 @@ async fn partitions(rabbit: Rabbit, queue_type: QueueType, length: Duration) {
             cost.heal < Duration::from_secs(10),
             "{rabbit:?} {queue_type:?}: intents written before the heal waited {:?} after it ({cost})",
             cost.heal
+        );
+        // `/readyz` true to what the relay can do: a relay to which the broker confirms
+        // nothing says so (before confirms alone said "up", a relay that shipped nothing for
+        // 10 s answered ready nine times in ten: a session that opened said "up")...
+        assert_eq!(
+            cost.said.ready_while_stuck, 0,
+            "{rabbit:?} {queue_type:?}: a relay answered ready while the broker confirmed nothing ({cost})"
+        );
+        // ...and once everything written before the heal
+        // shipped, both relays say ready within 10 s (a stale "broker down" would keep a load
+        // balancer or an operator away from a relay that works).
+        assert!(
+            cost.ready_again < cost.heal + Duration::from_secs(10),
+            "{rabbit:?} {queue_type:?}: a relay said not ready {:?} after the heal, {:?} after it shipped again ({cost})",
+            cost.ready_again,
+            cost.ready_again.saturating_sub(cost.heal)
         );
     }
 }
@@ -601,6 +717,10 @@ async fn nats_partitions(on_2_10: bool, length: Duration) {
     let window = Duration::from_secs(20);
     config.nats_duplicate_window = window;
     let relay = distribution::Relay::start(config.clone()).await.unwrap();
+    let readiness: Arc<[distribution::Readiness]> = Arc::new([relay.readiness(
+        Outbox::new(pool.clone()),
+        u64::from(config.ready_max_parked),
+    )]);
     let mut group = NatsConsumerConfig::new(config.nats_config().unwrap(), "projector").unwrap();
     group.retry.max = Duration::from_millis(500);
     let consumer = Consumer::on_nats(group, fold_pool.clone(), EventTable);
@@ -648,10 +768,14 @@ async fn nats_partitions(on_2_10: bool, length: Duration) {
             "bridge" => vec![(End::Node(leader), End::Node(follower))],
             _ => vec![(End::Host, End::Node(leader))],
         };
+        let (stop_listening, stop) = tokio::sync::watch::channel(false);
         tokio::task::block_in_place(|| cuts.iter().for_each(|(a, b)| cluster.cut(*a, *b)));
+        let listening = listen(readiness.clone(), None, stop);
         tokio::time::sleep(length).await; // the cut's length, not a wait for a state
+        stop_listening.send_replace(true);
         tokio::task::block_in_place(|| cluster.heal());
         let healed = std::time::Instant::now();
+        let said = listening.await.expect("the readiness listener ran");
         let (heal_at, _) = oldest_pending(&pool).await;
         wait_until(
             "every intent written before the heal acked",
@@ -665,6 +789,7 @@ async fn nats_partitions(on_2_10: bool, length: Duration) {
         )
         .await;
         let heal = healed.elapsed();
+        let ready_again = until_ready(&readiness, healed).await;
         wait_until(
             "the stream whole again",
             Duration::from_secs(60),
@@ -676,8 +801,10 @@ async fn nats_partitions(on_2_10: bool, length: Duration) {
             },
         )
         .await;
-        println!("NATS {shape} (leader n{leader}) for {length:?}: acked {heal:.1?} after the heal");
-        heals.push((shape, heal));
+        println!(
+            "NATS {shape} (leader n{leader}) for {length:?}: acked {heal:.1?} after the heal, ready {ready_again:.1?} after it; readiness while cut: {said}"
+        );
+        heals.push((shape, heal, ready_again));
     }
 
     writing.store(true, Ordering::Release);
@@ -787,11 +914,17 @@ async fn nats_partitions(on_2_10: bool, length: Duration) {
     println!("the group: {stats:?}");
     assert_eq!(stats.rejected, 0, "{stats:?}");
     relay.shutdown().await;
-    for (shape, heal) in heals {
+    for (shape, heal, ready_again) in heals {
         assert!(
             heal < window + Duration::from_secs(15),
             "NATS {shape}: intents written before the heal waited {heal:?} after it (the \
              duplicate window is {window:?})"
+        );
+        // As for RabbitMQ: ready within 10 s of shipping again.
+        assert!(
+            ready_again < heal + Duration::from_secs(10),
+            "NATS {shape}: the relay said not ready {ready_again:?} after the heal, {:?} after it shipped again",
+            ready_again.saturating_sub(heal)
         );
     }
 }

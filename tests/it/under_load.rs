@@ -8,10 +8,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use distribution::broker::{self, Group, Partition};
+use distribution::broker::{self, BrokerHealth, Group, Partition};
 use distribution::rabbit::{self, QueueType, RabbitConfig};
 use distribution::store::{EventKey, FoldStore, Outbox};
-use distribution::{Relay, RelayConfig, RelayHandle};
+use distribution::{Readiness, Relay, RelayConfig, RelayHandle};
 use futures_util::StreamExt;
 use sqlx::PgPool;
 
@@ -235,6 +235,8 @@ impl FirstDeliveries {
 /// said of it, and one it had taken still fails the check.)
 #[derive(Default)]
 pub struct Refusals {
+    /// Events the broker confirmed (taken), over every call.
+    taken: std::sync::atomic::AtomicU64,
     calls: std::sync::Mutex<Vec<Vec<EventKey>>>,
     refused: std::sync::Mutex<
         std::collections::HashMap<(distribution::store::BranchKey, u64), &'static str>,
@@ -246,6 +248,11 @@ impl Refusals {
         &self,
     ) -> std::collections::HashMap<(distribution::store::BranchKey, u64), &'static str> {
         self.refused.lock().unwrap().clone()
+    }
+
+    /// Events the broker has confirmed so far.
+    pub fn taken(&self) -> u64 {
+        self.taken.load(Ordering::Acquire)
     }
 }
 
@@ -261,6 +268,8 @@ impl Observer for Refusals {
     fn confirmed(&self, call: usize, report: &broker::PublishReport) {
         let calls = self.calls.lock().unwrap();
         let mut refused = self.refused.lock().unwrap();
+        let taken = report.outcomes.iter().filter(|o| o.is_accepted()).count();
+        self.taken.fetch_add(taken as u64, Ordering::AcqRel);
         for (key, outcome) in calls[call].iter().zip(&report.outcomes) {
             if !outcome.is_accepted() {
                 refused
@@ -377,10 +386,12 @@ pub struct Scene {
     pub pool: PgPool,
     pub rabbit: RabbitConfig,
     pub folding: Folding,
+    /// Each relay's readiness probe (the binary's `/readyz`), fed by its own publishers.
+    pub readiness: Arc<[Readiness]>,
     queue_type: QueueType,
     fold: FoldStore,
     first_deliveries: FirstDeliveries,
-    refusals: Arc<Refusals>,
+    pub refusals: Arc<Refusals>,
     relays: [RelayHandle; 2],
     stop: Arc<AtomicBool>,
     writer: tokio::task::JoinHandle<Expected>,
@@ -402,12 +413,14 @@ impl Scene {
         let first_deliveries = FirstDeliveries::start(&rabbit);
         // The real publishers, each event the broker refused (nacked, returned) recorded.
         let refusals = Arc::new(Refusals::default());
-        let factory = {
+        // Each relay's publishers report to that relay's health, as `Relay::start`'s do.
+        let factory = |health: BrokerHealth| {
             let rabbit = rabbit.clone();
             let observer: Arc<dyn Observer> = refusals.clone();
             Arc::new(move |_shard| {
-                Double::rabbit(
+                Double::rabbit_reporting(
                     rabbit.clone(),
+                    health.clone(),
                     Script {
                         observer: Some(observer.clone()),
                         ..Script::default()
@@ -415,12 +428,24 @@ impl Scene {
                 )
             })
         };
+        let health = [BrokerHealth::new(), BrokerHealth::new()];
         let relays = [
-            Relay::start_with(config.clone(), factory.clone())
+            Relay::start_with(config.clone(), factory(health[0].clone()))
                 .await
                 .unwrap(),
-            Relay::start_with(config.clone(), factory).await.unwrap(),
+            Relay::start_with(config.clone(), factory(health[1].clone()))
+                .await
+                .unwrap(),
         ];
+        let max_parked = u64::from(config.ready_max_parked);
+        let readiness: Arc<[Readiness]> = Arc::new([0, 1].map(|i| {
+            Readiness::new(
+                Outbox::new(pool.clone()),
+                health[i].clone(),
+                relays[i].probe(),
+                max_parked,
+            )
+        }));
         let (fold_pool, _) = fresh_database("clusterfold").await;
         let fold = FoldStore::new(fold_pool);
         let folding = Folding::start(rabbit.clone(), &fold);
@@ -438,6 +463,7 @@ impl Scene {
             pool,
             rabbit,
             folding,
+            readiness,
             queue_type,
             fold,
             first_deliveries,
@@ -457,6 +483,7 @@ impl Scene {
             pool,
             rabbit,
             folding,
+            readiness: _,
             queue_type,
             fold,
             first_deliveries,

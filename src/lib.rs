@@ -2,7 +2,8 @@
 //!
 //! - `config`: [`RelayConfig`], read from the environment or built in code; fails fast.
 //! - `relay`: [`Relay`] and [`RelayHandle`]: the actor tree on its own runtime threads.
-//! - `readiness`: [`Readiness`], the rules of the binary's `/readyz`, for a host's own probe.
+//! - `readiness`: [`Readiness`] (and its [`NotReady`]), the rules of the binary's `/readyz`,
+//!   for a host's own probe.
 //! - `testing` (feature `test-tools`): `BrokerProxy`, a TCP proxy you own, to take "the broker"
 //!   down in a test without stopping it.
 //! - `telemetry`: [`describe_metrics`], [`prometheus_builder`] (lag histogram buckets),

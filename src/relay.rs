@@ -379,7 +379,9 @@ impl RelayHandle {
 
     /// This relay's readiness probe (the binary's `/readyz`): `outbox` is best on a small
     /// pool of its own (one connection), so a busy relay pool does not make the probe time
-    /// out; more than `max_parked` parked branches is not ready.
+    /// out; more than `max_parked` parked branches is not ready. A relay started with its
+    /// own publishers ([`Relay::start_with`]) has no broker health to read: build its probe
+    /// with [`crate::Readiness::new`] and the health its publishers report to.
     pub fn readiness(&self, outbox: store::Outbox, max_parked: u64) -> crate::Readiness {
         crate::Readiness::new(outbox, self.broker_health(), self.probe(), max_parked)
     }

@@ -115,7 +115,7 @@ impl RabbitPublisher {
         }
     }
 
-    /// Reports every session opened and every batch's fate to `health` (shared by the
+    /// Reports every failed connect and every batch's fate to `health` (shared by the
     /// publishers of one relay, read by its readiness probe).
     pub fn with_health(mut self, health: BrokerHealth) -> Self {
         self.health = health;

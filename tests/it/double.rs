@@ -127,8 +127,8 @@ impl Double {
         })
     }
 
-    /// The real broker behind the script, reporting each session and batch to `health` (as a
-    /// relay's own publishers do, for its readiness).
+    /// The real broker behind the script, reporting each failed connect and each batch's fate
+    /// to `health` (as a relay's own publishers do, for its readiness).
     pub fn rabbit_reporting(
         config: RabbitConfig,
         health: distribution::broker::BrokerHealth,

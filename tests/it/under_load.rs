@@ -235,8 +235,6 @@ impl FirstDeliveries {
 /// said of it, and one it had taken still fails the check.)
 #[derive(Default)]
 pub struct Refusals {
-    /// Events the broker confirmed (taken), over every call.
-    taken: std::sync::atomic::AtomicU64,
     calls: std::sync::Mutex<Vec<Vec<EventKey>>>,
     refused: std::sync::Mutex<
         std::collections::HashMap<(distribution::store::BranchKey, u64), &'static str>,
@@ -248,11 +246,6 @@ impl Refusals {
         &self,
     ) -> std::collections::HashMap<(distribution::store::BranchKey, u64), &'static str> {
         self.refused.lock().unwrap().clone()
-    }
-
-    /// Events the broker has confirmed so far.
-    pub fn taken(&self) -> u64 {
-        self.taken.load(Ordering::Acquire)
     }
 }
 
@@ -268,8 +261,6 @@ impl Observer for Refusals {
     fn confirmed(&self, call: usize, report: &broker::PublishReport) {
         let calls = self.calls.lock().unwrap();
         let mut refused = self.refused.lock().unwrap();
-        let taken = report.outcomes.iter().filter(|o| o.is_accepted()).count();
-        self.taken.fetch_add(taken as u64, Ordering::AcqRel);
         for (key, outcome) in calls[call].iter().zip(&report.outcomes) {
             if !outcome.is_accepted() {
                 refused
@@ -277,6 +268,50 @@ impl Observer for Refusals {
                     .or_insert(outcome.label());
             }
         }
+    }
+}
+
+/// One relay's sends as the test sees them: since when a batch it wrote has had no answer
+/// from the broker (no batch of that relay's confirmed or refused since), for its readiness.
+#[derive(Default)]
+pub struct Shipping(std::sync::Mutex<Option<std::time::Instant>>);
+
+impl Shipping {
+    /// How long the oldest batch written since the broker last answered this relay has gone
+    /// without an answer (`None`: none waits). A batch answered after a later one was written
+    /// clears it: the wait of that later one is counted from the next write (never
+    /// overstated).
+    pub fn unanswered_for(&self) -> Option<Duration> {
+        self.0.lock().unwrap().map(|since| since.elapsed())
+    }
+}
+
+/// Tells a relay's [`Shipping`] of its sends and passes them on to the scene's [`Refusals`].
+struct Watched {
+    refusals: Arc<Refusals>,
+    shipping: Arc<Shipping>,
+}
+
+impl Observer for Watched {
+    fn writing(&self, events: &[distribution::store::OutboxEvent]) -> usize {
+        self.shipping
+            .0
+            .lock()
+            .unwrap()
+            .get_or_insert_with(std::time::Instant::now);
+        self.refusals.writing(events)
+    }
+
+    fn written(&self, call: usize) {
+        self.refusals.written(call);
+    }
+
+    fn confirmed(&self, call: usize, report: &broker::PublishReport) {
+        // The broker answered: it took something, or refused without a fault.
+        if report.fault.is_none() || report.outcomes.iter().any(|o| o.is_accepted()) {
+            *self.shipping.0.lock().unwrap() = None;
+        }
+        self.refusals.confirmed(call, report);
     }
 }
 
@@ -388,10 +423,12 @@ pub struct Scene {
     pub folding: Folding,
     /// Each relay's readiness probe (the binary's `/readyz`), fed by its own publishers.
     pub readiness: Arc<[Readiness]>,
+    /// Each relay's sends, in the order of `readiness`.
+    pub shipping: Arc<[Arc<Shipping>]>,
     queue_type: QueueType,
     fold: FoldStore,
     first_deliveries: FirstDeliveries,
-    pub refusals: Arc<Refusals>,
+    refusals: Arc<Refusals>,
     relays: [RelayHandle; 2],
     stop: Arc<AtomicBool>,
     writer: tokio::task::JoinHandle<Expected>,
@@ -414,9 +451,13 @@ impl Scene {
         // The real publishers, each event the broker refused (nacked, returned) recorded.
         let refusals = Arc::new(Refusals::default());
         // Each relay's publishers report to that relay's health, as `Relay::start`'s do.
-        let factory = |health: BrokerHealth| {
+        let shipping: Arc<[Arc<Shipping>]> = Arc::new([Arc::default(), Arc::default()]);
+        let factory = |health: BrokerHealth, shipping: &Arc<Shipping>| {
             let rabbit = rabbit.clone();
-            let observer: Arc<dyn Observer> = refusals.clone();
+            let observer: Arc<dyn Observer> = Arc::new(Watched {
+                refusals: refusals.clone(),
+                shipping: shipping.clone(),
+            });
             Arc::new(move |_shard| {
                 Double::rabbit_reporting(
                     rabbit.clone(),
@@ -430,10 +471,10 @@ impl Scene {
         };
         let health = [BrokerHealth::new(), BrokerHealth::new()];
         let relays = [
-            Relay::start_with(config.clone(), factory(health[0].clone()))
+            Relay::start_with(config.clone(), factory(health[0].clone(), &shipping[0]))
                 .await
                 .unwrap(),
-            Relay::start_with(config.clone(), factory(health[1].clone()))
+            Relay::start_with(config.clone(), factory(health[1].clone(), &shipping[1]))
                 .await
                 .unwrap(),
         ];
@@ -464,6 +505,7 @@ impl Scene {
             rabbit,
             folding,
             readiness,
+            shipping,
             queue_type,
             fold,
             first_deliveries,
@@ -484,6 +526,7 @@ impl Scene {
             rabbit,
             folding,
             readiness: _,
+            shipping: _,
             queue_type,
             fold,
             first_deliveries,

@@ -241,7 +241,13 @@ pub(crate) async fn confirm_pump(
         if any_returned {
             redeclare.store(true, Ordering::Release);
         }
-        health.report(fault.is_none());
+        // Down on a fault; up only when the broker took something (a batch it refused whole,
+        // without a fault, says nothing either way), as the NATS adapter does.
+        if fault.is_some() {
+            health.report(false);
+        } else if outcomes.iter().any(|outcome| outcome.is_accepted()) {
+            health.report(true);
+        }
         (batch.done)(PublishReport { outcomes, fault });
     }
 }

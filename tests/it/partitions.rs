@@ -184,7 +184,8 @@ impl std::fmt::Display for Cost {
             self.during,
             self.applied_during,
             self.heal,
-            self.ready_again.map_or("not within 30 s".into(), |ready| format!("{ready:.1?}")),
+            self.ready_again
+                .map_or("not within 30 s".into(), |ready| format!("{ready:.1?}")),
             self.whole,
             self.restarted,
             self.said

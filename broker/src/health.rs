@@ -24,8 +24,9 @@ pub enum BrokerState {
     /// returned, too large) changes nothing.
     Up,
     /// The last attempt failed: unreachable, refused, or confirms did not come. It stays so
-    /// until a batch is confirmed: a broker that is back but gets nothing to confirm (no
-    /// intent waits) still reads down, which readiness ignores while nothing waits.
+    /// until a batch is confirmed: a broker that is back but gets nothing of this relay's to
+    /// confirm still reads down. Readiness ignores it only while no intent at all waits (any
+    /// relay's, parked ones included).
     Down,
 }
 
@@ -62,7 +63,8 @@ impl BrokerHealth {
         self.0.blocked.load(Ordering::Acquire) > 0
     }
 
-    /// Records what an adapter's session or batch just learned: up, or down.
+    /// Records what an adapter just learned: down (a connect, a session's setup or a batch
+    /// failed), or up (a batch had events taken).
     pub fn report(&self, up: bool) {
         self.0
             .state

@@ -315,16 +315,20 @@ async fn pump_acks(
                 });
             }
         }
-        if batch.fault.is_some() {
+        // Reported after `done`, as the RabbitMQ adapter does.
+        let up = if batch.fault.is_some() {
             broken.store(true, Ordering::Release);
-            health.report(false);
-        } else if batch.outcomes.contains(&Outcome::Accepted) {
-            health.report(true);
-        }
+            Some(false)
+        } else {
+            batch.outcomes.contains(&Outcome::Accepted).then_some(true)
+        };
         (batch.done)(PublishReport {
             outcomes: batch.outcomes,
             fault: batch.fault,
         });
+        if let Some(up) = up {
+            health.report(up);
+        }
     }
 }
 

@@ -149,7 +149,8 @@ impl RabbitPublisher {
                 self.config.connect_timeout,
                 channel.confirm_select(ConfirmSelectOptions::default()),
             )
-            .await?;
+            .await
+            .inspect_err(|_| self.health.report(false))?;
             let (pump, batches) = tokio::sync::mpsc::unbounded_channel();
             let (handed, handed_rx) = tokio::sync::watch::channel(0);
             let started = Arc::new(AtomicU64::new(0));

@@ -132,7 +132,9 @@ fn listen(
         while !*stop.borrow() {
             for (relay, probe) in readiness.iter().enumerate() {
                 // Stuck before and after the answer: no batch of the relay was answered while
-                // it was asked (an answer between would make "ready" true).
+                // it was asked (an answer between would make "ready" true). The publishers
+                // report a batch's fate to the health after its `done`, which the observer
+                // hears: an "up" read here was heard first.
                 let stuck_before = stuck(relay);
                 let answer = probe.check().await;
                 said.asked += 1;

@@ -88,6 +88,21 @@ impl PublishReport {
             .filter(|outcome| outcome.is_accepted())
             .count()
     }
+
+    /// What the batch says of the broker, for [`crate::BrokerHealth::report`]: down on a
+    /// fault, up when it took something, nothing when it refused the batch whole without a
+    /// fault. (An opened session says nothing: a node cut off from its cluster accepts
+    /// connections and confirms nothing.)
+    pub fn broker_up(&self) -> Option<bool> {
+        match self.fault {
+            Some(_) => Some(false),
+            None => self
+                .outcomes
+                .iter()
+                .any(|o| o.is_accepted())
+                .then_some(true),
+        }
+    }
 }
 
 /// Where a batch's verdict goes: called at most once, by whoever decides it (the adapter's
@@ -142,5 +157,33 @@ pub trait Publisher: Send + 'static {
             self.send(events, &fence, done).await;
             report.await
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_batch_says_the_broker_is_up_only_when_it_took_something() {
+        let report =
+            |outcomes: Vec<Outcome>, fault: Option<Error>| PublishReport { outcomes, fault };
+        let fault = || Some(Error::Unreachable("cut".into()));
+        assert_eq!(
+            report(vec![Outcome::Accepted, Outcome::Nacked], None).broker_up(),
+            Some(true)
+        );
+        assert_eq!(
+            report(vec![Outcome::Nacked, Outcome::Returned], None).broker_up(),
+            None
+        );
+        assert_eq!(
+            report(vec![Outcome::Accepted], fault()).broker_up(),
+            Some(false)
+        );
+        assert_eq!(
+            PublishReport::not_sent(3, Error::Unreachable("cut".into())).broker_up(),
+            Some(false)
+        );
     }
 }

@@ -315,17 +315,16 @@ async fn pump_acks(
                 });
             }
         }
-        // Reported after `done`, as the RabbitMQ adapter does.
-        let up = if batch.fault.is_some() {
+        if batch.fault.is_some() {
             broken.store(true, Ordering::Release);
-            Some(false)
-        } else {
-            batch.outcomes.contains(&Outcome::Accepted).then_some(true)
-        };
-        (batch.done)(PublishReport {
+        }
+        // Reported after `done`, as the RabbitMQ adapter does.
+        let report = PublishReport {
             outcomes: batch.outcomes,
             fault: batch.fault,
-        });
+        };
+        let up = report.broker_up();
+        (batch.done)(report);
         if let Some(up) = up {
             health.report(up);
         }

@@ -241,17 +241,11 @@ pub(crate) async fn confirm_pump(
         if any_returned {
             redeclare.store(true, Ordering::Release);
         }
-        // Down on a fault; up only when the broker took something (a batch it refused whole,
-        // without a fault, says nothing either way), as the NATS adapter does. Reported after
-        // `done`: whoever `done` tells has heard of the batch before a probe reads "up".
-        let up = match &fault {
-            Some(_) => Some(false),
-            None => outcomes
-                .iter()
-                .any(|outcome| outcome.is_accepted())
-                .then_some(true),
-        };
-        (batch.done)(PublishReport { outcomes, fault });
+        // Reported after `done`: whoever `done` tells has heard of the batch before a probe
+        // reads "up".
+        let report = PublishReport { outcomes, fault };
+        let up = report.broker_up();
+        (batch.done)(report);
         if let Some(up) = up {
             health.report(up);
         }

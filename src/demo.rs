@@ -10,8 +10,7 @@ use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use distribution::broker::Partition;
-use distribution::consumer::{Consumer, FoldConsumer, NatsConsumerConfig};
+use distribution::consumer::{Consumer, ConsumerConfig, NatsConsumerConfig};
 use distribution::store::{
     self, Backlog, BranchId, BranchKey, FoldStore, IntentWriter, Lsn, Outbox, RunId, TenantId,
 };
@@ -229,7 +228,6 @@ async fn walk(url: &str, broker: BrokerKind, broker_url: &str, topology: &str) -
     config.supervisor.poll_interval = Duration::from_millis(200);
     config.supervisor.restart.max = Duration::from_millis(500);
     config.supervisor.drainer.retry.max = Duration::from_millis(500);
-    let partitions = config.partitions;
     // The consumer reaches the broker directly.
     let mut fold_config = config.clone();
     fold_config.amqp_url = broker_url.to_owned();
@@ -267,39 +265,29 @@ async fn walk(url: &str, broker: BrokerKind, broker_url: &str, topology: &str) -
     println!("4. Broker UP: proxy restored. Shipping and folding...");
     let fold = FoldStore::new(pool.clone());
     let (stop_tx, _) = tokio::sync::watch::channel(false);
-    let mut consumers = Vec::new();
-    match broker {
-        BrokerKind::RabbitMq => {
-            let consumer = FoldConsumer::new(fold_config.rabbit_config()?);
-            for partition in 0..partitions {
-                let (consumer, fold, mut stop) =
-                    (consumer.clone(), fold.clone(), stop_tx.subscribe());
-                consumers.push(tokio::spawn(async move {
-                    let stopped = async move {
-                        let _ = stop.wait_for(|stop| *stop).await;
-                    };
-                    consumer
-                        .run(Partition(partition), &fold, stopped, |_| {})
-                        .await
-                        .map(drop)
-                }));
-            }
-        }
-        BrokerKind::Nats => {
-            // A consumer group folding the stream into the same projection (`EventTable`).
-            let group = NatsConsumerConfig::new(fold_config.nats_config()?, "demo")?;
-            let consumer = Consumer::on_nats(group, pool.clone(), store::EventTable);
-            let mut stop = stop_tx.subscribe();
-            consumers.push(tokio::spawn(async move {
-                consumer
-                    .run(async move {
-                        let _ = stop.wait_for(|stop| *stop).await;
-                    })
-                    .await
-                    .map(drop)
-            }));
-        }
-    }
+    // A consumer folding every partition into the demo's projection (`EventTable`): one task
+    // per RabbitMQ queue, or a group reading the NATS stream.
+    let consumer = match broker {
+        BrokerKind::RabbitMq => Consumer::new(
+            ConsumerConfig::new(fold_config.rabbit_config()?),
+            pool.clone(),
+            store::EventTable,
+        ),
+        BrokerKind::Nats => Consumer::on_nats(
+            NatsConsumerConfig::new(fold_config.nats_config()?, "demo")?,
+            pool.clone(),
+            store::EventTable,
+        ),
+    };
+    let mut stop = stop_tx.subscribe();
+    let consuming = tokio::spawn(async move {
+        consumer
+            .run(async move {
+                let _ = stop.wait_for(|stop| *stop).await;
+            })
+            .await
+            .map(drop)
+    });
     let shipping = Instant::now();
     let tenants: Vec<TenantId> = TENANTS
         .iter()
@@ -318,9 +306,7 @@ async fn walk(url: &str, broker: BrokerKind, broker_url: &str, topology: &str) -
     )
     .await?;
     let _ = stop_tx.send(true);
-    for consumer in consumers {
-        consumer.await??;
-    }
+    consuming.await??;
     relay.shutdown().await;
 
     println!(

@@ -275,7 +275,7 @@ fn number(headers: &Headers, name: &'static str) -> Result<i64, WireError> {
 fn id<T>(
     headers: &Headers,
     name: &'static str,
-    parse: fn(&str) -> Result<T, store::Error>,
+    parse: fn(&str) -> Result<T, store::InvalidId>,
 ) -> Result<T, WireError> {
     let raw = std::str::from_utf8(text(headers, name)?).map_err(|_| WireError::Header(name))?;
     parse(raw).map_err(|err| WireError::Id {

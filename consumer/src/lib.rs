@@ -35,8 +35,6 @@
 //!   delivery, ack a batch).
 //! - `serve`: the RabbitMQ partition loop; `nats_serve`: the NATS one.
 //! - `stats`: [`FoldStats`] and [`ConsumerProgress`], the running totals.
-//! - `fold_consumer`: [`FoldConsumer`], the demonstration fold: partitions consumed into a
-//!   [`store::FoldStore`] (the tests' and benches' consumer).
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
 use std::future::Future;
@@ -51,7 +49,6 @@ use broker::{Error, Partition};
 
 mod batch;
 mod config;
-mod fold_consumer;
 mod nats_serve;
 mod serve;
 mod settle;
@@ -62,7 +59,6 @@ mod verdict;
 pub use batch::FoldBatch;
 pub use broker::DEAD_LETTER_REASON;
 pub use config::{ConsumerConfig, NatsConsumerConfig, StreamStart};
-pub use fold_consumer::FoldConsumer;
 pub use stats::{ConsumerProgress, FoldStats};
 
 use nats_serve::NatsServe;

@@ -1,12 +1,13 @@
-//! The fold consumer on the real broker and PostgreSQL, each test on its own names.
+//! The consumer folding into the project's own projection (`EventTable`) on the real broker and
+//! PostgreSQL, each test on its own names.
 use std::time::Duration;
 
 use broker::{Partition, Publisher};
 
-use consumer::FoldConsumer;
+use consumer::{Consumer, ConsumerConfig};
 use rabbit::{RabbitConfig, RabbitPublisher};
 use sqlx::PgPool;
-use store::{FoldStore, TenantId};
+use store::{EventTable, FoldStore, TenantId};
 
 #[path = "../../rabbit/tests/support/mod.rs"]
 mod support;
@@ -34,9 +35,11 @@ async fn fold_consumer_applies_once_in_order(pool: PgPool) {
     );
     assert_eq!(publisher.publish(&all).await.accepted(), all.len());
 
-    let fold = FoldStore::new(pool);
+    let fold = FoldStore::new(pool.clone());
     let tenant = TenantId::new("ta").unwrap();
-    let consumer = FoldConsumer::new(config);
+    let mut config = ConsumerConfig::new(config);
+    config.partitions = Some(vec![Partition(0)]);
+    let consumer = Consumer::new(config, pool, EventTable);
     let stop = {
         let fold = fold.clone();
         let tenant = tenant.clone();
@@ -49,10 +52,7 @@ async fn fold_consumer_applies_once_in_order(pool: PgPool) {
             }
         }
     };
-    let stats = consumer
-        .run(Partition(0), &fold, stop, |_| {})
-        .await
-        .unwrap();
+    let stats = consumer.run(stop).await.unwrap();
     let lsns: Vec<u64> = fold
         .folded(&tenant)
         .await

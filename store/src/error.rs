@@ -1,20 +1,13 @@
 //! The store's one error type, in the caller's words.
-use crate::key::{BranchKey, Lsn, RunId, TenantId};
+use crate::key::{BranchKey, InvalidId, Lsn, LsnOutOfRange, RunId, TenantId};
 
 /// What went wrong in the outbox.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// A tenant, run or branch id is malformed. Nothing was written.
-    #[error("invalid {kind} {value:?}: {reason}")]
-    InvalidId {
-        /// Which id.
-        kind: &'static str,
-        /// Why it was refused.
-        reason: &'static str,
-        /// The offending value (truncated).
-        value: String,
-    },
+    /// A tenant, run or branch id (or a schema name) is malformed. Nothing was written.
+    #[error(transparent)]
+    InvalidId(#[from] InvalidId),
     /// An intent's metadata breaks a rule of [`crate::meta::Metadata`] (SQLSTATE `RL112` from
     /// `relay_append`). Nothing was written.
     #[error("invalid metadata {field}: {reason}")]
@@ -219,6 +212,12 @@ pub enum Error {
         /// How long the caller waited.
         after: std::time::Duration,
     },
+}
+
+impl From<LsnOutOfRange> for Error {
+    fn from(LsnOutOfRange(lsn): LsnOutOfRange) -> Self {
+        Error::LsnOutOfRange { lsn }
+    }
 }
 
 impl Error {

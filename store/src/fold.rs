@@ -213,9 +213,9 @@ pub async fn fold<P: Projection>(
     .bind(key.run.as_str())
     .bind(key.branch.as_str())
     .bind(kind)
-    .bind(event.key.lsn.to_db()?)
-    .bind(event.prev_lsn.to_db()?)
-    .bind(event.base_lsn.to_db()?)
+    .bind(event.key.lsn.to_db().map_err(Error::from)?)
+    .bind(event.prev_lsn.to_db().map_err(Error::from)?)
+    .bind(event.base_lsn.to_db().map_err(Error::from)?)
     .bind(event.parent.as_ref().map(BranchId::as_str))
     .bind(rewound_to)
     .bind(event.created_at)
@@ -260,7 +260,7 @@ pub async fn verdicts(
     for (at, event) in events.iter().enumerate() {
         let key = &event.key.branch;
         let (this_kind, to) = kind_argument(event);
-        let db = |lsn: Lsn| lsn.to_db().map_err(|err| (Some(at), err));
+        let db = |lsn: Lsn| lsn.to_db().map_err(|err| (Some(at), Error::from(err)));
         tenant.push(key.tenant.as_str());
         run.push(key.run.as_str());
         branch.push(key.branch.as_str());
@@ -382,7 +382,7 @@ pub async fn apply<P: Projection>(
                 branch: BranchKey::new(
                     key.tenant.clone(),
                     key.run.clone(),
-                    BranchId::new(&step.branch_id)?,
+                    BranchId::new(&step.branch_id).map_err(Error::from)?,
                 ),
                 fork: Lsn::from_db(step.lsn),
                 applied: Lsn::from_db(step.prev_lsn),
@@ -420,7 +420,7 @@ pub async fn apply<P: Projection>(
                 branch: key.clone(),
                 fork: Lsn::from_db(verdict.lsn),
                 applied: Lsn::from_db(verdict.prev_lsn),
-                to: BranchId::new(verdict.rewound_to.unwrap_or_default())?,
+                to: BranchId::new(verdict.rewound_to.unwrap_or_default()).map_err(Error::from)?,
             };
             projection
                 .rewind(tx, &notice)
@@ -453,7 +453,7 @@ pub async fn apply<P: Projection>(
                 branch: BranchKey::new(
                     key.tenant.clone(),
                     key.run.clone(),
-                    BranchId::new(&step.branch_id)?,
+                    BranchId::new(&step.branch_id).map_err(Error::from)?,
                 ),
                 lsn: Lsn::from_db(step.lsn),
             },
@@ -466,7 +466,11 @@ pub async fn apply<P: Projection>(
             } else {
                 EventKind::Intent
             },
-            parent: step.parent_branch.map(BranchId::new).transpose()?,
+            parent: step
+                .parent_branch
+                .map(BranchId::new)
+                .transpose()
+                .map_err(Error::from)?,
             meta: step.meta.map(|json| json.0).unwrap_or_default(),
             epochs: crate::Epochs::default(),
         };

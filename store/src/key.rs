@@ -2,13 +2,28 @@
 use std::fmt;
 use std::sync::Arc;
 
-use crate::error::Error;
-
 /// Longest id accepted for a tenant, run or branch, in bytes. Keeps every AMQP short string the
 /// relay builds from ids (message id, routing key) below the protocol's 255-byte limit.
 pub const MAX_ID_BYTES: usize = 64;
 
-fn validate_id(kind: &'static str, value: &str) -> Result<(), Error> {
+/// An id refused at the door (empty, too long, or outside `[A-Za-z0-9_.:-]`). Nothing was
+/// written.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("invalid {kind} {value:?}: {reason}")]
+pub struct InvalidId {
+    /// Which id (`tenant id`, `run id`, `branch id`, `schema`, ...).
+    pub kind: &'static str,
+    /// Why it was refused.
+    pub reason: &'static str,
+    /// The offending value (truncated).
+    pub value: String,
+}
+
+/// An Lsn above PostgreSQL's bigint (`i64::MAX`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct LsnOutOfRange(pub(crate) u64);
+
+fn validate_id(kind: &'static str, value: &str) -> Result<(), InvalidId> {
     let reason = if value.is_empty() {
         "must not be empty"
     } else if value.len() > MAX_ID_BYTES {
@@ -21,7 +36,7 @@ fn validate_id(kind: &'static str, value: &str) -> Result<(), Error> {
     } else {
         return Ok(());
     };
-    Err(Error::InvalidId {
+    Err(InvalidId {
         kind,
         reason,
         value: value.chars().take(80).collect(),
@@ -36,7 +51,7 @@ macro_rules! id_newtype {
 
         impl $name {
             /// Validates and wraps an id: 1 to 64 bytes of `[A-Za-z0-9_.:-]`.
-            pub fn new(value: impl AsRef<str>) -> Result<Self, Error> {
+            pub fn new(value: impl AsRef<str>) -> Result<Self, InvalidId> {
                 let value = value.as_ref();
                 validate_id($kind, value)?;
                 Ok(Self(Arc::from(value)))
@@ -96,8 +111,8 @@ impl Lsn {
         self.0
     }
 
-    pub(crate) fn to_db(self) -> Result<i64, Error> {
-        i64::try_from(self.0).map_err(|_| Error::LsnOutOfRange { lsn: self.0 })
+    pub(crate) fn to_db(self) -> Result<i64, LsnOutOfRange> {
+        i64::try_from(self.0).map_err(|_| LsnOutOfRange(self.0))
     }
 
     pub(crate) fn from_db(value: i64) -> Self {
@@ -156,7 +171,7 @@ impl EventKey {
         run: String,
         branch: String,
         lsn: i64,
-    ) -> Result<Self, Error> {
+    ) -> Result<Self, InvalidId> {
         Ok(Self {
             branch: BranchKey::new(tenant.clone(), RunId::new(run)?, BranchId::new(branch)?),
             lsn: Lsn::from_db(lsn),

@@ -3,7 +3,8 @@
 //! - `key`: the domain words as newtypes: [`TenantId`], [`RunId`], [`BranchId`], [`BranchKey`], [`Lsn`].
 //! - `writer`: the host's write API ([`IntentWriter`]): open a run, append an intent, rewind; each
 //!   runs inside the host's own transaction.
-//! - `outbox`: the relay's side ([`Outbox`]): `drain_outbox`, `ack_outbox`, backlog for lag.
+//! - `outbox`: the relay's side ([`Outbox`]): drain and ack under a lease's [`Fence`], backlog
+//!   for lag (the card's unfenced `drain_outbox`/`ack_outbox`: feature `fixtures`).
 //! - `lease`: ownership across relays: lease buckets with epochs ([`LeaseStore`]), the pure
 //!   share rule and book ([`LeasePlan`], [`LeaseBook`]), and the [`Fence`] checked before every
 //!   publish and ack.
@@ -63,6 +64,7 @@ pub use hash::fnv1a;
 pub use key::BranchId;
 pub use key::BranchKey;
 pub use key::EventKey;
+pub use key::InvalidId;
 pub use key::Lsn;
 pub use key::MAX_ID_BYTES;
 pub use key::RunId;

@@ -346,9 +346,10 @@ impl Outbox {
 
     /// Up to `limit` pending intents of `tenant`, oldest first; each branch's in ascending Lsn.
     ///
-    /// Only live history is ever returned: a rewind deletes its abandoned tail in the same
-    /// transaction that forks the new branch. What is returned per branch is a gap-free prefix
-    /// of its pending intents (appends are serialised, see [`crate::IntentWriter::append`]).
+    /// The task card's unfenced read, for tests and benches only (feature `fixtures`): without
+    /// a lease, two relays could ship one tenant at once. The relay drains through
+    /// [`Outbox::drain_after`] and [`Outbox::ack_and_drain`], under a [`Fence`].
+    #[cfg(feature = "fixtures")]
     pub async fn drain_outbox(
         &self,
         tenant: &TenantId,
@@ -369,7 +370,10 @@ impl Outbox {
     /// Retires exactly the intents in `shipped`; unknown or already-acked keys are a no-op.
     /// Returns how many rows were retired.
     ///
+    /// The task card's unfenced ack, for tests and benches only (feature `fixtures`); the relay
+    /// acks through [`Outbox::ack_and_drain`] and [`Outbox::ack_fenced`], under a [`Fence`].
     /// Invariant: callers pass only keys the broker confirmed.
+    #[cfg(feature = "fixtures")]
     pub async fn ack_outbox(&self, shipped: &[EventKey]) -> Result<u64, Error> {
         if shipped.is_empty() {
             return Ok(0);
@@ -392,9 +396,14 @@ impl Outbox {
         Ok(retired)
     }
 
-    /// Like [`Outbox::drain_outbox`], but skips, for each branch named in `in_flight`, its
-    /// intents up to and including that key's Lsn (the newest of the branch already in flight).
-    /// Lets a relay drain the next batch of a tenant while earlier ones await their confirms.
+    /// Up to `limit` pending intents of `tenant` under `fence`, oldest first; each branch's in
+    /// ascending Lsn. Skips, for each branch named in `in_flight`, its intents up to and
+    /// including that key's Lsn (the newest of the branch already in flight): a relay drains the
+    /// next batch of a tenant while earlier ones await their confirms.
+    ///
+    /// Only live history is ever returned: a rewind deletes its abandoned tail in the same
+    /// transaction that forks the new branch. What is returned per branch is a gap-free prefix
+    /// of its pending intents (appends are serialised, see [`crate::IntentWriter::append`]).
     pub async fn drain_after(
         &self,
         fence: &Fence,
@@ -408,8 +417,8 @@ impl Outbox {
 
     /// Retires `shipped` (confirmed keys of `tenant`) and drains the next `limit` pending
     /// intents of `tenant` after `in_flight` (see [`Outbox::drain_after`]), in one round trip:
-    /// the relay's steady-state step. Same guarantees as [`Outbox::ack_outbox`] then
-    /// [`Outbox::drain_outbox`], and:
+    /// the relay's steady-state step. The ack retires exactly the keys in `shipped` (unknown or
+    /// already-acked keys are a no-op; callers pass only keys the broker confirmed), and:
     /// - the drain reads after the ack, on a fresh snapshot: it never returns a row that a
     ///   transaction deleted and committed while the ack waited for it (another relay's ack, a
     ///   rewind);
@@ -494,8 +503,8 @@ impl Outbox {
         }
     }
 
-    /// Retires `shipped` (confirmed keys of `tenant`) under a lease `fence`: like
-    /// [`Outbox::ack_outbox`], refused with [`Error::Fenced`] once the lease is gone.
+    /// Retires `shipped` (confirmed keys of `tenant`; unknown or already-acked keys are a no-op)
+    /// under a lease `fence`, refused with [`Error::Fenced`] once the lease is gone.
     pub async fn ack_fenced(
         &self,
         fence: &Fence,

@@ -7,6 +7,7 @@
 use sqlx::postgres::PgConnectOptions;
 
 use crate::error::Error;
+use crate::key::InvalidId;
 
 /// A schema name: lowercase ASCII letters, digits and `_`, starting with a letter or `_`, at
 /// most 63 bytes, not `pg_*` or `information_schema` (so it never needs quoting).
@@ -62,10 +63,12 @@ impl Schema {
 /// letters, digits and `_`, starting with a letter or `_`, at most 63 bytes, not `pg_*` and
 /// none of `reserved`. A refusal names `kind`.
 pub(crate) fn identifier(kind: &'static str, name: &str, reserved: &[&str]) -> Result<(), Error> {
-    let invalid = |reason| Error::InvalidId {
-        kind,
-        reason,
-        value: name.chars().take(80).collect(),
+    let invalid = |reason| {
+        Error::from(InvalidId {
+            kind,
+            reason,
+            value: name.chars().take(80).collect(),
+        })
     };
     let mut bytes = name.bytes();
     match bytes.next() {

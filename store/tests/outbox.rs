@@ -133,7 +133,7 @@ async fn bad_appends_are_refused_with_nothing_written(pool: PgPool) {
 
     assert!(matches!(
         TenantId::new(""),
-        Err(Error::InvalidId {
+        Err(store::InvalidId {
             kind: "tenant id",
             ..
         })

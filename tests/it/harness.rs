@@ -4,15 +4,14 @@
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use distribution::broker::Partition;
-
-use distribution::consumer::{FoldConsumer, FoldStats};
+use distribution::broker::RetryPolicy;
+use distribution::consumer::{Consumer, ConsumerConfig, ConsumerProgress, FoldStats};
 use distribution::rabbit::{RabbitConfig, Topology};
 use distribution::store::{
-    self, BranchId, BranchKey, FoldStore, IntentWriter, Lsn, Outbox, RunId, TenantId,
+    self, BranchId, BranchKey, EventTable, FoldStore, IntentWriter, Lsn, Outbox, RunId, TenantId,
 };
 use distribution::{RelayConfig, RelayHandle};
 use sqlx::PgPool;
@@ -473,60 +472,44 @@ pub async fn oldest_pending(
         .unwrap()
 }
 
-/// Fold consumers on every partition of the real broker, until stopped.
+/// Fold consumers on every partition of the real broker, until stopped: the project's own
+/// projection ([`FoldStore`]'s `EventTable`), reconnecting quickly (20-500 ms).
 pub struct Folding {
     stop: tokio::sync::watch::Sender<bool>,
-    tasks: Vec<tokio::task::JoinHandle<FoldStats>>,
-    pub progress: Arc<Mutex<Vec<FoldStats>>>,
+    task: Option<tokio::task::JoinHandle<FoldStats>>,
+    pub progress: ConsumerProgress,
 }
 
 impl Folding {
     pub fn start(rabbit: RabbitConfig, fold: &FoldStore) -> Self {
-        let partitions = rabbit.topology.partitions();
-        let (stop, _) = tokio::sync::watch::channel(false);
-        let progress = Arc::new(Mutex::new(vec![
-            FoldStats::default();
-            usize::from(partitions)
-        ]));
-        let consumer = FoldConsumer::new(rabbit);
-        let tasks = (0..partitions)
-            .map(|partition| {
-                let (consumer, fold, mut stop, progress) = (
-                    consumer.clone(),
-                    fold.clone(),
-                    stop.subscribe(),
-                    progress.clone(),
-                );
-                tokio::spawn(async move {
-                    let stopped = async move {
-                        let _ = stop.wait_for(|stop| *stop).await;
-                    };
-                    let report =
-                        move |stats| progress.lock().unwrap()[usize::from(partition)] = stats;
-                    consumer
-                        .run(Partition(partition), &fold, stopped, report)
-                        .await
-                        .expect("fold consumer")
-                })
-            })
-            .collect();
+        let (stop, mut stopped) = tokio::sync::watch::channel(false);
+        let mut config = ConsumerConfig::new(rabbit);
+        config.retry = RetryPolicy {
+            min: Duration::from_millis(20),
+            max: Duration::from_millis(500),
+        };
+        let consumer = Consumer::new(config, fold.pool().clone(), EventTable);
+        let progress = consumer.progress();
+        let task = tokio::spawn(async move {
+            let stopped = async move {
+                let _ = stopped.wait_for(|stop| *stop).await;
+            };
+            consumer.run(stopped).await.expect("fold consumer")
+        });
         Self {
             stop,
-            tasks,
+            task: Some(task),
             progress,
         }
     }
 
     pub fn totals(&self) -> FoldStats {
-        let progress = self.progress.lock().unwrap();
-        progress
-            .iter()
-            .fold(FoldStats::default(), |sum, stats| sum.plus(*stats))
+        self.progress.totals()
     }
 
     pub async fn stop(mut self) -> FoldStats {
         let _ = self.stop.send(true);
-        for task in std::mem::take(&mut self.tasks) {
+        if let Some(task) = self.task.take() {
             task.await.unwrap();
         }
         self.totals()

@@ -328,7 +328,7 @@ pub async fn diagnose(
 ) -> String {
     use std::fmt::Write;
     let mut report = String::new();
-    let progress = folding.progress.lock().unwrap().clone();
+    let progress = folding.progress.partitions();
     let topology = &rabbit.topology;
     let mut short = std::collections::BTreeMap::<u16, Vec<String>>::new();
     for tenant in tenants_of(expected) {

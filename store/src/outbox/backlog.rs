@@ -33,7 +33,10 @@ impl Outbox {
         )
         .fetch_all(&self.pool)
         .await?;
-        tenants.into_iter().map(TenantId::new).collect()
+        Ok(tenants
+            .into_iter()
+            .map(TenantId::new)
+            .collect::<Result<_, _>>()?)
     }
 
     /// Pending intents (counted up to `cap`) and the age of the oldest, for `tenants` (in

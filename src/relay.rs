@@ -328,21 +328,20 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// Retires closed and shipped runs every quarter of the retention (between 100 ms and 60 s).
-/// Every relay runs it; batches skip what another holds, so they never contend. A failure is
-/// logged and tried again at the next tick.
+/// Retires closed and shipped runs (`store::retire_every`), counting them and logging a failure.
 async fn retire_loop(pool: sqlx::PgPool, retention: store::Retention) {
-    let mut ticks = tokio::time::interval(retention.every());
-    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        ticks.tick().await;
-        match store::retire_runs(&pool, retention).await {
+    store::retire_every(
+        pool,
+        retention,
+        store::Retiring::Outbox,
+        |result| match result {
             Ok(runs) => metrics::counter!("relay_runs_retired_total").increment(runs),
             Err(err) => {
                 tracing::warn!(error = %err, "retiring closed runs failed; trying again later")
             }
-        }
-    }
+        },
+    )
+    .await
 }
 
 /// Wakes an embedded relay for a tenant whose intents just committed: the in-process

@@ -261,19 +261,20 @@ where
 /// Retires completed runs' fold state every quarter of the retention until `stop`; a failure
 /// is logged and tried again at the next tick.
 async fn retire_loop(pool: PgPool, retention: store::Retention, mut stop: watch::Receiver<bool>) {
-    let mut ticks = tokio::time::interval(retention.every());
-    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = ticks.tick() => {}
-            _ = stop.wait_for(|stopped| *stopped) => return,
-        }
-        match store::retire_folded_runs(&pool, retention).await {
+    let retiring = store::retire_every(
+        pool,
+        retention,
+        store::Retiring::Fold,
+        |result| match result {
             Ok(runs) => metrics::counter!("relay_fold_runs_retired_total").increment(runs),
             Err(err) => {
                 tracing::warn!(error = %err, "retiring completed runs' fold state failed; trying again later")
             }
-        }
+        },
+    );
+    tokio::select! {
+        () = retiring => {}
+        _ = stop.wait_for(|stopped| *stopped) => {}
     }
 }
 

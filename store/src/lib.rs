@@ -14,7 +14,7 @@
 //! - `fold_model`: [`FoldModel`], WIRE.md's consumer rules in memory (the fold's oracle in
 //!   tests, and a fold for consumers that keep their state in memory, WIRE.md).
 //! - `retention`: retirement of closed runs in the host's and the consumers' databases
-//!   ([`retire_runs`], [`retire_folded_runs`]).
+//!   ([`retire_runs`], [`retire_folded_runs`]), and the loop both run ([`retire_every`]).
 //! - `roles`: least-privilege grants for host, relay and consumer roles ([`roles_sql`]).
 //! - `meta`: an intent's optional metadata ([`Intent`], [`Metadata`]) and its rules.
 //! - `offset`: a stream consumer's stored offsets, adopting a branch, resetting a fold.
@@ -117,6 +117,8 @@ pub use outbox::RelayShare;
 pub use outbox::Replication;
 pub use outbox::{ParkCause, ParkedBranch};
 pub use retention::Retention;
+pub use retention::Retiring;
+pub use retention::retire_every;
 pub use retention::retire_folded_runs;
 pub use retention::retire_runs;
 pub use roles::Roles;

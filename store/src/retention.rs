@@ -70,6 +70,37 @@ pub async fn retire_folded_runs(pool: &PgPool, retention: Retention) -> Result<u
     retire_all(pool, retention, "SELECT relay_fold_retire($1, $2)").await
 }
 
+/// Which database a retirer keeps: the host's outbox ([`retire_runs`]) or a consumer's fold
+/// ([`retire_folded_runs`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Retiring {
+    /// Closed and shipped runs in the host's database (the relay's loop).
+    Outbox,
+    /// Folded runs' state in a consumer's database (the consumer's loop).
+    Fold,
+}
+
+/// Retires due runs every [`Retention::every`] until dropped (the caller ends it: an aborted
+/// task, a `select!` on its stop signal). Each pass's result goes to `report`, which records it
+/// (a metric, a log line); a failure is tried again at the next tick. The first pass runs at
+/// once. Every process runs one; batches skip what another holds, so they never contend.
+pub async fn retire_every(
+    pool: PgPool,
+    retention: Retention,
+    retiring: Retiring,
+    mut report: impl FnMut(Result<u64, Error>),
+) {
+    let mut ticks = tokio::time::interval(retention.every());
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticks.tick().await;
+        report(match retiring {
+            Retiring::Outbox => retire_runs(&pool, retention).await,
+            Retiring::Fold => retire_folded_runs(&pool, retention).await,
+        });
+    }
+}
+
 async fn retire_all(
     pool: &PgPool,
     retention: Retention,

@@ -7,6 +7,7 @@
 //! - `mailbox`: what drainers and publishers say to each other ([`DrainerMessage`],
 //!   [`PublisherMessage`], [`Reply`]); neither actor imports the other.
 //! - `window`: the drainer's in-flight window as a pure state machine (what to ack, retry, park).
+//! - `timers`: [`Timers`], one deadline per key: the window's and the supervisor core's.
 //! - [`broker::Backoff`] / [`broker::RetryPolicy`]: the never-giving-up retry delays both use.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
@@ -15,6 +16,7 @@ mod drainer;
 mod mailbox;
 mod publisher;
 mod shard;
+mod timers;
 mod window;
 
 pub use directory::PublisherDirectory;
@@ -36,3 +38,4 @@ pub use shard::Lane;
 pub use shard::Lanes;
 pub use shard::ShardId;
 pub use shard::Sharding;
+pub use timers::Timers;

@@ -13,7 +13,7 @@
 //!   branches keep flowing. After `park_after_attempts` refusals in a row it is parked.
 //! - An unanswered event (the session failed) stops new batches until the window is empty;
 //!   then the whole tenant backs off.
-use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use broker::Outcome;
@@ -23,6 +23,7 @@ use store::{BranchKey, EventKey, Lsn};
 use broker::{Backoff, RetryPolicy};
 
 use crate::shard::{Lane, ShardId};
+use crate::timers::Timers;
 
 mod refusal;
 mod settle;
@@ -35,13 +36,14 @@ use settle::Settlement;
 use stall::Stall;
 pub(crate) use stall::{StallCause, StallNotice};
 
-/// What the drainer's one timer is set for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+/// What the window's timers are set for (one deadline each, [`Timers`]): the drainer keeps one
+/// timer, at the earliest.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Due {
     /// The tenant's retry after a window that failed ([`Next::Retry`]).
     Retry,
     /// A cooling branch's retry ([`RefusalAction::RetryAfter`]): drain again.
-    Drain,
+    Drain(BranchKey),
     /// Retire if nothing happened since this activity number.
     IdleCheck(u64),
 }
@@ -136,7 +138,7 @@ pub(crate) struct Window<H> {
     /// The last drain filled its reservation: the tenant has a backlog.
     backlogged: bool,
     /// When the drainer must wake up, and why.
-    timers: BTreeSet<(Instant, Due)>,
+    timers: Timers<Due>,
     /// The tenant's batches have gone unanswered since then.
     stalled: Option<Stall>,
 }
@@ -164,29 +166,26 @@ impl<H> Window<H> {
             next_batch: 0,
             activity: 0,
             backlogged: false,
-            timers: BTreeSet::new(),
+            timers: Timers::default(),
             stalled: None,
         }
     }
 
     /// When [`Window::handle_timeout`] is next due: the drainer keeps one timer, at this.
     pub(crate) fn poll_timeout(&self) -> Option<Instant> {
-        self.timers.first().map(|(at, _)| *at)
+        self.timers.next()
     }
 
     /// Fires every timer due at `now` and says what the drainer must do.
     pub(crate) fn handle_timeout(&mut self, now: Instant) -> Woken {
         let (mut drain, mut retire) = (false, false);
-        while let Some(&(at, due)) = self.timers.first()
-            && at <= now
-        {
-            self.timers.pop_first();
+        while let Some(due) = self.timers.pop_due(now) {
             match due {
                 Due::Retry => {
                     self.retry_due();
                     drain = true;
                 }
-                Due::Drain => drain = true,
+                Due::Drain(_) => drain = true,
                 Due::IdleCheck(activity) => retire |= self.idle_since(activity),
             }
         }
@@ -203,23 +202,23 @@ impl<H> Window<H> {
     pub(crate) fn idle(&mut self, now: Instant, after: Duration) {
         let activity = self.activity;
         let mut same_spell = false;
-        self.timers.retain(|(_, due)| match due {
+        self.timers.retain(|due| match due {
             Due::IdleCheck(checks) if *checks == activity => {
                 same_spell = true;
                 true
             }
             Due::IdleCheck(_) => false,
-            Due::Retry | Due::Drain => true,
+            Due::Retry | Due::Drain(_) => true,
         });
         if !same_spell {
-            self.timers.insert((now + after, Due::IdleCheck(activity)));
+            self.timers.set(Due::IdleCheck(activity), now + after);
         }
     }
 
     /// Timers set, for tests.
     #[cfg(test)]
     fn timers(&self) -> usize {
-        self.timers.len()
+        self.timers.iter().count()
     }
 
     #[cfg(test)]
@@ -283,7 +282,7 @@ impl<H> Window<H> {
         if self.phase != Phase::BackingOff {
             return false;
         }
-        self.timers.retain(|(_, due)| *due != Due::Retry);
+        self.timers.stop(&Due::Retry);
         self.backoff.reset();
         self.phase = Phase::Flowing;
         true

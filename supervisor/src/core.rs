@@ -26,11 +26,10 @@ mod drainers;
 mod leases;
 mod publishers;
 mod shutdown;
-mod timers;
+use actors::Timers;
 pub(crate) use leases::LeaseCall;
 pub use leases::{LeaseConfig, LeasesAt};
 use leases::{LeaseStage, Leases};
-use timers::Timers;
 
 /// What the core needs of a running child: an id to recognise its end by.
 pub(crate) trait Handle: Clone + std::fmt::Debug {

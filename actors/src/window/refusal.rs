@@ -87,7 +87,7 @@ impl<H> Window<H> {
         } else {
             let delay = cooling.backoff.next_delay();
             cooling.retry_at = now + delay;
-            self.timers.insert((now + delay, Due::Drain));
+            self.timers.set(Due::Drain(branch.clone()), now + delay);
             RefusalAction::RetryAfter(delay)
         };
         Refusal {

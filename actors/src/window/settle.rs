@@ -119,7 +119,7 @@ impl<H> Window<H> {
                 self.blocked.clear();
                 self.phase = Phase::BackingOff;
                 let delay = self.backoff.next_delay();
-                self.timers.insert((now + delay, Due::Retry));
+                self.timers.set(Due::Retry, now + delay);
                 Next::Retry(delay)
             }
             Phase::Failed => Next::Wait,

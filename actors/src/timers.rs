@@ -1,11 +1,13 @@
 //! A timer table keyed by what each timer is for: one deadline per key. Setting a key again
 //! replaces its deadline and stopping it cancels it, so a timer set for an earlier state never
-//! fires into a later one (quinn-proto's `TimerTable` is the model).
+//! fires into a later one (quinn-proto's `TimerTable` is the model). The supervisor's core and
+//! each drainer's window keep theirs in one.
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
+/// Deadlines keyed by what each is for; see the module docs.
 #[derive(Debug)]
-pub(crate) struct Timers<K: Ord + Clone> {
+pub struct Timers<K: Ord + Clone> {
     deadlines: BTreeMap<K, Instant>,
     queue: BTreeSet<(Instant, K)>,
 }
@@ -21,7 +23,7 @@ impl<K: Ord + Clone> Default for Timers<K> {
 
 impl<K: Ord + Clone> Timers<K> {
     /// Sets `key` to fire at `at`, replacing any deadline it had.
-    pub(crate) fn set(&mut self, key: K, at: Instant) {
+    pub fn set(&mut self, key: K, at: Instant) {
         if let Some(old) = self.deadlines.insert(key.clone(), at) {
             self.queue.remove(&(old, key.clone()));
         }
@@ -29,19 +31,19 @@ impl<K: Ord + Clone> Timers<K> {
     }
 
     /// Cancels `key`; its deadline, if it was set.
-    pub(crate) fn stop(&mut self, key: &K) -> Option<Instant> {
+    pub fn stop(&mut self, key: &K) -> Option<Instant> {
         let at = self.deadlines.remove(key)?;
         self.queue.remove(&(at, key.clone()));
         Some(at)
     }
 
     /// The earliest deadline.
-    pub(crate) fn next(&self) -> Option<Instant> {
+    pub fn next(&self) -> Option<Instant> {
         self.queue.first().map(|(at, _)| *at)
     }
 
     /// Takes the earliest timer due at `now`, if any.
-    pub(crate) fn pop_due(&mut self, now: Instant) -> Option<K> {
+    pub fn pop_due(&mut self, now: Instant) -> Option<K> {
         let (at, _) = self.queue.first()?;
         if *at > now {
             return None;
@@ -52,19 +54,19 @@ impl<K: Ord + Clone> Timers<K> {
     }
 
     /// Every timer set, with its deadline.
-    pub(crate) fn iter(&self) -> impl Iterator<Item = (&K, Instant)> {
+    pub fn iter(&self) -> impl Iterator<Item = (&K, Instant)> {
         self.deadlines.iter().map(|(key, at)| (key, *at))
     }
 
     /// Cancels every timer `keep` refuses.
-    pub(crate) fn retain(&mut self, mut keep: impl FnMut(&K) -> bool) {
+    pub fn retain(&mut self, mut keep: impl FnMut(&K) -> bool) {
         self.deadlines.retain(|key, _| keep(key));
         let deadlines = &self.deadlines;
         self.queue.retain(|(_, key)| deadlines.contains_key(key));
     }
 
     /// Cancels every timer.
-    pub(crate) fn clear(&mut self) {
+    pub fn clear(&mut self) {
         self.deadlines.clear();
         self.queue.clear();
     }

@@ -286,6 +286,23 @@ pub(crate) fn database_message(err: &sqlx::Error) -> String {
     }
 }
 
+/// A refusal of a call that forks `live` from `from` (a rewind, a discard): `live` already
+/// existing (`RL107`, or a unique violation of a racing fork) is [`Error::BranchExists`];
+/// the rest as [`refusal`] says.
+pub(crate) fn fork_refusal(
+    err: sqlx::Error,
+    from: &BranchKey,
+    live: &BranchKey,
+    lsn: Option<Lsn>,
+) -> Error {
+    match sql_state(&err).as_deref() {
+        Some("RL107") | Some("23505") => Error::BranchExists {
+            branch: live.clone(),
+        },
+        _ => refusal(err, from, lsn),
+    }
+}
+
 /// The SQL functions' refusals of a branch (their SQLSTATEs: `0003_write_api.sql`,
 /// `0007_discard_branch.sql`) as typed errors, in one table; anything else is a database
 /// error. `lsn` is the Lsn appended or the fork point, if any.

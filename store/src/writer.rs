@@ -19,7 +19,7 @@ use std::borrow::Cow;
 use sqlx::PgConnection;
 
 use crate::error::Error;
-use crate::error::{closed, refusal, sql_state};
+use crate::error::{closed, fork_refusal, refusal, sql_state};
 use crate::key::{BranchId, BranchKey, Lsn, RunId, TenantId};
 use crate::meta::Intent;
 use crate::schema::Schema;
@@ -292,12 +292,7 @@ impl IntentWriter {
                 .bind(live.branch.as_str())
                 .fetch_one(&mut *conn)
                 .await
-                .map_err(|err| match sql_state(&err).as_deref() {
-                    Some("RL107") | Some("23505") => Error::BranchExists {
-                        branch: live.clone(),
-                    },
-                    _ => refusal(err, from, Some(at)),
-                })?;
+                .map_err(|err| fork_refusal(err, from, &live, Some(at)))?;
         Ok(Rewound {
             live,
             abandoned: abandoned.max(0) as u64,

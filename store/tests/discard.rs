@@ -163,3 +163,39 @@ async fn a_closed_run_stays_closed_and_only_a_parked_branch_is_discarded(pool: P
         "{refused:?}"
     );
 }
+
+/// A fork onto a branch the run already has (a rewind's or a discard's new branch) is refused
+/// naming that branch, and changes nothing: the branch stays parked, its events wait.
+#[sqlx::test(migrator = "store::MIGRATOR")]
+async fn a_fork_onto_an_existing_branch_is_refused_naming_it(pool: PgPool) {
+    let main = key("taken", "main");
+    let writer = IntentWriter::default().with_notify(false);
+    let mut conn = pool.acquire().await.unwrap();
+    let outbox = parked(&pool, &main, false).await;
+
+    let refused = writer
+        .rewind(&mut conn, &main, Lsn::new(2), main.branch.clone())
+        .await;
+    assert!(
+        matches!(&refused, Err(Error::BranchExists { branch }) if *branch == main),
+        "{refused:?}"
+    );
+    let refused = outbox.discard_branch(&main, &main.branch).await;
+    assert!(
+        matches!(&refused, Err(Error::BranchExists { branch }) if *branch == main),
+        "{refused:?}"
+    );
+    assert_eq!(
+        outbox.parked_branches().await.unwrap().len(),
+        1,
+        "still parked"
+    );
+    let waiting: Vec<u64> = outbox
+        .drain_outbox(&main.tenant, 100)
+        .await
+        .unwrap()
+        .iter()
+        .map(|event| event.key.lsn.get())
+        .collect();
+    assert_eq!(waiting, [3, 4, 5]);
+}

@@ -71,6 +71,7 @@ impl Outbox {
         branch: &crate::key::BranchKey,
         to: &BranchId,
     ) -> Result<Discarded, Error> {
+        let live = crate::BranchKey::new(branch.tenant.clone(), branch.run.clone(), to.clone());
         let (fork, discarded): (i64, i64) =
             sqlx::query_as("SELECT fork_lsn, discarded FROM relay_discard_branch($1, $2, $3, $4)")
                 .bind(branch.tenant.as_str())
@@ -79,18 +80,9 @@ impl Outbox {
                 .bind(to.as_str())
                 .fetch_one(&self.pool)
                 .await
-                .map_err(|err| match crate::error::sql_state(&err).as_deref() {
-                    Some("RL107") | Some("23505") => Error::BranchExists {
-                        branch: crate::key::BranchKey::new(
-                            branch.tenant.clone(),
-                            branch.run.clone(),
-                            to.clone(),
-                        ),
-                    },
-                    _ => crate::error::refusal(err, branch, None),
-                })?;
+                .map_err(|err| crate::error::fork_refusal(err, branch, &live, None))?;
         Ok(Discarded {
-            live: crate::BranchKey::new(branch.tenant.clone(), branch.run.clone(), to.clone()),
+            live,
             fork: Lsn::from_db(fork),
             discarded: discarded.max(0) as u64,
         })

@@ -51,7 +51,7 @@ use distribution::{Relay, RelayConfig};
 use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
 use sqlx::{Connection, PgConnection, PgPool};
 
-/// The standalone binary's allocator (src/main.rs), so that the relay run in this process (sections
+/// The standalone binary's allocator (cli/main.rs), so that the relay run in this process (sections
 /// 3 and 16) costs what `distribution run` costs; the ceilings and bounds run under it too.
 #[cfg(feature = "mimalloc")]
 #[global_allocator]

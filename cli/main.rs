@@ -36,8 +36,10 @@ mod otlp;
 mod outbox_cli;
 mod run_cli;
 mod tail_cli;
-// The demo takes "the broker" down with the same proxy the tests use, compiled in privately.
+// The demo takes "the broker" down with the same proxy the tests use (the library's, behind
+// its `test-tools` feature), compiled in privately.
 #[allow(dead_code)]
+#[path = "../src/proxy.rs"]
 mod proxy;
 mod serve;
 

@@ -53,6 +53,14 @@ impl Error {
         Error::Channel(Box::new(err))
     }
 
+    /// [`Error::Timeout`]: `operation` did not finish within `limit`.
+    pub fn timed_out(operation: &'static str, limit: std::time::Duration) -> Self {
+        Error::Timeout {
+            operation,
+            timeout_ms: u64::try_from(limit.as_millis()).unwrap_or(u64::MAX),
+        }
+    }
+
     /// Whether retrying later may succeed.
     pub fn is_transient(&self) -> bool {
         match self {
@@ -61,6 +69,18 @@ impl Error {
             Error::Store(err) => err.is_transient(),
         }
     }
+}
+
+/// Awaits a broker operation under `limit`: its own result, or [`Error::Timeout`] naming
+/// `operation`. The one way the adapters bound a call to their broker.
+pub async fn within<T>(
+    operation: &'static str,
+    limit: std::time::Duration,
+    future: impl std::future::Future<Output = Result<T, Error>>,
+) -> Result<T, Error> {
+    tokio::time::timeout(limit, future)
+        .await
+        .unwrap_or_else(|_| Err(Error::timed_out(operation, limit)))
 }
 
 /// A delivered message that does not follow the wire contract.

@@ -10,7 +10,8 @@
 //! - `backoff`: [`Backoff`] and [`RetryPolicy`], retry delays that never give up, and
 //!   [`warn_worthy`], which of repeated failures to WARN on.
 //! - `probe`: [`CallProbe`], records which threads call the broker client.
-//! - `error`: the one [`Error`] type, and [`WireError`] for a message off the contract.
+//! - `error`: the one [`Error`] type, [`within`] (a call under a timeout), and [`WireError`]
+//!   for a message off the contract.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
 mod backoff;
@@ -32,6 +33,7 @@ pub use dead::event_kind;
 pub use dead::event_properties;
 pub use error::Error;
 pub use error::WireError;
+pub use error::within;
 pub use health::BlockedMark;
 pub use health::BrokerHealth;
 pub use health::BrokerState;

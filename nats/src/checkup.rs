@@ -46,12 +46,7 @@ pub async fn checkup(config: &NatsConfig) -> Result<NatsCheckup, Error> {
             },
         }
     };
-    let stream = tokio::time::timeout(limit, read)
-        .await
-        .map_err(|_| Error::Timeout {
-            operation: "reading the NATS stream",
-            timeout_ms: limit.as_millis() as u64,
-        })??;
+    let stream = broker::within("reading the NATS stream", limit, read).await?;
     let replicas = stream.map_or(config.replicas, |(_, replicas)| replicas);
     Ok(NatsCheckup {
         durability: crate::publisher::durability_note(&version, replicas),

@@ -61,17 +61,10 @@ pub(crate) async fn open(
             }
             std::future::ready(())
         });
-    let client = match tokio::time::timeout(config.connect_timeout, options.connect(servers)).await
-    {
-        Ok(Ok(client)) => client,
-        Ok(Err(err)) => return Err(Error::Unreachable(format!("NATS: {err}"))),
-        Err(_) => {
-            return Err(Error::Timeout {
-                operation: "connecting to NATS",
-                timeout_ms: config.connect_timeout.as_millis() as u64,
-            });
-        }
-    };
+    let client = broker::within("connecting to NATS", config.connect_timeout, async {
+        (options.connect(servers).await).map_err(|err| Error::Unreachable(format!("NATS: {err}")))
+    })
+    .await?;
     let context = jetstream::ContextBuilder::new()
         .timeout(config.ack_timeout)
         .ack_timeout(config.ack_timeout)
@@ -80,4 +73,32 @@ pub(crate) async fn open(
         .build(client.clone());
     connected.store(true, Ordering::Release);
     Ok((client, context, lost))
+}
+
+/// Publishes one message and waits, under `limit`, until the stream says it is stored (not a
+/// copy still in flight at the stream's leader, [`crate::attribute::ack_stored`]). `what`
+/// names the operation in its errors. For the tools' single writes (dead letters, replays),
+/// never the relay's pipelined publishes.
+pub(crate) async fn publish_stored(
+    context: &Context,
+    subject: String,
+    headers: async_nats::HeaderMap,
+    payload: bytes::Bytes,
+    what: &'static str,
+    limit: Duration,
+) -> Result<(), Error> {
+    let unreachable = |err: &dyn std::fmt::Display| Error::Unreachable(format!("{what}: {err}"));
+    let work = async {
+        let ack = context
+            .publish_with_headers(subject, headers, payload)
+            .await
+            .map_err(|err| unreachable(&err))?;
+        ack.await.map_err(|err| unreachable(&err))
+    };
+    match broker::within(what, limit, work).await? {
+        ack if crate::attribute::ack_stored(&ack) => Ok(()),
+        _ => Err(unreachable(
+            &"a copy is in flight at the stream's leader, not stored yet",
+        )),
+    }
 }

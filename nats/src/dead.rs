@@ -266,17 +266,13 @@ impl NatsDeadLetters {
         if *filter == DeadFilter::All {
             // The group's subject at once, what came while it ran too; never another group's.
             let limit = self.config.connect_timeout;
-            return match tokio::time::timeout(limit, stream.purge().filter(self.subject())).await {
-                Ok(Ok(purged)) => Ok(purged.purged),
-                Ok(Err(err)) => Err(Error::Unreachable(format!(
-                    "purging NATS subject {}: {err}",
-                    self.subject()
-                ))),
-                Err(_) => Err(Error::Timeout {
-                    operation: "purging a NATS subject",
-                    timeout_ms: limit.as_millis() as u64,
-                }),
+            let purge = async {
+                let purged = stream.purge().filter(self.subject()).await;
+                purged.map(|purged| purged.purged).map_err(|err| {
+                    Error::Unreachable(format!("purging NATS subject {}: {err}", self.subject()))
+                })
             };
+            return broker::within("purging a NATS subject", limit, purge).await;
         }
         let mut purged = 0;
         for letter in self.scan(u64::MAX).await? {
@@ -289,27 +285,15 @@ impl NatsDeadLetters {
     }
 
     async fn store(&self, subject: String, headers: HeaderMap, body: Vec<u8>) -> Result<(), Error> {
-        let limit = self.config.ack_timeout;
-        let work = async {
-            self.context
-                .publish_with_headers(subject, headers, body.into())
-                .await
-                .map_err(|err| Error::Unreachable(format!("replaying on NATS: {err}")))?
-                .await
-                .map_err(|err| Error::Unreachable(format!("replaying on NATS: {err}")))
-        };
-        match tokio::time::timeout(limit, work).await {
-            Ok(Ok(ack)) if crate::attribute::ack_stored(&ack) => Ok(()),
-            Ok(Ok(_)) => Err(Error::Unreachable(
-                "replaying on NATS: a copy is in flight at the stream's leader, not stored yet"
-                    .into(),
-            )),
-            Ok(Err(err)) => Err(err),
-            Err(_) => Err(Error::Timeout {
-                operation: "replaying a dead letter on NATS",
-                timeout_ms: limit.as_millis() as u64,
-            }),
-        }
+        crate::connection::publish_stored(
+            &self.context,
+            subject,
+            headers,
+            body.into(),
+            "replaying a dead letter on NATS",
+            self.config.ack_timeout,
+        )
+        .await
     }
 
     async fn delete(&self, stream: &Stream, sequence: u64) -> Result<(), Error> {

@@ -209,10 +209,7 @@ impl NatsPublisher {
                     }
                 }
                 Err(_) => {
-                    fault = Some(Error::Timeout {
-                        operation: "writing to NATS",
-                        timeout_ms: config.ack_timeout.as_millis() as u64,
-                    });
+                    fault = Some(Error::timed_out("writing to NATS", config.ack_timeout));
                     break;
                 }
             }
@@ -307,10 +304,7 @@ async fn pump_acks(
             batch.outcomes[index] = verdict.outcome;
             if verdict.fault && batch.fault.is_none() {
                 batch.fault = Some(match answer {
-                    Answer::TimedOut => Error::Timeout {
-                        operation: "a NATS publish ack",
-                        timeout_ms: config.ack_timeout.as_millis() as u64,
-                    },
+                    Answer::TimedOut => Error::timed_out("a NATS publish ack", config.ack_timeout),
                     other => Error::Unreachable(format!("NATS publish: {other:?}")),
                 });
             }

@@ -261,12 +261,7 @@ impl PartitionReader {
                 lost: None,
             })
         };
-        tokio::time::timeout(limit, work).await.unwrap_or_else(|_| {
-            Err(Error::Timeout {
-                operation: "opening a NATS reader",
-                timeout_ms: limit.as_millis() as u64,
-            })
-        })
+        broker::within("opening a NATS reader", limit, work).await
     }
 
     /// The stream's first sequence when the reader opened: messages before it were removed by
@@ -366,12 +361,7 @@ pub async fn declare_dead_letters(context: &Context, config: &NatsConfig) -> Res
         }
         Ok(())
     };
-    tokio::time::timeout(limit, work).await.unwrap_or_else(|_| {
-        Err(Error::Timeout {
-            operation: "declaring the NATS dead-letter stream",
-            timeout_ms: limit.as_millis() as u64,
-        })
-    })
+    broker::within("declaring the NATS dead-letter stream", limit, work).await
 }
 
 /// Keeps `delivery` in the dead-letter stream under `group`, with `reason` in
@@ -400,27 +390,15 @@ pub async fn dead_letter(
     headers.insert(MSG_ID, format!("{group}.{}", delivery.sequence));
     headers.insert(crate::wire::EXPECTED_STREAM, stream.as_str());
     let subject = format!("{stream}.{group}");
-    let limit = config.ack_timeout.max(Duration::from_millis(1));
-    let work = async {
-        let ack = context
-            .publish_with_headers(subject, headers, delivery.payload.clone())
-            .await
-            .map_err(|err| Error::Unreachable(format!("dead-lettering on NATS: {err}")))?;
-        ack.await
-            .map_err(|err| Error::Unreachable(format!("dead-lettering on NATS: {err}")))
-    };
-    match tokio::time::timeout(limit, work).await {
-        Ok(Ok(ack)) if crate::attribute::ack_stored(&ack) => Ok(()),
-        Ok(Ok(_)) => Err(Error::Unreachable(
-            "dead-lettering on NATS: a copy is in flight at the stream's leader, not stored yet"
-                .into(),
-        )),
-        Ok(Err(err)) => Err(err),
-        Err(_) => Err(Error::Timeout {
-            operation: "dead-lettering on NATS",
-            timeout_ms: limit.as_millis() as u64,
-        }),
-    }
+    crate::connection::publish_stored(
+        context,
+        subject,
+        headers,
+        delivery.payload.clone(),
+        "dead-lettering on NATS",
+        config.ack_timeout.max(Duration::from_millis(1)),
+    )
+    .await
 }
 
 #[cfg(test)]

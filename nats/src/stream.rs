@@ -34,13 +34,7 @@ pub async fn declare(context: &Context, config: &NatsConfig) -> Result<(), Error
         };
         check(&found, config)
     };
-    match tokio::time::timeout(timeout, work).await {
-        Ok(result) => result,
-        Err(_) => Err(Error::Timeout {
-            operation: "declaring the NATS stream",
-            timeout_ms: timeout.as_millis() as u64,
-        }),
-    }
+    broker::within("declaring the NATS stream", timeout, work).await
 }
 
 /// Deletes the stream and its dead-letter stream (`<stream>_dead`) with what they hold, under
@@ -54,10 +48,7 @@ pub async fn remove(config: &NatsConfig) -> Result<(), Error> {
     ] {
         let deleted = tokio::time::timeout(config.connect_timeout, context.delete_stream(&name))
             .await
-            .map_err(|_| Error::Timeout {
-                operation: "deleting a NATS stream",
-                timeout_ms: config.connect_timeout.as_millis() as u64,
-            })?;
+            .map_err(|_| Error::timed_out("deleting a NATS stream", config.connect_timeout))?;
         if let Err(err) = deleted
             && !matches!(err.kind(), async_nats::jetstream::context::DeleteStreamErrorKind::JetStream(js) if js.error_code().0 == STREAM_NOT_FOUND)
         {

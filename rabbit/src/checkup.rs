@@ -70,23 +70,19 @@ pub async fn checkup(config: &RabbitConfig, wait: Duration) -> Result<Checkup, E
         }
         std::future::pending().await
     };
-    let verdict = tokio::time::timeout(wait, async {
+    let verdict = broker::within("basic.publish confirm", wait, async {
         tokio::select! {
-            confirmed = confirmed => confirmed.map(|_| None),
+            confirmed = confirmed => confirmed.map(|_| None).map_err(crate::connect::amqp_error),
             reason = blocked => Ok(Some(reason)),
         }
     })
     .await;
     // A blocked connection's socket is not read: its close is not awaited (the drop sends it).
     drop(channel);
-    match verdict {
-        Ok(Ok(blocked)) => Ok(Checkup { version, blocked }),
-        Ok(Err(err)) => Err(crate::connect::amqp_error(err)),
-        Err(_) => Err(Error::Timeout {
-            operation: "basic.publish confirm",
-            timeout_ms: wait.as_millis() as u64,
-        }),
-    }
+    Ok(Checkup {
+        version,
+        blocked: verdict?,
+    })
 }
 
 /// One partition queue of a group, as the broker counts it.

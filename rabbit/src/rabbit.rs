@@ -400,13 +400,7 @@ pub(crate) async fn within_topology(
     channel: &Channel,
     limit: Duration,
 ) -> Result<(), Error> {
-    match tokio::time::timeout(limit, topology.declare(channel)).await {
-        Ok(result) => result,
-        Err(_) => Err(Error::Timeout {
-            operation: "topology declare",
-            timeout_ms: limit.as_millis() as u64,
-        }),
-    }
+    broker::within("topology declare", limit, topology.declare(channel)).await
 }
 
 impl Publisher for RabbitPublisher {

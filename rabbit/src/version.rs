@@ -130,13 +130,7 @@ impl std::fmt::Display for BrokerVersion {
 /// What the broker at the first address of `config` says it is, within the connect timeout.
 pub async fn server_version(config: &RabbitConfig) -> Result<BrokerVersion, Error> {
     let limit = config.connect_timeout;
-    match tokio::time::timeout(limit, read_start(config)).await {
-        Ok(result) => result,
-        Err(_) => Err(Error::Timeout {
-            operation: "connection.start",
-            timeout_ms: limit.as_millis() as u64,
-        }),
-    }
+    broker::within("connection.start", limit, read_start(config)).await
 }
 
 async fn read_start(config: &RabbitConfig) -> Result<BrokerVersion, Error> {

@@ -226,10 +226,7 @@ pub(crate) async fn confirm_pump(
         }
         fate.judge(timed_out, fault.as_ref());
         if timed_out {
-            fault.get_or_insert(Error::Timeout {
-                operation: "publisher confirm",
-                timeout_ms: confirm_timeout.as_millis() as u64,
-            });
+            fault.get_or_insert(Error::timed_out("publisher confirm", confirm_timeout));
         }
         let (outcomes, any_returned) = attribute(
             &said,

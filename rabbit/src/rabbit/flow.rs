@@ -16,13 +16,10 @@ pub async fn within<T>(
     limit: Duration,
     future: impl Future<Output = Result<T, lapin::Error>>,
 ) -> Result<T, Error> {
-    match tokio::time::timeout(limit, future).await {
-        Ok(result) => result.map_err(crate::connect::amqp_error),
-        Err(_) => Err(Error::Timeout {
-            operation,
-            timeout_ms: limit.as_millis() as u64,
-        }),
-    }
+    broker::within(operation, limit, async {
+        future.await.map_err(crate::connect::amqp_error)
+    })
+    .await
 }
 
 /// A connection's flow control, as the broker last said: blocked or not, and since when.
@@ -101,10 +98,7 @@ where
     match output {
         Some(Ok(confirm)) => Ok(confirm),
         Some(Err(err)) => Err(crate::connect::amqp_error(err)),
-        None => Err(Error::Timeout {
-            operation: "basic.publish",
-            timeout_ms: limit.as_millis() as u64,
-        }),
+        None => Err(Error::timed_out("basic.publish", limit)),
     }
 }
 

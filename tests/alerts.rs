@@ -146,10 +146,7 @@ mod alerts {
                 pool.clone(),
                 distribution::store::EventTable,
             );
-            let (stop, mut stopped) = tokio::sync::watch::channel(false);
-            let consuming = tokio::spawn(consumer.run(async move {
-                let _ = stopped.wait_for(|stop| *stop).await;
-            }));
+            let consuming = until_stopped(|stopped| consumer.run(stopped));
 
             let waiting = TenantId::new("waiting").unwrap();
             let parked_line = format!("relay_parked_branches{{tenant=\"{waiting}\"}} 1");
@@ -199,8 +196,7 @@ mod alerts {
             shapes(&http_get(&addr, "/metrics").await.unwrap().1, &mut scraped);
             shapes(&handle.render(), &mut scraped);
             let described = distribution::metric_names();
-            let _ = stop.send(true);
-            consuming.await.unwrap().unwrap();
+            consuming.stop().await.unwrap();
             drop(relay);
             drop_topology(&rabbit.topology).await;
 

@@ -553,10 +553,7 @@ mod soak {
                 consumer_config.retention = Some(Retention::new(fold_retention));
                 let consumer = Consumer::new(consumer_config, fold.clone(), EventTable);
                 let progress = consumer.progress();
-                let (stop_consumer, stopped) = tokio::sync::oneshot::channel::<()>();
-                let consuming = AbortOnDrop::spawn(consumer.run(async {
-                    let _ = stopped.await;
-                }));
+                let consuming = until_stopped(|stopped| consumer.run(stopped));
 
                 let stop = Arc::new(AtomicBool::new(false));
                 let written = Arc::new(Written::default());
@@ -774,8 +771,7 @@ mod soak {
                     },
                 )
                 .await;
-                let _ = stop_consumer.send(());
-                tokio::time::timeout(Duration::from_secs(60), consuming.join())
+                tokio::time::timeout(Duration::from_secs(60), consuming.stop())
                     .await
                     .expect("the consumer stops within 60 s")
                     .unwrap();

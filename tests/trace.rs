@@ -80,27 +80,20 @@ mod trace {
 
         host_runtime().block_on(async {
             let (pool, url) = fresh_database("trace").await;
-            let fold_pool = bare_database("tracefold").await;
-            store::migrate_fold(&fold_pool).await.unwrap();
+            let (fold_pool, _) = fold_database("tracefold").await;
             let config = relay_config(&url, &amqp_url(), &unique("relay-trace"));
             let rabbit = config.rabbit_config().unwrap();
             let outcome = std::panic::AssertUnwindSafe(async {
                 declare_topology(&rabbit.topology).await;
                 let relay = Relay::start(config.clone()).await.unwrap();
-                let (stop, stopped) = tokio::sync::watch::channel(false);
-                let consumer = tokio::spawn(
-                    Consumer::new(
-                        ConsumerConfig::new(rabbit.clone()),
-                        fold_pool.clone(),
-                        FlakyOnce {
-                            failed: Default::default(),
-                        },
-                    )
-                    .run(async move {
-                        let mut stopped = stopped;
-                        let _ = stopped.wait_for(|stop| *stop).await;
-                    }),
+                let consumer = Consumer::new(
+                    ConsumerConfig::new(rabbit.clone()),
+                    fold_pool.clone(),
+                    FlakyOnce {
+                        failed: Default::default(),
+                    },
                 );
+                let consumer = until_stopped(|stopped| consumer.run(stopped));
 
                 // Two requests of the host, traced: each span's context goes onto its intent.
                 // Both intents commit together, so the relay ships them in one batch: its
@@ -135,8 +128,7 @@ mod trace {
                     || async { fold.folded(&branch.tenant).await.unwrap().len() == 3 },
                 )
                 .await;
-                let _ = stop.send(true);
-                consumer.await.unwrap().unwrap();
+                consumer.stop().await.unwrap();
                 relay.shutdown().await;
 
                 provider.force_flush().unwrap();

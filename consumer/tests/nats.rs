@@ -84,10 +84,9 @@ async fn applied(pool: &PgPool) -> i64 {
         .unwrap()
 }
 
-/// A consumer of `group` running on its own task until stopped (`stop`) or killed (`abort`).
+/// A consumer of `group` running on its own task until stopped (`stop`) or killed (`kill`).
 struct Running {
-    stop: tokio::sync::watch::Sender<bool>,
-    task: tokio::task::JoinHandle<Result<FoldStats, broker::Error>>,
+    task: testkit::Running<Result<FoldStats, broker::Error>>,
     progress: consumer::ConsumerProgress,
 }
 
@@ -133,20 +132,12 @@ impl Running {
     {
         let consumer = Consumer::on_nats(config, pool, projection);
         let progress = consumer.progress();
-        let (stop, mut stopped) = tokio::sync::watch::channel(false);
-        let task = tokio::spawn(consumer.run(async move {
-            let _ = stopped.wait_for(|stop| *stop).await;
-        }));
-        Self {
-            stop,
-            task,
-            progress,
-        }
+        let task = testkit::until_stopped(|stopped| consumer.run(stopped));
+        Self { task, progress }
     }
 
     async fn stop(self) -> FoldStats {
-        self.stop.send(true).unwrap();
-        self.task.await.unwrap().unwrap()
+        self.task.stop().await.unwrap()
     }
 }
 

@@ -65,6 +65,71 @@ pub async fn delete_topology_at(url: &str, topology: &Topology) {
     let _ = connection.close(200, "deleted".into()).await;
 }
 
+/// What a task started by [`until_stopped`] awaits as its stop signal.
+pub type Stopped = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+/// A task that runs until told to stop (a consumer, say): [`Running::stop`] tells it and
+/// returns what it returned; dropping it aborts the task.
+#[derive(Debug)]
+pub struct Running<T> {
+    stop: tokio::sync::watch::Sender<bool>,
+    task: Option<tokio::task::JoinHandle<T>>,
+}
+
+/// Spawns `run` with a stop signal it awaits: `until_stopped(|stopped| consumer.run(stopped))`.
+pub fn until_stopped<F, Fut>(run: F) -> Running<Fut::Output>
+where
+    F: FnOnce(Stopped) -> Fut,
+    Fut: std::future::Future + Send + 'static,
+    Fut::Output: Send + 'static,
+{
+    let (stop, mut stopped) = tokio::sync::watch::channel(false);
+    let signal: Stopped = Box::pin(async move {
+        let _ = stopped.wait_for(|stop| *stop).await;
+    });
+    Running {
+        stop,
+        task: Some(tokio::spawn(run(signal))),
+    }
+}
+
+impl<T> Running<T> {
+    /// Tells the task to stop and waits for what it returns (a panic in it fails the test).
+    pub async fn stop(mut self) -> T {
+        let _ = self.stop.send(true);
+        let task = self.task.take().expect("stopped once");
+        task.await.expect("the task panicked")
+    }
+
+    /// Aborts the task (a process killed) without waiting for it to be gone.
+    pub fn abort(&self) {
+        if let Some(task) = &self.task {
+            task.abort();
+        }
+    }
+
+    /// Aborts the task (a process killed) and waits until it is gone.
+    pub async fn kill(mut self) {
+        if let Some(task) = self.task.take() {
+            task.abort();
+            let _ = task.await;
+        }
+    }
+
+    /// Whether the task ended on its own.
+    pub fn is_finished(&self) -> bool {
+        self.task.as_ref().is_none_or(|task| task.is_finished())
+    }
+}
+
+impl<T> Drop for Running<T> {
+    fn drop(&mut self) {
+        if let Some(task) = &self.task {
+            task.abort();
+        }
+    }
+}
+
 /// A new, empty database on `DATABASE_URL`'s server, named after `label`: its pool and URL.
 /// Dropped when the test process exits, whether its tests passed or failed (`store::scratch`).
 pub async fn empty_database(label: &str) -> (PgPool, String) {
@@ -75,6 +140,14 @@ pub async fn empty_database(label: &str) -> (PgPool, String) {
 pub async fn migrated_database(label: &str) -> (PgPool, String) {
     let (pool, url) = empty_database(label).await;
     store::migrate(&pool).await.expect("migrate");
+    (pool, url)
+}
+
+/// [`empty_database`] with the fold's schema only (`store::migrate_fold`): a consumer's own
+/// database.
+pub async fn fold_database(label: &str) -> (PgPool, String) {
+    let (pool, url) = empty_database(label).await;
+    store::migrate_fold(&pool).await.expect("migrate the fold");
     (pool, url)
 }
 

@@ -68,8 +68,7 @@ impl Projection for Log {
 
 /// A consumer's own database with the fold's tables and `batch_log`.
 async fn log_database(label: &str) -> PgPool {
-    let pool = bare_database(label).await;
-    distribution::store::migrate_fold(&pool).await.unwrap();
+    let (pool, _) = fold_database(label).await;
     sqlx::query(
         "CREATE TABLE batch_log (seq bigserial PRIMARY KEY, tenant text, run text, branch text,
                                  lsn bigint)",
@@ -143,13 +142,9 @@ async fn logged(pool: &PgPool, branch: &BranchKey) -> Vec<u64> {
     lsns.into_iter().map(|lsn| lsn as u64).collect()
 }
 
-type Running = (
-    tokio::sync::watch::Sender<bool>,
-    tokio::task::JoinHandle<FoldStats>,
-    distribution::consumer::ConsumerProgress,
-);
+type Started = (Running<FoldStats>, distribution::consumer::ConsumerProgress);
 
-fn start(config: &ConsumerConfig, pool: &PgPool, log: Log) -> Running {
+fn start(config: &ConsumerConfig, pool: &PgPool, log: Log) -> Started {
     start_observed(config, pool, log, |_| {})
 }
 
@@ -158,20 +153,12 @@ fn start_observed(
     pool: &PgPool,
     log: Log,
     observer: impl Fn(FoldStats) + Send + Sync + 'static,
-) -> Running {
-    let (stop, mut stopped) = tokio::sync::watch::channel(false);
+) -> Started {
     let consumer = Consumer::new(config.clone(), pool.clone(), log)
         .with_observer(move |_, stats| observer(stats));
     let progress = consumer.progress();
-    let task = tokio::spawn(async move {
-        consumer
-            .run(async move {
-                let _ = stopped.wait_for(|stop| *stop).await;
-            })
-            .await
-            .unwrap()
-    });
-    (stop, task, progress)
+    let running = until_stopped(|stopped| async move { consumer.run(stopped).await.unwrap() });
+    (running, progress)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -195,15 +182,14 @@ async fn a_poison_delivery_in_a_batch_is_dead_lettered_alone_and_the_rest_commit
             events: 64,
             ..FoldBatch::default()
         };
-        let (stop, task, progress) = start(&consumer, &fold, Log::default());
+        let (running, progress) = start(&consumer, &fold, Log::default());
         // 3 branches whole, the poisoned one up to 14; its 16..=30 wait behind the poison.
         wait_until("the batch folded", Duration::from_secs(60), || async {
             let totals = progress.totals();
             totals.applied == 3 * 30 + 14 && totals.rejected == 1 && totals.parked == 15
         })
         .await;
-        let _ = stop.send(true);
-        let stats = task.await.unwrap();
+        let stats = running.stop().await;
         assert!(
             stats.batches * 4 <= stats.applied,
             "deliveries are folded in batches: {stats:?}"
@@ -285,7 +271,7 @@ async fn batches_killed_inside_and_between_leave_the_fold_exact() {
                 .await
                 .unwrap();
             let (signal, mut signalled) = mpsc::unbounded_channel();
-            let (stop, task, _) = if kill % 2 == 0 {
+            let (running, _) = if kill % 2 == 0 {
                 // Inside a batch: its nth application never returns, the transaction open.
                 let nth = 1 + random.below(40);
                 let log = Log {
@@ -308,9 +294,7 @@ async fn batches_killed_inside_and_between_leave_the_fold_exact() {
                 .unwrap_or_else(|_| panic!("kill {kill} never came (seed {seed})"));
             // Killed: every partition task aborted, its transaction rolled back, its
             // connection closed, what it had not acked redelivered.
-            task.abort();
-            let _ = task.await;
-            drop(stop);
+            running.kill().await;
             own.close().await;
             // Nothing of it left on the broker (a subscription would hold its prefetch).
             let left = holds_within(Duration::from_secs(10), || async {
@@ -328,7 +312,7 @@ async fn batches_killed_inside_and_between_leave_the_fold_exact() {
                 "kill {kill} (seed {seed}): a killed consumer's subscription is still open after 10 s"
             );
         }
-        let (stop, task, _) = start(&consumer, &fold, Log::default());
+        let (running, _) = start(&consumer, &fold, Log::default());
         wait_until(
             "the whole history folded",
             Duration::from_secs(60),
@@ -341,8 +325,7 @@ async fn batches_killed_inside_and_between_leave_the_fold_exact() {
             },
         )
         .await;
-        let _ = stop.send(true);
-        task.await.unwrap();
+        running.stop().await;
         for branch in &branches {
             assert_eq!(
                 logged(&fold, branch).await,

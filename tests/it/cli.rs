@@ -284,8 +284,7 @@ fn the_printed_sql_builds_a_working_outbox() {
 #[test]
 fn group_reset_empties_the_projection_with_the_fold_or_refuses() {
     host_runtime().block_on(async {
-        let (pool, url) = empty_database("cli_group_reset").await;
-        store::migrate_fold(&pool).await.unwrap();
+        let (pool, url) = fold_database("cli_group_reset").await;
         sqlx::raw_sql(
             "CREATE TABLE orders (id int); INSERT INTO orders VALUES (1), (2);
              SELECT relay_fold_save_offset('relay.p0', 42);",

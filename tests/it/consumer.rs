@@ -149,8 +149,7 @@ impl Projection for Orders {
 
 /// A consumer's own database: the fold's tables (only) and the user's tables.
 async fn consumer_database(label: &str) -> PgPool {
-    let pool = bare_database(label).await;
-    distribution::store::migrate_fold(&pool).await.unwrap();
+    let (pool, _) = fold_database(label).await;
     sqlx::raw_sql(
         "CREATE TABLE order_events (seq bigserial PRIMARY KEY, tenant text, run text, branch text,
                                     lsn bigint, order_id text, action text,
@@ -170,25 +169,9 @@ async fn consumer_database(label: &str) -> PgPool {
     pool
 }
 
-fn start_consumer(
-    config: ConsumerConfig,
-    pool: &PgPool,
-    orders: &Orders,
-) -> (
-    tokio::sync::watch::Sender<bool>,
-    tokio::task::JoinHandle<FoldStats>,
-) {
-    let (stop, mut stopped) = tokio::sync::watch::channel(false);
+fn start_consumer(config: ConsumerConfig, pool: &PgPool, orders: &Orders) -> Running<FoldStats> {
     let consumer = Consumer::new(config, pool.clone(), orders.clone());
-    let task = tokio::spawn(async move {
-        consumer
-            .run(async move {
-                let _ = stopped.wait_for(|stop| *stop).await;
-            })
-            .await
-            .unwrap()
-    });
-    (stop, task)
+    until_stopped(|stopped| async move { consumer.run(stopped).await.unwrap() })
 }
 
 /// Host side of one run: the live history as the host sees it.
@@ -221,7 +204,7 @@ fn a_users_tables_hold_exactly_the_live_history_through_rewinds_crashes_and_kill
         consumer_config.rabbit.connect_timeout = Duration::from_secs(1);
         consumer_config.retry = RetryPolicy { min: Duration::from_millis(10), max: Duration::from_millis(200) };
         let orders = Orders::new(5);
-        let (mut stop_consumer, mut consumer) = start_consumer(consumer_config.clone(), &consumer_pool, &orders);
+        let mut consumer = start_consumer(consumer_config.clone(), &consumer_pool, &orders);
         // Two relays share the tenants; one of them crashes mid-run.
         let mut relay = Relay::start(config.clone()).await.unwrap();
         let other_relay = Relay::start(config.clone()).await.unwrap();
@@ -282,9 +265,8 @@ fn a_users_tables_hold_exactly_the_live_history_through_rewinds_crashes_and_kill
                 .unwrap();
             }
             if step == 25 {
-                consumer.abort(); // a consumer killed mid-stream: its transaction rolls back
-                let _ = consumer.await;
-                (stop_consumer, consumer) = start_consumer(consumer_config.clone(), &consumer_pool, &orders);
+                consumer.kill().await; // a consumer killed mid-stream: its transaction rolls back
+                consumer = start_consumer(consumer_config.clone(), &consumer_pool, &orders);
             }
         }
         let outbox = Outbox::new(pool.clone());
@@ -342,8 +324,7 @@ fn a_users_tables_hold_exactly_the_live_history_through_rewinds_crashes_and_kill
         );
         assert!(rewinds >= 6);
 
-        stop_consumer.send(true).unwrap();
-        let totals = consumer.await.unwrap();
+        let totals = consumer.stop().await;
         assert_eq!(totals.rejected, 0);
         assert!(totals.reconnects >= 1, "the consumer never lost the broker: {totals:?}");
         relay.shutdown().await;
@@ -426,7 +407,7 @@ fn poison_and_broken_chains_are_dead_lettered_and_the_partition_keeps_flowing() 
             max: Duration::from_millis(100),
         };
         let orders = Orders::new(0);
-        let (stop, consumer) = start_consumer(consumer_config, &consumer_pool, &orders);
+        let consumer = start_consumer(consumer_config, &consumer_pool, &orders);
         wait_until("good messages folded", Duration::from_secs(30), || async {
             let n: i64 = sqlx::query_scalar("SELECT count(*) FROM order_events")
                 .fetch_one(&consumer_pool)
@@ -435,8 +416,7 @@ fn poison_and_broken_chains_are_dead_lettered_and_the_partition_keeps_flowing() 
             n == 3
         })
         .await;
-        stop.send(true).unwrap();
-        let totals = consumer.await.unwrap();
+        let totals = consumer.stop().await;
         assert_eq!(totals.rejected, 3, "{totals:?}");
 
         // The dead-letter queue holds the three, each with its reason.
@@ -519,14 +499,8 @@ async fn consumers_killed_while_starting_leave_no_subscription_open() {
         declare_topology(&topology).await;
         // A consumer that ran to the end subscribes every partition (the count is right).
         let own = PgPool::connect_lazy(&url).unwrap();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let running = tokio::spawn(
-            Consumer::new(ConsumerConfig::new(rabbit.clone()), own.clone(), EventTable).run(
-                async {
-                    let _ = stopped.await;
-                },
-            ),
-        );
+        let consumer = Consumer::new(ConsumerConfig::new(rabbit.clone()), own.clone(), EventTable);
+        let running = until_stopped(|stopped| consumer.run(stopped));
         let all = u32::from(topology.partitions());
         wait_until(
             "every partition subscribed",
@@ -534,8 +508,7 @@ async fn consumers_killed_while_starting_leave_no_subscription_open() {
             || async { subscribers().await == all },
         )
         .await;
-        let _ = stop.send(());
-        running.await.unwrap().unwrap();
+        running.stop().await.unwrap();
         own.close().await;
         // Killed 40 times, 0 to 58 ms after it started.
         for attempt in 0..40u64 {

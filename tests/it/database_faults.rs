@@ -113,11 +113,8 @@ fn a_fold_whose_connection_is_lost_mid_call_is_retried_and_its_partition_flows()
             min: Duration::from_millis(20),
             max: Duration::from_millis(500),
         };
-        let (stop, mut stopped) = tokio::sync::watch::channel(false);
         let consumer = Consumer::new(consumer_config, consumer_pool, EventTable);
-        let running = tokio::spawn(consumer.run(async move {
-            let _ = stopped.wait_for(|stop| *stop).await;
-        }));
+        let running = until_stopped(|stopped| consumer.run(stopped));
         let fold = FoldStore::new(pool.clone());
         let branch = write_first_intent(&pool, "lostfold", b"first").await;
         let mut expected = Expected::new();
@@ -164,8 +161,7 @@ fn a_fold_whose_connection_is_lost_mid_call_is_retried_and_its_partition_flows()
         .await;
         assert_folded_exactly(&fold, &expected).await;
 
-        let _ = stop.send(true);
-        running.await.unwrap().unwrap();
+        running.stop().await.unwrap();
         relay.shutdown().await;
         drop_topology(&config.rabbit_config().unwrap().topology).await;
     });

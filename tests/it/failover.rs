@@ -18,14 +18,14 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use distribution::rabbit::DeadLetters;
-use distribution::store::{BranchKey, FoldStore, Lsn, Replication, TenantId, migrate_fold};
+use distribution::store::{BranchKey, FoldStore, Lsn, Replication, TenantId};
 use distribution::testing::BrokerProxy;
 use distribution::{Relay, RelayConfig, RelayHandle};
 use sqlx::{Connection, PgPool};
 
 use crate::harness::{
     Expected, Folding, amqp_url, assert_folded_exactly, declare_topology, drop_topology,
-    empty_database, relay_command, relay_config, unique, wait_until,
+    fold_database, relay_command, relay_config, unique, wait_until,
 };
 use crate::pg_pair::{PgPair, Postgres};
 
@@ -238,8 +238,7 @@ impl Rig {
         let proxy = BrokerProxy::start(&pair.url(pair.primary_port())).unwrap();
         let pool = PgPool::connect(&proxy.url()).await.unwrap();
         distribution::store::migrate(&pool).await.unwrap();
-        let (fold_pool, fold_url) = empty_database(&format!("{label}_fold")).await;
-        migrate_fold(&fold_pool).await.unwrap();
+        let (fold_pool, fold_url) = fold_database(&format!("{label}_fold")).await;
         let fold = FoldStore::new(fold_pool);
         let mut config = relay_config(&proxy.url(), &amqp_url(), &unique(label));
         config.replication = replication;

@@ -18,9 +18,9 @@ use futures_util::FutureExt;
 use sqlx::{PgConnection, PgPool};
 
 use crate::harness::{
-    Expected, Folding, Workload, amqp_url, assert_folded_exactly, bare_database, count,
-    declare_topology, drop_topology, folded_count, fresh_database, merge, pending, relay_config,
-    unique, wait_until,
+    Expected, Folding, Workload, amqp_url, assert_folded_exactly, count, declare_topology,
+    drop_topology, fold_database, folded_count, fresh_database, merge, pending, relay_config,
+    unique, until_stopped, wait_until,
 };
 
 /// Keeps every applied event with its metadata; undoes above a rewind's fork.
@@ -152,8 +152,7 @@ async fn typed_steps(
 }
 
 async fn group_database(label: &str) -> PgPool {
-    let pool = bare_database(label).await;
-    store::migrate_fold(&pool).await.unwrap();
+    let (pool, _) = fold_database(label).await;
     sqlx::raw_sql(
         "CREATE TABLE seen (tenant text, run text, branch text, lsn bigint, payload bytea, meta jsonb,
                             PRIMARY KEY (tenant, run, branch, lsn))",
@@ -197,15 +196,12 @@ async fn groups_each_fold_their_share_of_one_history_exactly_once() {
             declare_topology(topology).await;
         }
         let folds: Vec<FoldStore> = [
-            bare_database("groupsproj").await,
-            bare_database("groupssearch").await,
+            fold_database("groupsproj").await.0,
+            fold_database("groupssearch").await.0,
         ]
         .into_iter()
         .map(FoldStore::new)
         .collect();
-        for fold in &folds {
-            store::migrate_fold(fold.pool()).await.unwrap();
-        }
         let billing_db = group_database("groupsbilling").await;
         let rabbit_of = |group: &Group| {
             let mut rabbit = base.clone();
@@ -218,13 +214,8 @@ async fn groups_each_fold_their_share_of_one_history_exactly_once() {
         ];
         let mut billing_config = ConsumerConfig::new(rabbit_of(&billing));
         billing_config.event_types = Some(BTreeSet::from([EventType::new("order.paid").unwrap()]));
-        let (stop_billing, stopped) = tokio::sync::watch::channel(false);
-        let billing_consumer = tokio::spawn(
-            Consumer::new(billing_config, billing_db.clone(), WithMetadata).run(async move {
-                let mut stopped = stopped;
-                let _ = stopped.wait_for(|stop| *stop).await;
-            }),
-        );
+        let billing_consumer = Consumer::new(billing_config, billing_db.clone(), WithMetadata);
+        let billing_consumer = until_stopped(|stopped| billing_consumer.run(stopped));
 
         // Untyped history with rewinds, written while no relay runs (so the rewinds abandon).
         let mut workload = Workload::new("grp", 3, 2, 12);
@@ -339,8 +330,7 @@ async fn groups_each_fold_their_share_of_one_history_exactly_once() {
         for folding in folding {
             folding.stop().await;
         }
-        let _ = stop_billing.send(true);
-        billing_consumer.await.unwrap().unwrap();
+        billing_consumer.stop().await.unwrap();
     })
     .catch_unwind()
     .await;

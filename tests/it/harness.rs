@@ -17,8 +17,8 @@ use distribution::{RelayConfig, RelayHandle};
 use sqlx::PgPool;
 #[allow(unused_imports)] // each test binary that includes the harness uses some
 pub use testkit::{
-    amqp_url, declare_topology_at, delete_topology_at as drop_topology_at, empty_database,
-    free_addr, holds_within, unique, wait_until,
+    Running, amqp_url, declare_topology_at, delete_topology_at as drop_topology_at, empty_database,
+    fold_database, free_addr, holds_within, unique, until_stopped, wait_until,
 };
 
 /// Name prefix of the host's executor threads: the broker client must never run on them.
@@ -475,14 +475,12 @@ pub async fn oldest_pending(
 /// Fold consumers on every partition of the real broker, until stopped: the project's own
 /// projection ([`FoldStore`]'s `EventTable`), reconnecting quickly (20-500 ms).
 pub struct Folding {
-    stop: tokio::sync::watch::Sender<bool>,
-    task: Option<tokio::task::JoinHandle<FoldStats>>,
+    running: Running<FoldStats>,
     pub progress: ConsumerProgress,
 }
 
 impl Folding {
     pub fn start(rabbit: RabbitConfig, fold: &FoldStore) -> Self {
-        let (stop, mut stopped) = tokio::sync::watch::channel(false);
         let mut config = ConsumerConfig::new(rabbit);
         config.retry = RetryPolicy {
             min: Duration::from_millis(20),
@@ -490,29 +488,20 @@ impl Folding {
         };
         let consumer = Consumer::new(config, fold.pool().clone(), EventTable);
         let progress = consumer.progress();
-        let task = tokio::spawn(async move {
-            let stopped = async move {
-                let _ = stopped.wait_for(|stop| *stop).await;
-            };
-            consumer.run(stopped).await.expect("fold consumer")
-        });
-        Self {
-            stop,
-            task: Some(task),
-            progress,
-        }
+        let running =
+            until_stopped(
+                |stopped| async move { consumer.run(stopped).await.expect("fold consumer") },
+            );
+        Self { running, progress }
     }
 
     pub fn totals(&self) -> FoldStats {
         self.progress.totals()
     }
 
-    pub async fn stop(mut self) -> FoldStats {
-        let _ = self.stop.send(true);
-        if let Some(task) = self.task.take() {
-            task.await.unwrap();
-        }
-        self.totals()
+    pub async fn stop(self) -> FoldStats {
+        self.running.stop().await;
+        self.progress.totals()
     }
 }
 
@@ -602,8 +591,7 @@ pub struct PickyConsumer {
     /// Cleared, the handler takes poison too (the bug is fixed).
     pub refusing: Arc<std::sync::atomic::AtomicBool>,
     pub progress: distribution::consumer::ConsumerProgress,
-    stop: tokio::sync::oneshot::Sender<()>,
-    consuming: tokio::task::JoinHandle<Result<FoldStats, distribution::broker::Error>>,
+    consuming: Running<Result<FoldStats, distribution::broker::Error>>,
 }
 
 impl PickyConsumer {
@@ -617,14 +605,10 @@ impl PickyConsumer {
             },
         );
         let progress = consumer.progress();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let consuming = tokio::spawn(consumer.run(async {
-            let _ = stopped.await;
-        }));
+        let consuming = until_stopped(|stopped| consumer.run(stopped));
         Self {
             refusing,
             progress,
-            stop,
             consuming,
         }
     }
@@ -637,8 +621,7 @@ impl PickyConsumer {
 
     /// Stops it; panics if it failed.
     pub async fn stop(self) {
-        let _ = self.stop.send(());
-        self.consuming.await.unwrap().unwrap();
+        self.consuming.stop().await.unwrap();
     }
 }
 

@@ -1092,10 +1092,7 @@ async fn the_fold_holds_exactly_the_live_history_through(
     group.retry.max = Duration::from_millis(500);
     let relay = Relay::start(config).await.unwrap();
     let consumer = Consumer::on_nats(group, fold_pool.clone(), EventTable);
-    let (stop, mut stopped) = tokio::sync::watch::channel(false);
-    let folding = tokio::spawn(consumer.run(async move {
-        let _ = stopped.wait_for(|stop| *stop).await;
-    }));
+    let folding = until_stopped(|stopped| consumer.run(stopped));
     let fold = FoldStore::new(fold_pool.clone());
 
     let mut workload = Workload::new(label, 4, 2, 40);
@@ -1121,8 +1118,7 @@ async fn the_fold_holds_exactly_the_live_history_through(
     ran = workload.steps(&pool, ran.live, 241..=260).await;
     merge(&mut all, &ran.expected);
     until_folded_exactly(&fold, &all, "the live history folded").await;
-    let _ = stop.send(true);
-    let stats = folding.await.unwrap().unwrap();
+    let stats = folding.stop().await.unwrap();
     println!("{label}: {stats:?}");
     assert_eq!(stats.rejected, 0, "{stats:?}");
     relay.shutdown().await;
@@ -1200,10 +1196,7 @@ fn nats_dead_letters_are_listed_shown_replayed_and_purged_by_the_cli() {
         group.retry.max = Duration::from_millis(300);
         let consumer = Consumer::on_nats(group, fold_pool.clone(), EventTable);
         let progress = consumer.progress();
-        let (stop, mut stopped) = tokio::sync::watch::channel(false);
-        let folding = tokio::spawn(consumer.run(async move {
-            let _ = stopped.wait_for(|stop| *stop).await;
-        }));
+        let folding = until_stopped(|stopped| consumer.run(stopped));
 
         let branch = testkit::branch("dead-cli", "run-1", "main");
         let mut events = testkit::intents(&branch, &[1, 2, 3, 4, 5]);
@@ -1365,8 +1358,7 @@ fn nats_dead_letters_are_listed_shown_replayed_and_purged_by_the_cli() {
             1,
             "another group's letter stays"
         );
-        let _ = stop.send(true);
-        let stats = folding.await.unwrap().unwrap();
+        let stats = folding.stop().await.unwrap();
         assert_eq!(stats.applied, 5, "{stats:?}");
         distribution::nats::scratch::delete_stream(&testkit::nats_url(), &stream).await;
     });

@@ -732,10 +732,7 @@ async fn nats_partitions(on_2_10: bool, length: Duration) {
     group.retry.max = Duration::from_millis(500);
     let consumer = Consumer::on_nats(group, fold_pool.clone(), EventTable);
     let progress = consumer.progress();
-    let (stop, mut stopped) = tokio::sync::watch::channel(false);
-    let folding = tokio::spawn(consumer.run(async move {
-        let _ = stopped.wait_for(|stop| *stop).await;
-    }));
+    let folding = until_stopped(|stopped| consumer.run(stopped));
     let fold = FoldStore::new(fold_pool.clone());
     let outbox = Outbox::new(pool.clone());
 
@@ -916,8 +913,7 @@ async fn nats_partitions(on_2_10: bool, length: Duration) {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     assert_folded_exactly(&fold, &all).await;
-    let _ = stop.send(true);
-    let stats = folding.await.unwrap().unwrap();
+    let stats = folding.stop().await.unwrap();
     println!("the group: {stats:?}");
     assert_eq!(stats.rejected, 0, "{stats:?}");
     relay.shutdown().await;

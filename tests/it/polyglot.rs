@@ -16,8 +16,8 @@ use sqlx::PgPool;
 use tokio::process::{Child, Command};
 
 use crate::harness::{
-    amqp_url, declare_topology, drop_topology, empty_database, fresh_database, relay_config,
-    unique, wait_until,
+    amqp_url, declare_topology, drop_topology, fold_database, fresh_database, relay_config, unique,
+    wait_until,
 };
 
 fn example(name: &str) -> PathBuf {
@@ -175,8 +175,7 @@ async fn a_typescript_host_and_a_python_consumer_get_exactly_the_live_history() 
     let host = typescript_host().await;
     let script = python_consumer().await;
     let (pool, url) = fresh_database("polyglot").await;
-    let (fold_pool, fold_url) = empty_database("polyglot_fold").await;
-    distribution::store::migrate_fold(&fold_pool).await.unwrap();
+    let (fold_pool, fold_url) = fold_database("polyglot_fold").await;
     let topology = unique("polyglot");
     let config = relay_config(&url, &amqp_url(), &topology);
     let rabbit = config.rabbit_config().unwrap();
@@ -380,8 +379,7 @@ async fn the_relay_and_both_examples_run_under_least_privilege_roles() {
     let host = typescript_host().await;
     let script = python_consumer().await;
     let (pool, url) = fresh_database("roles").await;
-    let (fold_pool, fold_url) = empty_database("roles_fold").await;
-    distribution::store::migrate_fold(&fold_pool).await.unwrap();
+    let (fold_pool, fold_url) = fold_database("roles_fold").await;
     let (host_role, relay_role, consumer_role) =
         (unique("rhost"), unique("rrelay"), unique("rconsumer"));
     let all_roles = [host_role.clone(), relay_role.clone(), consumer_role.clone()];
@@ -540,8 +538,7 @@ async fn a_typescript_host_and_a_python_consumer_on_nats_get_exactly_the_live_hi
     let host = typescript_host().await;
     let script = python_consumer().await;
     let (pool, url) = fresh_database("polyglot_nats").await;
-    let (fold_pool, fold_url) = empty_database("polyglot_nats_fold").await;
-    distribution::store::migrate_fold(&fold_pool).await.unwrap();
+    let (fold_pool, fold_url) = fold_database("polyglot_nats_fold").await;
     let stream = distribution::nats::scratch::unique_stream("polyglot");
     let mut config = relay_config(&url, "", &stream);
     config.broker = distribution::BrokerKind::Nats;

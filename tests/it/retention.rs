@@ -16,8 +16,8 @@ use store::{
 };
 
 use crate::harness::{
-    Expected, amqp_url, assert_folded_exactly, declare_topology, drop_topology, empty_database,
-    fresh_database, relay_config, unique, wait_until,
+    Expected, amqp_url, assert_folded_exactly, declare_topology, drop_topology, fold_database,
+    fresh_database, relay_config, unique, until_stopped, wait_until,
 };
 
 /// The project's event table, and a row per run the fold said has ended (a second end of one
@@ -158,8 +158,7 @@ async fn host(pool: &PgPool, tenants: usize) -> Expected {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn closed_runs_are_retired_on_both_sides_while_open_runs_go_on() {
     let (pool, url) = fresh_database("retention").await;
-    let (fold_pool, _) = empty_database("retention_fold").await;
-    store::migrate_fold(&fold_pool).await.unwrap();
+    let (fold_pool, _) = fold_database("retention_fold").await;
     sqlx::query("CREATE TABLE ended_runs (tenant text, run text, PRIMARY KEY (tenant, run))")
         .execute(&fold_pool)
         .await
@@ -179,10 +178,7 @@ async fn closed_runs_are_retired_on_both_sides_while_open_runs_go_on() {
         consumer_config.retention = Some(Retention::new(Duration::from_secs(3)));
         let consumer = Consumer::new(consumer_config, fold_pool.clone(), WithEnds);
         let progress = consumer.progress();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let consuming = tokio::spawn(consumer.run(async {
-            let _ = stopped.await;
-        }));
+        let consuming = until_stopped(|stopped| consumer.run(stopped));
 
         let expected = host(&pool, tenants).await;
 
@@ -222,8 +218,7 @@ async fn closed_runs_are_retired_on_both_sides_while_open_runs_go_on() {
             .await
             .unwrap();
 
-        let _ = stop.send(());
-        consuming.await.unwrap().unwrap();
+        consuming.stop().await.unwrap();
         relay.shutdown().await;
     })
     .catch_unwind()

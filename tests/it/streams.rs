@@ -11,16 +11,16 @@ use distribution::RelayConfig;
 use distribution::broker::{Group, Partition};
 use distribution::consumer::{Consumer, ConsumerConfig, FoldStats};
 use distribution::rabbit::{QueueType, RabbitConfig, StreamRetention, Topology};
-use distribution::store::{self, EventTable, FoldStore, Outbox};
+use distribution::store::{EventTable, FoldStore, Outbox};
 use distribution::{Relay, broker};
 use futures_util::FutureExt;
 use lapin::options::QueueDeleteOptions;
 use sqlx::PgPool;
 
 use crate::harness::{
-    Expected, Folding, HostRuntime, Workload, amqp_url, assert_folded_exactly, count,
-    declare_topology, drop_topology, empty_database, folded_count, fresh_database, merge, pending,
-    relay_config, unique, wait_until,
+    Expected, Folding, HostRuntime, Running, Workload, amqp_url, assert_folded_exactly, count,
+    declare_topology, drop_topology, fold_database, folded_count, fresh_database, merge, pending,
+    relay_config, unique, until_stopped, wait_until,
 };
 
 /// A relay configuration on stream partitions.
@@ -42,9 +42,8 @@ fn as_group(base: &RabbitConfig, group: &str) -> RabbitConfig {
 }
 
 /// A group's own fold database: its store and URL.
-async fn fold_database(label: &str) -> (FoldStore, String) {
-    let (pool, url) = empty_database(label).await;
-    store::migrate_fold(&pool).await.unwrap();
+async fn fold_store(label: &str) -> (FoldStore, String) {
+    let (pool, url) = fold_database(label).await;
     (FoldStore::new(pool), url)
 }
 
@@ -54,9 +53,8 @@ const REPLAYING: &str = "stream-replay";
 /// A consumer of `rabbit` folding into the event table of the database at `url`, on a pool of
 /// its own, until stopped (or killed).
 struct Replaying {
-    stop: tokio::sync::watch::Sender<bool>,
     progress: distribution::consumer::ConsumerProgress,
-    task: tokio::task::JoinHandle<Result<FoldStats, broker::Error>>,
+    task: Running<Result<FoldStats, broker::Error>>,
     pool: PgPool,
 }
 
@@ -82,12 +80,8 @@ impl Replaying {
             .unwrap();
         let consumer = Consumer::new(config, pool.clone(), EventTable);
         let progress = consumer.progress();
-        let (stop, mut stopped) = tokio::sync::watch::channel(false);
-        let task = tokio::spawn(consumer.run(async move {
-            let _ = stopped.wait_for(|stop| *stop).await;
-        }));
+        let task = until_stopped(|stopped| consumer.run(stopped));
         Self {
-            stop,
             progress,
             task,
             pool,
@@ -99,15 +93,13 @@ impl Replaying {
     }
 
     async fn stop(self) -> FoldStats {
-        let _ = self.stop.send(true);
-        self.task.await.unwrap().unwrap()
+        self.task.stop().await.unwrap()
     }
 
     /// Kills it: every partition task is dropped wherever it is, mid-fold included. Returns
     /// once its database sessions are gone (a commit it had sent has landed, or never will).
     async fn kill(self) {
-        self.task.abort();
-        let _ = self.task.await;
+        self.task.kill().await;
         self.pool.close().await;
         let admin = sqlx::postgres::PgPoolOptions::new()
             .max_connections(1)
@@ -182,7 +174,7 @@ async fn a_group_created_after_the_history_replays_it_into_the_same_projection_b
     let base = config.rabbit_config().unwrap();
     let outcome = std::panic::AssertUnwindSafe(async {
         declare_topology(&base.topology).await;
-        let (live_fold, _) = fold_database("streamslive").await;
+        let (live_fold, _) = fold_store("streamslive").await;
         let live = Folding::start(as_group(&base, "live"), &live_fold);
         let mut workload = Workload::new("str", 4, 5, 500);
         workload.rewind = true;
@@ -204,7 +196,7 @@ async fn a_group_created_after_the_history_replays_it_into_the_same_projection_b
         assert_folded_exactly(&live_fold, &expected).await;
 
         // A group that did not exist while all of it was published.
-        let (replay_fold, replay_url) = fold_database("streamsreplay").await;
+        let (replay_fold, replay_url) = fold_store("streamsreplay").await;
         let replay = as_group(&base, "replay");
         let first = Replaying::start(&replay, &replay_url).await;
         let total = count(&expected) as u64;
@@ -281,7 +273,7 @@ async fn a_silent_partition_subscribes_again_where_the_fold_expects_body() {
     let base = config.rabbit_config().unwrap();
     let outcome = std::panic::AssertUnwindSafe(async {
         declare_topology(&base.topology).await;
-        let (fold, fold_url) = fold_database("streamsquietfold").await;
+        let (fold, fold_url) = fold_store("streamsquietfold").await;
         let group = as_group(&base, "quiet");
         let consumer = Replaying::start_with(&group, &fold_url, Duration::from_millis(100)).await;
         let relay = Relay::start(config.clone()).await.unwrap();
@@ -346,8 +338,8 @@ async fn retention_leaves_a_live_group_alone_and_stops_a_group_whose_offset_fell
     let base = config.rabbit_config().unwrap();
     let outcome = std::panic::AssertUnwindSafe(async {
         declare_topology(&base.topology).await;
-        let (live_fold, _) = fold_database("streamsretlive").await;
-        let (late_fold, late_url) = fold_database("streamsretlate").await;
+        let (live_fold, _) = fold_store("streamsretlive").await;
+        let (late_fold, late_url) = fold_store("streamsretlate").await;
         let live = Folding::start(as_group(&base, "live"), &live_fold);
         let late = Replaying::start(&as_group(&base, "late"), &late_url).await;
         let relay = Relay::start(config.clone()).await.unwrap();

@@ -142,7 +142,8 @@ pub struct RelayConfig {
     /// Publish only what is durable where this says (a failover keeps it): off, `local` (this
     /// server's disk), `sync` (every synchronous standby) or `all` (every streaming standby).
     /// (`sync` on a server naming no synchronous standby: its disk.) Env
-    /// `RELAY_PUBLISH_REPLICATED`; default off. docs/operations.md, "Replication".
+    /// `RELAY_PUBLISH_REPLICATED`; default off. docs/operations.md, "Failover of the outbox's
+    /// database".
     pub replication: store::Replication,
     /// Longest wait for it after each drain; then the rows wait and are drained again. Env
     /// `RELAY_PUBLISH_REPLICATED_TIMEOUT_MS`; default 1000.

@@ -139,7 +139,7 @@ pub enum FoldError<E> {
 }
 
 /// What `relay_fold` says of a delivery or of an intent it releases (its `action` column;
-/// WIRE.md, "The fold").
+/// docs/sql-api.md, the table of actions under "Consuming").
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Action {
     Apply,

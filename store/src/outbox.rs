@@ -222,7 +222,7 @@ pub struct RelayShare {
 }
 
 /// Where a drained row must be durable before the relay may publish it
-/// (`RELAY_PUBLISH_REPLICATED`; docs/operations.md, "Replication").
+/// (`RELAY_PUBLISH_REPLICATED`; docs/operations.md, "Failover of the outbox's database").
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Replication {
     /// Wherever its commit put it (the default).

@@ -332,7 +332,7 @@ async fn metadata_round_trips_through_the_outbox(pool: PgPool) {
     assert_eq!(nulls, 1, "an intent without metadata stores none");
 }
 
-/// WIRE.md, "Metadata": through `relay_append`, `{}` and `{"headers": {}}` are no metadata
+/// docs/sql-api.md, "Writing" (its Metadata table): through `relay_append`, `{}` and `{"headers": {}}` are no metadata
 /// (drained as none), and a header's empty value is accepted and kept.
 #[sqlx::test(migrator = "store::MIGRATOR")]
 async fn empty_metadata_is_none_and_an_empty_header_value_is_kept(pool: PgPool) {

@@ -229,7 +229,7 @@ async fn retirement_removes_exactly_the_closed_and_shipped_runs(pool: PgPool) {
         .append(&mut conn, &key("t", "open", "main"), Lsn::new(3), b"3")
         .await
         .unwrap();
-    // A retired run's id is free again (ids must not be reused: see docs/guide.md).
+    // A retired run's id is free again (ids must not be reused: see docs/sql-api.md, "Runs end").
     let after = writer()
         .append(&mut conn, &key("t", "old2", "main"), Lsn::new(3), b"3")
         .await;

@@ -46,14 +46,9 @@ pub struct ConsoleSettings {
     // database's side only.
     #[command(flatten)]
     broker: distribution::BrokerArgs,
-    /// Consumer groups whose dead letters are shown (as the relay's RELAY_GROUPS).
-    #[arg(
-        long,
-        env = "RELAY_GROUPS",
-        default_value = "default",
-        value_delimiter = ','
-    )]
-    groups: Vec<String>,
+    /// Consumer groups whose dead letters are shown (as the relay's).
+    #[command(flatten)]
+    groups: distribution::GroupsArgs,
     /// How the topology's queues are declared (as the relay's settings).
     #[command(flatten)]
     queues: distribution::QueueSettings,
@@ -82,18 +77,17 @@ impl ConsoleSettings {
             return Ok(Vec::new());
         }
         self.groups
+            .parse()?
             .iter()
-            .map(|group| group.trim())
-            .filter(|group| !group.is_empty() && *group != "none")
             .map(|group| {
                 let broker = Broker {
                     place: self.broker.clone(),
-                    group: group.to_owned(),
+                    group: group.name().to_owned(),
                     queues: self.queues.clone(),
                 }
                 .group_broker()
                 .with_context(|| format!("RELAY_GROUPS: {group}"))?;
-                Ok((group.to_owned(), broker))
+                Ok((group.name().to_owned(), broker))
             })
             .collect()
     }

@@ -94,14 +94,9 @@ enum Command {
         // The broker whose dead letters are counted; without its URL they are not shown.
         #[command(flatten)]
         broker: distribution::BrokerArgs,
-        /// Consumer groups whose dead letters are counted (as the relay's `RELAY_GROUPS`).
-        #[arg(
-            long,
-            env = "RELAY_GROUPS",
-            default_value = "default",
-            value_delimiter = ','
-        )]
-        groups: Vec<String>,
+        /// Consumer groups whose dead letters are counted (as the relay's).
+        #[command(flatten)]
+        groups: distribution::GroupsArgs,
     },
     /// A group's dead letters (RabbitMQ: the queue `<topology>.dead`; NATS: the stream
     /// `<topology>_dead`): what consumers could not fold.

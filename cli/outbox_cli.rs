@@ -153,7 +153,7 @@ pub(crate) async fn retire(
 pub(crate) async fn status(
     database: &Database,
     broker: distribution::BrokerArgs,
-    groups: Vec<String>,
+    groups: distribution::GroupsArgs,
 ) -> Result<()> {
     let outbox = Outbox::new(connect(&database.database_url, database.schema.as_ref()).await?);
     let backlog = outbox
@@ -197,10 +197,8 @@ pub(crate) async fn status(
         return Ok(());
     }
     let mut unanswered = Vec::new();
-    for group in groups.iter().map(|group| group.trim()) {
-        if group == "none" {
-            continue;
-        }
+    for group in groups.parse()? {
+        let group = group.name();
         let kept = dead_cli::Broker {
             place: broker.clone(),
             group: group.to_owned(),

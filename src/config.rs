@@ -9,7 +9,7 @@ use supervisor::SupervisorConfig;
 
 mod bounds;
 mod settings;
-pub use settings::{BrokerArgs, QueueSettings, Settings, unknown_relay_variables};
+pub use settings::{BrokerArgs, GroupsArgs, QueueSettings, Settings, unknown_relay_variables};
 
 /// A configuration value that cannot be used. One readable line, naming the variable.
 #[derive(Debug, thiserror::Error)]

@@ -27,6 +27,7 @@ pub use broker;
 pub use config::BrokerArgs;
 pub use config::BrokerKind;
 pub use config::ConfigError;
+pub use config::GroupsArgs;
 pub use config::QueueSettings;
 pub use config::RelayConfig;
 pub use config::Settings;

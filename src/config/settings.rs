@@ -111,15 +111,9 @@ pub struct Settings {
     /// Queue type, stream retention and the quorum delivery limit.
     #[command(flatten)]
     pub queues: QueueSettings,
-    /// Consumer groups whose queues the relay declares (comma-separated; `default`: the
-    /// unnamed group's `<topology>.p<N>`; `none`: the exchange only).
-    #[arg(
-        long,
-        env = "RELAY_GROUPS",
-        default_value = "default",
-        value_delimiter = ','
-    )]
-    pub groups: Vec<String>,
+    /// Consumer groups whose queues the relay declares.
+    #[command(flatten)]
+    pub groups: GroupsArgs,
     /// Also write CloudEvents attributes (binary content mode): `true` as each binding names
     /// them (`cloudEvents_*` headers on RabbitMQ, `ce-*` on NATS), `colon` as `cloudEvents:*`
     /// (the AMQP binding's first prefix; RabbitMQ only).
@@ -247,23 +241,42 @@ pub struct Settings {
     pub retention_secs: Option<u64>,
 }
 
-/// `RELAY_GROUPS`: `none`, or group names.
-fn groups(names: &[String]) -> Result<Vec<broker::Group>, ConfigError> {
-    if let [only] = names
-        && only.trim() == "none"
-    {
-        return Ok(Vec::new());
-    }
-    names
-        .iter()
-        .map(|name| {
-            broker::Group::parse(name.trim()).map_err(|err| ConfigError::Invalid {
-                var: "RELAY_GROUPS",
-                value: names.join(","),
-                reason: err.to_string(),
+/// `RELAY_GROUPS`, read one way by the relay (whose queues it declares) and by the commands
+/// that show the groups' dead letters (`status`, `console`).
+#[derive(Clone, Debug, clap::Args)]
+pub struct GroupsArgs {
+    /// Consumer groups (comma-separated; `default`: the unnamed group's `<topology>.p<N>`;
+    /// `none`: no group, the exchange only).
+    #[arg(
+        long,
+        env = "RELAY_GROUPS",
+        default_value = "default",
+        value_delimiter = ','
+    )]
+    pub groups: Vec<String>,
+}
+
+impl GroupsArgs {
+    /// The groups named: none for `none`; a name that is not a group's is refused, naming
+    /// `RELAY_GROUPS`.
+    pub fn parse(&self) -> Result<Vec<broker::Group>, ConfigError> {
+        let names = &self.groups;
+        if let [only] = &names[..]
+            && only.trim() == "none"
+        {
+            return Ok(Vec::new());
+        }
+        names
+            .iter()
+            .map(|name| {
+                broker::Group::parse(name.trim()).map_err(|err| ConfigError::Invalid {
+                    var: "RELAY_GROUPS",
+                    value: names.join(","),
+                    reason: err.to_string(),
+                })
             })
-        })
-        .collect()
+            .collect()
+    }
 }
 
 /// How the topology's queues are declared: the relay's, and the commands' that declare or
@@ -369,7 +382,7 @@ impl Settings {
         config.topology = topology;
         config.partitions = partitions;
         self.queues.apply(&mut config)?;
-        config.groups = groups(&self.groups)?;
+        config.groups = self.groups.parse()?;
         config.wire_mode = match self.cloudevents {
             CloudEventsSetting::False => broker::WireMode::Plain,
             CloudEventsSetting::True => broker::WireMode::CloudEvents,

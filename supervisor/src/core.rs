@@ -24,12 +24,14 @@ use crate::waiting::Waiting;
 
 mod drainers;
 mod leases;
+mod notes;
 mod publishers;
 mod shutdown;
 use actors::Timers;
 pub(crate) use leases::LeaseCall;
 pub use leases::{LeaseConfig, LeasesAt};
 use leases::{LeaseStage, Leases};
+pub(crate) use notes::Note;
 
 /// What the core needs of a running child: an id to recognise its end by.
 pub(crate) trait Handle: Clone + std::fmt::Debug {
@@ -184,6 +186,8 @@ pub(crate) struct Core<H: Handle> {
     timers: Timers<Timer>,
     phase: Phase,
     commands: VecDeque<Command<H>>,
+    /// What to tell an operator, for the actor to record ([`Core::poll_note`]).
+    notes: VecDeque<Note>,
     check: CheckState,
 }
 
@@ -222,6 +226,7 @@ impl<H: Handle> Core<H> {
             timers: Timers::default(),
             phase: Phase::Running,
             commands: VecDeque::new(),
+            notes: VecDeque::new(),
             check: CheckState::Ready,
         };
         for slot in 0..core.publishers.len() {
@@ -234,6 +239,12 @@ impl<H: Handle> Core<H> {
     /// The next thing to do.
     pub(crate) fn poll(&mut self) -> Option<Command<H>> {
         self.commands.pop_front()
+    }
+
+    /// The next thing to tell an operator (a log line, a metric). The actor takes them all
+    /// after each event, so they never pile up.
+    pub(crate) fn poll_note(&mut self) -> Option<Note> {
+        self.notes.pop_front()
     }
 
     /// When [`Core::handle_timeout`] is next due.
@@ -352,15 +363,14 @@ impl<H: Handle> Core<H> {
         if self.phase != Phase::Running {
             return;
         }
-        metrics::counter!("relay_publisher_restarts_total", "shard" => shard.0.to_string())
-            .increment(1);
         let delay = slot.backoff.next_delay();
         let failures = slot.backoff.failures();
-        if broker::warn_worthy(failures) {
-            tracing::warn!(shard = shard.0, failures, retry_in_ms = delay.as_millis() as u64, reason = %why, "publisher down; restarting");
-        } else {
-            tracing::debug!(shard = shard.0, failures, reason = %why, "publisher down; restarting");
-        }
+        self.notes.push_back(Note::PublisherRestarting {
+            shard,
+            failures,
+            retry_in: delay,
+            reason: why.to_owned(),
+        });
         self.timers.set(Timer::RespawnPublisher(shard), now + delay);
         self.check_broker_later(delay, now);
     }

@@ -1,5 +1,5 @@
 //! The lease keeper: the task beside the supervisor that runs its core's lease calls against
-//! PostgreSQL, and the poller that finds tenants with pending intents.
+//! PostgreSQL (the poller beside it, `poller`, finds tenants with pending intents).
 //!
 //! The keeper decides nothing: the core's [`store::LeaseBook`] (in `core/leases.rs`) owns which
 //! buckets this relay holds and when to renew, claim, hand over and release; the keeper runs each
@@ -20,11 +20,8 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use ractor::ActorRef;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use store::{LeaseStore, Outbox, RelayId, Sightings};
-
-use tokio::sync::{Notify, mpsc};
+use store::{LeaseStore, RelayId, Sightings};
+use tokio::sync::mpsc;
 
 use crate::core::{LeaseCall, LeaseConfig, LeasesAt};
 use crate::messages::SupervisorMessage;
@@ -32,18 +29,18 @@ use crate::messages::SupervisorMessage;
 /// One kind of call's failures in a row: logged at WARN the 1st, 2nd, 4th, 8th... time, else
 /// at DEBUG, and its recovery once.
 #[derive(Debug)]
-struct Failures {
+pub(crate) struct Failures {
     what: &'static str,
     count: u64,
 }
 
 impl Failures {
-    fn new(what: &'static str) -> Self {
+    pub(crate) fn new(what: &'static str) -> Self {
         Self { what, count: 0 }
     }
 
     /// The call's value, or `None` after logging its failure.
-    fn seen<T>(&mut self, result: Result<T, String>) -> Option<T> {
+    pub(crate) fn seen<T>(&mut self, result: Result<T, String>) -> Option<T> {
         let what = self.what;
         match result {
             Ok(value) => {
@@ -66,7 +63,8 @@ impl Failures {
     }
 }
 
-async fn within<T>(
+/// A store call under `limit`: its error, or "no answer within", as text for the log.
+pub(crate) async fn within<T>(
     limit: Duration,
     call: impl Future<Output = Result<T, store::Error>>,
 ) -> Result<T, String> {
@@ -203,43 +201,6 @@ fn next(queue: &mut VecDeque<KeeperCall>) -> Option<KeeperCall> {
         }
     }
     Some(call)
-}
-
-/// Polls the tenants with pending intents every `interval` (or at once when `early` fires)
-/// and hands them to the supervisor, which drains those in buckets it holds. Ends with the
-/// supervisor.
-pub(crate) async fn poll_pending(
-    outbox: Outbox,
-    supervisor: ActorRef<SupervisorMessage>,
-    interval: Duration,
-    early: Arc<Notify>,
-    busy: Arc<AtomicBool>,
-) {
-    let limit = interval.max(Duration::from_secs(5));
-    let mut failures = Failures::new("pending-tenant poll");
-    loop {
-        // Backpressure: no new batch before the supervisor handled the last one, so a slow
-        // supervisor never finds a queue of stale polls in its mailbox.
-        if !busy.load(Ordering::Acquire)
-            && let Some(tenants) = failures.seen(within(limit, outbox.tenants_with_pending()).await)
-        {
-            // Sent even when empty: the supervisor prunes its waiting queue with it.
-            busy.store(true, Ordering::Release);
-            if supervisor
-                .cast(SupervisorMessage::Pending(tenants))
-                .is_err()
-            {
-                return;
-            }
-        }
-        tokio::select! {
-            () = tokio::time::sleep(interval) => {}
-            () = early.notified() => {}
-        }
-        if supervisor.get_status() > ractor::ActorStatus::Running {
-            return;
-        }
-    }
 }
 
 #[cfg(test)]

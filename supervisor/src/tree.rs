@@ -23,11 +23,13 @@ use store::{Bucket, Lease, RelayId, Wakeups, bucket_of};
 use tokio::sync::{Notify, mpsc};
 
 use crate::core::{Command, Core, CoreConfig, Handle};
-use crate::keeper::{Keeper, KeeperCall, poll_pending};
+use crate::keeper::{Keeper, KeeperCall};
 use crate::messages::{SupervisorMessage, TreeSnapshot};
+use crate::poller::poll_pending;
 
 mod api;
 mod gauges;
+mod record;
 pub use api::{BROKER_CHECK_EVERY, BrokerCheck, SupervisorArgs, SupervisorConfig};
 use gauges::{Gauges, tasks_alive};
 pub use gauges::{PENDING_GAUGE_CAP, TENANT_GAUGES};
@@ -210,6 +212,9 @@ impl RelaySupervisor {
                 }
             }
         }
+        while let Some(note) = state.core.poll_note() {
+            record::record(note);
+        }
         metrics::gauge!("relay_tenants_held").set(state.core.drainers_alive() as f64);
         // One timer: re-armed only when the core's next timeout comes before the armed one
         // (a tick that finds nothing due does nothing).
@@ -349,6 +354,9 @@ impl Actor for RelaySupervisor {
         // Hand the buckets over at once (bounded: they expire by themselves otherwise): every
         // fence closes first, then the keeper releases and leaves.
         let leases = state.core.leave_all();
+        while let Some(note) = state.core.poll_note() {
+            record::record(note);
+        }
         for (_, lease) in state.fences.drain() {
             lease.revoke();
         }

@@ -187,18 +187,20 @@ impl<H: Handle> Core<H> {
         let held = self.staying(bucket);
         if stop.is_some() || !held {
             // Retired (idle), fenced or finished: nothing to restart, nothing to keep.
-            tracing::debug!(tenant = %tenant, reason = %why, "drainer stopped");
+            self.notes.push_back(Note::DrainerStopped {
+                tenant,
+                reason: why.to_owned(),
+            });
             self.admit_waiting(now);
             return;
         }
-        metrics::counter!("relay_drainer_restarts_total").increment(1);
         let (delay, failures) = self.restart_later(tenant.clone(), backoff, now);
-        let retry_in_ms = delay.as_millis() as u64;
-        if broker::warn_worthy(failures) {
-            tracing::warn!(tenant = %tenant, failures, retry_in_ms, reason = %why, "drainer down; restarting");
-        } else {
-            tracing::debug!(tenant = %tenant, failures, retry_in_ms, reason = %why, "drainer down; restarting");
-        }
+        self.notes.push_back(Note::DrainerRestarting {
+            tenant,
+            failures,
+            retry_in: delay,
+            reason: why.to_owned(),
+        });
         self.admit_waiting(now);
     }
 

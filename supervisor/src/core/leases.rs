@@ -156,8 +156,9 @@ impl<H: Handle> Core<H> {
         let lapsed = self.leases.book.expire(now);
         lost.extend(lapsed.iter().map(|(bucket, _)| *bucket));
         if !lost.is_empty() {
-            tracing::warn!(buckets = lost.len(), "leases lost (expired or taken over)");
-            metrics::counter!("relay_leases_lost_total").increment(lost.len() as u64);
+            self.notes.push_back(Note::LeasesLost {
+                buckets: lost.len(),
+            });
         }
         // Handovers that did not settle in time are forced: the fence decides, as after a
         // crash (duplicates bounded by what was in flight).
@@ -166,11 +167,10 @@ impl<H: Handle> Core<H> {
             .book
             .overdue(now, self.config.finish_grace, broker_blocked);
         if !forced.is_empty() {
-            tracing::warn!(
-                buckets = forced.len(),
-                grace_ms = self.config.finish_grace.as_millis() as u64,
-                "buckets handed over without their batches settling in time"
-            );
+            self.notes.push_back(Note::HandoversForced {
+                buckets: forced.len(),
+                grace: self.config.finish_grace,
+            });
         }
         lost.extend(forced.iter().map(|(bucket, _)| *bucket));
         self.buckets_lost(&lost);
@@ -201,11 +201,10 @@ impl<H: Handle> Core<H> {
                 // A planned move: the buckets stay held (fences open) while their drainers
                 // finish what they have in flight; each is released once settled.
                 let leaving = self.leases.book.hand_over(n, now);
-                tracing::info!(
-                    buckets = leaving.len(),
-                    members = self.leases.members,
-                    "handing buckets over once their batches settle"
-                );
+                self.notes.push_back(Note::HandingOver {
+                    buckets: leaving.len(),
+                    members: self.leases.members,
+                });
                 self.hand_over(leaving);
                 self.beat_done(began, beat, now);
             }
@@ -333,9 +332,11 @@ impl<H: Handle> Core<H> {
         all
     }
 
-    fn lease_gauges(&self) {
-        metrics::gauge!("relay_lease_buckets_held").set(self.leases.book.len() as f64);
-        metrics::gauge!("relay_members").set(f64::from(self.leases.members));
+    fn lease_gauges(&mut self) {
+        self.notes.push_back(Note::Leases {
+            held: self.leases.book.len(),
+            members: self.leases.members,
+        });
     }
 
     /// Buckets held, not being handed over.

@@ -39,7 +39,7 @@ impl<H: Handle> Core<H> {
     pub(crate) fn broker_checked(&mut self, answered: bool, now: Instant) {
         if answered {
             self.check = CheckState::Spent;
-            tracing::info!("the broker answers again; restarting publishers now");
+            self.notes.push_back(Note::BrokerAnswers);
             self.broker_back();
             return;
         }
@@ -65,7 +65,8 @@ impl<H: Handle> Core<H> {
             self.check = CheckState::Ready;
         }
         if failures > 0 {
-            tracing::info!(shard = shard.0, failures, "publisher recovered");
+            self.notes
+                .push_back(Note::PublisherRecovered { shard, failures });
             self.broker_back();
         }
     }

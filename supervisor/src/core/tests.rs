@@ -214,6 +214,8 @@ struct Tree {
     drainers: BTreeMap<u64, TenantId>,
     publishers: BTreeMap<u16, u64>,
     done: Vec<Command<Fake>>,
+    /// What the core told, as the actor takes it after each event.
+    notes: Vec<Note>,
     leasing: Leasing,
 }
 
@@ -225,6 +227,7 @@ impl Tree {
             drainers: BTreeMap::new(),
             publishers: BTreeMap::new(),
             done: Vec::new(),
+            notes: Vec::new(),
             leasing: Leasing::default(),
         };
         tree.perform(Instant::now());
@@ -274,6 +277,8 @@ impl Tree {
                 other => self.done.push(other),
             }
         }
+        self.notes
+            .extend(std::iter::from_fn(|| self.core.poll_note()));
     }
 
     fn take(&mut self) -> Vec<Command<Fake>> {
@@ -326,6 +331,64 @@ fn every_publisher_starts_and_a_dead_one_restarts_after_its_backoff() {
     tree.core.child_ended(999, "unknown", None, at);
     tree.perform(at);
     assert!(tree.take().is_empty());
+}
+
+/// What an operator hears of is decided here, in order, as data (the actor only writes it to
+/// logs and metrics, `tree::record`): the leases held, a drainer retired and one restarting
+/// after its first failure, a publisher restarting, then recovered, which is the broker back.
+#[test]
+fn the_core_says_what_an_operator_is_told_and_the_actor_only_records_it() {
+    let now = Instant::now();
+    let tenants = tenants_in_distinct_buckets(2);
+    let mut tree = Tree::holding(10, tenants.iter().map(bucket_of));
+    assert!(
+        tree.notes
+            .iter()
+            .any(|note| matches!(note, Note::Leases { held: 2, .. })),
+        "{:?}",
+        tree.notes
+    );
+    tree.core.pending(tenants.clone(), now);
+    tree.perform(now);
+    tree.notes.clear();
+    tree.end(&tenants[0], true, now);
+    tree.end(&tenants[1], false, now);
+    let restart = due(&tree.core).expect("a restart is due");
+    assert_eq!(
+        tree.notes,
+        [
+            Note::DrainerStopped {
+                tenant: tenants[0].clone(),
+                reason: "idle".into(),
+            },
+            Note::DrainerRestarting {
+                tenant: tenants[1].clone(),
+                failures: 1,
+                retry_in: restart - now,
+                reason: "database down".into(),
+            },
+        ]
+    );
+    tree.notes.clear();
+    let publisher = tree.publishers[&1];
+    tree.core
+        .child_ended(publisher, "connection lost", None, now);
+    tree.perform(now);
+    assert!(
+        matches!(&tree.notes[..], [Note::PublisherRestarting { shard: ShardId(1), failures: 1, reason, .. }] if reason == "connection lost"),
+        "{:?}",
+        tree.notes
+    );
+    tree.notes.clear();
+    tree.core.publisher_healthy(ShardId(1));
+    tree.perform(now);
+    assert_eq!(
+        tree.notes,
+        [Note::PublisherRecovered {
+            shard: ShardId(1),
+            failures: 1,
+        }]
+    );
 }
 
 /// A broker outage: both publishers fail again and again, so their restart delays grow. When

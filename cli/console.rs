@@ -77,17 +77,17 @@ impl ConsoleSettings {
             return Ok(Vec::new());
         }
         self.groups
-            .parse()?
-            .iter()
+            .names()
+            .into_iter()
             .map(|group| {
                 let broker = Broker {
                     place: self.broker.clone(),
-                    group: group.name().to_owned(),
+                    group: group.to_owned(),
                     queues: self.queues.clone(),
                 }
                 .group_broker()
                 .with_context(|| format!("RELAY_GROUPS: {group}"))?;
-                Ok((group.name().to_owned(), broker))
+                Ok((group.to_owned(), broker))
             })
             .collect()
     }

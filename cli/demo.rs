@@ -10,6 +10,7 @@ use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use distribution::broker::RetryPolicy;
 use distribution::consumer::{Consumer, ConsumerConfig, NatsConsumerConfig};
 use distribution::store::{
     self, Backlog, BranchId, BranchKey, FoldStore, IntentWriter, Lsn, Outbox, RunId, TenantId,
@@ -268,11 +269,15 @@ async fn walk(url: &str, broker: BrokerKind, broker_url: &str, topology: &str) -
     // A consumer folding every partition into the demo's projection (`EventTable`): one task
     // per RabbitMQ queue, or a group reading the NATS stream.
     let consumer = match broker {
-        BrokerKind::RabbitMq => Consumer::new(
-            ConsumerConfig::new(fold_config.rabbit_config()?),
-            pool.clone(),
-            store::EventTable,
-        ),
+        BrokerKind::RabbitMq => {
+            // Reconnects quickly: the broker's proxy was down a moment ago.
+            let mut rabbit = ConsumerConfig::new(fold_config.rabbit_config()?);
+            rabbit.retry = RetryPolicy {
+                min: Duration::from_millis(20),
+                max: Duration::from_millis(500),
+            };
+            Consumer::new(rabbit, pool.clone(), store::EventTable)
+        }
         BrokerKind::Nats => Consumer::on_nats(
             NatsConsumerConfig::new(fold_config.nats_config()?, "demo")?,
             pool.clone(),

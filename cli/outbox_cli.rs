@@ -197,8 +197,7 @@ pub(crate) async fn status(
         return Ok(());
     }
     let mut unanswered = Vec::new();
-    for group in groups.parse()? {
-        let group = group.name();
+    for group in groups.names() {
         let kept = dead_cli::Broker {
             place: broker.clone(),
             group: group.to_owned(),

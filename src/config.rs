@@ -447,6 +447,43 @@ impl RelayConfig {
 mod tests {
     use super::*;
 
+    /// `RELAY_GROUPS` read one way: `none` alone is no group; the relay refuses a name that
+    /// is not a group's (an empty one too), while the commands that show dead letters take the
+    /// names as given, empty entries left out, for each broker to check by its own rule.
+    #[test]
+    fn relay_groups_mean_the_same_to_the_relay_and_the_commands() {
+        let groups = |names: &[&str]| GroupsArgs {
+            groups: names.iter().map(|name| name.to_string()).collect(),
+        };
+        let named = |names: &[&str]| -> Vec<String> {
+            groups(names)
+                .parse()
+                .unwrap()
+                .iter()
+                .map(|group| group.name().to_owned())
+                .collect()
+        };
+        assert_eq!(named(&["default"]), ["default"]);
+        assert_eq!(named(&[" billing ", "default"]), ["billing", "default"]);
+        assert!(named(&[" none "]).is_empty());
+        assert!(groups(&["none"]).names().is_empty());
+        for refused in [
+            &[""][..],
+            &["billing", ""],
+            &["Billing"],
+            &["p1"],
+            &["dead"],
+        ] {
+            let err = groups(refused).parse().unwrap_err().to_string();
+            assert!(err.starts_with("RELAY_GROUPS="), "{refused:?}: {err}");
+        }
+        assert_eq!(
+            groups(&["billing", "", " Projector "]).names(),
+            ["billing", "Projector"]
+        );
+        assert!(groups(&[""]).names().is_empty());
+    }
+
     /// A bad URL is one readable line naming the variable, with no password in it.
     #[test]
     fn bad_configuration_fails_fast_and_readably() {

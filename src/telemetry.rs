@@ -232,10 +232,12 @@ mod tests {
         let mut names = BTreeSet::new();
         let mut dirs: Vec<std::path::PathBuf> = [
             "src",
+            "cli",
             "actors/src",
             "supervisor/src",
             "broker/src",
             "rabbit/src",
+            "nats/src",
             "consumer/src",
             "store/src",
         ]

@@ -39,6 +39,10 @@ async fn fold_consumer_applies_once_in_order(pool: PgPool) {
     let tenant = TenantId::new("ta").unwrap();
     let mut config = ConsumerConfig::new(config);
     config.partitions = Some(vec![Partition(0)]);
+    config.retry = broker::RetryPolicy {
+        min: Duration::from_millis(20),
+        max: Duration::from_millis(500),
+    };
     let consumer = Consumer::new(config, pool, EventTable);
     let stop = {
         let fold = fold.clone();

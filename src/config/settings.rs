@@ -257,13 +257,11 @@ pub struct GroupsArgs {
 }
 
 impl GroupsArgs {
-    /// The groups named: none for `none`; a name that is not a group's is refused, naming
-    /// `RELAY_GROUPS`.
+    /// The relay's groups, whose queues it declares: none for `none`; a name that is not a
+    /// group's (an empty one too) is refused, naming `RELAY_GROUPS`.
     pub fn parse(&self) -> Result<Vec<broker::Group>, ConfigError> {
         let names = &self.groups;
-        if let [only] = &names[..]
-            && only.trim() == "none"
-        {
+        if self.is_none() {
             return Ok(Vec::new());
         }
         names
@@ -276,6 +274,25 @@ impl GroupsArgs {
                 })
             })
             .collect()
+    }
+
+    /// The names given, trimmed, for the commands that show each group's dead letters
+    /// (`status`, `console`): none for `none`; empty entries (`RELAY_GROUPS=`, a trailing
+    /// comma) are left out. Each broker's command checks a name by its own rule (NATS takes
+    /// group names that RabbitMQ's queues do not).
+    pub fn names(&self) -> Vec<&str> {
+        if self.is_none() {
+            return Vec::new();
+        }
+        self.groups
+            .iter()
+            .map(|name| name.trim())
+            .filter(|name| !name.is_empty())
+            .collect()
+    }
+
+    fn is_none(&self) -> bool {
+        matches!(&self.groups[..], [only] if only.trim() == "none")
     }
 }
 

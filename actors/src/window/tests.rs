@@ -178,6 +178,33 @@ fn the_window_owns_its_timers_and_wakes_the_drainer_for_what_is_due() {
     assert_eq!(window.handle_timeout(now + delay), Woken::Drain);
 }
 
+/// A branch refused again before its retry keeps one retry timer, at its newest deadline;
+/// another branch's refusal keeps its own.
+#[test]
+fn a_branch_refused_again_keeps_one_retry_at_its_newest_deadline() {
+    let retry = |window: &mut Window<()>, at: Instant| {
+        let settled = window.settle(at).unwrap();
+        let RefusalAction::RetryAfter(delay) = settled.refusals[0].action else {
+            panic!("the branch cools");
+        };
+        at + delay
+    };
+    let now = Instant::now();
+    let mut window = Window::new(config(2, 5));
+    answered(&mut window, &[key("b", 1)], &[Nacked]);
+    let first = retry(&mut window, now);
+    assert_eq!(window.poll_timeout(), Some(first));
+    let later = now + Duration::from_millis(1);
+    answered(&mut window, &[key("b", 1)], &[Nacked]);
+    let second = retry(&mut window, later);
+    assert_eq!(window.timers(), 1, "one retry per branch");
+    assert_eq!(window.poll_timeout(), Some(second));
+    answered(&mut window, &[key("c", 1)], &[Nacked]);
+    let other = retry(&mut window, later);
+    assert_eq!(window.timers(), 2);
+    assert_eq!(window.poll_timeout(), Some(second.min(other)));
+}
+
 #[test]
 fn an_idle_spell_keeps_one_check_and_a_busy_one_retires_nothing() {
     let now = Instant::now();

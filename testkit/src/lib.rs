@@ -115,11 +115,6 @@ impl<T> Running<T> {
             let _ = task.await;
         }
     }
-
-    /// Whether the task ended on its own.
-    pub fn is_finished(&self) -> bool {
-        self.task.as_ref().is_none_or(|task| task.is_finished())
-    }
 }
 
 impl<T> Drop for Running<T> {

@@ -200,9 +200,10 @@ enum CheckState {
     Scheduled,
     /// One was commanded and has not reported: never two at once.
     Running,
-    /// The broker answered a check, and no publisher has had a publish confirmed since: no
-    /// further check until one has (a broker that takes connections but fails publishes is
-    /// left to the publishers' own backoff, not retried at the check's pace).
+    /// The broker answered a check, and since then no publisher has had a publish confirmed
+    /// and none has failed to start: no further check until one of those (a broker that takes
+    /// connections but fails publishes is left to the publishers' own backoff, not retried at
+    /// the check's pace; one that refuses connections again is checked again).
     Spent,
 }
 
@@ -272,11 +273,7 @@ impl<H: Handle> Core<H> {
                     }
                 }
                 Timer::CheckBroker => {
-                    let down = self
-                        .timers
-                        .iter()
-                        .any(|(timer, _)| matches!(timer, Timer::RespawnPublisher(_)));
-                    if down && self.phase == Phase::Running {
+                    if self.broker_in_doubt() && self.phase == Phase::Running {
                         self.check = CheckState::Running;
                         self.commands.push_back(Command::CheckBroker);
                     } else {

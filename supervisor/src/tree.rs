@@ -147,6 +147,7 @@ impl RelaySupervisor {
                     };
                     match Actor::spawn_linked(None, PublisherActor, args, myself.get_cell()).await {
                         Ok((publisher, _)) => {
+                            tracing::debug!(shard = shard.0, "publisher started");
                             state.core.publisher_started(shard, publisher.get_id());
                             Self::announce(state, shard, Some(publisher));
                         }

@@ -11,6 +11,9 @@ use store::TenantId;
 pub(crate) enum Note {
     /// A check found the broker taking connections again: publishers restart now.
     BrokerAnswers,
+    /// A check found the broker not taking connections; `again` says whether another is
+    /// scheduled (while a publisher has had nothing confirmed since it failed).
+    BrokerSilent { again: bool },
     /// A shard's publisher had a publish confirmed after `failures` failures.
     PublisherRecovered { shard: ShardId, failures: u64 },
     /// A shard's publisher ended; it restarts after `retry_in` (its `failures`-th failure).

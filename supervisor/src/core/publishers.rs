@@ -14,7 +14,13 @@ impl<H: Handle> Core<H> {
     }
 
     /// The shard's publisher could not start: try again after its backoff.
+    ///
+    /// A publisher that cannot start means a broker that takes no connections (again): a
+    /// check spent on an earlier answer is free again, since the broker's next answer is news.
     pub(crate) fn publisher_failed_to_start(&mut self, shard: ShardId, now: Instant) {
+        if self.check == CheckState::Spent {
+            self.check = CheckState::Ready;
+        }
         let slot = &mut self.publishers[usize::from(shard.0)];
         slot.state = PublisherState::Down;
         let delay = slot.backoff.next_delay();
@@ -25,17 +31,32 @@ impl<H: Handle> Core<H> {
     /// A publisher waits `delay` to restart: if that is longer than the check's interval,
     /// check the broker after the interval instead of learning of its return only then.
     pub(super) fn check_broker_later(&mut self, delay: Duration, now: Instant) {
+        if self.config.broker_check.is_some_and(|every| delay > every) {
+            self.schedule_check(now);
+        }
+    }
+
+    /// A check after the interval, unless one is scheduled, running or spent.
+    fn schedule_check(&mut self, now: Instant) {
         let Some(every) = self.config.broker_check else {
             return;
         };
-        if delay > every && self.check == CheckState::Ready && self.phase == Phase::Running {
+        if self.check == CheckState::Ready && self.phase == Phase::Running {
             self.check = CheckState::Scheduled;
             self.timers.set(Timer::CheckBroker, now + every);
         }
     }
 
     /// What [`Command::CheckBroker`] found: the broker took a connection (and the topology's
-    /// declaration), or not (checked again after the interval while publishers wait).
+    /// declaration), or not.
+    ///
+    /// Not answered: checked again after the interval for as long as a publisher has had
+    /// nothing confirmed since it failed, whether it waits to restart or has restarted. A
+    /// publisher connects at its first publish, so it restarts at once and fails again only
+    /// when its drainers retry, each on its own backoff (up to 5 s). Before, checks stopped
+    /// once no publisher waited to restart, and the broker's return was noticed only at the
+    /// drainers' next retry: 5.25 s after a RabbitMQ 4.0 restart in one CI run
+    /// (`cli::readiness_says_the_broker_is_down_through_a_restart_on_rabbitmq_4_0`).
     pub(crate) fn broker_checked(&mut self, answered: bool, now: Instant) {
         if answered {
             self.check = CheckState::Spent;
@@ -44,15 +65,19 @@ impl<H: Handle> Core<H> {
             return;
         }
         self.check = CheckState::Ready;
-        let longest = self
-            .timers
-            .iter()
-            .filter(|(timer, _)| matches!(timer, Timer::RespawnPublisher(_)))
-            .map(|(_, at)| at.saturating_duration_since(now))
-            .max();
-        if let Some(longest) = longest {
-            self.check_broker_later(longest, now);
+        let again = self.broker_in_doubt();
+        if again {
+            self.schedule_check(now);
         }
+        self.notes.push_back(Note::BrokerSilent { again });
+    }
+
+    /// Whether a publisher has had nothing confirmed since it failed (waiting to restart or
+    /// restarted): while so, the broker is checked.
+    pub(super) fn broker_in_doubt(&self) -> bool {
+        self.publishers
+            .iter()
+            .any(|slot| slot.backoff.failures() > 0)
     }
 
     /// The shard's publisher had a publish confirmed: its next failure starts a fresh backoff.

@@ -217,6 +217,8 @@ struct Tree {
     /// What the core told, as the actor takes it after each event.
     notes: Vec<Note>,
     leasing: Leasing,
+    /// Publishers fail to start (the broker takes no connections) while set.
+    refuse_publishers: bool,
 }
 
 impl Tree {
@@ -229,6 +231,7 @@ impl Tree {
             done: Vec::new(),
             notes: Vec::new(),
             leasing: Leasing::default(),
+            refuse_publishers: false,
         };
         tree.perform(Instant::now());
         tree
@@ -264,6 +267,11 @@ impl Tree {
                     self.next_id += 1;
                     self.drainers.insert(self.next_id, tenant.clone());
                     self.core.drainer_started(tenant, Fake(self.next_id), now);
+                }
+                Command::SpawnPublisher(shard) if self.refuse_publishers => {
+                    self.publishers.remove(&shard.0);
+                    self.core.publisher_failed_to_start(shard, now);
+                    self.done.push(Command::SpawnPublisher(shard));
                 }
                 Command::SpawnPublisher(shard) => {
                     self.next_id += 1;
@@ -516,9 +524,19 @@ fn the_broker_is_checked_while_publishers_wait_and_its_answer_restarts_them() {
     }
     let ended = fail_both(&mut tree, now);
     tree.take();
-    let respawn = due(&tree.core).unwrap();
-    let check = now + Duration::from_millis(500);
-    assert_eq!(respawn, check, "the check comes first");
+    // A check comes first: scheduled now, or still scheduled from the last failures (checks
+    // go on while no publish has been confirmed since a failure).
+    let check = due(&tree.core).unwrap();
+    assert!(
+        check <= now + Duration::from_millis(500),
+        "the check comes first"
+    );
+    assert!(
+        tree.core
+            .timers
+            .iter()
+            .any(|(timer, at)| matches!(timer, Timer::CheckBroker) && at == check)
+    );
     let waited_until = tree.core.timers.iter().map(|(_, at)| at).max().unwrap();
     assert!(waited_until >= now + Duration::from_secs(1), "grown delays");
     tree.core.handle_timeout(check);
@@ -547,6 +565,176 @@ fn the_broker_is_checked_while_publishers_wait_and_its_answer_restarts_them() {
     // A confirmed publish makes checks possible again.
     tree.core.publisher_healthy(ShardId(0));
     assert_eq!(tree.core.check, CheckState::Ready);
+}
+
+/// A broker down while publishers restart at once (they connect at their first publish) and
+/// fail only when a drainer retries, on its own backoff: it is checked every 500 ms from the
+/// first long delay until it answers, though no publisher waits to restart, and its answer
+/// resumes every drainer. Before, checks stopped with the respawns and its return was noticed
+/// at the drainers' next retry, up to 5 s later.
+#[test]
+fn a_broker_down_is_checked_until_it_answers_while_drainers_wait_out_their_retries() {
+    let mut now = Instant::now();
+    let mut tree = Tree::holding(10, [bucket_of(&tenant("a"))]);
+    tree.core.notified(tenant("a"), now);
+    tree.perform(now);
+    tree.take();
+    // The drainer's retries, 100 ms doubling to 5 s: each fails the publisher it reaches.
+    let down_until = now + Duration::from_secs(20);
+    let mut retry = Duration::from_millis(100);
+    let mut retries = Vec::new();
+    let mut at = now;
+    while at < down_until {
+        retries.push(at);
+        at += retry;
+        retry = (retry * 2).min(Duration::from_secs(5));
+    }
+    let mut checks = Vec::new();
+    for fail_at in retries {
+        // Until the retry: respawns and checks (still down).
+        while let Some(due_at) = due(&tree.core).filter(|due_at| *due_at <= fail_at) {
+            now = due_at;
+            tree.core.handle_timeout(now);
+            tree.perform(now);
+            if tree
+                .take()
+                .iter()
+                .any(|c| matches!(c, Command::CheckBroker))
+            {
+                checks.push(now);
+                tree.core.broker_checked(false, now);
+                tree.perform(now);
+            }
+        }
+        now = fail_at;
+        let id = tree.publishers[&0];
+        if tree.core.children.contains_key(&id) {
+            tree.core.child_ended(id, "connection refused", None, now);
+            tree.perform(now);
+            tree.take();
+        }
+    }
+    let first = *checks.first().expect("the broker is checked");
+    assert!(
+        first < now - Duration::from_secs(10),
+        "checked from {first:?}"
+    );
+    for pair in checks.windows(2) {
+        assert!(
+            pair[1] - pair[0] <= Duration::from_millis(500),
+            "{:?} without a check",
+            pair[1] - pair[0]
+        );
+    }
+    // Back: the next check, within 500 ms, resumes the drainer.
+    let check = due(&tree.core).expect("a check is due");
+    assert!(check - now <= Duration::from_millis(500));
+    tree.core.handle_timeout(check);
+    tree.perform(check);
+    assert!(
+        tree.take()
+            .iter()
+            .any(|c| matches!(c, Command::CheckBroker))
+    );
+    tree.core.broker_checked(true, check);
+    tree.perform(check);
+    let drainer = tree.drainer_of(&tenant("a")).unwrap();
+    assert!(
+        tree.take()
+            .iter()
+            .any(|c| matches!(c, Command::Resume(Fake(id)) if *id == drainer))
+    );
+    assert_eq!(due(&tree.core), None, "no check once it answered");
+}
+
+/// A broker that answers a check, then refuses the publishers it let restart (it went down
+/// again): it is checked again every 500 ms while their delays grow, so its return is noticed
+/// within a check's interval, not at their next respawn up to 5 s later.
+#[test]
+fn a_broker_that_answered_then_refuses_publishers_again_is_checked_again() {
+    let mut now = Instant::now();
+    let mut tree = Tree::new(10);
+    tree.refuse_publishers = true;
+    for shard in [0, 1] {
+        let id = tree.publishers[&shard];
+        tree.core
+            .child_ended(id, "connection closed: shutdown", None, now);
+    }
+    tree.perform(now);
+    tree.take();
+    // Run `until`, answering every check with `answer`; the times of checks and respawns.
+    let run = |tree: &mut Tree, now: &mut Instant, until: Instant, answer: bool| {
+        let mut attempts = Vec::new();
+        while let Some(at) = due(&tree.core).filter(|at| *at <= until) {
+            *now = at;
+            tree.core.handle_timeout(at);
+            tree.perform(at);
+            for command in tree.take() {
+                match command {
+                    Command::CheckBroker => {
+                        attempts.push(at);
+                        tree.core.broker_checked(answer, at);
+                        tree.perform(at);
+                    }
+                    Command::SpawnPublisher(_) => attempts.push(at),
+                    _ => {}
+                }
+            }
+        }
+        attempts
+    };
+    // Down for 10 s: its delays grow and checks come.
+    let checks_from = now;
+    run(
+        &mut tree,
+        &mut now,
+        checks_from + Duration::from_secs(10),
+        false,
+    );
+    // The one answer while it stops: every publisher restarts at once, and is refused.
+    tree.notes.clear();
+    while !tree
+        .notes
+        .iter()
+        .any(|note| matches!(note, Note::BrokerAnswers))
+    {
+        let at = due(&tree.core).expect("a check or a respawn is due");
+        run(&mut tree, &mut now, at, true);
+    }
+    let answered = now;
+    assert_eq!(
+        tree.core.check,
+        CheckState::Ready,
+        "a refused start frees the check"
+    );
+    // Down for 10 s more: no gap between attempts beyond the check's interval once delays
+    // outgrow it.
+    let attempts = run(
+        &mut tree,
+        &mut now,
+        answered + Duration::from_secs(10),
+        false,
+    );
+    let settled: Vec<_> = attempts
+        .iter()
+        .filter(|at| **at >= answered + Duration::from_secs(2))
+        .collect();
+    assert!(settled.len() >= 10, "{} attempts", settled.len());
+    for pair in settled.windows(2) {
+        assert!(
+            *pair[1] - *pair[0] <= Duration::from_millis(500),
+            "{:?} without an attempt",
+            *pair[1] - *pair[0]
+        );
+    }
+    // It is back: both publishers run within the check's interval.
+    tree.refuse_publishers = false;
+    let back = now;
+    while tree.publishers.len() < 2 {
+        let at = due(&tree.core).expect("a check or a respawn is due");
+        run(&mut tree, &mut now, at, true);
+    }
+    assert!(now - back <= Duration::from_millis(500), "{:?}", now - back);
 }
 
 #[test]

@@ -9,6 +9,9 @@ pub(super) fn record(note: Note) {
         Note::BrokerAnswers => {
             tracing::info!("the broker answers again; restarting publishers now");
         }
+        Note::BrokerSilent { again } => {
+            tracing::debug!(again, "the broker does not answer a check");
+        }
         Note::PublisherRecovered { shard, failures } => {
             tracing::info!(shard = shard.0, failures, "publisher recovered");
         }

@@ -86,15 +86,12 @@ async fn rabbit_preflight(config: &RelayConfig) -> Result<()> {
     Ok(())
 }
 
-/// NATS at start: the stream declared and read back, the server's version logged with what it
-/// means for durability, and held to `RELAY_NATS_SERVER_VERSION` if that is set.
+/// NATS at start: the server held to `RELAY_NATS_SERVER_VERSION` before anything is declared,
+/// then the stream declared and read back, the server's version logged with what it means for
+/// durability.
 async fn nats_preflight(config: &RelayConfig) -> Result<()> {
+    Relay::check_nats_version(config).await?;
     let nats = config.nats_config()?;
-    if let Some(required) = &config.nats_server_version {
-        let version = distribution::nats::server_version(&nats).await;
-        distribution::nats::version_refusal(version.as_deref(), required)
-            .map_err(|refusal| anyhow::anyhow!(refusal))?;
-    }
     match distribution::nats::preflight(&nats).await {
         Ok((preflight, version)) => {
             if let Some(version) = &version {

@@ -68,10 +68,14 @@ pub struct RelayConfig {
     /// NATS: longest wait for a connection, the stream's declaration and a batch's acks. Env
     /// `RELAY_NATS_ACK_TIMEOUT_MS`, default 5000.
     pub nats_ack_timeout: Duration,
-    /// NATS: a version the server must meet for `distribution run` to start (it asks the
-    /// server it connects to, at start). Env `RELAY_NATS_SERVER_VERSION` (`>=2.10`), default
-    /// none. [`Relay::start`](crate::Relay::start) does not look at it: a host checks its
-    /// server itself (`nats::server_version`, `nats::version_refusal`).
+    /// NATS: a version the server must meet for the relay to start: [`Relay::start`]
+    /// (and `distribution run`) asks the server it connects to, and refuses with
+    /// [`RelayError::BrokerVersion`](crate::RelayError::BrokerVersion) if it falls short or
+    /// cannot be asked ([`Relay::check_nats_version`]). Env
+    /// `RELAY_NATS_SERVER_VERSION` (`>=2.10`), default none.
+    ///
+    /// [`Relay::start`]: crate::Relay::start
+    /// [`Relay::check_nats_version`]: crate::Relay::check_nats_version
     pub nats_server_version: Option<semver::VersionReq>,
     /// Exchange name; queues are `<topology>.p<N>`. Env `RELAY_TOPOLOGY`, default `outbox`.
     pub topology: String,

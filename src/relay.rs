@@ -32,6 +32,10 @@ pub enum RelayError {
     /// The relay's threads could not be started.
     #[error("cannot start the relay runtime: {0}")]
     Runtime(#[from] std::io::Error),
+    /// The NATS server does not meet [`RelayConfig::nats_server_version`], or its version could
+    /// not be read: one line saying which.
+    #[error("{0}")]
+    BrokerVersion(String),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -132,11 +136,23 @@ impl Relay {
         Self::start_checking(config, factory, health, Some(check)).await
     }
 
+    /// Holds the NATS server to [`RelayConfig::nats_server_version`], if set: one connection
+    /// that asks the server its version, nothing declared. [`Relay::start`] calls it on NATS;
+    /// the binary calls it before its preflight too, so that a refused relay declares nothing.
+    pub async fn check_nats_version(config: &RelayConfig) -> Result<(), RelayError> {
+        let Some(required) = &config.nats_server_version else {
+            return Ok(());
+        };
+        let version = nats::server_version(&config.nats_config()?).await;
+        nats::version_refusal(version.as_deref(), required).map_err(RelayError::BrokerVersion)
+    }
+
     /// The relay on NATS JetStream: a [`nats::NatsPublisher`] per shard; while they wait to
     /// restart, one connection that finds the stream as the relay needs it says the broker is
     /// back.
     async fn start_on_nats(config: RelayConfig) -> Result<RelayHandle, RelayError> {
         let nats = config.nats_config()?;
+        Self::check_nats_version(&config).await?;
         let probe = config.probe.clone();
         let health = BrokerHealth::new();
         let reported = health.clone();

@@ -141,6 +141,39 @@ fn nats_broker_down_for_a_whole_run_then_everything_is_stored_once_in_order() {
     });
 }
 
+/// An embedding host's `nats_server_version` is held by `Relay::start` as by the binary: the
+/// machine's server under a requirement above its version is refused in one line naming both,
+/// before any stream is declared; under one it meets, the relay starts. Before, the library
+/// ignored the field and only `distribution run` checked it.
+#[test]
+fn nats_an_embedded_relay_is_held_to_the_required_server_version() {
+    host_runtime().block_on(async {
+        let (_pool, url) = fresh_database("nats_embedded_version").await;
+        let stream = distribution::nats::scratch::unique_stream("embedded-version");
+        let client = async_nats::connect(testkit::nats_url()).await.unwrap();
+        let version = client.server_info().version;
+        let mut config = nats_config(&url, &testkit::nats_url(), &stream);
+        config.nats_server_version = Some(format!(">{version}").parse().unwrap());
+        match Relay::start(config.clone()).await {
+            Err(distribution::RelayError::BrokerVersion(line)) => assert_eq!(
+                line,
+                format!("NATS {version} does not meet RELAY_NATS_SERVER_VERSION=>{version}")
+            ),
+            Err(other) => panic!("refused for another reason: {other}"),
+            Ok(_) => panic!("started on NATS {version} under >{version}"),
+        }
+        let jetstream = async_nats::jetstream::new(client);
+        assert!(
+            jetstream.get_stream(&stream).await.is_err(),
+            "a refused relay declared its stream"
+        );
+        config.nats_server_version = Some(format!(">={version}").parse().unwrap());
+        let relay = Relay::start(config).await.expect("a server that meets it");
+        relay.shutdown().await;
+        distribution::nats::scratch::delete_stream(&testkit::nats_url(), &stream).await;
+    });
+}
+
 /// `RELAY_CLOUDEVENTS=true` on NATS: each message carries the CloudEvents NATS binding's
 /// attributes (binary content mode) as WIRE.md says, read here as a binding reader would (one
 /// round of percent-decoding), and still decodes to the event the host wrote.

@@ -22,11 +22,13 @@ use crate::{ConfigError, RelayConfig};
 
 /// Why a relay could not start.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum RelayError {
     /// The configuration is unusable.
     #[error(transparent)]
     Config(#[from] ConfigError),
-    /// PostgreSQL did not answer at start (the broker may be down; the database may not).
+    /// PostgreSQL did not answer at start (the broker may be down; the database may not,
+    /// nor, with [`RelayConfig::nats_server_version`] set, the NATS server).
     #[error("cannot reach the outbox database: {0}")]
     DatabaseUnreachable(String),
     /// The relay's threads could not be started.
@@ -88,9 +90,12 @@ impl RelayProbe {
 }
 
 impl Relay {
-    /// Starts a relay publishing to RabbitMQ. Returns once the database answered (an
-    /// unreachable database, a refused role or a missing database is an error within about two
-    /// seconds, naming the cause); the broker may be down: intents wait until it is back.
+    /// Starts a relay publishing to RabbitMQ (or NATS JetStream, by [`RelayConfig::broker`]).
+    /// Returns once the database answered (an unreachable database, a refused role or a
+    /// missing database is an error within about two seconds, naming the cause); the broker
+    /// may be down: intents wait until it is back. On NATS with
+    /// [`RelayConfig::nats_server_version`] set, the server must answer and meet it first
+    /// ([`RelayError::BrokerVersion`]).
     ///
     /// ```no_run
     /// use distribution::{Relay, RelayConfig};
@@ -121,8 +126,8 @@ impl Relay {
             };
             Box::new(publisher) as Box<dyn Publisher>
         });
-        // While publishers wait to restart, one connection (with the topology's declaration)
-        // tells whether the broker is back: then they all restart at once.
+        // While the broker is in doubt, one connection (with the topology's declaration) tells
+        // whether it is back: then every publisher restarts and every drainer resumes at once.
         let checked = config.rabbit_config()?;
         let check: BrokerCheck = Arc::new(move || {
             let rabbit = checked.clone();
@@ -147,11 +152,14 @@ impl Relay {
         nats::version_refusal(version.as_deref(), required).map_err(RelayError::BrokerVersion)
     }
 
-    /// The relay on NATS JetStream: a [`nats::NatsPublisher`] per shard; while they wait to
-    /// restart, one connection that finds the stream as the relay needs it says the broker is
-    /// back.
+    /// The relay on NATS JetStream: a [`nats::NatsPublisher`] per shard; while the broker is
+    /// in doubt, one connection that finds the stream as the relay needs it says it is back.
+    /// With [`RelayConfig::nats_server_version`] set, the server is asked its version first,
+    /// and the relay does not start if it falls short or does not answer.
     async fn start_on_nats(config: RelayConfig) -> Result<RelayHandle, RelayError> {
         let nats = config.nats_config()?;
+        // A configuration refused at the door before any connection.
+        config.validate()?;
         Self::check_nats_version(&config).await?;
         let probe = config.probe.clone();
         let health = BrokerHealth::new();

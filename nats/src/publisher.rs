@@ -337,8 +337,8 @@ impl Publisher for NatsPublisher {
 }
 
 /// The version the server `config` connects to says it runs, or why no connection opened: one
-/// connection, nothing declared (`distribution run` checks `RELAY_NATS_SERVER_VERSION` with it
-/// before its preflight).
+/// connection, nothing declared (`Relay::check_nats_version` holds it to
+/// `RELAY_NATS_SERVER_VERSION`, before anything is declared).
 pub async fn server_version(config: &NatsConfig) -> Result<String, Error> {
     let (client, _) = connect(config).await?;
     Ok(client.server_info().version)

@@ -94,8 +94,9 @@ pub(crate) struct CoreConfig {
     pub(crate) restart: RetryPolicy,
     /// How long [`Core::finish`] waits before killing what is left.
     pub(crate) finish_grace: Duration,
-    /// While publishers wait out restart delays longer than this, the broker is checked this
-    /// often ([`Command::CheckBroker`]); `None`: never (no check was given).
+    /// Once a publisher's restart delay outgrows this, the broker is checked this often
+    /// ([`Command::CheckBroker`]) until it answers or a publish is confirmed; `None`: never
+    /// (no check was given).
     pub(crate) broker_check: Option<Duration>,
     /// Lease TTL and heartbeat.
     pub(crate) lease: LeaseConfig,
@@ -189,22 +190,25 @@ pub(crate) struct Core<H: Handle> {
     /// What to tell an operator, for the actor to record ([`Core::poll_note`]).
     notes: VecDeque<Note>,
     check: CheckState,
+    /// A check found the broker answering, and since then no check found it silent and no
+    /// publish was confirmed: a further answer is no news (a broker that takes connections but
+    /// fails publishes is left to the publishers' own backoff, never restarted at the check's
+    /// pace).
+    answered: bool,
+    /// A publisher failed, and since then no publish was confirmed and the broker did not
+    /// answer a check: while so, a check that finds the broker silent is followed by another.
+    doubt: bool,
 }
 
-/// Whether the core may check the broker during an outage.
+/// Where the broker check is: never two at once.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum CheckState {
-    /// A check may be scheduled when a publisher goes down.
+    /// None scheduled nor running: one may be scheduled.
     Ready,
     /// One is scheduled (its timer is set).
     Scheduled,
-    /// One was commanded and has not reported: never two at once.
+    /// One was commanded and has not reported.
     Running,
-    /// The broker answered a check, and since then no publisher has had a publish confirmed
-    /// and none has failed to start: no further check until one of those (a broker that takes
-    /// connections but fails publishes is left to the publishers' own backoff, not retried at
-    /// the check's pace; one that refuses connections again is checked again).
-    Spent,
 }
 
 impl<H: Handle> Core<H> {
@@ -229,6 +233,8 @@ impl<H: Handle> Core<H> {
             commands: VecDeque::new(),
             notes: VecDeque::new(),
             check: CheckState::Ready,
+            answered: false,
+            doubt: false,
         };
         for slot in 0..core.publishers.len() {
             core.commands
@@ -273,7 +279,7 @@ impl<H: Handle> Core<H> {
                     }
                 }
                 Timer::CheckBroker => {
-                    if self.broker_in_doubt() && self.phase == Phase::Running {
+                    if self.doubt && self.phase == Phase::Running {
                         self.check = CheckState::Running;
                         self.commands.push_back(Command::CheckBroker);
                     } else {

@@ -140,7 +140,7 @@ mod outbox {
     /// and the fold is exact. An independent campaign measured 11 to 65 s; this test failed
     /// on that code (18 and 20 tenants with nothing shipped 5 s after the return, all shipped
     /// after 8.1 to 8.7 s: publishers and drainers each waited out a delay drawn while the
-    /// broker was down). Now the core checks the broker every 500 ms while publishers wait,
+    /// broker was down). Now the core checks the broker every 500 ms while it is in doubt,
     /// and its answer, or any publisher's recovery, restarts every publisher and resumes every
     /// drainer at once (`supervisor::core`, `Core::broker_back`): 0.02 to 0.66 s here.
     async fn restart_with_several_relays(rabbit: Rabbit, queue_type: QueueType) {

@@ -1302,7 +1302,10 @@ async fn readiness_through_a_restart(rabbit: crate::node::Rabbit) {
         }
     });
     tokio::task::block_in_place(|| node.start_app());
-    let back = answering.await.unwrap();
+    let back = tokio::time::timeout(Duration::from_secs(60), answering)
+        .await
+        .expect("the broker takes a connection within 60 s of start_app's return")
+        .unwrap();
     answer_until(addr, "/readyz", |status| status == 200).await;
     wait_until(
         "shipped once the broker is back",

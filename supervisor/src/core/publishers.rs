@@ -14,13 +14,7 @@ impl<H: Handle> Core<H> {
     }
 
     /// The shard's publisher could not start: try again after its backoff.
-    ///
-    /// A publisher that cannot start means a broker that takes no connections (again): a
-    /// check spent on an earlier answer is free again, since the broker's next answer is news.
     pub(crate) fn publisher_failed_to_start(&mut self, shard: ShardId, now: Instant) {
-        if self.check == CheckState::Spent {
-            self.check = CheckState::Ready;
-        }
         let slot = &mut self.publishers[usize::from(shard.0)];
         slot.state = PublisherState::Down;
         let delay = slot.backoff.next_delay();
@@ -28,15 +22,17 @@ impl<H: Handle> Core<H> {
         self.check_broker_later(delay, now);
     }
 
-    /// A publisher waits `delay` to restart: if that is longer than the check's interval,
-    /// check the broker after the interval instead of learning of its return only then.
+    /// A publisher failed and waits `delay` to restart: the broker is in doubt, and if `delay`
+    /// is longer than the check's interval it is checked after the interval instead of its
+    /// return being learnt only then.
     pub(super) fn check_broker_later(&mut self, delay: Duration, now: Instant) {
+        self.doubt = true;
         if self.config.broker_check.is_some_and(|every| delay > every) {
             self.schedule_check(now);
         }
     }
 
-    /// A check after the interval, unless one is scheduled, running or spent.
+    /// A check after the interval, unless one is scheduled or running.
     fn schedule_check(&mut self, now: Instant) {
         let Some(every) = self.config.broker_check else {
             return;
@@ -50,34 +46,32 @@ impl<H: Handle> Core<H> {
     /// What [`Command::CheckBroker`] found: the broker took a connection (and the topology's
     /// declaration), or not.
     ///
-    /// Not answered: checked again after the interval for as long as a publisher has had
-    /// nothing confirmed since it failed, whether it waits to restart or has restarted. A
-    /// publisher connects at its first publish, so it restarts at once and fails again only
-    /// when its drainers retry, each on its own backoff (up to 5 s). Before, checks stopped
-    /// once no publisher waited to restart, and the broker's return was noticed only at the
-    /// drainers' next retry: 5.25 s after a RabbitMQ 4.0 restart in one CI run
-    /// (`cli::readiness_says_the_broker_is_down_through_a_restart_on_rabbitmq_4_0`).
+    /// Answered: the broker is back, unless it had answered already with no publish confirmed
+    /// and no check silent since (then publishes fail for another reason, left to the
+    /// publishers' own backoff). Silent: checked again after the interval while the broker is
+    /// in doubt (a publisher failed, and nothing was confirmed since), whether the publishers
+    /// wait to restart or have restarted. A publisher connects at its first publish, so it
+    /// restarts at once and fails again only when its drainers retry, each on its own backoff
+    /// (up to 5 s). Before, checks stopped once no publisher waited to restart, or for good
+    /// once the broker had answered one (even if it then went down again), and the broker's
+    /// return was noticed only at the drainers' next retry: 5.25 s after a RabbitMQ 4.0 restart
+    /// in one CI run (`cli::readiness_says_the_broker_is_down_through_a_restart_on_rabbitmq_4_0`).
     pub(crate) fn broker_checked(&mut self, answered: bool, now: Instant) {
+        self.check = CheckState::Ready;
         if answered {
-            self.check = CheckState::Spent;
-            self.notes.push_back(Note::BrokerAnswers);
-            self.broker_back();
+            self.doubt = false;
+            if !std::mem::replace(&mut self.answered, true) {
+                self.notes.push_back(Note::BrokerAnswers);
+                self.broker_back();
+            }
             return;
         }
-        self.check = CheckState::Ready;
-        let again = self.broker_in_doubt();
-        if again {
+        self.answered = false;
+        if self.doubt {
             self.schedule_check(now);
         }
-        self.notes.push_back(Note::BrokerSilent { again });
-    }
-
-    /// Whether a publisher has had nothing confirmed since it failed (waiting to restart or
-    /// restarted): while so, the broker is checked.
-    pub(super) fn broker_in_doubt(&self) -> bool {
-        self.publishers
-            .iter()
-            .any(|slot| slot.backoff.failures() > 0)
+        self.notes
+            .push_back(Note::BrokerSilent { again: self.doubt });
     }
 
     /// The shard's publisher had a publish confirmed: its next failure starts a fresh backoff.
@@ -86,9 +80,10 @@ impl<H: Handle> Core<H> {
         let backoff = &mut self.publishers[usize::from(shard.0)].backoff;
         let failures = backoff.failures();
         backoff.reset();
-        if self.check == CheckState::Spent {
-            self.check = CheckState::Ready;
-        }
+        // A confirmed publish: the broker takes publishes, so it is no longer in doubt, and
+        // its next answer after a failure is news again.
+        self.doubt = false;
+        self.answered = false;
         if failures > 0 {
             self.notes
                 .push_back(Note::PublisherRecovered { shard, failures });

@@ -217,8 +217,6 @@ struct Tree {
     /// What the core told, as the actor takes it after each event.
     notes: Vec<Note>,
     leasing: Leasing,
-    /// Publishers fail to start (the broker takes no connections) while set.
-    refuse_publishers: bool,
 }
 
 impl Tree {
@@ -231,7 +229,6 @@ impl Tree {
             done: Vec::new(),
             notes: Vec::new(),
             leasing: Leasing::default(),
-            refuse_publishers: false,
         };
         tree.perform(Instant::now());
         tree
@@ -267,11 +264,6 @@ impl Tree {
                     self.next_id += 1;
                     self.drainers.insert(self.next_id, tenant.clone());
                     self.core.drainer_started(tenant, Fake(self.next_id), now);
-                }
-                Command::SpawnPublisher(shard) if self.refuse_publishers => {
-                    self.publishers.remove(&shard.0);
-                    self.core.publisher_failed_to_start(shard, now);
-                    self.done.push(Command::SpawnPublisher(shard));
                 }
                 Command::SpawnPublisher(shard) => {
                     self.next_id += 1;
@@ -466,8 +458,8 @@ fn a_recovered_publisher_restarts_the_others_now_and_resumes_every_drainer() {
 
 /// While publishers wait out long restart delays, the broker is checked every 500 ms: a
 /// check it fails is made again; one it answers restarts every publisher at once. A broker
-/// that answers checks but fails publishes gets no further checks until a publish is
-/// confirmed: its publishers fall back to their own backoff.
+/// that answers checks but fails publishes restarts no one again: a check after a later
+/// failure that it answers too is no news, and its publishers keep their own backoff.
 #[test]
 fn the_broker_is_checked_while_publishers_wait_and_its_answer_restarts_them() {
     let mut now = Instant::now();
@@ -547,24 +539,39 @@ fn the_broker_is_checked_while_publishers_wait_and_its_answer_restarts_them() {
     tree.perform(check);
     assert!(!ended.contains(&tree.publishers[&0]) && !ended.contains(&tree.publishers[&1]));
     assert_eq!(due(&tree.core), None);
-    // It fails their publishes: no check now, only their own backoff.
-    let ended = fail_both(&mut tree, check);
-    tree.take();
-    assert!(
-        tree.core
-            .timers
-            .iter()
-            .all(|(timer, _)| matches!(timer, Timer::RespawnPublisher(_))),
-        "no check while spent"
-    );
-    while ended.contains(&tree.publishers[&0]) || ended.contains(&tree.publishers[&1]) {
-        now = due(&tree.core).unwrap();
-        tree.core.handle_timeout(now);
-        tree.perform(now);
+    // It fails their publishes again and again: their delays grow on their own backoff, and
+    // the checks it answers restart no one.
+    now = check;
+    tree.notes.clear();
+    let mut answered = 0;
+    for _ in 0..6 {
+        let ended = fail_both(&mut tree, now);
+        tree.take();
+        while ended.contains(&tree.publishers[&0]) || ended.contains(&tree.publishers[&1]) {
+            now = due(&tree.core).unwrap();
+            tree.core.handle_timeout(now);
+            tree.perform(now);
+            if tree
+                .take()
+                .iter()
+                .any(|c| matches!(c, Command::CheckBroker))
+            {
+                answered += 1;
+                let respawns = tree.core.timers.iter().count();
+                tree.core.broker_checked(true, now);
+                tree.perform(now);
+                assert!(tree.take().is_empty(), "an answer again restarts no one");
+                assert_eq!(tree.core.timers.iter().count(), respawns);
+            }
+        }
     }
-    // A confirmed publish makes checks possible again.
+    assert!(answered <= 6, "at most one check per failure: {answered}");
+    assert!(!tree.notes.iter().any(|n| matches!(n, Note::BrokerAnswers)));
+    let grown = tree.core.publisher_failures(ShardId(0));
+    assert!(grown >= 6, "its own backoff: {grown} failures");
+    // A confirmed publish: no longer in doubt, and the next answer after a failure is news.
     tree.core.publisher_healthy(ShardId(0));
-    assert_eq!(tree.core.check, CheckState::Ready);
+    assert!(!tree.core.doubt && !tree.core.answered);
 }
 
 /// A broker down while publishers restart at once (they connect at their first publish) and
@@ -647,94 +654,164 @@ fn a_broker_down_is_checked_until_it_answers_while_drainers_wait_out_their_retri
     assert_eq!(due(&tree.core), None, "no check once it answered");
 }
 
-/// A broker that answers a check, then refuses the publishers it let restart (it went down
-/// again): it is checked again every 500 ms while their delays grow, so its return is noticed
-/// within a check's interval, not at their next respawn up to 5 s later.
+/// A broker that answers a check while it is stopping, then takes no connections: the
+/// publishers it let restart fail at their first publish, when their drainers retry. It is
+/// checked again every 500 ms once their delays outgrow that, and its return is news: every
+/// drainer resumes. Before, one answer spent the check until a publish was confirmed, and its
+/// return was noticed only at the drainers' next retry.
 #[test]
-fn a_broker_that_answered_then_refuses_publishers_again_is_checked_again() {
+fn a_broker_that_answered_then_went_down_again_is_checked_until_it_answers_again() {
     let mut now = Instant::now();
-    let mut tree = Tree::new(10);
-    tree.refuse_publishers = true;
-    for shard in [0, 1] {
-        let id = tree.publishers[&shard];
-        tree.core
-            .child_ended(id, "connection closed: shutdown", None, now);
-    }
+    let mut tree = Tree::holding(10, [bucket_of(&tenant("a"))]);
+    tree.core.notified(tenant("a"), now);
     tree.perform(now);
     tree.take();
-    // Run `until`, answering every check with `answer`; the times of checks and respawns.
-    let run = |tree: &mut Tree, now: &mut Instant, until: Instant, answer: bool| {
-        let mut attempts = Vec::new();
-        while let Some(at) = due(&tree.core).filter(|at| *at <= until) {
-            *now = at;
-            tree.core.handle_timeout(at);
-            tree.perform(at);
-            for command in tree.take() {
-                match command {
-                    Command::CheckBroker => {
-                        attempts.push(at);
-                        tree.core.broker_checked(answer, at);
-                        tree.perform(at);
-                    }
-                    Command::SpawnPublisher(_) => attempts.push(at),
-                    _ => {}
+    // Fails publisher 0 at each of `retries`, answering checks with `answer`; the checks' times.
+    let run = |tree: &mut Tree, now: &mut Instant, retries: &[Instant], answer: bool| {
+        let mut checks = Vec::new();
+        for fail_at in retries {
+            while let Some(at) = due(&tree.core).filter(|at| at <= fail_at) {
+                *now = at;
+                tree.core.handle_timeout(at);
+                tree.perform(at);
+                if tree
+                    .take()
+                    .iter()
+                    .any(|c| matches!(c, Command::CheckBroker))
+                {
+                    checks.push(at);
+                    tree.core.broker_checked(answer, at);
+                    tree.perform(at);
                 }
             }
+            *now = *fail_at;
+            let id = tree.publishers[&0];
+            if tree.core.children.contains_key(&id) {
+                tree.core.child_ended(id, "connection refused", None, *now);
+                tree.perform(*now);
+                tree.take();
+            }
         }
-        attempts
+        checks
     };
-    // Down for 10 s: its delays grow and checks come.
-    let checks_from = now;
-    run(
-        &mut tree,
-        &mut now,
-        checks_from + Duration::from_secs(10),
-        false,
+    // The drainer's retries, 100 ms doubling to 5 s from `from`, for 12 s.
+    let retries = |from: Instant| {
+        let mut at = from;
+        let mut retry = Duration::from_millis(100);
+        std::iter::from_fn(move || {
+            let this = at;
+            at += retry;
+            retry = (retry * 2).min(Duration::from_secs(5));
+            Some(this)
+        })
+        .take_while(move |at| *at < from + Duration::from_secs(12))
+        .collect::<Vec<_>>()
+    };
+    // Down, then its one answer while it stops.
+    let down = retries(now);
+    let first = run(&mut tree, &mut now, &down, false);
+    assert!(!first.is_empty(), "checked while down");
+    let check = due(&tree.core).expect("a check is due");
+    tree.core.handle_timeout(check);
+    tree.perform(check);
+    assert!(
+        tree.take()
+            .iter()
+            .any(|c| matches!(c, Command::CheckBroker))
     );
-    // The one answer while it stops: every publisher restarts at once, and is refused.
     tree.notes.clear();
-    while !tree
-        .notes
+    tree.core.broker_checked(true, check);
+    tree.perform(check);
+    assert!(tree.notes.contains(&Note::BrokerAnswers));
+    tree.take();
+    // Down again: its publishers fail at the drainer's retries, restarting from 100 ms.
+    now = check;
+    let down_again = retries(check);
+    let checks = run(&mut tree, &mut now, &down_again, false);
+    let settled: Vec<_> = checks
         .iter()
-        .any(|note| matches!(note, Note::BrokerAnswers))
-    {
-        let at = due(&tree.core).expect("a check or a respawn is due");
-        run(&mut tree, &mut now, at, true);
-    }
-    let answered = now;
-    assert_eq!(
-        tree.core.check,
-        CheckState::Ready,
-        "a refused start frees the check"
-    );
-    // Down for 10 s more: no gap between attempts beyond the check's interval once delays
-    // outgrow it.
-    let attempts = run(
-        &mut tree,
-        &mut now,
-        answered + Duration::from_secs(10),
-        false,
-    );
-    let settled: Vec<_> = attempts
-        .iter()
-        .filter(|at| **at >= answered + Duration::from_secs(2))
+        .filter(|at| **at >= check + Duration::from_secs(3))
         .collect();
-    assert!(settled.len() >= 10, "{} attempts", settled.len());
+    assert!(
+        settled.len() >= 10,
+        "{} checks after 3 s: {checks:?}",
+        settled.len()
+    );
     for pair in settled.windows(2) {
         assert!(
             *pair[1] - *pair[0] <= Duration::from_millis(500),
-            "{:?} without an attempt",
+            "{:?} without a check",
             *pair[1] - *pair[0]
         );
     }
-    // It is back: both publishers run within the check's interval.
-    tree.refuse_publishers = false;
-    let back = now;
-    while tree.publishers.len() < 2 {
-        let at = due(&tree.core).expect("a check or a respawn is due");
-        run(&mut tree, &mut now, at, true);
-    }
-    assert!(now - back <= Duration::from_millis(500), "{:?}", now - back);
+    // Back: the next check, within 500 ms, is news, and the drainer resumes.
+    let back = due(&tree.core).expect("a check is due");
+    assert!(back - now <= Duration::from_millis(500));
+    tree.core.handle_timeout(back);
+    tree.perform(back);
+    assert!(
+        tree.take()
+            .iter()
+            .any(|c| matches!(c, Command::CheckBroker))
+    );
+    tree.notes.clear();
+    tree.core.broker_checked(true, back);
+    tree.perform(back);
+    assert!(tree.notes.contains(&Note::BrokerAnswers));
+    let drainer = tree.drainer_of(&tenant("a")).unwrap();
+    assert!(
+        tree.take()
+            .iter()
+            .any(|c| matches!(c, Command::Resume(Fake(id)) if *id == drainer))
+    );
+}
+
+/// A publish confirmed while the broker is checked ends the checks: the broker takes
+/// publishes, so a check that cannot succeed (its declaration refused, say) is not made every
+/// 500 ms for ever.
+#[test]
+fn a_confirmed_publish_ends_the_checks() {
+    let mut now = Instant::now();
+    let mut tree = Tree::new(10);
+    // Shard 0 fails until its delay outgrows the interval and a check comes.
+    let check = loop {
+        let id = tree.publishers[&0];
+        tree.core.child_ended(id, "connection refused", None, now);
+        tree.perform(now);
+        tree.take();
+        if tree
+            .core
+            .timers
+            .iter()
+            .any(|(timer, _)| matches!(timer, Timer::CheckBroker))
+        {
+            break due(&tree.core).unwrap();
+        }
+        now = due(&tree.core).unwrap();
+        tree.core.handle_timeout(now);
+        tree.perform(now);
+        tree.take();
+    };
+    tree.core.handle_timeout(check);
+    tree.perform(check);
+    assert!(
+        tree.take()
+            .iter()
+            .any(|c| matches!(c, Command::CheckBroker))
+    );
+    // Shard 1's publish is confirmed while the check runs; the check itself fails.
+    tree.core.publisher_healthy(ShardId(1));
+    tree.core.broker_checked(false, check);
+    tree.perform(check);
+    assert!(
+        !tree
+            .core
+            .timers
+            .iter()
+            .any(|(timer, _)| matches!(timer, Timer::CheckBroker)),
+        "no further check"
+    );
+    assert!(tree.notes.contains(&Note::BrokerSilent { again: false }));
 }
 
 #[test]

@@ -77,7 +77,8 @@ impl SupervisorConfig {
 /// Answers whether the broker takes a connection now (see [`SupervisorArgs::check`]).
 pub type BrokerCheck = Arc<dyn Fn() -> broker::BoxFuture<'static, bool> + Send + Sync>;
 
-/// How often the broker is checked while publishers wait to restart.
+/// How often the broker is checked while it is in doubt (a publisher failed and nothing was
+/// confirmed since), once a publisher's restart delay outgrows it.
 pub const BROKER_CHECK_EVERY: Duration = Duration::from_millis(500);
 
 /// Arguments of the supervisor.
@@ -95,7 +96,8 @@ pub struct SupervisorArgs {
     /// connection blocked).
     pub broker: broker::BrokerHealth,
     /// Whether the broker takes a connection now: asked every [`BROKER_CHECK_EVERY`] while
-    /// publishers wait out longer restart delays, so that all restart as soon as it is back.
+    /// it is in doubt, so that every publisher restarts and every drainer resumes as soon as
+    /// it is back.
     /// `None`: publishers learn of its return by their own restarts alone.
     pub check: Option<BrokerCheck>,
     /// Tree shape and timings.

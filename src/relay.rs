@@ -27,8 +27,8 @@ pub enum RelayError {
     /// The configuration is unusable.
     #[error(transparent)]
     Config(#[from] ConfigError),
-    /// PostgreSQL did not answer at start (the broker may be down; the database may not,
-    /// nor, with [`RelayConfig::nats_server_version`] set, the NATS server).
+    /// PostgreSQL did not answer at start (the database must answer; the broker may be down,
+    /// except a NATS server held to a version: [`RelayError::BrokerVersion`]).
     #[error("cannot reach the outbox database: {0}")]
     DatabaseUnreachable(String),
     /// The relay's threads could not be started.

@@ -936,13 +936,16 @@ fn an_old_dead_letter_queue_stops_the_relay_with_the_way_out() {
     });
 }
 
-/// The value of an unlabelled counter in a Prometheus scrape.
+/// A counter's value in a Prometheus scrape, summed over its labels' series (0 if absent).
 fn counter(scrape: &str, name: &str) -> u64 {
     scrape
         .lines()
-        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
-        .and_then(|value| value.trim().parse::<f64>().ok())
-        .map_or(0, |value| value as u64)
+        .filter_map(|line| {
+            let rest = line.strip_prefix(name)?;
+            rest.starts_with([' ', '{']).then_some(rest)
+        })
+        .filter_map(|rest| rest.rsplit(' ').next()?.trim().parse::<f64>().ok())
+        .sum::<f64>() as u64
 }
 
 /// A tenant whose drainer fails on every drain (a row whose key it cannot read: inserted past
@@ -1214,6 +1217,7 @@ impl Shipping {
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
             .unwrap();
+        // Killed on drop from here on, if the relay never gets ready too.
         let relay = Process(relay);
         answer_until(&addr, "/readyz", |status| status == 200).await;
         let shipping = Self {
@@ -1236,6 +1240,7 @@ impl Shipping {
 
 impl Drop for Shipping {
     fn drop(&mut self) {
+        // Stopped before its log is read (`Process` would stop it only after this).
         let _ = self.relay.0.kill();
         let _ = self.relay.0.wait();
         if std::thread::panicking() {
@@ -1276,13 +1281,10 @@ async fn readiness_through_a_restart(rabbit: crate::node::Rabbit) {
         Duration::from_secs(60),
         || async {
             let scrape = http_get(addr, "/metrics").await.map(|(_, body)| body);
-            let restarts: f64 = scrape
-                .unwrap_or_default()
-                .lines()
-                .filter(|line| line.starts_with("relay_publisher_restarts_total{"))
-                .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
-                .sum();
-            restarts >= 6.0
+            counter(
+                &scrape.unwrap_or_default(),
+                "relay_publisher_restarts_total",
+            ) >= 6
         },
     )
     .await;

@@ -12,7 +12,8 @@ pub(crate) enum Note {
     /// A check found the broker taking connections again: publishers restart now.
     BrokerAnswers,
     /// A check found the broker not taking connections; `again` says whether another is
-    /// scheduled (while a publisher has had nothing confirmed since it failed).
+    /// scheduled (while the broker is in doubt: a publisher failed, and nothing was confirmed
+    /// nor answered since).
     BrokerSilent { again: bool },
     /// A shard's publisher had a publish confirmed after `failures` failures.
     PublisherRecovered { shard: ShardId, failures: u64 },

@@ -574,6 +574,94 @@ fn the_broker_is_checked_while_publishers_wait_and_its_answer_restarts_them() {
     assert!(!tree.core.doubt && !tree.core.answered);
 }
 
+/// A drainer's retries from `from` for `span`: 100 ms doubling to 5 s.
+fn drainer_retries(from: Instant, span: Duration) -> Vec<Instant> {
+    let (mut at, mut retry) = (from, Duration::from_millis(100));
+    std::iter::from_fn(|| {
+        let this = at;
+        at += retry;
+        retry = (retry * 2).min(Duration::from_secs(5));
+        Some(this)
+    })
+    .take_while(|at| *at < from + span)
+    .collect()
+}
+
+/// Asserts no gap between `checks` beyond the check's interval.
+fn assert_checked_every_interval(checks: &[Instant]) {
+    for pair in checks.windows(2) {
+        assert!(
+            pair[1] - pair[0] <= Duration::from_millis(500),
+            "{:?} without a check",
+            pair[1] - pair[0]
+        );
+    }
+}
+
+impl Tree {
+    /// A broker that takes no connections, under a drainer's `retries`: publisher 0 fails at
+    /// each (it connects at its first publish), respawns and checks come between, each check
+    /// answered `answer`. The checks' times.
+    fn fail_at_retries(
+        &mut self,
+        now: &mut Instant,
+        retries: &[Instant],
+        answer: bool,
+    ) -> Vec<Instant> {
+        let mut checks = Vec::new();
+        for fail_at in retries {
+            while let Some(at) = due(&self.core).filter(|at| at <= fail_at) {
+                *now = at;
+                self.core.handle_timeout(at);
+                self.perform(at);
+                if self
+                    .take()
+                    .iter()
+                    .any(|c| matches!(c, Command::CheckBroker))
+                {
+                    checks.push(at);
+                    self.core.broker_checked(answer, at);
+                    self.perform(at);
+                }
+            }
+            *now = *fail_at;
+            let id = self.publishers[&0];
+            if self.core.children.contains_key(&id) {
+                self.core.child_ended(id, "connection refused", None, *now);
+                self.perform(*now);
+                self.take();
+            }
+        }
+        checks
+    }
+
+    /// The next due timer, which must be a check within the interval of `now`, fired and
+    /// answered: the broker is back. Returns when, with what the core told and commanded.
+    fn answer_next_check(&mut self, now: Instant) -> (Instant, Vec<Note>, Vec<Command<Fake>>) {
+        let check = due(&self.core).expect("a check is due");
+        assert!(check - now <= Duration::from_millis(500));
+        self.core.handle_timeout(check);
+        self.perform(check);
+        assert!(
+            self.take()
+                .iter()
+                .any(|c| matches!(c, Command::CheckBroker))
+        );
+        self.notes.clear();
+        self.core.broker_checked(true, check);
+        self.perform(check);
+        (check, std::mem::take(&mut self.notes), self.take())
+    }
+
+    /// Whether `commands` resume the drainer of `tenant`.
+    fn resumes(&self, commands: &[Command<Fake>], tenant: &TenantId) -> bool {
+        let drainer = self.drainer_of(tenant).unwrap();
+        commands
+            .iter()
+            .any(|c| matches!(c, Command::Resume(Fake(id)) if *id == drainer))
+    }
+}
+
 /// A broker down while publishers restart at once (they connect at their first publish) and
 /// fail only when a drainer retries, on its own backoff: it is checked every 500 ms from the
 /// first long delay until it answers, though no publisher waits to restart, and its answer
@@ -586,71 +674,17 @@ fn a_broker_down_is_checked_until_it_answers_while_drainers_wait_out_their_retri
     tree.core.notified(tenant("a"), now);
     tree.perform(now);
     tree.take();
-    // The drainer's retries, 100 ms doubling to 5 s: each fails the publisher it reaches.
-    let down_until = now + Duration::from_secs(20);
-    let mut retry = Duration::from_millis(100);
-    let mut retries = Vec::new();
-    let mut at = now;
-    while at < down_until {
-        retries.push(at);
-        at += retry;
-        retry = (retry * 2).min(Duration::from_secs(5));
-    }
-    let mut checks = Vec::new();
-    for fail_at in retries {
-        // Until the retry: respawns and checks (still down).
-        while let Some(due_at) = due(&tree.core).filter(|due_at| *due_at <= fail_at) {
-            now = due_at;
-            tree.core.handle_timeout(now);
-            tree.perform(now);
-            if tree
-                .take()
-                .iter()
-                .any(|c| matches!(c, Command::CheckBroker))
-            {
-                checks.push(now);
-                tree.core.broker_checked(false, now);
-                tree.perform(now);
-            }
-        }
-        now = fail_at;
-        let id = tree.publishers[&0];
-        if tree.core.children.contains_key(&id) {
-            tree.core.child_ended(id, "connection refused", None, now);
-            tree.perform(now);
-            tree.take();
-        }
-    }
+    let retries = drainer_retries(now, Duration::from_secs(20));
+    let checks = tree.fail_at_retries(&mut now, &retries, false);
     let first = *checks.first().expect("the broker is checked");
     assert!(
         first < now - Duration::from_secs(10),
         "checked from {first:?}"
     );
-    for pair in checks.windows(2) {
-        assert!(
-            pair[1] - pair[0] <= Duration::from_millis(500),
-            "{:?} without a check",
-            pair[1] - pair[0]
-        );
-    }
+    assert_checked_every_interval(&checks);
     // Back: the next check, within 500 ms, resumes the drainer.
-    let check = due(&tree.core).expect("a check is due");
-    assert!(check - now <= Duration::from_millis(500));
-    tree.core.handle_timeout(check);
-    tree.perform(check);
-    assert!(
-        tree.take()
-            .iter()
-            .any(|c| matches!(c, Command::CheckBroker))
-    );
-    tree.core.broker_checked(true, check);
-    tree.perform(check);
-    let drainer = tree.drainer_of(&tenant("a")).unwrap();
-    assert!(
-        tree.take()
-            .iter()
-            .any(|c| matches!(c, Command::Resume(Fake(id)) if *id == drainer))
-    );
+    let (_, _, commands) = tree.answer_next_check(now);
+    assert!(tree.resumes(&commands, &tenant("a")));
     assert_eq!(due(&tree.core), None, "no check once it answered");
 }
 
@@ -666,104 +700,31 @@ fn a_broker_that_answered_then_went_down_again_is_checked_until_it_answers_again
     tree.core.notified(tenant("a"), now);
     tree.perform(now);
     tree.take();
-    // Fails publisher 0 at each of `retries`, answering checks with `answer`; the checks' times.
-    let run = |tree: &mut Tree, now: &mut Instant, retries: &[Instant], answer: bool| {
-        let mut checks = Vec::new();
-        for fail_at in retries {
-            while let Some(at) = due(&tree.core).filter(|at| at <= fail_at) {
-                *now = at;
-                tree.core.handle_timeout(at);
-                tree.perform(at);
-                if tree
-                    .take()
-                    .iter()
-                    .any(|c| matches!(c, Command::CheckBroker))
-                {
-                    checks.push(at);
-                    tree.core.broker_checked(answer, at);
-                    tree.perform(at);
-                }
-            }
-            *now = *fail_at;
-            let id = tree.publishers[&0];
-            if tree.core.children.contains_key(&id) {
-                tree.core.child_ended(id, "connection refused", None, *now);
-                tree.perform(*now);
-                tree.take();
-            }
-        }
-        checks
-    };
-    // The drainer's retries, 100 ms doubling to 5 s from `from`, for 12 s.
-    let retries = |from: Instant| {
-        let mut at = from;
-        let mut retry = Duration::from_millis(100);
-        std::iter::from_fn(move || {
-            let this = at;
-            at += retry;
-            retry = (retry * 2).min(Duration::from_secs(5));
-            Some(this)
-        })
-        .take_while(move |at| *at < from + Duration::from_secs(12))
-        .collect::<Vec<_>>()
-    };
     // Down, then its one answer while it stops.
-    let down = retries(now);
-    let first = run(&mut tree, &mut now, &down, false);
+    let down = drainer_retries(now, Duration::from_secs(12));
+    let first = tree.fail_at_retries(&mut now, &down, false);
     assert!(!first.is_empty(), "checked while down");
-    let check = due(&tree.core).expect("a check is due");
-    tree.core.handle_timeout(check);
-    tree.perform(check);
-    assert!(
-        tree.take()
-            .iter()
-            .any(|c| matches!(c, Command::CheckBroker))
-    );
-    tree.notes.clear();
-    tree.core.broker_checked(true, check);
-    tree.perform(check);
-    assert!(tree.notes.contains(&Note::BrokerAnswers));
-    tree.take();
+    let (check, notes, _) = tree.answer_next_check(now);
+    assert!(notes.contains(&Note::BrokerAnswers));
     // Down again: its publishers fail at the drainer's retries, restarting from 100 ms.
     now = check;
-    let down_again = retries(check);
-    let checks = run(&mut tree, &mut now, &down_again, false);
-    let settled: Vec<_> = checks
+    let down_again = drainer_retries(check, Duration::from_secs(12));
+    let checks = tree.fail_at_retries(&mut now, &down_again, false);
+    let settled: Vec<Instant> = checks
         .iter()
-        .filter(|at| **at >= check + Duration::from_secs(3))
+        .copied()
+        .filter(|at| *at >= check + Duration::from_secs(3))
         .collect();
     assert!(
         settled.len() >= 10,
         "{} checks after 3 s: {checks:?}",
         settled.len()
     );
-    for pair in settled.windows(2) {
-        assert!(
-            *pair[1] - *pair[0] <= Duration::from_millis(500),
-            "{:?} without a check",
-            *pair[1] - *pair[0]
-        );
-    }
+    assert_checked_every_interval(&settled);
     // Back: the next check, within 500 ms, is news, and the drainer resumes.
-    let back = due(&tree.core).expect("a check is due");
-    assert!(back - now <= Duration::from_millis(500));
-    tree.core.handle_timeout(back);
-    tree.perform(back);
-    assert!(
-        tree.take()
-            .iter()
-            .any(|c| matches!(c, Command::CheckBroker))
-    );
-    tree.notes.clear();
-    tree.core.broker_checked(true, back);
-    tree.perform(back);
-    assert!(tree.notes.contains(&Note::BrokerAnswers));
-    let drainer = tree.drainer_of(&tenant("a")).unwrap();
-    assert!(
-        tree.take()
-            .iter()
-            .any(|c| matches!(c, Command::Resume(Fake(id)) if *id == drainer))
-    );
+    let (_, notes, commands) = tree.answer_next_check(now);
+    assert!(notes.contains(&Note::BrokerAnswers));
+    assert!(tree.resumes(&commands, &tenant("a")));
 }
 
 /// A publish confirmed while the broker is checked ends the checks: the broker takes

@@ -97,7 +97,7 @@ pub(crate) fn lazy_pool(
 ) -> Result<PgPool, String> {
     // Leases commit durably whatever the server's or role's default: a renewal a crash took
     // back would have extended a fence on a beat another relay may already have seen stand
-    // still (`store::Sightings`).
+    // still (`supervisor/src/core/leases/sightings.rs`).
     Ok(PgPoolOptions::new()
         .max_connections(size)
         .acquire_timeout(acquire_timeout)

@@ -13,7 +13,7 @@ use sqlx::{Connection, PgConnection, PgPool};
 use std::time::Duration;
 
 use store::{
-    Bucket, EventKey, Fence, LEASE_BUCKETS, Lease, LeaseBook, LeaseStore, Outbox, RelayId,
+    Bucket, Claimable, EventKey, Fence, LEASE_BUCKETS, Lease, LeaseStore, Outbox, RelayId,
     TenantId, bucket_of,
 };
 
@@ -158,24 +158,27 @@ async fn main() {
     // One relay holding every lease bucket for the whole run.
     let me = RelayId::generate();
     let ttl = Duration::from_secs(3600);
-    let mut book = LeaseBook::new(ttl);
-    let sent = Instant::now();
     let leases = LeaseStore::new(pool.clone());
-    let mut seen = store::Sightings::new(ttl);
-    seen.saw_leases(&leases.survey().await.expect("survey"), sent);
+    // Every bucket is free in a fresh database: claimable at once.
+    let free: Vec<Claimable> = leases
+        .survey()
+        .await
+        .expect("survey")
+        .into_iter()
+        .map(|row| Claimable {
+            bucket: row.bucket,
+            epoch: row.epoch,
+            beat: row.beat,
+        })
+        .collect();
+    let until = Instant::now() + ttl;
     let claimed = leases
-        .claim(&me, ttl, LEASE_BUCKETS, &seen.claimable(sent))
+        .claim(&me, ttl, LEASE_BUCKETS, &free)
         .await
         .expect("claim");
-    let fences: std::collections::BTreeMap<Bucket, Lease> = book
-        .claimed(&claimed, sent)
+    let fences: std::collections::BTreeMap<Bucket, Lease> = claimed
         .into_iter()
-        .map(|(bucket, held)| {
-            (
-                bucket,
-                Lease::new(bucket, me.clone(), held.epoch, held.until),
-            )
-        })
+        .map(|(bucket, epoch)| (bucket, Lease::new(bucket, me.clone(), epoch, until)))
         .collect();
 
     println!(

@@ -5,9 +5,9 @@
 //!   runs inside the host's own transaction.
 //! - `outbox`: the relay's side ([`Outbox`]): drain and ack under a lease's [`Fence`], backlog
 //!   for lag (the card's unfenced `drain_outbox`/`ack_outbox`: feature `fixtures`).
-//! - `lease`: ownership across relays: lease buckets with epochs ([`LeaseStore`]), the pure
-//!   share rule and book ([`LeasePlan`], [`LeaseBook`]), and the [`Fence`] checked before every
-//!   publish and ack.
+//! - `lease`: ownership across relays: the lease tables' SQL ([`LeaseStore`]) and the
+//!   [`Fence`] checked before every publish and ack (the rules that decide ownership are the
+//!   supervisor's).
 //! - `wakeup`: [`Wakeups`], LISTEN for tenants whose intents just committed.
 //! - `fold`: the consumer's exactly-once fold ([`FoldStore`]): idempotent on `(BranchKey, Lsn)`
 //!   and proving Lsn order per branch.
@@ -73,17 +73,12 @@ pub use lease::Bucket;
 pub use lease::BucketHolder;
 pub use lease::Claimable;
 pub use lease::Fence;
-pub use lease::Held;
 pub use lease::LEASE_BUCKETS;
 pub use lease::Lease;
-pub use lease::LeaseBook;
-pub use lease::LeasePlan;
 pub use lease::LeaseRow;
-pub use lease::LeaseStep;
 pub use lease::LeaseStore;
 pub use lease::MemberRow;
 pub use lease::RelayId;
-pub use lease::Sightings;
 pub use lease::bucket_of;
 pub use meta::EventType;
 pub use meta::Intent;

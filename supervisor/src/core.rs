@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use actors::ShardId;
 use broker::{Backoff, RetryPolicy};
-use store::{Bucket, Held, TenantId, bucket_of};
+use store::{Bucket, TenantId, bucket_of};
 
 use crate::waiting::Waiting;
 
@@ -28,7 +28,7 @@ mod notes;
 mod publishers;
 mod shutdown;
 use actors::Timers;
-pub(crate) use leases::LeaseCall;
+pub(crate) use leases::{Held, LeaseCall, Sightings};
 pub use leases::{LeaseConfig, LeasesAt};
 use leases::{LeaseStage, Leases};
 pub(crate) use notes::Note;

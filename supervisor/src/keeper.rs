@@ -1,11 +1,11 @@
 //! The lease keeper: the task beside the supervisor that runs its core's lease calls against
 //! PostgreSQL (the poller beside it, `poller`, finds tenants with pending intents).
 //!
-//! The keeper decides nothing: the core's [`store::LeaseBook`] (in `core/leases.rs`) owns which
+//! The keeper decides nothing: the core's `LeaseBook` (in `core/leases.rs`) owns which
 //! buckets this relay holds and when to renew, claim, hand over and release; the keeper runs each
 //! [`LeaseCall`] it is given under a timeout, and casts the answer back, with the instant the
 //! renewal or claim was sent (the fences' deadlines count from it). What it reads of the lease
-//! rows and members goes into its [`store::Sightings`] (pure), which say, on this relay's own
+//! rows and members goes into its [`Sightings`] (pure), which say, on this relay's own
 //! clock, how many relays live and which buckets a claim may take. No database call ever runs
 //! on the supervisor's mailbox. A failed call is logged (rate-limited) and answered as failed;
 //! the core tries again at the next heartbeat, and leases that could not be renewed in time
@@ -20,10 +20,10 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use ractor::ActorRef;
-use store::{LeaseStore, RelayId, Sightings};
+use store::{LeaseStore, RelayId};
 use tokio::sync::mpsc;
 
-use crate::core::{LeaseCall, LeaseConfig, LeasesAt};
+use crate::core::{LeaseCall, LeaseConfig, LeasesAt, Sightings};
 use crate::messages::SupervisorMessage;
 
 /// One kind of call's failures in a row: logged at WARN the 1st, 2nd, 4th, 8th... time, else
@@ -82,7 +82,7 @@ pub(crate) struct Keeper {
     pub(crate) me: RelayId,
     pub(crate) config: LeaseConfig,
     /// The lease rows and members as this relay saw them, on its own clock: what it may
-    /// claim and how many relays live ([`store::Sightings`]).
+    /// claim and how many relays live ([`Sightings`]).
     pub(crate) sightings: Sightings,
 }
 

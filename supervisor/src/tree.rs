@@ -323,7 +323,7 @@ impl Actor for RelaySupervisor {
             leases: state.args.leases.clone(),
             me: state.relay_id.clone(),
             config: state.args.config.lease,
-            sightings: store::Sightings::new(state.args.config.lease.ttl),
+            sightings: crate::core::Sightings::new(state.args.config.lease.ttl),
         };
         let (calls, called) = mpsc::unbounded_channel();
         state.keeper = Some((calls, tokio::spawn(keeper.run(myself.clone(), called))));

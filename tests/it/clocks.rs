@@ -1,6 +1,6 @@
 //! Steps of PostgreSQL's clock (libfaketime on a private server, `pg_pair::FakedClock`) while
 //! two relays share the outbox and a host writes on. Leases go by the beat each renewal bumps,
-//! seen on each relay's own monotonic clock (`store::Sightings`), never by the database's
+//! seen on each relay's own monotonic clock (`supervisor/src/core/leases/sightings.rs`), never by the database's
 //! wall clock: a step forward past the TTL takes no lease away and a step back holds no dead
 //! relay's buckets for the length of the step.
 use std::collections::BTreeMap;

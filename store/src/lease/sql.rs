@@ -24,6 +24,41 @@ pub struct BucketHolder {
     pub epoch: i64,
 }
 
+/// One row of `relay_lease` as read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeaseRow {
+    /// The bucket.
+    pub bucket: Bucket,
+    /// Its owner (`None` once released, or never claimed).
+    pub owner: Option<String>,
+    /// Its epoch.
+    pub epoch: i64,
+    /// Its beat: drawn anew by every change of the row.
+    pub beat: i64,
+    /// The TTL its last writer gave it.
+    pub ttl: Duration,
+}
+
+/// One row of `relay_member` as read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemberRow {
+    /// The member.
+    pub relay: String,
+    /// Its beat: drawn anew by every heartbeat.
+    pub beat: i64,
+}
+
+/// A bucket that may be claimed, with the epoch and beat PostgreSQL must still find.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Claimable {
+    /// The bucket.
+    pub bucket: Bucket,
+    /// The epoch seen.
+    pub epoch: i64,
+    /// The beat seen.
+    pub beat: i64,
+}
+
 fn ms(duration: Duration) -> i64 {
     duration.as_millis().min(i64::MAX as u128) as i64
 }
@@ -68,7 +103,7 @@ impl LeaseStore {
             .collect())
     }
 
-    /// Every lease row, for [`Sightings::saw_leases`].
+    /// Every lease row, for the supervisor's sightings (which buckets a claim may take).
     pub async fn survey(&self) -> Result<Vec<LeaseRow>, Error> {
         let rows: Vec<(i32, Option<String>, i64, i64, i64)> = sqlx::query_as(
             "SELECT bucket, owner, epoch, beat, ttl_ms FROM relay_lease ORDER BY bucket",
@@ -114,8 +149,8 @@ impl LeaseStore {
         Ok(buckets(rows))
     }
 
-    /// Claims for `me`, each with a new epoch, up to `n` of the `candidates` (from
-    /// [`Sightings::claimable`]) whose rows still have the epoch and beat seen. Buckets that
+    /// Claims for `me`, each with a new epoch, up to `n` of the `candidates` (what the
+    /// supervisor's sightings found claimable) whose rows still have the epoch and beat seen. Buckets that
     /// another relay is claiming, or whose old owner is acking right now, are skipped (taken
     /// on a later heartbeat). FOR UPDATE waits for no one and conflicts with the FOR KEY SHARE
     /// of a fenced ack, so an ack and a takeover never overlap.

@@ -12,9 +12,18 @@
 //! [`Command::CloseFence`]): a fence is always closed before its bucket's release is commanded.
 use std::time::{Duration, Instant};
 
-use store::{Bucket, LeaseBook, LeasePlan, LeaseStep, TenantId, bucket_of};
+use store::{Bucket, TenantId, bucket_of};
 
 use super::*;
+
+mod book;
+mod plan;
+mod sightings;
+#[cfg(test)]
+mod tables;
+pub(crate) use book::{Held, LeaseBook};
+use plan::{LeasePlan, LeaseStep};
+pub(crate) use sightings::Sightings;
 
 /// Lease timings.
 #[derive(Clone, Copy, Debug)]
@@ -54,7 +63,7 @@ pub(crate) enum LeaseCall {
     /// Renew this relay's membership and the leases `held`; answer with
     /// [`Core::lease_beaten`].
     Beat { held: Vec<(Bucket, i64)> },
-    /// Claim up to this many free or stale buckets (`store::Sightings`); answer with
+    /// Claim up to this many free or stale buckets ([`Sightings`]); answer with
     /// [`Core::lease_claimed`].
     Claim(u16),
     /// Release these leases (their fences are closed already). No answer: a release that

@@ -6,7 +6,7 @@
 //! longer of its own TTL and the one the row's writer gave it, on its own clock, counted from
 //! the first time it saw those values; a free (released) bucket is claimable at once. The claim presents the epoch and beat seen, and PostgreSQL takes the
 //! bucket only if both are still the same. Why that is safe: the holder's fence closes 0.9 TTL
-//! after it sent the renewal that wrote that beat ([`crate::LeaseBook`]), that renewal
+//! after it sent the renewal that wrote that beat ([`super::book::LeaseBook`]), that renewal
 //! committed before the row was read, and the row was read before this relay first saw it: so
 //! the holder's fence is closed before the claim. No wall clock takes part, so a step of
 //! PostgreSQL's clock (forward or back, by any amount) neither lets a bucket be claimed early
@@ -21,42 +21,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
-use super::{Bucket, RelayId};
-
-/// One row of `relay_lease` as read.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct LeaseRow {
-    /// The bucket.
-    pub bucket: Bucket,
-    /// Its owner (`None` once released, or never claimed).
-    pub owner: Option<String>,
-    /// Its epoch.
-    pub epoch: i64,
-    /// Its beat: drawn anew by every change of the row.
-    pub beat: i64,
-    /// The TTL its last writer gave it.
-    pub ttl: Duration,
-}
-
-/// One row of `relay_member` as read.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct MemberRow {
-    /// The member.
-    pub relay: String,
-    /// Its beat: drawn anew by every heartbeat.
-    pub beat: i64,
-}
-
-/// A bucket that may be claimed, with the epoch and beat PostgreSQL must still find.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Claimable {
-    /// The bucket.
-    pub bucket: Bucket,
-    /// The epoch seen.
-    pub epoch: i64,
-    /// The beat seen.
-    pub beat: i64,
-}
+use store::{Bucket, Claimable, LeaseRow, MemberRow, RelayId};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Seen<T> {
@@ -68,7 +33,7 @@ struct Seen<T> {
 /// This relay's sightings of the lease rows and the members. Pure: the caller passes the rows
 /// it read and the instant it had them (any instant after the read; later is safer).
 #[derive(Clone, Debug)]
-pub struct Sightings {
+pub(crate) struct Sightings {
     ttl: Duration,
     /// Each lease row as last read (every change of a row draws a new beat, so a row equal to
     /// the one seen before has not changed since).
@@ -78,7 +43,7 @@ pub struct Sightings {
 
 impl Sightings {
     /// No sightings yet, for leases of `ttl`.
-    pub fn new(ttl: Duration) -> Self {
+    pub(crate) fn new(ttl: Duration) -> Self {
         Self {
             ttl,
             buckets: BTreeMap::new(),
@@ -87,7 +52,7 @@ impl Sightings {
     }
 
     /// The lease table read (every row), had at `now`.
-    pub fn saw_leases(&mut self, rows: &[LeaseRow], now: Instant) {
+    pub(crate) fn saw_leases(&mut self, rows: &[LeaseRow], now: Instant) {
         let mut buckets = BTreeMap::new();
         for row in rows {
             let since = match self.buckets.get(&row.bucket) {
@@ -106,7 +71,7 @@ impl Sightings {
     }
 
     /// The membership read (every row), had at `now`.
-    pub fn saw_members(&mut self, rows: &[MemberRow], now: Instant) {
+    pub(crate) fn saw_members(&mut self, rows: &[MemberRow], now: Instant) {
         let mut members = HashMap::with_capacity(rows.len());
         for row in rows {
             let since = match self.members.get(&row.relay) {
@@ -126,7 +91,7 @@ impl Sightings {
 
     /// The live relays at `now`, `me` included: itself, and each other relay whose beat moved
     /// within a TTL.
-    pub fn members(&self, me: &RelayId, now: Instant) -> u32 {
+    pub(crate) fn members(&self, me: &RelayId, now: Instant) -> u32 {
         let others = self
             .members
             .iter()
@@ -137,7 +102,7 @@ impl Sightings {
 
     /// The buckets claimable at `now`, in bucket order: free ones, and those seen unchanged for
     /// the longer of this relay's TTL and the row's.
-    pub fn claimable(&self, now: Instant) -> Vec<Claimable> {
+    pub(crate) fn claimable(&self, now: Instant) -> Vec<Claimable> {
         self.buckets
             .values()
             .map(|seen| (&seen.value, seen.since))

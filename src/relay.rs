@@ -195,7 +195,7 @@ impl Relay {
     }
 
     /// Starts the tree; `health` is what its publishers report to (read by readiness, and by
-    /// the lease keeper: a handover is never forced while the broker holds a connection
+    /// the lease runner: a handover is never forced while the broker holds a connection
     /// blocked, since what was written on it may still land).
     async fn start_checking(
         config: RelayConfig,

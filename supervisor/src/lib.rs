@@ -3,15 +3,17 @@
 //!
 //! - `core`: the decisions (drainers, publishers, leases and their heartbeat, timers), pure.
 //!   The leases' settings ([`LeaseConfig`]) and answers ([`LeasesAt`]) live with them.
-//! - `keeper`: the task that runs the core's lease calls against PostgreSQL.
+//! - `lease_runner`: the task that runs the core's lease calls against PostgreSQL.
+//! - `calls`: a store call under a time limit, its failures logged throttled.
 //! - `poller`: the task that finds tenants with pending intents.
 //! - `messages`: what the supervisor is told ([`SupervisorMessage`], [`TreeSnapshot`]).
 //! - `tree`: [`RelaySupervisor`], its [`SupervisorArgs`] and [`SupervisorConfig`]; it records
 //!   the core's notes (`tree/record.rs`), the only logs and metrics of its decisions.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
+mod calls;
 mod core;
-mod keeper;
+mod lease_runner;
 mod messages;
 mod poller;
 mod tree;

@@ -1,6 +1,6 @@
-//! What the supervisor is told: by the keeper and the poller (lease answers, pending tenants),
+//! What the supervisor is told: by the lease runner and the poller (lease answers, pending tenants),
 //! by drainers and publishers, by its own timers, and by whoever asks for a snapshot. Below
-//! the tree and the keeper, so that neither imports the other for it.
+//! the tree and the lease runner, so that neither imports the other for it.
 use std::collections::BTreeMap;
 
 use actors::{DrainerMessage, DrainerReport, PublisherMessage, ShardId};
@@ -29,7 +29,7 @@ pub struct TreeSnapshot {
 /// Messages to the supervisor.
 #[derive(Debug)]
 pub enum SupervisorMessage {
-    /// The keeper's answer to a heartbeat: the live relays and the leases renewed, with
+    /// The runner's answer to a heartbeat: the live relays and the leases renewed, with
     /// their epochs (`None`: that call failed).
     LeaseBeaten {
         /// Relays alive, this one included.
@@ -37,7 +37,7 @@ pub enum SupervisorMessage {
         /// Leases still this relay's.
         renewed: Option<LeasesAt>,
     },
-    /// The keeper's answer to a claim: the buckets claimed, with their epochs (`None`: the
+    /// The runner's answer to a claim: the buckets claimed, with their epochs (`None`: the
     /// call failed).
     LeaseClaimed(Option<LeasesAt>),
     /// Every tenant with pending intents, from the poller (sent empty too: waiting tenants

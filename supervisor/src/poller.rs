@@ -8,7 +8,7 @@ use ractor::ActorRef;
 use store::Outbox;
 use tokio::sync::Notify;
 
-use crate::keeper::{Failures, within};
+use crate::calls::{Failures, within};
 use crate::messages::SupervisorMessage;
 
 /// Polls the tenants with pending intents every `interval` (or at once when `early` fires)

@@ -23,7 +23,7 @@ use store::{Bucket, Lease, RelayId, Wakeups, bucket_of};
 use tokio::sync::{Notify, mpsc};
 
 use crate::core::{Command, Core, CoreConfig, Handle};
-use crate::keeper::{Keeper, KeeperCall};
+use crate::lease_runner::{LeaseRunner, RunnerCall};
 use crate::messages::{SupervisorMessage, TreeSnapshot};
 use crate::poller::poll_pending;
 
@@ -66,8 +66,8 @@ pub struct SupervisorState {
     gauges: Arc<Gauges>,
     finishing: Option<RpcReplyPort<()>>,
     wakeups: Option<tokio::task::JoinHandle<()>>,
-    keeper: Option<(
-        mpsc::UnboundedSender<KeeperCall>,
+    lease_runner: Option<(
+        mpsc::UnboundedSender<RunnerCall>,
         tokio::task::JoinHandle<()>,
     )>,
 }
@@ -182,8 +182,8 @@ impl RelaySupervisor {
                 }
                 Command::Kill(drainer) => drainer.kill(),
                 Command::Lease(call) => {
-                    if let Some((keeper, _)) = &state.keeper {
-                        let _ = keeper.send(KeeperCall::Lease(call));
+                    if let Some((runner, _)) = &state.lease_runner {
+                        let _ = runner.send(RunnerCall::Lease(call));
                     }
                 }
                 Command::OpenFence { bucket, held } => {
@@ -303,7 +303,7 @@ impl Actor for RelaySupervisor {
             gauges: Arc::default(),
             finishing: None,
             wakeups: None,
-            keeper: None,
+            lease_runner: None,
             args,
         })
     }
@@ -319,14 +319,14 @@ impl Actor for RelaySupervisor {
             myself.clone(),
             state.args.config.restart,
         )));
-        let keeper = Keeper {
+        let runner = LeaseRunner {
             leases: state.args.leases.clone(),
             me: state.relay_id.clone(),
             config: state.args.config.lease,
             sightings: crate::core::Sightings::new(state.args.config.lease.ttl),
         };
         let (calls, called) = mpsc::unbounded_channel();
-        state.keeper = Some((calls, tokio::spawn(keeper.run(myself.clone(), called))));
+        state.lease_runner = Some((calls, tokio::spawn(runner.run(myself.clone(), called))));
         // The poll runs beside the lease calls, so a slow poll never delays a renewal.
         state.poller = Some(tokio::spawn(poll_pending(
             state.args.outbox.clone(),
@@ -353,7 +353,7 @@ impl Actor for RelaySupervisor {
             poller.abort();
         }
         // Hand the buckets over at once (bounded: they expire by themselves otherwise): every
-        // fence closes first, then the keeper releases and leaves.
+        // fence closes first, then the lease runner releases and leaves.
         let leases = state.core.leave_all();
         while let Some(note) = state.core.poll_note() {
             record::record(note);
@@ -361,10 +361,10 @@ impl Actor for RelaySupervisor {
         for (_, lease) in state.fences.drain() {
             lease.revoke();
         }
-        if let Some((calls, keeper)) = state.keeper.take() {
-            let _ = calls.send(KeeperCall::Leave(leases));
+        if let Some((calls, runner)) = state.lease_runner.take() {
+            let _ = calls.send(RunnerCall::Leave(leases));
             drop(calls);
-            let _ = tokio::time::timeout(Duration::from_secs(3), keeper).await;
+            let _ = tokio::time::timeout(Duration::from_secs(3), runner).await;
         }
         Ok(())
     }

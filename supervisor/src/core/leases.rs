@@ -89,7 +89,7 @@ pub(super) enum LeaseStage {
     /// Between beats: [`Timer::LeaseBeat`] is set.
     Waiting,
     /// A [`LeaseCall::Beat`] is out, commanded at `began` (the next beat is due a heartbeat
-    /// after it; the fences count from when the keeper sent the renewal, [`LeasesAt::sent`]).
+    /// after it; the fences count from when the lease runner sent the renewal, [`LeasesAt::sent`]).
     Beating { began: Instant, beat: Beat },
     /// The beat that began at `began` claims: a [`LeaseCall::Claim`] is out.
     Claiming { began: Instant, beat: Beat },

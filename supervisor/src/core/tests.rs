@@ -1097,7 +1097,7 @@ fn buckets_settled_together_are_released_by_one_call_after_their_fences_close() 
     assert_eq!(tree.core.buckets_held(), 32);
 }
 
-/// A fence's deadline counts from when the keeper sent the renewal, not from when the core
+/// A fence's deadline counts from when the lease runner sent the renewal, not from when the core
 /// commanded the beat: time the call waited behind others is not lease time.
 #[test]
 fn a_renewal_extends_the_fences_from_when_it_was_sent() {

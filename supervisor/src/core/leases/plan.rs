@@ -40,7 +40,7 @@ impl LeasePlan {
     /// The step of a relay's first heartbeat: [`LeasePlan::step`] as if one more relay were
     /// starting beside it, so relays started together do not claim buckets they would hand
     /// over a heartbeat later. Costs a lone relay half its buckets until its second heartbeat,
-    /// which the keeper runs a quarter heartbeat after the first.
+    /// which the lease runner runs a quarter heartbeat after the first.
     pub(crate) fn first_step(&self, owned: usize, members: u32) -> LeaseStep {
         self.step(owned, members.max(1).saturating_add(1))
     }

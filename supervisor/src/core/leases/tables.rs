@@ -1,4 +1,4 @@
-//! The lease rules (share, book, sightings) run against the real lease tables, as the keeper
+//! The lease rules (share, book, sightings) run against the real lease tables, as the lease runner
 //! runs them: each relay's heartbeats in turn, no sleeps (instants are passed to the rules).
 use std::time::{Duration, Instant};
 
@@ -7,7 +7,7 @@ use store::{Bucket, LEASE_BUCKETS, LeaseStore, RelayId};
 
 use super::{LeaseBook, LeasePlan, LeaseStep, Sightings};
 
-/// Claims for `relay` up to `n` free buckets, as its keeper would once it has read the rows.
+/// Claims for `relay` up to `n` free buckets, as its runner would once it has read the rows.
 async fn claim_free(
     leases: &LeaseStore,
     relay: &RelayId,
@@ -33,9 +33,9 @@ async fn relays_share_buckets_evenly(pool: PgPool) {
     let relays: Vec<RelayId> = (0..3).map(|_| RelayId::generate()).collect();
     let mut books: Vec<LeaseBook> = relays.iter().map(|_| LeaseBook::new(ttl)).collect();
     for joined in 1..=3 {
-        // The new relay registers (its keeper's first heartbeat).
+        // The new relay registers (its runner's first heartbeat).
         leases.heartbeat(&relays[joined - 1], ttl).await.unwrap();
-        // A few heartbeats of every joined relay, in turn, as their keepers would run them.
+        // A few heartbeats of every joined relay, in turn, as their runners would run them.
         for _ in 0..3 {
             for (relay, book) in relays.iter().zip(books.iter_mut()).take(joined) {
                 let members = leases.heartbeat(relay, ttl).await.unwrap().len() as u32;

@@ -1,8 +1,8 @@
-//! The lease keeper: the task beside the supervisor that runs its core's lease calls against
+//! The lease runner: the task beside the supervisor that runs its core's lease calls against
 //! PostgreSQL (the poller beside it, `poller`, finds tenants with pending intents).
 //!
-//! The keeper decides nothing: the core's `LeaseBook` (in `core/leases.rs`) owns which
-//! buckets this relay holds and when to renew, claim, hand over and release; the keeper runs each
+//! The runner decides nothing: the core's `LeaseBook` (in `core/leases.rs`) owns which
+//! buckets this relay holds and when to renew, claim, hand over and release; the runner runs each
 //! [`LeaseCall`] it is given under a timeout, and casts the answer back, with the instant the
 //! renewal or claim was sent (the fences' deadlines count from it). What it reads of the lease
 //! rows and members goes into its [`Sightings`] (pure), which say, on this relay's own
@@ -23,61 +23,13 @@ use ractor::ActorRef;
 use store::{LeaseStore, RelayId};
 use tokio::sync::mpsc;
 
+use crate::calls::{Failures, within};
 use crate::core::{LeaseCall, LeaseConfig, LeasesAt, Sightings};
 use crate::messages::SupervisorMessage;
 
-/// One kind of call's failures in a row: logged at WARN the 1st, 2nd, 4th, 8th... time, else
-/// at DEBUG, and its recovery once.
-#[derive(Debug)]
-pub(crate) struct Failures {
-    what: &'static str,
-    count: u64,
-}
-
-impl Failures {
-    pub(crate) fn new(what: &'static str) -> Self {
-        Self { what, count: 0 }
-    }
-
-    /// The call's value, or `None` after logging its failure.
-    pub(crate) fn seen<T>(&mut self, result: Result<T, String>) -> Option<T> {
-        let what = self.what;
-        match result {
-            Ok(value) => {
-                if self.count > 0 {
-                    tracing::info!(failures = self.count, "{what} recovered");
-                }
-                self.count = 0;
-                Some(value)
-            }
-            Err(err) => {
-                self.count += 1;
-                if broker::warn_worthy(self.count) {
-                    tracing::warn!(failures = self.count, error = %err, "{what} failed; will retry");
-                } else {
-                    tracing::debug!(failures = self.count, error = %err, "{what} failed; will retry");
-                }
-                None
-            }
-        }
-    }
-}
-
-/// A store call under `limit`: its error, or "no answer within", as text for the log.
-pub(crate) async fn within<T>(
-    limit: Duration,
-    call: impl Future<Output = Result<T, store::Error>>,
-) -> Result<T, String> {
-    match tokio::time::timeout(limit, call).await {
-        Ok(Ok(value)) => Ok(value),
-        Ok(Err(err)) => Err(err.to_string()),
-        Err(_) => Err(format!("no answer within {} ms", limit.as_millis())),
-    }
-}
-
-/// What the keeper needs.
+/// What the runner needs.
 #[derive(Clone, Debug)]
-pub(crate) struct Keeper {
+pub(crate) struct LeaseRunner {
     pub(crate) leases: LeaseStore,
     pub(crate) me: RelayId,
     pub(crate) config: LeaseConfig,
@@ -86,22 +38,22 @@ pub(crate) struct Keeper {
     pub(crate) sightings: Sightings,
 }
 
-/// What the keeper is told.
+/// What the runner is told.
 #[derive(Debug, PartialEq, Eq)]
-pub(crate) enum KeeperCall {
+pub(crate) enum RunnerCall {
     /// One of the core's lease calls.
     Lease(LeaseCall),
     /// Shutdown: release these (their fences are closed), leave the membership, end.
     Leave(Vec<(store::Bucket, i64)>),
 }
 
-impl Keeper {
+impl LeaseRunner {
     /// Runs `calls` in order until told to leave, or until the supervisor is gone (then it
     /// leaves too, as far as the database answers: the fences close on their own).
     pub(crate) async fn run(
         mut self,
         supervisor: ActorRef<SupervisorMessage>,
-        mut calls: mpsc::UnboundedReceiver<KeeperCall>,
+        mut calls: mpsc::UnboundedReceiver<RunnerCall>,
     ) {
         let limit = self.config.heartbeat.max(Duration::from_millis(100));
         let mut membership = Failures::new("relay membership");
@@ -123,7 +75,7 @@ impl Keeper {
                 continue;
             };
             let answer = match call {
-                KeeperCall::Lease(LeaseCall::Beat { held }) => {
+                RunnerCall::Lease(LeaseCall::Beat { held }) => {
                     let beat = self.leases.heartbeat(&self.me, self.config.ttl);
                     let members = membership.seen(within(limit, beat).await).map(|rows| {
                         let now = Instant::now();
@@ -142,7 +94,7 @@ impl Keeper {
                     }
                     SupervisorMessage::LeaseBeaten { members, renewed }
                 }
-                KeeperCall::Lease(LeaseCall::Claim(n)) => {
+                RunnerCall::Lease(LeaseCall::Claim(n)) => {
                     let candidates = self.sightings.claimable(Instant::now());
                     let sent = Instant::now();
                     let claim = self.leases.claim(&self.me, self.config.ttl, n, &candidates);
@@ -151,14 +103,14 @@ impl Keeper {
                         .map(|leases| LeasesAt { leases, sent });
                     SupervisorMessage::LeaseClaimed(claimed)
                 }
-                KeeperCall::Lease(LeaseCall::Release(leases)) => {
+                RunnerCall::Lease(LeaseCall::Release(leases)) => {
                     if let Err(err) = within(limit, self.leases.release(&self.me, &leases)).await {
                         // They expire by themselves within the TTL.
                         tracing::warn!(error = %err, "could not release buckets; they expire instead");
                     }
                     continue;
                 }
-                KeeperCall::Leave(leases) => {
+                RunnerCall::Leave(leases) => {
                     let _ = within(limit, self.leases.release(&self.me, &leases)).await;
                     let _ = within(limit, self.leases.leave(&self.me)).await;
                     return;
@@ -174,25 +126,25 @@ impl Keeper {
 
 /// The call to run next from those waiting: a heartbeat first (its renewal keeps the fences
 /// open; nothing else is as urgent), then the oldest call, every release waiting merged into
-/// the first (no call is reordered past a [`KeeperCall::Leave`], which comes last).
-fn next(queue: &mut VecDeque<KeeperCall>) -> Option<KeeperCall> {
+/// the first (no call is reordered past a [`RunnerCall::Leave`], which comes last).
+fn next(queue: &mut VecDeque<RunnerCall>) -> Option<RunnerCall> {
     let leave = queue
         .iter()
-        .position(|call| matches!(call, KeeperCall::Leave(_)))
+        .position(|call| matches!(call, RunnerCall::Leave(_)))
         .unwrap_or(queue.len());
     if let Some(beat) = queue
         .iter()
         .take(leave)
-        .position(|call| matches!(call, KeeperCall::Lease(LeaseCall::Beat { .. })))
+        .position(|call| matches!(call, RunnerCall::Lease(LeaseCall::Beat { .. })))
     {
         return queue.remove(beat);
     }
     let mut call = queue.pop_front()?;
-    if let KeeperCall::Lease(LeaseCall::Release(leases)) = &mut call {
+    if let RunnerCall::Lease(LeaseCall::Release(leases)) = &mut call {
         let mut others = Vec::new();
         for waiting in queue.drain(..leave.saturating_sub(1)) {
             match waiting {
-                KeeperCall::Lease(LeaseCall::Release(more)) => leases.extend(more),
+                RunnerCall::Lease(LeaseCall::Release(more)) => leases.extend(more),
                 other => others.push(other),
             }
         }
@@ -208,18 +160,18 @@ mod tests {
     use super::*;
     use store::Bucket;
 
-    fn release(buckets: &[u16]) -> KeeperCall {
-        KeeperCall::Lease(LeaseCall::Release(
+    fn release(buckets: &[u16]) -> RunnerCall {
+        RunnerCall::Lease(LeaseCall::Release(
             buckets.iter().map(|&bucket| (Bucket(bucket), 1)).collect(),
         ))
     }
 
-    fn beat() -> KeeperCall {
-        KeeperCall::Lease(LeaseCall::Beat { held: Vec::new() })
+    fn beat() -> RunnerCall {
+        RunnerCall::Lease(LeaseCall::Beat { held: Vec::new() })
     }
 
-    fn order(calls: Vec<KeeperCall>) -> Vec<KeeperCall> {
-        let mut queue: VecDeque<KeeperCall> = calls.into();
+    fn order(calls: Vec<RunnerCall>) -> Vec<RunnerCall> {
+        let mut queue: VecDeque<RunnerCall> = calls.into();
         std::iter::from_fn(|| next(&mut queue)).collect()
     }
 
@@ -227,7 +179,7 @@ mod tests {
     /// runs first, and the releases as one call.
     #[test]
     fn a_beat_goes_before_releases_and_releases_waiting_together_are_one_call() {
-        let claim = KeeperCall::Lease(LeaseCall::Claim(3));
+        let claim = RunnerCall::Lease(LeaseCall::Claim(3));
         let got = order(vec![
             release(&[1]),
             release(&[2]),
@@ -240,22 +192,22 @@ mod tests {
             vec![
                 beat(),
                 release(&[1, 2, 3]),
-                KeeperCall::Lease(LeaseCall::Claim(3))
+                RunnerCall::Lease(LeaseCall::Claim(3))
             ]
         );
     }
 
-    /// A leave is the keeper's last call: nothing waiting after it moves before it, and
+    /// A leave is the runner's last call: nothing waiting after it moves before it, and
     /// nothing before it moves after it.
     #[test]
     fn nothing_crosses_a_leave() {
-        let leave = KeeperCall::Leave(vec![(Bucket(9), 1)]);
+        let leave = RunnerCall::Leave(vec![(Bucket(9), 1)]);
         let got = order(vec![release(&[1]), leave, beat(), release(&[2])]);
         assert_eq!(
             got,
             vec![
                 release(&[1]),
-                KeeperCall::Leave(vec![(Bucket(9), 1)]),
+                RunnerCall::Leave(vec![(Bucket(9), 1)]),
                 beat(),
                 release(&[2])
             ]

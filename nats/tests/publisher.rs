@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream;
 use broker::{Outcome, Publisher, report_future};
 use nats::{NatsConfig, NatsPublisher};
-use store::{Bucket, Lease, OutboxEvent, RelayId};
+use store::{Bucket, Lease, LeaseEpoch, OutboxEvent, RelayId};
 
 fn config(label: &str, partitions: u16) -> NatsConfig {
     let stream = nats::scratch::unique_stream(label);
@@ -88,7 +88,7 @@ async fn a_closed_fence_writes_nothing_and_is_no_fault() {
     let lease = Lease::new(
         Bucket(1),
         RelayId::generate(),
-        1,
+        LeaseEpoch(1),
         Instant::now() + Duration::from_secs(60),
     );
     let fence = lease.fence();

@@ -37,6 +37,18 @@ pub const LEASE_BUCKETS: u16 = 128;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Bucket(pub u16);
 
+/// A bucket's lease epoch: raised by every change of its owner. A relay presents the epoch it
+/// claimed with every fenced ack and drain, and PostgreSQL refuses it once the bucket has
+/// moved on. (Not the database's [`crate::Epoch`], which rises when commits may have been lost.)
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct LeaseEpoch(pub i64);
+
+impl std::fmt::Display for LeaseEpoch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
 /// The bucket of a tenant: FNV-1a 64 over the tenant id's bytes, modulo [`LEASE_BUCKETS`].
 pub fn bucket_of(tenant: &TenantId) -> Bucket {
     Bucket((crate::hash::fnv1a(&[tenant.as_str()]) % u64::from(LEASE_BUCKETS)) as u16)
@@ -85,7 +97,7 @@ fn to_ms(at: Instant) -> u64 {
 struct LeaseInner {
     bucket: Bucket,
     owner: RelayId,
-    epoch: i64,
+    epoch: LeaseEpoch,
     /// Valid strictly before this many ms after `base()`; 0 once revoked.
     valid_until_ms: AtomicU64,
 }
@@ -120,7 +132,7 @@ impl Fence {
     }
 
     /// `(bucket, owner, epoch)` presented to PostgreSQL, if this fence is a lease.
-    pub fn lease(&self) -> Option<(Bucket, &RelayId, i64)> {
+    pub fn lease(&self) -> Option<(Bucket, &RelayId, LeaseEpoch)> {
         self.lease
             .as_ref()
             .map(|lease| (lease.bucket, &lease.owner, lease.epoch))
@@ -138,7 +150,7 @@ pub struct Lease {
 
 impl Lease {
     /// A lease of `bucket` at `epoch`, valid before `until`.
-    pub fn new(bucket: Bucket, owner: RelayId, epoch: i64, until: Instant) -> Self {
+    pub fn new(bucket: Bucket, owner: RelayId, epoch: LeaseEpoch, until: Instant) -> Self {
         Self {
             inner: Arc::new(LeaseInner {
                 bucket,
@@ -186,7 +198,7 @@ mod tests {
         let lease = Lease::new(
             Bucket(3),
             RelayId::generate(),
-            2,
+            LeaseEpoch(2),
             t0 + Duration::from_secs(9),
         );
         let fence = lease.fence();
@@ -204,7 +216,7 @@ mod tests {
         assert!(!fence.is_open_at(t0), "never reopened");
         assert_eq!(
             fence.lease().map(|(bucket, _, epoch)| (bucket, epoch)),
-            Some((Bucket(3), 2))
+            Some((Bucket(3), LeaseEpoch(2)))
         );
     }
 

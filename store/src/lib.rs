@@ -75,6 +75,7 @@ pub use lease::Claimable;
 pub use lease::Fence;
 pub use lease::LEASE_BUCKETS;
 pub use lease::Lease;
+pub use lease::LeaseEpoch;
 pub use lease::LeaseRow;
 pub use lease::LeaseStore;
 pub use lease::MemberRow;

@@ -450,9 +450,11 @@ impl Outbox {
         }
         let flying = KeyArrays::new(in_flight.iter())?;
         let (bucket, owner, epoch) = match fence.lease() {
-            Some((bucket, owner, epoch)) => {
-                (Some(i32::from(bucket.0)), Some(owner.as_str()), Some(epoch))
-            }
+            Some((bucket, owner, epoch)) => (
+                Some(i32::from(bucket.0)),
+                Some(owner.as_str()),
+                Some(epoch.0),
+            ),
             None => (None, None, None),
         };
         let rows: Vec<EventRow> = sqlx::query_as(concat!(
@@ -552,7 +554,7 @@ const FENCED_SQLSTATE: &str = "RL001";
 fn fenced(fence: &Fence) -> Error {
     let (bucket, epoch) = fence
         .lease()
-        .map(|(bucket, _, epoch)| (bucket.0, epoch))
+        .map(|(bucket, _, epoch)| (bucket.0, epoch.0))
         .unwrap_or_default();
     Error::Fenced { bucket, epoch }
 }

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use sqlx::{Connection, PgConnection, PgPool};
 use store::{
     BranchId, BranchKey, Bucket, Claimable, Error, EventKey, Fence, IntentWriter, LEASE_BUCKETS,
-    Lease, LeaseStore, Lsn, Outbox, RelayId, RunId, TenantId, bucket_of,
+    Lease, LeaseEpoch, LeaseStore, Lsn, Outbox, RelayId, RunId, TenantId, bucket_of,
 };
 use testkit::branch as key;
 
@@ -36,7 +36,7 @@ async fn claim_seen_for(
     ttl: Duration,
     n: u16,
     seen_for: Duration,
-) -> Vec<(Bucket, i64)> {
+) -> Vec<(Bucket, LeaseEpoch)> {
     let claimable = claimable_after(leases, ttl, seen_for).await;
     leases.claim(relay, ttl, n, &claimable).await.unwrap()
 }
@@ -55,7 +55,7 @@ async fn claim_free(
     relay: &RelayId,
     ttl: Duration,
     n: u16,
-) -> Vec<(Bucket, i64)> {
+) -> Vec<(Bucket, LeaseEpoch)> {
     claim_seen_for(leases, relay, ttl, n, Duration::ZERO).await
 }
 
@@ -64,7 +64,7 @@ async fn claim_stale(
     relay: &RelayId,
     ttl: Duration,
     n: u16,
-) -> Vec<(Bucket, i64)> {
+) -> Vec<(Bucket, LeaseEpoch)> {
     claim_seen_for(leases, relay, ttl, n, ttl).await
 }
 
@@ -252,7 +252,11 @@ async fn a_takeover_fences_the_former_owner_in_postgres(pool: PgPool) {
     assert_eq!(taken.len(), 1);
     assert_eq!(taken[0].0, bucket);
     let old_epoch = stale.lease().unwrap().2;
-    assert_eq!(taken[0].1, old_epoch + 1, "each takeover is a new epoch");
+    assert_eq!(
+        taken[0].1,
+        LeaseEpoch(old_epoch.0 + 1),
+        "each takeover is a new epoch"
+    );
 
     assert!(
         stale.is_open(),
@@ -365,7 +369,7 @@ async fn an_ack_in_progress_holds_off_a_takeover(
     )
     .bind(i32::from(bucket.0))
     .bind(first.as_str())
-    .bind(epoch)
+    .bind(epoch.0)
     .bind(branch.tenant.as_str())
     .bind(vec![branch.run.as_str()])
     .bind(vec![branch.branch.as_str()])
@@ -384,7 +388,7 @@ async fn an_ack_in_progress_holds_off_a_takeover(
     ack_tx.commit().await.unwrap();
     let skipped = stale_bucket(&leases, ttl, bucket).await;
     let taken = leases.claim(&second, ttl, 1, &skipped).await.unwrap();
-    assert_eq!(taken, vec![(bucket, epoch + 1)]);
+    assert_eq!(taken, vec![(bucket, LeaseEpoch(epoch.0 + 1))]);
 }
 
 /// A claim presents what its relay saw: a renewal committed since (the beat moved), or
@@ -406,7 +410,7 @@ async fn a_claim_takes_nothing_whose_row_moved_since_it_was_seen(pool: PgPool) {
         taken,
         claimed[64..]
             .iter()
-            .map(|(b, e)| (*b, e + 1))
+            .map(|(b, e)| (*b, LeaseEpoch(e.0 + 1)))
             .collect::<Vec<_>>()
     );
     let again = leases

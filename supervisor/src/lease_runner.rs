@@ -44,7 +44,7 @@ pub(crate) enum RunnerCall {
     /// One of the core's lease calls.
     Lease(LeaseCall),
     /// Shutdown: release these (their fences are closed), leave the membership, end.
-    Leave(Vec<(store::Bucket, i64)>),
+    Leave(Vec<(store::Bucket, store::LeaseEpoch)>),
 }
 
 impl LeaseRunner {
@@ -158,11 +158,14 @@ fn next(queue: &mut VecDeque<RunnerCall>) -> Option<RunnerCall> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use store::Bucket;
+    use store::{Bucket, LeaseEpoch};
 
     fn release(buckets: &[u16]) -> RunnerCall {
         RunnerCall::Lease(LeaseCall::Release(
-            buckets.iter().map(|&bucket| (Bucket(bucket), 1)).collect(),
+            buckets
+                .iter()
+                .map(|&bucket| (Bucket(bucket), LeaseEpoch(1)))
+                .collect(),
         ))
     }
 
@@ -201,13 +204,13 @@ mod tests {
     /// nothing before it moves after it.
     #[test]
     fn nothing_crosses_a_leave() {
-        let leave = RunnerCall::Leave(vec![(Bucket(9), 1)]);
+        let leave = RunnerCall::Leave(vec![(Bucket(9), LeaseEpoch(1))]);
         let got = order(vec![release(&[1]), leave, beat(), release(&[2])]);
         assert_eq!(
             got,
             vec![
                 release(&[1]),
-                RunnerCall::Leave(vec![(Bucket(9), 1)]),
+                RunnerCall::Leave(vec![(Bucket(9), LeaseEpoch(1))]),
                 beat(),
                 release(&[2])
             ]

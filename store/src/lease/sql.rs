@@ -21,7 +21,7 @@ pub struct BucketHolder {
     /// Its owner, if any lease is current.
     pub owner: Option<String>,
     /// Its epoch.
-    pub epoch: i64,
+    pub epoch: LeaseEpoch,
 }
 
 /// One row of `relay_lease` as read.
@@ -32,7 +32,7 @@ pub struct LeaseRow {
     /// Its owner (`None` once released, or never claimed).
     pub owner: Option<String>,
     /// Its epoch.
-    pub epoch: i64,
+    pub epoch: LeaseEpoch,
     /// Its beat: drawn anew by every change of the row.
     pub beat: i64,
     /// The TTL its last writer gave it.
@@ -54,7 +54,7 @@ pub struct Claimable {
     /// The bucket.
     pub bucket: Bucket,
     /// The epoch seen.
-    pub epoch: i64,
+    pub epoch: LeaseEpoch,
     /// The beat seen.
     pub beat: i64,
 }
@@ -63,9 +63,14 @@ fn ms(duration: Duration) -> i64 {
     duration.as_millis().min(i64::MAX as u128) as i64
 }
 
-fn buckets(rows: Vec<(i32, i64)>) -> Vec<(Bucket, i64)> {
+fn buckets(rows: Vec<(i32, i64)>) -> Vec<(Bucket, LeaseEpoch)> {
     rows.into_iter()
-        .map(|(bucket, epoch)| (Bucket(bucket.clamp(0, i32::from(u16::MAX)) as u16), epoch))
+        .map(|(bucket, epoch)| {
+            (
+                Bucket(bucket.clamp(0, i32::from(u16::MAX)) as u16),
+                LeaseEpoch(epoch),
+            )
+        })
         .collect()
 }
 
@@ -115,7 +120,7 @@ impl LeaseStore {
             .map(|(bucket, owner, epoch, beat, ttl_ms)| LeaseRow {
                 bucket: Bucket(bucket.clamp(0, i32::from(u16::MAX)) as u16),
                 owner,
-                epoch,
+                epoch: LeaseEpoch(epoch),
                 beat,
                 ttl: Duration::from_millis(ttl_ms.max(0) as u64),
             })
@@ -130,10 +135,10 @@ impl LeaseStore {
         &self,
         me: &RelayId,
         ttl: Duration,
-        held: &[(Bucket, i64)],
-    ) -> Result<Vec<(Bucket, i64)>, Error> {
+        held: &[(Bucket, LeaseEpoch)],
+    ) -> Result<Vec<(Bucket, LeaseEpoch)>, Error> {
         let buckets_held: Vec<i32> = held.iter().map(|(b, _)| i32::from(b.0)).collect();
-        let epochs: Vec<i64> = held.iter().map(|(_, e)| *e).collect();
+        let epochs: Vec<i64> = held.iter().map(|(_, e)| e.0).collect();
         let rows: Vec<(i32, i64)> = sqlx::query_as(
             "UPDATE relay_lease l SET expires_at = now() + $2 * interval '1 millisecond'
                FROM unnest($3::int[], $4::bigint[]) AS h(bucket, epoch)
@@ -160,12 +165,12 @@ impl LeaseStore {
         ttl: Duration,
         n: u16,
         candidates: &[Claimable],
-    ) -> Result<Vec<(Bucket, i64)>, Error> {
+    ) -> Result<Vec<(Bucket, LeaseEpoch)>, Error> {
         if n == 0 || candidates.is_empty() {
             return Ok(Vec::new());
         }
         let wanted: Vec<i32> = candidates.iter().map(|c| i32::from(c.bucket.0)).collect();
-        let epochs: Vec<i64> = candidates.iter().map(|c| c.epoch).collect();
+        let epochs: Vec<i64> = candidates.iter().map(|c| c.epoch.0).collect();
         let beats: Vec<i64> = candidates.iter().map(|c| c.beat).collect();
         let rows: Vec<(i32, i64)> = sqlx::query_as(
             "UPDATE relay_lease l
@@ -193,12 +198,16 @@ impl LeaseStore {
 
     /// Releases `leases` of `me` (already revoked locally) so others may claim them at once
     /// (a free row is claimable without waiting for it to go stale).
-    pub async fn release(&self, me: &RelayId, leases: &[(Bucket, i64)]) -> Result<(), Error> {
+    pub async fn release(
+        &self,
+        me: &RelayId,
+        leases: &[(Bucket, LeaseEpoch)],
+    ) -> Result<(), Error> {
         if leases.is_empty() {
             return Ok(());
         }
         let buckets: Vec<i32> = leases.iter().map(|(b, _)| i32::from(b.0)).collect();
-        let epochs: Vec<i64> = leases.iter().map(|(_, e)| *e).collect();
+        let epochs: Vec<i64> = leases.iter().map(|(_, e)| e.0).collect();
         sqlx::query(
             "UPDATE relay_lease l SET owner = NULL, expires_at = '-infinity'
                FROM unnest($2::int[], $3::bigint[]) AS r(bucket, epoch)
@@ -234,7 +243,7 @@ impl LeaseStore {
             .map(|(bucket, owner, epoch)| BucketHolder {
                 bucket: Bucket(bucket.clamp(0, i32::from(u16::MAX)) as u16),
                 owner,
-                epoch,
+                epoch: LeaseEpoch(epoch),
             })
             .collect())
     }

@@ -12,7 +12,7 @@
 //! [`Command::CloseFence`]): a fence is always closed before its bucket's release is commanded.
 use std::time::{Duration, Instant};
 
-use store::{Bucket, TenantId, bucket_of};
+use store::{Bucket, LeaseEpoch, TenantId, bucket_of};
 
 use super::*;
 
@@ -52,7 +52,7 @@ impl Default for LeaseConfig {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LeasesAt {
     /// `(bucket, epoch)` of each lease.
-    pub leases: Vec<(Bucket, i64)>,
+    pub leases: Vec<(Bucket, LeaseEpoch)>,
     /// When the statement was sent.
     pub sent: std::time::Instant,
 }
@@ -62,13 +62,13 @@ pub struct LeasesAt {
 pub(crate) enum LeaseCall {
     /// Renew this relay's membership and the leases `held`; answer with
     /// [`Core::lease_beaten`].
-    Beat { held: Vec<(Bucket, i64)> },
+    Beat { held: Vec<(Bucket, LeaseEpoch)> },
     /// Claim up to this many free or stale buckets ([`Sightings`]); answer with
     /// [`Core::lease_claimed`].
     Claim(u16),
     /// Release these leases (their fences are closed already). No answer: a release that
     /// fails leaves the rows to go stale.
-    Release(Vec<(Bucket, i64)>),
+    Release(Vec<(Bucket, LeaseEpoch)>),
 }
 
 /// Which heartbeat of this relay's life.
@@ -184,7 +184,7 @@ impl<H: Handle> Core<H> {
         lost.extend(forced.iter().map(|(bucket, _)| *bucket));
         self.buckets_lost(&lost);
         // Lapsed leases are released too: claimable at once instead of after the TTL.
-        let release: Vec<(Bucket, i64)> = lapsed.into_iter().chain(forced).collect();
+        let release: Vec<(Bucket, LeaseEpoch)> = lapsed.into_iter().chain(forced).collect();
         if !release.is_empty() {
             self.commands
                 .push_back(Command::Lease(LeaseCall::Release(release)));
@@ -333,7 +333,7 @@ impl<H: Handle> Core<H> {
 
     /// Shutdown: every lease leaves the book; returns them, to release once their fences are
     /// closed.
-    pub(crate) fn leave_all(&mut self) -> Vec<(Bucket, i64)> {
+    pub(crate) fn leave_all(&mut self) -> Vec<(Bucket, LeaseEpoch)> {
         self.timers.stop(&Timer::LeaseBeat);
         self.leases.stage = LeaseStage::Idle;
         let all = self.leases.book.revoke_all();

@@ -3,6 +3,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 use proptest::prelude::*;
+use store::LeaseEpoch;
 
 use super::leases::LeasesAt;
 use super::*;
@@ -64,14 +65,14 @@ fn due(core: &Core<Fake>) -> Option<Instant> {
 #[derive(Debug, Default)]
 struct Leasing {
     /// Rows held by this relay, with their epochs.
-    mine: BTreeMap<Bucket, i64>,
+    mine: BTreeMap<Bucket, LeaseEpoch>,
     /// Free rows (claimable), with their last epochs.
-    free: BTreeMap<Bucket, i64>,
+    free: BTreeMap<Bucket, LeaseEpoch>,
     members: u32,
     /// PostgreSQL does not answer.
     down: bool,
     /// Fence cells: epoch and until, per bucket (a closed one is removed).
-    fences: BTreeMap<Bucket, (i64, Instant)>,
+    fences: BTreeMap<Bucket, (LeaseEpoch, Instant)>,
     released: Vec<Bucket>,
     /// Release calls carried out.
     release_calls: usize,
@@ -80,7 +81,10 @@ struct Leasing {
 impl Leasing {
     fn offering(buckets: impl IntoIterator<Item = Bucket>) -> Self {
         Self {
-            free: buckets.into_iter().map(|bucket| (bucket, 0)).collect(),
+            free: buckets
+                .into_iter()
+                .map(|bucket| (bucket, LeaseEpoch(0)))
+                .collect(),
             members: 1,
             ..Self::default()
         }
@@ -95,7 +99,7 @@ impl Leasing {
     /// `bucket` becomes claimable.
     fn offer(&mut self, bucket: Bucket) {
         if !self.mine.contains_key(&bucket) {
-            self.free.entry(bucket).or_insert(0);
+            self.free.entry(bucket).or_insert(LeaseEpoch(0));
         }
     }
 
@@ -141,7 +145,8 @@ impl Leasing {
                     chosen
                         .into_iter()
                         .map(|bucket| {
-                            let epoch = self.free.remove(&bucket).unwrap_or(0) + 1;
+                            let epoch =
+                                LeaseEpoch(self.free.remove(&bucket).map_or(0, |e| e.0) + 1);
                             self.mine.insert(bucket, epoch);
                             (bucket, epoch)
                         })

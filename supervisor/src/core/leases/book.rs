@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use store::Bucket;
+use store::{Bucket, LeaseEpoch};
 
 /// The leases one relay holds, and how renewals, claims, handovers and sheds change them. Pure:
 /// instants are passed in and the book holds plain values, so the rules are unit-tested without
@@ -25,7 +25,7 @@ pub(crate) struct LeaseBook {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Held {
     /// The bucket's epoch when this relay claimed it (presented to PostgreSQL).
-    pub(crate) epoch: i64,
+    pub(crate) epoch: LeaseEpoch,
     /// The fence is open strictly before this.
     pub(crate) until: Instant,
 }
@@ -62,7 +62,7 @@ impl LeaseBook {
     }
 
     /// Drops `bucket` from the book (its fence must close now); its epoch, to release it.
-    fn drop_lease(&mut self, bucket: Bucket) -> Option<(Bucket, i64)> {
+    fn drop_lease(&mut self, bucket: Bucket) -> Option<(Bucket, LeaseEpoch)> {
         self.leaving.remove(&bucket);
         self.held.remove(&bucket).map(|held| (bucket, held.epoch))
     }
@@ -88,7 +88,7 @@ impl LeaseBook {
     /// Everything in flight under `bucket` (being handed over) settled: it leaves the book
     /// (close its fence). Returns it with its epoch, to release; `None` if it is not leaving
     /// (lost meanwhile, say).
-    pub(crate) fn handed_over(&mut self, bucket: Bucket) -> Option<(Bucket, i64)> {
+    pub(crate) fn handed_over(&mut self, bucket: Bucket) -> Option<(Bucket, LeaseEpoch)> {
         if !self.leaving.contains_key(&bucket) {
             return None;
         }
@@ -105,7 +105,7 @@ impl LeaseBook {
         now: Instant,
         grace: Duration,
         broker_blocked: bool,
-    ) -> Vec<(Bucket, i64)> {
+    ) -> Vec<(Bucket, LeaseEpoch)> {
         if broker_blocked {
             return Vec::new();
         }
@@ -132,7 +132,7 @@ impl LeaseBook {
     }
 
     /// What is held: (bucket, epoch), the input of [`store::LeaseStore::renew`].
-    pub(crate) fn held(&self) -> Vec<(Bucket, i64)> {
+    pub(crate) fn held(&self) -> Vec<(Bucket, LeaseEpoch)> {
         self.held
             .iter()
             .map(|(bucket, held)| (*bucket, held.epoch))
@@ -161,11 +161,11 @@ impl LeaseBook {
     /// (expired or taken over: close its fence) and returned.
     pub(crate) fn renewed(
         &mut self,
-        renewed: &[(Bucket, i64)],
+        renewed: &[(Bucket, LeaseEpoch)],
         sent: Instant,
     ) -> (Instant, Vec<Bucket>) {
         let until = self.deadline(sent);
-        let current: BTreeMap<Bucket, i64> = renewed.iter().copied().collect();
+        let current: BTreeMap<Bucket, LeaseEpoch> = renewed.iter().copied().collect();
         let mut lost = Vec::new();
         self.held.retain(|bucket, held| {
             if current.get(bucket) == Some(&held.epoch) {
@@ -187,7 +187,7 @@ impl LeaseBook {
     /// close that fence first).
     pub(crate) fn claimed(
         &mut self,
-        claimed: &[(Bucket, i64)],
+        claimed: &[(Bucket, LeaseEpoch)],
         sent: Instant,
     ) -> Vec<(Bucket, Held)> {
         let until = self.deadline(sent);
@@ -204,7 +204,7 @@ impl LeaseBook {
     /// Leases whose fence closed by `now` without a renewal (e.g. PostgreSQL slow or
     /// unreachable): dropped from the book and returned with their epochs (release them, so
     /// they are claimable at once; they are never renewed again either way).
-    pub(crate) fn expire(&mut self, now: Instant) -> Vec<(Bucket, i64)> {
+    pub(crate) fn expire(&mut self, now: Instant) -> Vec<(Bucket, LeaseEpoch)> {
         let lapsed: Vec<Bucket> = self
             .held
             .iter()
@@ -219,7 +219,7 @@ impl LeaseBook {
 
     /// Everything leaves the book (shutdown: close every fence); returns what was held, to
     /// release.
-    pub(crate) fn revoke_all(&mut self) -> Vec<(Bucket, i64)> {
+    pub(crate) fn revoke_all(&mut self) -> Vec<(Bucket, LeaseEpoch)> {
         self.leaving.clear();
         std::mem::take(&mut self.held)
             .into_iter()
@@ -240,19 +240,25 @@ mod tests {
     fn a_renewal_extends_what_came_back_and_loses_the_rest() {
         let mut book = book(10_000);
         let t0 = Instant::now();
-        let gained = book.claimed(&[(Bucket(1), 7), (Bucket(2), 3)], t0);
+        let gained = book.claimed(
+            &[(Bucket(1), LeaseEpoch(7)), (Bucket(2), LeaseEpoch(3))],
+            t0,
+        );
         assert_eq!(gained.len(), 2);
         assert!(gained.iter().all(|(_, held)| held.until > t0));
         // Bucket 2 was taken over (epoch moved on): lost.
         let later = t0 + Duration::from_secs(5);
-        let (until, lost) = book.renewed(&[(Bucket(1), 7), (Bucket(2), 4)], later);
+        let (until, lost) = book.renewed(
+            &[(Bucket(1), LeaseEpoch(7)), (Bucket(2), LeaseEpoch(4))],
+            later,
+        );
         assert_eq!(lost, vec![Bucket(2)]);
         assert_eq!(book.get(Bucket(1)).map(|held| held.until), Some(until));
         assert_eq!(until, later + Duration::from_secs(9));
         assert_eq!(book.get(Bucket(2)), None);
         assert_eq!(book.len(), 1);
         // A late answer to an older renewal never moves a fence backward.
-        let (_, lost) = book.renewed(&[(Bucket(1), 7)], t0);
+        let (_, lost) = book.renewed(&[(Bucket(1), LeaseEpoch(7))], t0);
         assert!(lost.is_empty());
         assert_eq!(book.get(Bucket(1)).map(|held| held.until), Some(until));
     }
@@ -261,16 +267,16 @@ mod tests {
     fn a_fence_closes_before_the_row_can_be_claimed() {
         let mut book = book(10_000);
         let sent = Instant::now();
-        let gained = book.claimed(&[(Bucket(0), 1)], sent);
+        let gained = book.claimed(&[(Bucket(0), LeaseEpoch(1))], sent);
         // A claimant waits 10 s from its first read of the row (after the commit, so after
         // `sent`); the fence closes at sent + 9 s.
         assert_eq!(gained[0].1.until, sent + Duration::from_millis(9_000));
         // Without renewals the book drops it and reports it lost.
         assert!(book.expire(sent + Duration::from_secs(5)).is_empty());
-        assert_eq!(book.held(), vec![(Bucket(0), 1)]);
+        assert_eq!(book.held(), vec![(Bucket(0), LeaseEpoch(1))]);
         assert_eq!(
             book.expire(sent + Duration::from_secs(9)),
-            vec![(Bucket(0), 1)]
+            vec![(Bucket(0), LeaseEpoch(1))]
         );
         assert!(book.is_empty());
         assert!(
@@ -283,15 +289,24 @@ mod tests {
     fn a_lease_that_left_the_book_never_comes_back_by_a_renewal() {
         let mut book = book(10_000);
         let t0 = Instant::now();
-        book.claimed(&[(Bucket(5), 1), (Bucket(9), 1)], t0);
+        book.claimed(
+            &[(Bucket(5), LeaseEpoch(1)), (Bucket(9), LeaseEpoch(1))],
+            t0,
+        );
         book.hand_over(1, t0);
-        assert_eq!(book.handed_over(Bucket(9)), Some((Bucket(9), 1)));
+        assert_eq!(
+            book.handed_over(Bucket(9)),
+            Some((Bucket(9), LeaseEpoch(1)))
+        );
         // A late renewal that still lists the released bucket does not bring it back.
-        let (_, lost) = book.renewed(&[(Bucket(5), 1), (Bucket(9), 1)], t0);
+        let (_, lost) = book.renewed(
+            &[(Bucket(5), LeaseEpoch(1)), (Bucket(9), LeaseEpoch(1))],
+            t0,
+        );
         assert!(lost.is_empty());
         assert_eq!(book.get(Bucket(9)), None);
         assert!(book.get(Bucket(5)).is_some());
-        assert_eq!(book.revoke_all(), vec![(Bucket(5), 1)]);
+        assert_eq!(book.revoke_all(), vec![(Bucket(5), LeaseEpoch(1))]);
         assert!(book.is_empty() && book.leaving().is_empty());
     }
 
@@ -301,7 +316,14 @@ mod tests {
     fn a_bucket_handed_over_stays_held_until_its_batches_settle() {
         let mut book = book(10_000);
         let t0 = Instant::now();
-        book.claimed(&[(Bucket(1), 1), (Bucket(2), 1), (Bucket(3), 1)], t0);
+        book.claimed(
+            &[
+                (Bucket(1), LeaseEpoch(1)),
+                (Bucket(2), LeaseEpoch(1)),
+                (Bucket(3), LeaseEpoch(1)),
+            ],
+            t0,
+        );
         assert_eq!(book.hand_over(1, t0), vec![Bucket(3)]);
         assert_eq!(
             book.hand_over(1, t0),
@@ -317,7 +339,10 @@ mod tests {
         assert!(lost.is_empty());
         assert_eq!(book.get(Bucket(3)).map(|held| held.until), Some(until));
         // Settled: it leaves the book, to be released.
-        assert_eq!(book.handed_over(Bucket(3)), Some((Bucket(3), 1)));
+        assert_eq!(
+            book.handed_over(Bucket(3)),
+            Some((Bucket(3), LeaseEpoch(1)))
+        );
         assert_eq!(book.handed_over(Bucket(3)), None, "once");
         assert_eq!(book.handed_over(Bucket(1)), None, "not leaving");
         assert_eq!(book.leaving(), vec![Bucket(2)]);
@@ -329,7 +354,7 @@ mod tests {
     fn a_handover_that_does_not_settle_is_forced_after_the_grace() {
         let mut book = book(10_000);
         let t0 = Instant::now();
-        book.claimed(&[(Bucket(1), 4)], t0);
+        book.claimed(&[(Bucket(1), LeaseEpoch(4))], t0);
         book.hand_over(1, t0);
         let grace = Duration::from_secs(3);
         assert!(
@@ -344,11 +369,11 @@ mod tests {
         assert_eq!(book.leaving(), vec![Bucket(1)], "still handing over");
         assert_eq!(
             book.overdue(t0 + Duration::from_secs(3), grace, false),
-            vec![(Bucket(1), 4)]
+            vec![(Bucket(1), LeaseEpoch(4))]
         );
         assert!(book.is_empty() && book.leaving().is_empty());
         // A bucket lost while leaving leaves both sets.
-        book.claimed(&[(Bucket(7), 1)], t0);
+        book.claimed(&[(Bucket(7), LeaseEpoch(1))], t0);
         book.hand_over(1, t0);
         assert_eq!(book.renewed(&[], t0).1, vec![Bucket(7)]);
         assert!(book.leaving().is_empty());

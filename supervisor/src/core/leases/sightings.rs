@@ -119,6 +119,7 @@ impl Sightings {
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
+    use store::LeaseEpoch;
 
     use super::*;
 
@@ -128,7 +129,7 @@ mod tests {
         LeaseRow {
             bucket: Bucket(bucket),
             owner: owner.map(str::to_owned),
-            epoch,
+            epoch: LeaseEpoch(epoch),
             beat,
             ttl: TTL,
         }
@@ -169,12 +170,12 @@ mod tests {
             vec![
                 Claimable {
                     bucket: Bucket(0),
-                    epoch: 3,
+                    epoch: LeaseEpoch(3),
                     beat: 7
                 },
                 Claimable {
                     bucket: Bucket(1),
-                    epoch: 2,
+                    epoch: LeaseEpoch(2),
                     beat: 9
                 }
             ],

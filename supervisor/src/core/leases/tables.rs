@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 
 use sqlx::PgPool;
-use store::{Bucket, LEASE_BUCKETS, LeaseStore, RelayId};
+use store::{Bucket, LEASE_BUCKETS, LeaseEpoch, LeaseStore, RelayId};
 
 use super::{LeaseBook, LeasePlan, LeaseStep, Sightings};
 
@@ -13,7 +13,7 @@ async fn claim_free(
     relay: &RelayId,
     ttl: Duration,
     n: u16,
-) -> Vec<(Bucket, i64)> {
+) -> Vec<(Bucket, LeaseEpoch)> {
     let mut seen = Sightings::new(ttl);
     let now = Instant::now();
     seen.saw_leases(&leases.survey().await.unwrap(), now);
@@ -119,5 +119,5 @@ async fn a_lapsed_lease_is_not_renewed_and_becomes_claimable(pool: PgPool) {
     assert_eq!(stale.len(), 1, "{stale:?}");
     assert_eq!(stale[0].bucket, claimed[1].0);
     let taken = leases.claim(&other, ttl, 2, &stale).await.unwrap();
-    assert_eq!(taken, vec![(claimed[1].0, claimed[1].1 + 1)]);
+    assert_eq!(taken, vec![(claimed[1].0, LeaseEpoch(claimed[1].1.0 + 1))]);
 }

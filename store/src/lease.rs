@@ -28,7 +28,7 @@ use std::time::Instant;
 use crate::key::TenantId;
 
 mod sql;
-pub use sql::{BucketHolder, Claimable, LeaseRow, LeaseStore, MemberRow};
+pub use sql::{Claimable, LeaseRow, LeaseStore, MemberRow};
 
 /// Number of lease buckets (rows of `relay_lease`, fixed by the migration).
 pub const LEASE_BUCKETS: u16 = 128;

@@ -70,7 +70,6 @@ pub use key::MAX_ID_BYTES;
 pub use key::RunId;
 pub use key::TenantId;
 pub use lease::Bucket;
-pub use lease::BucketHolder;
 pub use lease::Claimable;
 pub use lease::Fence;
 pub use lease::LEASE_BUCKETS;

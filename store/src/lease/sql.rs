@@ -13,17 +13,6 @@ pub struct LeaseStore {
     pool: PgPool,
 }
 
-/// One bucket as `distribution status` shows it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct BucketHolder {
-    /// The bucket.
-    pub bucket: Bucket,
-    /// Its owner, if any lease is current.
-    pub owner: Option<String>,
-    /// Its epoch.
-    pub epoch: LeaseEpoch,
-}
-
 /// One row of `relay_lease` as read.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LeaseRow {
@@ -228,23 +217,5 @@ impl LeaseStore {
             .execute(&self.pool)
             .await?;
         Ok(())
-    }
-
-    /// Every bucket and its current owner (status and tests).
-    pub async fn holders(&self) -> Result<Vec<BucketHolder>, Error> {
-        let rows: Vec<(i32, Option<String>, i64)> = sqlx::query_as(
-            "SELECT bucket, CASE WHEN expires_at > now() THEN owner END, epoch
-               FROM relay_lease ORDER BY bucket",
-        )
-        .fetch_all(&self.pool)
-        .await?;
-        Ok(rows
-            .into_iter()
-            .map(|(bucket, owner, epoch)| BucketHolder {
-                bucket: Bucket(bucket.clamp(0, i32::from(u16::MAX)) as u16),
-                owner,
-                epoch: LeaseEpoch(epoch),
-            })
-            .collect())
     }
 }

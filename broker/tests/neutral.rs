@@ -1,6 +1,7 @@
 //! The split, checked on the manifests (`cargo metadata`): each broker's client crate is a
 //! dependency of its adapter alone, and the crates that decide (`store`, `actors`,
-//! `supervisor`) and the core itself know no broker.
+//! `supervisor`) and the core itself know no broker. And no production build carries what
+//! only tests use: no crate turns on a test-only feature of another but as a dev-dependency.
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::Command;
 
@@ -19,8 +20,9 @@ const CLIENTS: &[(&str, &str)] = &[
 /// `rabbit::RabbitReading` and NATS through `nats::Reading`.
 const NOT_YET_SPLIT: &[(&str, &str)] = &[("testkit", "lapin")];
 
-/// Each workspace package's normal (not dev, not build) dependencies, by name.
-fn dependencies() -> BTreeMap<String, BTreeSet<String>> {
+/// Each workspace package's normal (not dev, not build) dependencies: name, and the features
+/// it turns on.
+fn normal_dependencies() -> BTreeMap<String, BTreeMap<String, BTreeSet<String>>> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let output = Command::new(cargo)
         .args([
@@ -44,16 +46,60 @@ fn dependencies() -> BTreeMap<String, BTreeSet<String>> {
         .unwrap()
         .iter()
         .map(|package| {
-            let names = package["dependencies"]
+            let deps = package["dependencies"]
                 .as_array()
                 .unwrap()
                 .iter()
                 .filter(|dep| dep["kind"].is_null())
-                .map(|dep| dep["name"].as_str().unwrap().to_owned())
+                .map(|dep| {
+                    let features = dep["features"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|feature| feature.as_str().unwrap().to_owned())
+                        .collect();
+                    (dep["name"].as_str().unwrap().to_owned(), features)
+                })
                 .collect();
-            (package["name"].as_str().unwrap().to_owned(), names)
+            (package["name"].as_str().unwrap().to_owned(), deps)
         })
         .collect()
+}
+
+/// Each workspace package's normal dependencies, by name.
+fn dependencies() -> BTreeMap<String, BTreeSet<String>> {
+    normal_dependencies()
+        .into_iter()
+        .map(|(package, deps)| (package, deps.into_keys().collect()))
+        .collect()
+}
+
+/// Features that exist for tests alone (scratch databases, topologies and streams; the broker
+/// proxy).
+const TEST_ONLY_FEATURES: &[&str] = &["fixtures", "test-tools"];
+
+#[test]
+fn no_production_crate_turns_on_a_test_only_feature() {
+    let packages = normal_dependencies();
+    assert!(packages["rabbit"].contains_key("store"), "metadata read");
+    for (package, deps) in &packages {
+        // testkit is the tests' own helper crate, a dev-dependency wherever it is used.
+        if package == "testkit" {
+            continue;
+        }
+        assert!(
+            !deps.contains_key("testkit"),
+            "{package} depends on testkit in a production build"
+        );
+        for (dep, features) in deps {
+            for feature in TEST_ONLY_FEATURES {
+                assert!(
+                    !features.contains(*feature),
+                    "{package} turns on {dep}'s test-only feature {feature} in a production build"
+                );
+            }
+        }
+    }
 }
 
 #[test]

@@ -6,6 +6,7 @@
 //! - `lease_runner`: the task that runs the core's lease calls against PostgreSQL.
 //! - `calls`: a store call under a time limit, its failures logged throttled.
 //! - `poller`: the task that finds tenants with pending intents.
+//! - `waiting`: tenants waiting for a drainer slot, in arrival order.
 //! - `messages`: what the supervisor is told ([`SupervisorMessage`], [`TreeSnapshot`]).
 //! - `tree`: [`RelaySupervisor`], its [`SupervisorArgs`] and [`SupervisorConfig`]; it records
 //!   the core's notes (`tree/record.rs`), the only logs and metrics of its decisions.

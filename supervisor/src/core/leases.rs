@@ -10,6 +10,13 @@
 //! the first, which left room for a relay starting beside this one). The actor only runs the
 //! calls and writes the fence cells ([`Command::OpenFence`], [`Command::ExtendFences`],
 //! [`Command::CloseFence`]): a fence is always closed before its bucket's release is commanded.
+//!
+//! Every lease rule lives here, pure; `store` keeps only their SQL and the fence cell:
+//! - `plan`: the share rule (`ceil(buckets / members)`) and the next step toward it.
+//! - `book`: [`LeaseBook`], the leases held, their fences' deadlines, handovers and expiry.
+//! - `sightings`: [`Sightings`], the lease rows and members as this relay saw them on its own
+//!   clock: which buckets a claim may take, how many relays live (the lease runner feeds it).
+//! - `tables` (tests): the book and the share rule against the real lease tables.
 use std::time::{Duration, Instant};
 
 use store::{Bucket, LeaseEpoch, TenantId, bucket_of};

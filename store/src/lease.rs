@@ -4,17 +4,18 @@
 //! bucket while its row in `relay_lease` names it at its epoch; it renews every heartbeat
 //! (each change of the row draws it a new beat). Another relay claims the bucket only once it
 //! has seen the row unchanged for the longer of its TTL and the holder's, on its own monotonic
-//! clock (the supervisor's sightings, `supervisor/src/core/leases/sightings.rs`), so no step of PostgreSQL's clock moves a lease. Each change of owner increments the bucket's epoch. Nothing here is
-//! held in PostgreSQL's shared lock table, so the number of tenants never touches the host.
+//! clock (the supervisor's sightings, `supervisor/src/core/leases/sightings.rs`), so no step of
+//! PostgreSQL's clock moves a lease. Each change of owner increments the bucket's epoch
+//! ([`LeaseEpoch`]). Nothing here is held in PostgreSQL's shared lock table, so the number of
+//! tenants never touches the host.
 //!
 //! Fencing, two ways:
 //! - **In PostgreSQL**: every ack and drain of the relay presents `(bucket, owner, epoch)`;
 //!   `relay_ack_and_drain` refuses it ([`crate::Error::Fenced`]) once the lease is not current.
 //! - **In time**: a relay's own view of a lease ([`Fence`]) is valid until the instant it sent
 //!   its last successful renewal plus 90% of the TTL; another relay claims it no earlier than
-//!   a TTL after it first read the row that renewal wrote. Publishers check the
-//!   fence before every write, so a relay stops publishing a tenant before any other relay may
-//!   claim it.
+//!   a TTL after it first read the row that renewal wrote. Publishers check the fence before
+//!   every write, so a relay stops publishing a tenant before any other relay may claim it.
 //!
 //! Sharing: each relay registers in `relay_member`; its share is `ceil(buckets / members)`. A
 //! relay above its share revokes its fences first and then releases the surplus; one below it

@@ -74,12 +74,9 @@ impl Readiness {
     /// Ready, or why not (at most about two seconds: a second for the database, one for the
     /// relay's actors).
     pub async fn check(&self) -> Result<(), NotReady> {
-        let database =
-            match tokio::time::timeout(READY_TIMEOUT, self.outbox.pending_and_parked()).await {
-                Ok(Ok(facts)) => Ok(facts),
-                Ok(Err(err)) => Err(err.to_string()),
-                Err(_) => Err(format!("no answer within {} ms", READY_TIMEOUT.as_millis())),
-            };
+        let database = store::within(READY_TIMEOUT, self.outbox.pending_and_parked())
+            .await
+            .map_err(|err| err.to_string());
         let buckets_held = self.relay.buckets_held().await;
         let relay = RelayFacts {
             without_buckets_for: self.without_buckets.observe(buckets_held, Instant::now()),

@@ -13,8 +13,12 @@
 //!
 //! Memory is bounded by configuration, not by the backlog: a batch takes permits for its events
 //! from a budget shared by every drainer of the relay, and gives them back when it finishes.
+//!
+//! Every store call runs under the batch timeout ([`store::within`]): a connection gone silent
+//! fails the call and the drainer is restarted on a fresh one. The call may have taken effect:
+//! an ack applied twice is a no-op, and what was drained but not published is drained again.
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use broker::Outcome;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
@@ -32,20 +36,6 @@ mod budget;
 mod no_room;
 pub use api::{DrainerArgs, DrainerConfig, DrainerReport, DrainerReporter, StopReason};
 use budget::{Held, Permits};
-
-/// A store call under `limit`. A connection that goes silent mid-call (a network or a
-/// middlebox that lost it without a reset) would otherwise hold the drainer, and its tenant,
-/// until the kernel gives up on the socket; this fails the call instead, and the drainer is
-/// restarted on a fresh connection. The call may have taken effect: an ack applied twice is a
-/// no-op, and what was drained but not published is drained again.
-async fn answered<T>(
-    limit: Duration,
-    call: impl std::future::Future<Output = Result<T, store::Error>>,
-) -> Result<T, store::Error> {
-    tokio::time::timeout(limit, call)
-        .await
-        .unwrap_or(Err(store::Error::NoAnswer { after: limit }))
-}
 
 /// The drainer's one timer (a `Tick` sent later), cancelled when dropped. ractor's
 /// `send_after` task holds the actor's cell (its mailbox channels) until it fires: 30 s timers
@@ -121,7 +111,7 @@ impl Drainer {
             return Ok(());
         };
         let in_flight = state.window.skip(Instant::now());
-        let drained = answered(
+        let drained = store::within(
             state.args.config.batch_timeout,
             state.args.outbox.drain_after(
                 &state.args.fence,
@@ -163,7 +153,7 @@ impl Drainer {
             std::time::Duration::ZERO,
             park_retry,
         );
-        if let Err(park) = answered(state.args.config.batch_timeout, call).await {
+        if let Err(park) = store::within(state.args.config.batch_timeout, call).await {
             return Self::store_failed(myself, park);
         }
         metrics::counter!("relay_branches_parked_total", "tenant" => branch.tenant.to_string())
@@ -329,7 +319,7 @@ impl Drainer {
                         .args
                         .outbox
                         .ack_and_drain(fence, acks, tenant, limit, &in_flight);
-                    return match answered(state.args.config.batch_timeout, call).await {
+                    return match store::within(state.args.config.batch_timeout, call).await {
                         Ok(events) => self.start_batch(myself, state, events, permits),
                         // The acks committed with the call, whatever its drain returned.
                         Err(err) => self.drain_failed(myself, state, err).await,
@@ -340,7 +330,7 @@ impl Drainer {
         }
         let fence = &state.args.fence;
         let call = state.args.outbox.ack_fenced(fence, tenant, acks);
-        if let Err(err) = answered(state.args.config.batch_timeout, call).await {
+        if let Err(err) = store::within(state.args.config.batch_timeout, call).await {
             return Self::store_failed(myself, err);
         }
         // A retry's timer is the window's (`Next::Retry`).
@@ -386,7 +376,7 @@ impl Drainer {
                     failing_for,
                     park_retry,
                 );
-                answered(state.args.config.batch_timeout, call).await?;
+                store::within(state.args.config.batch_timeout, call).await?;
                 metrics::counter!("relay_branches_parked_total", "tenant" => branch.tenant.to_string())
                     .increment(1);
                 tracing::warn!(branch = %branch, reason, attempts, retry_in_s = park_retry.as_secs(), "branch parked: the broker keeps refusing its events; the rest of the tenant flows (release with `distribution release`)");

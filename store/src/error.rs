@@ -362,3 +362,16 @@ pub(crate) fn closed(err: &sqlx::Error, tenant: &TenantId, run: &RunId) -> Error
         head: Lsn::from_db(detail_value(err, "head_lsn").unwrap_or(0)),
     }
 }
+
+/// A store call under `limit`: its own result, or [`Error::NoAnswer`]. The one way the relay
+/// bounds a call to PostgreSQL: a connection that goes silent mid-call (a network or a
+/// middlebox that lost it without a reset) would otherwise hold its caller until the kernel
+/// gives up on the socket, about 15 minutes. The call may have taken effect.
+pub async fn within<T>(
+    limit: std::time::Duration,
+    call: impl std::future::Future<Output = Result<T, Error>>,
+) -> Result<T, Error> {
+    tokio::time::timeout(limit, call)
+        .await
+        .unwrap_or(Err(Error::NoAnswer { after: limit }))
+}

@@ -23,7 +23,7 @@
 //!   [`check_schema`] for a schema someone else migrated.
 //! - `hash`: [`fnv1a`], the one stable hash (lease buckets, shards, partitions).
 //! - `trace`: W3C trace context between `tracing` spans and intents (feature `otel`).
-//! - `error`: the one [`Error`] type.
+//! - `error`: the one [`Error`] type, and [`within`], a call under a time limit.
 //! - `fixtures` (feature `fixtures`): bulk backlogs for benchmarks; `scratch`: test databases
 //!   dropped when the test process exits.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
@@ -50,6 +50,7 @@ mod wakeup;
 mod writer;
 
 pub use error::Error;
+pub use error::within;
 pub use fold::EventTable;
 pub use fold::FoldError;
 pub use fold::FoldOutcome;

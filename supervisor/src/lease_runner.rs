@@ -20,10 +20,10 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use ractor::ActorRef;
-use store::{LeaseStore, RelayId};
+use store::{LeaseStore, RelayId, within};
 use tokio::sync::mpsc;
 
-use crate::calls::{Failures, within};
+use crate::calls::Failures;
 use crate::core::{LeaseCall, LeaseConfig, LeasesAt, Sightings};
 use crate::messages::SupervisorMessage;
 

@@ -5,10 +5,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use ractor::ActorRef;
-use store::Outbox;
+use store::{Outbox, within};
 use tokio::sync::Notify;
 
-use crate::calls::{Failures, within};
+use crate::calls::Failures;
 use crate::messages::SupervisorMessage;
 
 /// Polls the tenants with pending intents every `interval` (or at once when `early` fires)

@@ -94,15 +94,11 @@ impl RelaySupervisor {
             .collect();
         tokio::spawn(async move {
             let backlog =
-                tokio::time::timeout(limit, outbox.backlog_of(&draining, PENDING_GAUGE_CAP)).await;
+                store::within(limit, outbox.backlog_of(&draining, PENDING_GAUGE_CAP)).await;
             let backlog = match backlog {
-                Ok(Ok(backlog)) => Some(backlog),
-                Ok(Err(err)) => {
+                Ok(backlog) => Some(backlog),
+                Err(err) => {
                     tracing::warn!(error = %err, "cannot read the backlog for metrics");
-                    None
-                }
-                Err(_) => {
-                    tracing::warn!("backlog read for metrics timed out");
                     None
                 }
             };
@@ -128,7 +124,7 @@ impl RelaySupervisor {
                 *gauged = seen;
             }
             // Parked branches per tenant (a small table: only what the broker kept refusing or the relay cannot read).
-            if let Ok(Ok(parked)) = tokio::time::timeout(limit, outbox.parked_branches()).await {
+            if let Ok(parked) = store::within(limit, outbox.parked_branches()).await {
                 let mut counts: HashMap<TenantId, usize> = HashMap::new();
                 for branch in parked {
                     *counts.entry(branch.branch.tenant).or_default() += 1;

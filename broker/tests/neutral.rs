@@ -20,9 +20,8 @@ const CLIENTS: &[(&str, &str)] = &[
 /// `rabbit::RabbitReading` and NATS through `nats::Reading`.
 const NOT_YET_SPLIT: &[(&str, &str)] = &[("testkit", "lapin")];
 
-/// Each workspace package's normal (not dev, not build) dependencies: name, and the features
-/// it turns on.
-fn normal_dependencies() -> BTreeMap<String, BTreeMap<String, BTreeSet<String>>> {
+/// `cargo metadata` of the workspace's own packages.
+fn metadata() -> serde_json::Value {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let output = Command::new(cargo)
         .args([
@@ -40,8 +39,13 @@ fn normal_dependencies() -> BTreeMap<String, BTreeMap<String, BTreeSet<String>>>
         "cargo metadata: {}",
         String::from_utf8_lossy(&output.stderr)
     );
-    let metadata: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
-    metadata["packages"]
+    serde_json::from_slice(&output.stdout).unwrap()
+}
+
+/// Each workspace package's normal (not dev, not build) dependencies: name, and the features
+/// it turns on.
+fn normal_dependencies() -> BTreeMap<String, BTreeMap<String, BTreeSet<String>>> {
+    metadata()["packages"]
         .as_array()
         .unwrap()
         .iter()
@@ -78,6 +82,31 @@ fn dependencies() -> BTreeMap<String, BTreeSet<String>> {
 /// proxy).
 const TEST_ONLY_FEATURES: &[&str] = &["fixtures", "test-tools"];
 
+/// Each workspace package's default features, followed through: every entry `default` reaches
+/// in the package's own `[features]` table (`"dep/feature"`, `"dep?/feature"`, `"dep:name"`,
+/// or another feature of its own).
+fn default_feature_entries() -> BTreeMap<String, BTreeSet<String>> {
+    metadata()["packages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|package| {
+            let table = package["features"].as_object().unwrap();
+            let mut reached = BTreeSet::new();
+            let mut next = vec!["default".to_owned()];
+            while let Some(feature) = next.pop() {
+                for entry in table.get(&feature).and_then(|e| e.as_array()).into_iter().flatten() {
+                    let entry = entry.as_str().unwrap().to_owned();
+                    if reached.insert(entry.clone()) && table.contains_key(&entry) {
+                        next.push(entry);
+                    }
+                }
+            }
+            (package["name"].as_str().unwrap().to_owned(), reached)
+        })
+        .collect()
+}
+
 #[test]
 fn no_production_crate_turns_on_a_test_only_feature() {
     let packages = normal_dependencies();
@@ -98,6 +127,17 @@ fn no_production_crate_turns_on_a_test_only_feature() {
                     "{package} turns on {dep}'s test-only feature {feature} in a production build"
                 );
             }
+        }
+    }
+    let defaults = default_feature_entries();
+    assert!(defaults["distribution"].contains("mimalloc"), "features read");
+    for (package, entries) in &defaults {
+        for entry in entries {
+            let named = entry.rsplit('/').next().unwrap_or(entry);
+            assert!(
+                !TEST_ONLY_FEATURES.contains(&named),
+                "{package}'s default features turn on {entry}, a test-only feature"
+            );
         }
     }
 }

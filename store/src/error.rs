@@ -363,10 +363,11 @@ pub(crate) fn closed(err: &sqlx::Error, tenant: &TenantId, run: &RunId) -> Error
     }
 }
 
-/// A store call under `limit`: its own result, or [`Error::NoAnswer`]. The one way the relay
-/// bounds a call to PostgreSQL: a connection that goes silent mid-call (a network or a
-/// middlebox that lost it without a reset) would otherwise hold its caller until the kernel
-/// gives up on the socket, about 15 minutes. The call may have taken effect.
+/// A store call under `limit`: its own result, or [`Error::NoAnswer`]. How the relay's drainers,
+/// lease runner, poller, gauges and readiness probe bound a call to PostgreSQL (the consumer
+/// bounds a whole batch's fold its own way): a connection that goes silent mid-call (a network
+/// or a middlebox that lost it without a reset) would otherwise hold its caller until the
+/// kernel gives up on the socket, about 15 minutes. The call may have taken effect.
 pub async fn within<T>(
     limit: std::time::Duration,
     call: impl std::future::Future<Output = Result<T, Error>>,

@@ -1,7 +1,7 @@
 //! The lease runner: the task beside the supervisor that runs its core's lease calls against
 //! PostgreSQL (the poller beside it, `poller`, finds tenants with pending intents).
 //!
-//! The runner decides nothing: the core's `LeaseBook` (in `core/leases.rs`) owns which
+//! The runner decides nothing: the core's `LeaseBook` (in `core/leases/book.rs`) owns which
 //! buckets this relay holds and when to renew, claim, hand over and release; the runner runs each
 //! [`LeaseCall`] it is given under a timeout, and casts the answer back, with the instant the
 //! renewal or claim was sent (the fences' deadlines count from it). What it reads of the lease

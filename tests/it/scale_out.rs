@@ -347,7 +347,7 @@ fn a_relay_cut_off_from_its_database_writes_nothing_past_its_fence_and_rejoins()
     });
 }
 
-/// Every database connection of two relays (their lease keepers' too) is killed again and
+/// Every database connection of two relays (their lease runners' too) is killed again and
 /// again (`pg_terminate_backend`, found by the relay's `application_name`) while a host
 /// writes: the host never notices, the relays keep their shares or hand them over without
 /// ever writing one tenant together, and every event is folded exactly once in order.

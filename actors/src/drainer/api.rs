@@ -15,7 +15,7 @@ pub struct DrainerConfig {
     /// Largest number of events drained and published at once. Default 1000.
     pub batch_size: u32,
     /// Longest wait for any one database call of the drainer before failing it (see
-    /// `answered`). Default 30 s. (A batch's outcomes need no timeout here: the publisher
+    /// [`store::within`]). Default 30 s. (A batch's outcomes need no timeout here: the publisher
     /// answers every part it was given, bounded by the broker's confirm timeout, and at once if
     /// it dies; only a broker that blocked the connection makes it wait, for as long as the
     /// broker holds what was written.)

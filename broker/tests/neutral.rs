@@ -95,7 +95,12 @@ fn default_feature_entries() -> BTreeMap<String, BTreeSet<String>> {
             let mut reached = BTreeSet::new();
             let mut next = vec!["default".to_owned()];
             while let Some(feature) = next.pop() {
-                for entry in table.get(&feature).and_then(|e| e.as_array()).into_iter().flatten() {
+                for entry in table
+                    .get(&feature)
+                    .and_then(|e| e.as_array())
+                    .into_iter()
+                    .flatten()
+                {
                     let entry = entry.as_str().unwrap().to_owned();
                     if reached.insert(entry.clone()) && table.contains_key(&entry) {
                         next.push(entry);
@@ -130,7 +135,10 @@ fn no_production_crate_turns_on_a_test_only_feature() {
         }
     }
     let defaults = default_feature_entries();
-    assert!(defaults["distribution"].contains("mimalloc"), "features read");
+    assert!(
+        defaults["distribution"].contains("mimalloc"),
+        "features read"
+    );
     for (package, entries) in &defaults {
         for entry in entries {
             let named = entry.rsplit('/').next().unwrap_or(entry);

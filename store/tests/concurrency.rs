@@ -244,7 +244,8 @@ async fn a_takeover_fences_the_former_owner_in_postgres(pool: PgPool) {
     // Every row names the first relay while it holds its leases: nothing is free.
     let rows = leases.survey().await.unwrap();
     assert!(
-        rows.iter().all(|row| row.owner.as_deref() == Some(first.as_str())),
+        rows.iter()
+            .all(|row| row.owner.as_deref() == Some(first.as_str())),
         "{rows:?}"
     );
     // The first relay stalls past its lease (no renewal for a TTL), the second takes a bucket
@@ -464,7 +465,8 @@ async fn leases_ignore_a_step_of_the_database_clock(pool: PgPool) {
     // Every row still names its owner however far the clock stepped: nothing reads as free.
     let rows = leases.survey().await.unwrap();
     assert!(
-        rows.iter().all(|row| row.owner.as_deref() == Some(first.as_str())),
+        rows.iter()
+            .all(|row| row.owner.as_deref() == Some(first.as_str())),
         "{rows:?}"
     );
     assert_eq!(

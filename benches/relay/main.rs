@@ -245,6 +245,11 @@ async fn run(mode: &Mode) -> Result<String> {
     }
     if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "drain") {
         let rabbit = env.rabbit("raw", 8)?;
+        // One confirmed publish declares the topology, as section 1's first ceiling does.
+        let declared = RabbitPublisher::new(rabbit.clone())
+            .publish(&synthetic_events(1))
+            .await;
+        anyhow::ensure!(declared.fault.is_none(), "broker not reachable");
         let payload = vec![b'x'; PAYLOAD_BYTES as usize];
         let pipelined =
             raw_pipelined(&env.amqp, &rabbit.topology, mode.raw_events, &payload, 4).await?;
